@@ -1,0 +1,108 @@
+"""ModelConfig: one frozen dataclass describes every model, from the CPU toy to the 12B hybrid.
+
+The layer pattern is Nemotron-H's: one character per block, each block pre-norm with a residual.
+  ``M`` Mamba-2 mixer, ``*`` attention (GQA), ``-`` MLP.
+Variants are ``dataclasses.replace(config, field=value)``; presets live in ``models.presets``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes, dtypes and the precision split of a hybrid Mamba-2 / attention language model."""
+
+  vocab_size: int = 256
+  d_model: int = 128
+  pattern: str = "M-*-M-"
+  # MLP blocks ("-").
+  mlp_dim: int = 512
+  mlp_kind: Literal["relu2", "swiglu"] = "relu2"
+  # Attention blocks ("*").
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  rope: bool = False
+  rope_theta: float = 10_000.0
+  # Mamba-2 blocks ("M"): d_inner = expand * d_model, ssm_n_heads = d_inner // ssm_head_dim.
+  n_groups: int = 1
+  d_state: int = 16
+  ssm_head_dim: int = 32
+  expand: int = 2
+  conv_width: int = 4
+  conv_bias: bool = True          # Mamba-2 / Nemotron-H keep the depthwise conv bias; linears have none
+  chunk_size: int = 64
+  dt_min: float = 0.001           # dt_bias init: softplus(dt_bias) log-uniform in [dt_min, dt_max]
+  dt_max: float = 0.1
+  a_init_range: tuple[float, float] = (1.0, 16.0)  # A = -exp(A_log), A_log init log(uniform(range))
+  # Everything else.
+  norm_eps: float = 1e-5
+  init_std: float = 0.02          # residual-output projections use init_std / sqrt(2 * n_blocks)
+  param_dtype: Any = jnp.float32
+  dtype: Any = jnp.bfloat16       # compute dtype of linears, attention and the residual stream
+  # Precision policy: these blocks keep every linear layer in bf16 whatever the recipe says.
+  bf16_first_blocks: int = 0
+  bf16_last_blocks: int = 0
+  remat: bool = False             # rematerialize each block in the backward pass
+
+  def __post_init__(self):
+    bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
+    if not self.pattern or bad:
+      raise ValueError(f"pattern={self.pattern!r} has unknown block characters {bad}; "
+                       f"use {''.join(BLOCK_KINDS)} (M mamba, * attention, - mlp)")
+    if self.mlp_kind not in ("relu2", "swiglu"):
+      raise ValueError(f"mlp_kind={self.mlp_kind!r}; use 'relu2' or 'swiglu'")
+    if "*" in self.pattern and self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+    if "*" in self.pattern and self.rope and self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for rope=True")
+    if "M" in self.pattern:
+      if self.d_inner % self.ssm_head_dim:
+        raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a multiple of "
+                         f"ssm_head_dim={self.ssm_head_dim}")
+      if self.ssm_n_heads % self.n_groups:
+        raise ValueError(f"ssm_n_heads={self.ssm_n_heads} must be a multiple of n_groups={self.n_groups}")
+    if self.bf16_first_blocks < 0 or self.bf16_last_blocks < 0:
+      raise ValueError(f"{self.bf16_first_blocks=} and {self.bf16_last_blocks=} must be >= 0")
+    for name in ("param_dtype", "dtype"):
+      object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+
+  @property
+  def n_blocks(self) -> int:
+    return len(self.pattern)
+
+  @property
+  def block_kinds(self) -> tuple[str, ...]:
+    """``"mamba" | "attention" | "mlp"`` for each block, in order."""
+    return tuple(BLOCK_KINDS[c] for c in self.pattern)
+
+  @property
+  def d_inner(self) -> int:
+    return self.expand * self.d_model
+
+  @property
+  def ssm_n_heads(self) -> int:
+    return self.d_inner // self.ssm_head_dim
+
+  @property
+  def conv_dim(self) -> int:
+    """Channels of the depthwise conv: x, B and C."""
+    return self.d_inner + 2 * self.n_groups * self.d_state
+
+  @property
+  def in_proj_dim(self) -> int:
+    """Width of the Mamba-2 input projection: z, x, B, C, dt."""
+    return 2 * self.d_inner + 2 * self.n_groups * self.d_state + self.ssm_n_heads
+
+  def is_bf16_block(self, index: int) -> bool:
+    """Whether block ``index`` keeps its linear layers in bf16 (the first/last blocks)."""
+    return index < self.bf16_first_blocks or index >= self.n_blocks - self.bf16_last_blocks
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)

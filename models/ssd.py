@@ -1,0 +1,148 @@
+"""The Mamba-2 state-space dual (SSD) scan as pure functions: chunked, recurrent, and one step.
+
+Per head h with scalar decay rate a_h < 0 and step sizes dt_t > 0, state S_t (P x N):
+  S_t = exp(dt_t a_h) S_{t-1} + dt_t x_t B_tᵀ,     y_t = S_t C_t
+B and C are shared by the R = H / G heads of a group (head h uses group h // R).
+The D skip connection and gating belong to the mixer, not to the scan.
+
+``ssd_chunked`` is the training form; ``ssd_step`` the generation form; ``ssd_scan_reference``
+(``lax.scan`` of the recurrence) and ``ssd_naive_reference`` (a Python loop) are the oracles.
+All four compute in float32 and return ``(y, final_state)``; y has the dtype of x.
+
+Axis legend: B batch, L sequence, H SSM heads, P head dim, G groups, R heads per group (H = G R),
+N state size, Q chunks, C chunk length.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def segsum(a_xC: jax.Array) -> jax.Array:
+  """``out[..., i, j] = a[j+1] + ... + a[i]`` for i >= j, and -inf above the diagonal.
+
+  Masked cumulative sums instead of differences of one cumulative sum, so no large partial sums
+  cancel: exp(segsum) is the exact decay from step j to step i, and exactly 0 above the diagonal.
+  """
+  C = a_xC.shape[-1]
+  a_xCxC = jnp.broadcast_to(a_xC[..., :, None], (*a_xC.shape, C))   # [..., k, j] = a[k]
+  k_after_j = jnp.tril(jnp.ones((C, C), bool), k=-1)
+  sums_xCxC = jnp.cumsum(jnp.where(k_after_j, a_xCxC, 0.0), axis=-2)
+  return jnp.where(jnp.tril(jnp.ones((C, C), bool)), sums_xCxC, -jnp.inf)
+
+
+def _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN):
+  B, L, H, P = x_BxLxHxP.shape
+  G, N = b_BxLxGxN.shape[-2:]
+  if dt_BxLxH.shape != (B, L, H) or a_H.shape != (H,):
+    raise ValueError(f"dt {dt_BxLxH.shape} and a {a_H.shape} must be {(B, L, H)} and {(H,)} "
+                     f"for x of shape {x_BxLxHxP.shape}")
+  if b_BxLxGxN.shape != (B, L, G, N) or c_BxLxGxN.shape != (B, L, G, N):
+    raise ValueError(f"B {b_BxLxGxN.shape} and C {c_BxLxGxN.shape} must both be (B, L, G, N) = "
+                     f"{(B, L, G, N)}")
+  if H % G:
+    raise ValueError(f"heads H={H} must be a multiple of groups G={G}")
+  return B, L, H, P, G, N
+
+
+def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int,
+                initial_state_BxHxPxN=None, precision=None):
+  """Chunked SSD. L need not be a multiple of ``chunk_size``: the tail is padded with dt = 0,
+  an identity step, so the final state is exact. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``."""
+  B, L, H, P, G, N = _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
+  R, C = H // G, chunk_size
+  out_dtype = x_BxLxHxP.dtype
+  pad = -L % C
+  Q = (L + pad) // C
+
+  def chunked(t, *tail):
+    t = t.astype(jnp.float32)
+    t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
+    return t.reshape(B, Q, C, *tail)
+
+  x_BxQxCxGxRxP = chunked(x_BxLxHxP, G, R, P)
+  dt_BxQxCxGxR = chunked(dt_BxLxH, G, R)
+  b_BxQxCxGxN = chunked(b_BxLxGxN, G, N)
+  c_BxQxCxGxN = chunked(c_BxLxGxN, G, N)
+  a_BxGxRxQxC = jnp.einsum("bqcgr,gr->bgrqc", dt_BxQxCxGxR, a_H.astype(jnp.float32).reshape(G, R))
+  a_cumsum_BxGxRxQxC = jnp.cumsum(a_BxGxRxQxC, axis=-1)
+  einsum = lambda spec, *ops: jnp.einsum(spec, *ops, precision=precision)
+
+  # 1. Intra-chunk: the quadratic (attention-like) form within each chunk.
+  decay_BxGxRxQxCxC = jnp.exp(segsum(a_BxGxRxQxC))
+  cb_BxQxGxCxC = einsum("bqlgn,bqsgn->bqgls", c_BxQxCxGxN, b_BxQxCxGxN)
+  y_diag_BxQxCxGxRxP = einsum("bqgls,bgrqls,bqsgr,bqsgrp->bqlgrp",
+                              cb_BxQxGxCxC, decay_BxGxRxQxCxC, dt_BxQxCxGxR, x_BxQxCxGxRxP)
+
+  # 2. Chunk states: each chunk's contribution to the state at its end, starting from zero.
+  decay_to_end_BxGxRxQxC = jnp.exp(a_cumsum_BxGxRxQxC[..., -1:] - a_cumsum_BxGxRxQxC)
+  states_BxQxGxRxPxN = einsum("bqsgn,bgrqs,bqsgr,bqsgrp->bqgrpn",
+                              b_BxQxCxGxN, decay_to_end_BxGxRxQxC, dt_BxQxCxGxR, x_BxQxCxGxRxP)
+
+  # 3. State passing: the state entering each chunk, from the initial state and all earlier chunks.
+  if initial_state_BxHxPxN is None:
+    initial_BxGxRxPxN = jnp.zeros((B, G, R, P, N), jnp.float32)
+  else:
+    initial_BxGxRxPxN = initial_state_BxHxPxN.astype(jnp.float32).reshape(B, G, R, P, N)
+  states_BxQ1xGxRxPxN = jnp.concatenate([initial_BxGxRxPxN[:, None], states_BxQxGxRxPxN], axis=1)
+  chunk_a_BxGxRxQ1 = jnp.pad(a_cumsum_BxGxRxQxC[..., -1], [(0, 0)] * 3 + [(1, 0)])
+  chunk_decay_BxGxRxQ1xQ1 = jnp.exp(segsum(chunk_a_BxGxRxQ1))
+  states_BxQ1xGxRxPxN = einsum("bgrzy,bygrpn->bzgrpn", chunk_decay_BxGxRxQ1xQ1, states_BxQ1xGxRxPxN)
+  states_in_BxQxGxRxPxN = states_BxQ1xGxRxPxN[:, :-1]
+  final_BxGxRxPxN = states_BxQ1xGxRxPxN[:, -1]
+
+  # 4. State to output: the entering state, decayed to each position, read out through C.
+  y_off_BxQxCxGxRxP = einsum("bqlgn,bqgrpn,bgrql->bqlgrp",
+                             c_BxQxCxGxN, states_in_BxQxGxRxPxN, jnp.exp(a_cumsum_BxGxRxQxC))
+
+  y_BxLxHxP = (y_diag_BxQxCxGxRxP + y_off_BxQxCxGxRxP).reshape(B, Q * C, H, P)[:, :L]
+  return y_BxLxHxP.astype(out_dtype), final_BxGxRxPxN.reshape(B, H, P, N)
+
+
+def ssd_step(state_BxHxPxN, x_BxHxP, dt_BxH, a_H, b_BxGxN, c_BxGxN):
+  """One recurrent step (generation). Returns ``(y_BxHxP, new_state_BxHxPxN)``; the state is float32."""
+  H, G = x_BxHxP.shape[1], b_BxGxN.shape[1]
+  f32 = lambda t: t.astype(jnp.float32)
+  b_BxHxN = jnp.repeat(f32(b_BxGxN), H // G, axis=1)
+  c_BxHxN = jnp.repeat(f32(c_BxGxN), H // G, axis=1)
+  dt_BxH = f32(dt_BxH)
+  decay_BxH = jnp.exp(dt_BxH * f32(a_H))
+  state_BxHxPxN = (decay_BxH[:, :, None, None] * f32(state_BxHxPxN)
+                   + jnp.einsum("bh,bhp,bhn->bhpn", dt_BxH, f32(x_BxHxP), b_BxHxN))
+  y_BxHxP = jnp.einsum("bhpn,bhn->bhp", state_BxHxPxN, c_BxHxN)
+  return y_BxHxP.astype(x_BxHxP.dtype), state_BxHxPxN
+
+
+def ssd_scan_reference(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, initial_state_BxHxPxN=None):
+  """The recurrence as a ``lax.scan`` over time of ``ssd_step``."""
+  B, L, H, P, G, N = _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
+  state_BxHxPxN = (jnp.zeros((B, H, P, N), jnp.float32) if initial_state_BxHxPxN is None
+                   else initial_state_BxHxPxN.astype(jnp.float32))
+
+  def step(state, inputs):
+    y, state = ssd_step(state, *inputs[:2], a_H, *inputs[2:])
+    return state, y
+
+  time_major = lambda t: jnp.moveaxis(t, 1, 0)
+  final_BxHxPxN, y_LxBxHxP = lax.scan(
+      step, state_BxHxPxN, tuple(map(time_major, (x_BxLxHxP, dt_BxLxH, b_BxLxGxN, c_BxLxGxN))))
+  return jnp.moveaxis(y_LxBxHxP, 0, 1), final_BxHxPxN
+
+
+def ssd_naive_reference(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, initial_state_BxHxPxN=None):
+  """The recurrence as a Python loop over time, written out independently of ``ssd_step``."""
+  B, L, H, P, G, N = _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
+  x, dt, a = (t.astype(jnp.float32) for t in (x_BxLxHxP, dt_BxLxH, a_H))
+  group_of_head = jnp.arange(H) // (H // G)
+  b_BxLxHxN = b_BxLxGxN.astype(jnp.float32)[:, :, group_of_head]
+  c_BxLxHxN = c_BxLxGxN.astype(jnp.float32)[:, :, group_of_head]
+  state = (jnp.zeros((B, H, P, N), jnp.float32) if initial_state_BxHxPxN is None
+           else initial_state_BxHxPxN.astype(jnp.float32))
+  ys = []
+  for t in range(L):
+    decay = jnp.exp(dt[:, t] * a)[:, :, None, None]
+    inject = (dt[:, t, :, None] * x[:, t])[..., None] * b_BxLxHxN[:, t, :, None, :]
+    state = decay * state + inject
+    ys.append((state * c_BxLxHxN[:, t, :, None, :]).sum(-1))
+  return jnp.stack(ys, axis=1).astype(x_BxLxHxP.dtype), state
