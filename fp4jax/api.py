@@ -1,0 +1,101 @@
+"""Public quantize / dequantize: validation at the boundary, then the implementation."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import fp8, nvfp4
+from fp4jax.qtensor import QTensor
+from fp4jax.reference import DEFAULT_BLOCK, dequantize_reference, quantize_reference
+
+FORMATS = ("nvfp4", "mxfp4", "fp8")
+ROUNDINGS = ("nearest", "stochastic")
+_TILES = {"nvfp4": nvfp4.TILE, "fp8": fp8.TILE}
+
+
+def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling):
+  if fmt not in FORMATS:
+    raise ValueError(f"unknown format fmt={fmt!r}; use one of {FORMATS}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"fp4jax.quantize needs a floating-point input (float32, bfloat16 or float16); "
+                    f"got dtype {x.dtype}. Cast it first, e.g. x.astype(jnp.float32)")
+  if x.ndim == 0:
+    raise ValueError("fp4jax.quantize needs an array with at least one axis; got a scalar")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis={axis} is out of range for an input of shape {x.shape}")
+  axis = axis % x.ndim
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding={rounding!r}; use one of {ROUNDINGS}")
+  if rounding == "stochastic":
+    if fmt == "fp8":
+      raise ValueError("stochastic rounding is implemented for nvfp4 and mxfp4, not fp8; "
+                       "use rounding='nearest'")
+    if key is None and bits is None:
+      raise ValueError("rounding='stochastic' needs random bits: pass key=jax.random.key(...) "
+                       "(or bits=, uint8 of the input's shape)")
+    if bits is not None and tuple(bits.shape) != tuple(x.shape):
+      raise ValueError(f"bits has shape {bits.shape}; it must match the input's shape {x.shape}")
+  elif bits is not None:
+    raise ValueError("bits= is only used with rounding='stochastic'")
+  if amax is not None and fmt != "nvfp4":
+    raise ValueError(f"amax= is the NVFP4 tensor amax; fmt={fmt!r} has no tensor-level scale")
+  if scale_rule not in ("rceil", "floor"):
+    raise ValueError(f"scale_rule={scale_rule!r}; use 'rceil' (cuBLAS, the paper) or 'floor' (OCP)")
+  if scaling not in ("block", "tensor"):
+    raise ValueError(f"scaling={scaling!r}; use 'block' or 'tensor'")
+  if scaling == "tensor":
+    if fmt != "fp8":
+      raise ValueError(f"scaling='tensor' is plain per-tensor FP8; fmt={fmt!r} is always block scaled")
+    if tile is not None:
+      raise ValueError("scaling='tensor' and tile= exclude each other")
+    return axis
+  if tile is not None:
+    tile = tuple(tile)
+    if fmt not in _TILES:
+      raise ValueError(f"fmt={fmt!r} has no 2D tiles; tile= is for nvfp4 {nvfp4.TILE} and fp8 {fp8.TILE}")
+    if tile != _TILES[fmt]:
+      raise ValueError(f"tile={tile} is not supported for fmt={fmt!r}; use tile={_TILES[fmt]}")
+    if x.ndim < 2:
+      raise ValueError(f"tile={tile} quantizes the last two axes; got a 1-D input of shape {x.shape}")
+    if axis < x.ndim - 2:
+      raise ValueError(f"with tile= the packed axis must be one of the last two; got axis={axis}")
+    for ax, t in zip((x.ndim - 2, x.ndim - 1), tile):
+      if x.shape[ax] % t:
+        raise ValueError(f"axis {ax} has length {x.shape[ax]}, not a multiple of the tile side {t} "
+                         f"for fmt={fmt!r} tile={tile}; pad the input or use fp4jax.dot, which pads")
+    if fmt != "fp8" and x.shape[axis] % 2:
+      raise ValueError(f"axis {axis} has odd length {x.shape[axis]}; two codes are packed per byte")
+    return axis
+  block = DEFAULT_BLOCK[fmt]
+  if x.shape[axis] % block:
+    raise ValueError(f"axis {axis} has length {x.shape[axis]}, not a multiple of the block {block} for "
+                     f"fmt={fmt!r}; pad the input or use fp4jax.dot, which pads")
+  return axis
+
+
+def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=None, amax=None,
+             scale_rule="rceil", scaling="block") -> QTensor:
+  """Quantize ``x`` to ``fmt`` ("nvfp4" | "mxfp4" | "fp8").
+
+  axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
+    E2M1 codes are packed along. tile: (16, 16) for NVFP4 2D weight scaling (fp8: (128, 128)) over the
+    last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
+    ``bits`` of the input's shape, for bit-exact comparisons). amax: the NVFP4 tensor amax to use
+    instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
+    scaling: "tensor" for plain per-tensor FP8.
+  NaN: an NVFP4 tensor with a NaN has a NaN amax, so all its scales are NaN and it dequantizes to NaN;
+    an MXFP4 block with a NaN gets the NaN scale byte 0xFF; fp8 keeps NaN elements.
+  """
+  x = jnp.asarray(x)
+  axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling)
+  if rounding == "stochastic" and bits is None:
+    bits = jax.random.bits(key, x.shape, jnp.uint8)
+  return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
+                            scale_rule=scale_rule, scaling=scaling)
+
+
+def dequantize(q: QTensor, dtype=jnp.float32):
+  """The values ``q`` represents, in the original shape, as ``dtype``."""
+  if not isinstance(q, QTensor):
+    raise TypeError(f"fp4jax.dequantize takes a QTensor from fp4jax.quantize; got {type(q).__name__}")
+  return dequantize_reference(q, dtype)
