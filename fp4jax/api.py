@@ -99,3 +99,26 @@ def dequantize(q: QTensor, dtype=jnp.float32):
   if not isinstance(q, QTensor):
     raise TypeError(f"fp4jax.dequantize takes a QTensor from fp4jax.quantize; got {type(q).__name__}")
   return dequantize_reference(q, dtype)
+
+
+def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
+                            bits=None, scale_rule="rceil") -> QTensor:
+  """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
+
+  Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T
+  (in float32), and quantizes the result in 1D blocks along T. ``bits`` (stochastic rounding) have
+  the output's shape (C, T). T must be a multiple of both ``rht_size`` and the format's block.
+  """
+  from fp4jax.hadamard import rht
+  x = jnp.asarray(x)
+  if x.ndim != 2:
+    raise ValueError(f"quantize_rht_transposed takes a 2-D (tokens, channels) input; got shape {x.shape}")
+  if fmt == "fp8":
+    raise ValueError("the RHT weight-gradient path is for nvfp4 and mxfp4")
+  if x.shape[0] % rht_size:
+    raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
+  _validate(x.T, fmt, -1, None, rounding, key, bits, None, scale_rule, "block")
+  if rounding == "stochastic" and bits is None:
+    bits = jax.random.bits(key, x.T.shape, jnp.uint8)
+  y = rht(x.T, axis=-1, size=rht_size, seed=rht_seed)
+  return quantize_reference(y, fmt, axis=-1, bits=bits, scale_rule=scale_rule)
