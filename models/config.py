@@ -30,6 +30,9 @@ class ModelConfig:
   head_dim: int = 32
   rope: bool = False
   rope_theta: float = 10_000.0
+  # jax.nn.dot_product_attention(implementation=...): None is XLA (jax 0.10 does not pick cuDNN on
+  # its own); "cudnn" for the fused kernel on GPU (bf16/fp16, head_dim <= 128).
+  attention_impl: str | None = None
   # Mamba-2 blocks ("M"): d_inner = expand * d_model, ssm_n_heads = d_inner // ssm_head_dim.
   n_groups: int = 1
   d_state: int = 16

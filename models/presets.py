@@ -1,7 +1,7 @@
 """Named model configs: CPU toys and the paper's hybrids (spec §7).
 
 ``get_model_config("nemotron_h_12b")``; variants are ``dataclasses.replace(config, ...)``.
-Parameter counts (``models.count_params``): tiny 0.47M, small 5.2M, hybrid_8b 8.08B,
+Parameter counts (``models.count_params``): tiny 0.72M, small 5.2M, hybrid_8b 8.08B,
 nemotron_h_12b 12.31B (the paper: 12.3B).
 """
 from __future__ import annotations
