@@ -1,0 +1,70 @@
+"""The base training config: every field, with defaults; the named configs are small diffs of it.
+
+Not meant to be run directly; see ``configs/tiny.py``. Fields:
+  recipe            fp4jax.recipes name: nvfp4, mxfp4, fp8, bf16, nvfp4_no_sr, nvfp4_no_rht, nvfp4_no_2d, ...
+  model             a models.presets name (``model.preset``) and overrides of any ModelConfig field
+  steps, batch_size global optimizer steps and global batch (sequences); tokens/step = batch_size * seq_len
+  halt_after        stop (with a checkpoint) after this many steps of this run; 0: run to ``steps``
+  data.sources      comma-separated files, globs or directories (text, .jsonl, .npy/.bin tokens); empty:
+                    the Python standard library's source files
+  mesh              (data, fsdp, tensor) sizes; -1 takes the remaining devices
+  precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
+  profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
+"""
+from ml_collections import config_dict
+
+from training.config import model_section
+
+
+def get_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+  c.name = "base"
+  c.seed = 0
+  c.recipe = "nvfp4"
+  c.model = model_section("tiny")
+  c.steps = 1000
+  c.batch_size = 16
+  c.halt_after = 0
+  c.log_every = 10
+  c.profile_steps = ()
+
+  c.data = config_dict.ConfigDict()
+  c.data.sources = ""               # empty: the standard library's *.py files (no download)
+  c.data.jsonl_field = "text"
+  c.data.token_dtype = "uint16"     # dtype of raw .bin token files
+  c.data.tokenizer = "byte"         # or a tokenizers .json / sentencepiece .model file
+  c.data.seq_len = 256
+  c.data.validation_fraction = 0.02
+  c.data.read_threads = 1
+  c.data.prefetch = 4
+
+  c.optim = config_dict.ConfigDict()
+  c.optim.schedule = "wsd"          # warmup-stable-decay (the paper's), "cosine" or "constant"
+  c.optim.lr = 3e-3
+  c.optim.min_lr_ratio = 0.01       # final lr = lr * min_lr_ratio (the paper: 4.5e-4 -> 4.5e-6)
+  c.optim.warmup_steps = 50
+  c.optim.decay_fraction = 0.2      # wsd: decay over the last 20% of the steps
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.95
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 0.1        # matrices only
+  c.optim.grad_clip = 1.0
+
+  c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+  c.eval = config_dict.ConfigDict()
+  c.eval.every_steps = 100
+  c.eval.batches = 8
+
+  c.checkpoint = config_dict.ConfigDict()
+  c.checkpoint.every_steps = 200
+  c.checkpoint.keep = 3
+  c.checkpoint.async_save = True
+
+  c.precision_switch = config_dict.ConfigDict()
+  c.precision_switch.fraction = 0.0
+  c.precision_switch.mode = "fwd"
+
+  c.health = config_dict.ConfigDict()
+  c.health.max_nonfinite_streak = 10
+  return c

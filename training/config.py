@@ -1,0 +1,137 @@
+"""Config helpers: the model section of a config, and the up-front checks that run before any compute.
+
+A training config is an ``ml_collections.ConfigDict`` (see ``configs/base.py``). Its ``model`` section names
+a preset of ``models.presets`` and may override any ``ModelConfig`` field; every field is present (as a typed
+placeholder, ``None`` meaning "the preset's value") so that ``--config.model.d_model=128`` works from the
+command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from ml_collections import config_dict
+
+import fp4jax
+
+
+class ConfigError(ValueError):
+  """A bad config or bad input data, found before any compute. The message says what and how to fix."""
+
+
+def _model_config_cls():
+  from models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  return ModelConfig
+
+
+def model_section(preset: str, **overrides) -> config_dict.ConfigDict:
+  """A ``config.model`` section: ``preset`` plus one typed placeholder per ``ModelConfig`` field.
+
+  dtype fields are strings ("bfloat16"); tuples stay tuples. ``overrides`` set fields of the preset.
+  """
+  section = config_dict.ConfigDict()
+  section.preset = preset
+  defaults = _model_config_cls()()
+  for field in dataclasses.fields(defaults):
+    value = getattr(defaults, field.name)
+    if value is None:  # an Optional field: its annotation names the type
+      annotation = str(field.type)
+      kind = int if "int" in annotation else float if "float" in annotation else str
+    elif isinstance(value, (jnp.dtype, type)) or field.name.endswith("dtype"):
+      kind = str
+    else:
+      kind = type(value)
+    section[field.name] = config_dict.placeholder(kind)
+  for name, value in overrides.items():
+    if name not in section:
+      raise ConfigError(f"model_section: {name!r} is not a ModelConfig field; "
+                        f"fields are {sorted(k for k in section.keys() if k != 'preset')}")
+    section[name] = value
+  return section
+
+
+def resolve_model_config(section: config_dict.ConfigDict):
+  """``models.ModelConfig``: the preset ``section.preset`` with every non-None field of the section applied."""
+  from models import presets  # pylint: disable=g-import-not-at-top
+  try:
+    base = presets.get_model_config(section.preset)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(f"config.model.preset={section.preset!r}: {e}") from None
+  names = {f.name for f in dataclasses.fields(base)}
+  overrides = {}
+  for key, value in section.items():
+    if key == "preset" or value is None:
+      continue
+    if key not in names:
+      raise ConfigError(f"config.model.{key} is not a ModelConfig field; fields are {sorted(names)}")
+    overrides[key] = tuple(value) if isinstance(value, list) else value
+  try:
+    return dataclasses.replace(base, **overrides)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.model (preset {section.preset!r} with {overrides}): {e}") from None
+
+
+def resolve_recipes(config) -> tuple[fp4jax.Recipe, fp4jax.Recipe | None, int]:
+  """(main recipe, precision-switch recipe or None, first step of the switch)."""
+  try:
+    recipe = fp4jax.recipes.get(config.recipe)
+  except ValueError as e:
+    raise ConfigError(f"config.recipe: {e}") from None
+  switch = config.precision_switch
+  if not 0.0 <= switch.fraction < 1.0:
+    raise ConfigError(f"config.precision_switch.fraction={switch.fraction} must be in [0, 1)")
+  if switch.fraction == 0.0:
+    return recipe, None, config.steps
+  if switch.mode == "fwd":
+    late = recipe.replace(fprop="bf16", name=f"{recipe.name}_bf16_fprop")
+  elif switch.mode == "fwd_bwd":
+    late = fp4jax.recipes.get("bf16")
+  else:
+    raise ConfigError(f"config.precision_switch.mode={switch.mode!r}; use 'fwd' (forward in bf16) or "
+                      "'fwd_bwd' (forward and backward in bf16)")
+  start = config.steps - int(round(switch.fraction * config.steps))
+  return recipe, late, start
+
+
+def validate(config) -> None:
+  """Checks that need neither data nor devices; raises ConfigError naming the field and the fix."""
+  def need(ok, msg):
+    if not ok:
+      raise ConfigError(msg)
+
+  need(config.steps > 0, f"config.steps={config.steps} must be > 0")
+  need(config.batch_size > 0, f"config.batch_size={config.batch_size} must be > 0")
+  need(config.data.seq_len > 0, f"config.data.seq_len={config.data.seq_len} must be > 0")
+  need(0.0 <= config.data.validation_fraction < 1.0,
+       f"config.data.validation_fraction={config.data.validation_fraction} must be in [0, 1)")
+  need(config.optim.schedule in ("wsd", "cosine", "constant"),
+       f"config.optim.schedule={config.optim.schedule!r}; use 'wsd', 'cosine' or 'constant'")
+  need(0 <= config.optim.warmup_steps <= config.steps,
+       f"config.optim.warmup_steps={config.optim.warmup_steps} must be in [0, config.steps={config.steps}]")
+  need(0.0 <= config.optim.decay_fraction <= 1.0,
+       f"config.optim.decay_fraction={config.optim.decay_fraction} must be in [0, 1]")
+  need(config.health.max_nonfinite_streak > 0,
+       f"config.health.max_nonfinite_streak={config.health.max_nonfinite_streak} must be > 0")
+  need(config.checkpoint.keep > 0, f"config.checkpoint.keep={config.checkpoint.keep} must be > 0")
+  for axis in ("data", "fsdp", "tensor"):
+    size = config.mesh[axis]
+    need(size == -1 or size > 0, f"config.mesh.{axis}={size} must be a positive size or -1 (the rest)")
+  need([config.mesh[a] for a in ("data", "fsdp", "tensor")].count(-1) <= 1,
+       "config.mesh: at most one axis may be -1")
+  for step in config.profile_steps:
+    need(isinstance(step, int) and 0 <= step < config.steps,
+         f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")
+  resolve_recipes(config)
+  resolve_model_config(config.model)
+
+
+def to_plain(value: Any) -> Any:
+  """A JSON-friendly copy of a ConfigDict (for the run's config.json)."""
+  if isinstance(value, config_dict.ConfigDict):
+    return {k: to_plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_plain(v) for v in value]
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  return str(value)

@@ -1,0 +1,160 @@
+"""What the user sees: a progress line, validation results, and the run's records in the work directory.
+
+  ``metrics.jsonl``  one JSON object per logged train interval and per evaluation (appended across resumes)
+  ``tensorboard/``   the same scalars for TensorBoard (tensorboardX)
+  ``loss.png``       train and validation loss curves, drawn at the end
+Only process 0 writes; every process keeps the numbers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+
+def _fmt_duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(seconds)
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class Reporter:
+  """Progress (``\\r`` line on a terminal, a line every ``log_every`` steps otherwise) and metric files."""
+
+  def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, log_every: int,
+               primary: bool = True, stream=None):
+    self.total_steps = total_steps
+    self.tokens_per_step = tokens_per_step
+    self.log_every = max(log_every, 1)
+    self.primary = primary
+    self.stream = stream or sys.stdout
+    self.tty = self.primary and hasattr(self.stream, "isatty") and self.stream.isatty()
+    self._line_open = False
+    self._interval = []            # train losses since the last record
+    self._last_time = None
+    self._last_step = None
+    self._skip_interval = True
+    self._rate_steps = 0           # steps and seconds after the first (compiling) step, for tokens/s
+    self._rate_seconds = 0.0
+    self.train_curve: list[tuple[int, float]] = []
+    self.eval_curve: list[tuple[int, float]] = []
+    self._jsonl = self._tb = None
+    if primary:
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+      self._png = os.path.join(workdir, "loss.png")
+      try:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      except ImportError:
+        self._tb = None
+
+  # Rates ----------------------------------------------------------------------------------------------
+
+  @property
+  def step_time(self) -> float:
+    """Mean seconds per step, excluding the first step of the run (compilation)."""
+    return self._rate_seconds / self._rate_steps if self._rate_steps else float("nan")
+
+  @property
+  def tokens_per_second(self) -> float:
+    return self.tokens_per_step / self.step_time if self._rate_steps else float("nan")
+
+  def mark_start(self, step: int) -> None:
+    """Restarts the clock; the next interval (compilation, a pause) is not counted in the rates."""
+    self._last_time, self._last_step = time.perf_counter(), step
+    self._skip_interval = True
+
+  # Output ---------------------------------------------------------------------------------------------
+
+  def _print(self, text: str, *, transient: bool = False) -> None:
+    if not self.primary:
+      return
+    if self.tty:
+      pad = " " * max(0, getattr(self, "_last_len", 0) - len(text))
+      self.stream.write("\r" + text + pad + ("" if transient else "\n"))
+      self._last_len = len(text) if transient else 0
+    elif not transient:
+      self.stream.write(text + "\n")
+    self.stream.flush()
+
+  def message(self, text: str) -> None:
+    """A line that stays (the progress line is redrawn under it)."""
+    self._print(text)
+
+  def _record(self, record: dict) -> None:
+    if not self.primary:
+      return
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key not in ("step", "kind") and isinstance(value, (int, float)) and value is not None:
+          self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+  def train_step(self, step: int, metrics: dict, *, recipe: str, nonfinite_note: str = "") -> None:
+    """``metrics`` of the step that ended at ``step`` (1-based count of steps done), on the host."""
+    now = time.perf_counter()
+    if self._last_time is not None and not self._skip_interval and step > self._last_step:
+      self._rate_steps += step - self._last_step
+      self._rate_seconds += now - self._last_time
+    self._skip_interval = False
+    self._last_time, self._last_step = now, step
+    loss = float(metrics["loss"])
+    if math.isfinite(loss):
+      self._interval.append(loss)
+    remaining = (self.total_steps - step) * self.step_time
+    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:7.4f}  "
+            f"{self.tokens_per_second:9,.0f} tok/s  {1000 * self.step_time:7.1f} ms/step  "
+            f"ETA {_fmt_duration(remaining)}  [{recipe}]{nonfinite_note}")
+    if self.tty:
+      self._print(line, transient=True)
+    if step % self.log_every == 0 or step == self.total_steps:
+      if not self.tty:
+        self._print(line)
+      mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
+      self._interval = []
+      self.train_curve.append((step, mean))
+      self._record(dict(kind="train", step=step, loss=mean, last_loss=loss,
+                        grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]),
+                        nonfinite_total=int(metrics["nonfinite_total"]),
+                        tokens_per_second=self.tokens_per_second, step_time=self.step_time, recipe=recipe))
+
+  def evaluation(self, step: int, loss: float, bits_per_byte: float | None) -> None:
+    self.eval_curve.append((step, loss))
+    bpb = f"  {bits_per_byte:.4f} bits/byte" if bits_per_byte is not None else ""
+    self._print(f"step {step}: validation loss {loss:.4f}{bpb}")
+    self._record(dict(kind="eval", step=step, loss=loss, bits_per_byte=bits_per_byte))
+
+  def close(self, title: str = "") -> str | None:
+    """Writes loss.png (when there is a curve) and closes the files; returns the PNG's path."""
+    if not self.primary:
+      return None
+    path = None
+    if self.train_curve or self.eval_curve:
+      import matplotlib  # pylint: disable=g-import-not-at-top
+      matplotlib.use("Agg")
+      import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+      fig, ax = plt.subplots(figsize=(7, 4))
+      if self.train_curve:
+        ax.plot(*zip(*self.train_curve), label="train")
+      if self.eval_curve:
+        ax.plot(*zip(*self.eval_curve), "o-", label="validation")
+      ax.set_xlabel("step")
+      ax.set_ylabel("loss (nats/token)")
+      ax.set_title(title)
+      ax.grid(alpha=0.3)
+      ax.legend()
+      fig.tight_layout()
+      fig.savefig(self._png, dpi=100)
+      plt.close(fig)
+      path = self._png
+    self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+    return path

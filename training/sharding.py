@@ -1,0 +1,141 @@
+"""Mesh, logical-axis rules and array placement. Every version-specific JAX sharding call lives here.
+
+Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters and optimizer state
+sharded along it), ``tensor`` (model parallel). The batch is split over ``(data, fsdp)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from training.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# The one rules table: each logical axis name the model uses -> mesh axes (None: replicated).
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # Parameters: matrices split over fsdp along d_model and over tensor along their other axis.
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("qkv", "tensor"),
+    ("heads", "tensor"),
+    ("ssm_in", "tensor"),
+    ("ssm_conv", "tensor"),
+    ("conv_width", None),
+    ("ssm_inner", "tensor"),
+    ("ssm_heads", "tensor"),
+    # Activations: the batch over (data, fsdp), model axes over tensor, d_model whole.
+    ("activation_batch", BATCH_AXES),
+    ("activation_seq", None),
+    ("activation_embed", None),
+    ("activation_mlp", "tensor"),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_head_dim", None),
+    ("activation_vocab", "tensor"),
+    ("activation_ssm_heads", "tensor"),
+    ("activation_ssm_groups", None),
+    ("activation_ssm_state", None),
+)
+
+
+def maybe_initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                                 process_id: int | None = None) -> bool:
+  """``jax.distributed.initialize`` when flags or the environment ask for several processes.
+
+  Explicit flags win; else ``JAX_COORDINATOR_ADDRESS`` in the environment, or a cluster JAX detects
+  itself (SLURM, Open MPI, Kubernetes, TPU pods) when ``FP4JAX_DISTRIBUTED=1``. Must run before any other JAX
+  call. Returns whether it initialized.
+  """
+  if coordinator_address or num_processes or process_id is not None:
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+    return True
+  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FP4JAX_DISTRIBUTED") == "1":
+    jax.distributed.initialize()
+    return True
+  return False
+
+
+def mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) sizes with a -1 axis filled in; a ConfigError unless they multiply to the devices."""
+  sizes = [mesh_config[a] for a in MESH_AXES]
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if device_count % known:
+      raise ConfigError(f"config.mesh={dict(zip(MESH_AXES, sizes))}: the fixed axes ({known}) do not divide the "
+                        f"{device_count} devices; choose sizes whose product divides {device_count}")
+    sizes[sizes.index(-1)] = device_count // known
+  if math.prod(sizes) != device_count:
+    raise ConfigError(f"config.mesh={dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but "
+                      f"{device_count} are available; make data * fsdp * tensor = {device_count} "
+                      "(or set one axis to -1)")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_config) -> jax.sharding.Mesh:
+  shape = mesh_shape(mesh_config, jax.device_count())
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+@contextlib.contextmanager
+def mesh_context(mesh):
+  """The mesh and the rules table, for tracing: the model's logical sharding constraints resolve here."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_RULES):
+    yield
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  """``tokens_BxW``: rows split over (data, fsdp), the sequence whole."""
+  return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def _fit(spec: P, shape, mesh) -> P:
+  """Drops mesh axes from dimensions they do not divide (tiny models on big meshes stay valid)."""
+  fitted = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size = math.prod(mesh.shape[n] for n in names)
+    fitted.append(axes if names and dim % size == 0 else None)
+  return P(*fitted)
+
+
+def logical_shardings(abstract_boxed, mesh):
+  """NamedShardings for a tree whose leaves may carry logical axis names (``nn.with_logical_partitioning``)."""
+  specs = nn.get_partition_spec(abstract_boxed)
+  mesh_specs = nn.logical_to_mesh(specs, LOGICAL_RULES)
+  abstract = nn.unbox(abstract_boxed)
+  return jax.tree.map(lambda s, x: NamedSharding(mesh, _fit(s, x.shape, mesh)), mesh_specs, abstract,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
+def host_batch_to_global(local_BxW: np.ndarray, mesh) -> jax.Array:
+  """This process's rows -> one global array split over (data, fsdp); the global batch is P times as tall."""
+  sharding = batch_sharding(mesh)
+  shape = (local_BxW.shape[0] * jax.process_count(),) + local_BxW.shape[1:]
+  return jax.make_array_from_process_local_data(sharding, local_BxW, shape)
+
+
+def to_host(tree):
+  """Fully replicated device values -> numpy on every process."""
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x, tree)
+
+
+def any_process(flag: bool) -> bool:
+  """Whether ``flag`` is true on any process (a collective: call it on all processes at the same step)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
