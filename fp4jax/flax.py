@@ -1,0 +1,81 @@
+"""Flax glue: quantized ``dot_general`` modules for linen and NNX layers.
+
+linen:
+    dense = nn.Dense(features, dot_general_cls=fp4jax.flax.dot_general_cls("nvfp4"))
+    y, grads = ..., model.apply(variables, x, rngs={"fp4": key})      # key for stochastic rounding
+NNX:
+    dense = nnx.Linear(d_in, d_out, dot_general=Fp4DotGeneralNNX("nvfp4", rngs=rngs), rngs=rngs)
+
+Both hand the call on to ``fp4jax.dot_general`` with random bits from the rng stream "fp4", drawn
+only when the recipe rounds gradients stochastically. Without the stream the forward pass still runs
+(evaluation needs no random bits); taking the gradient then raises an error that says how to add it.
+In linen each module instance (call site) derives its own key from the stream, and ``nn.scan``
+over layers needs ``split_rngs={"fp4": True}`` to give each layer its own bits.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+
+from fp4jax.dot import _as_recipe, dot_general, needs_key
+from fp4jax.recipe import Recipe
+
+RNG_STREAM = "fp4"
+
+
+class Fp4DotGeneral(nn.Module):
+  """A linen ``dot_general`` with fp4jax quantization; use as ``dot_general_cls`` of Dense layers.
+
+  recipe: an ``fp4jax.Recipe`` or a preset name ("nvfp4", "mxfp4", "fp8", "bf16", ...).
+  rng_stream: the Flax rng collection random bits come from.
+  """
+
+  recipe: Recipe | str = "nvfp4"
+  rng_stream: str = RNG_STREAM
+
+  @nn.nowrap
+  def _key(self, recipe):
+    if needs_key(recipe) and self.has_rng(self.rng_stream):
+      return self.make_rng(self.rng_stream)
+    return None
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               out_sharding=None):
+    recipe = _as_recipe(self.recipe)
+    return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                       recipe=recipe, key=self._key(recipe), out_sharding=out_sharding)
+
+
+def dot_general_cls(recipe: Recipe | str, rng_stream: str = RNG_STREAM):
+  """``functools.partial(Fp4DotGeneral, recipe=...)`` for ``nn.Dense(..., dot_general_cls=...)``."""
+  return functools.partial(Fp4DotGeneral, recipe=_as_recipe(recipe), rng_stream=rng_stream)
+
+
+class Fp4DotGeneralNNX(nnx.Module):
+  """The NNX equivalent: pass an instance as ``nnx.Linear(..., dot_general=...)``.
+
+  rngs: an ``nnx.Rngs`` (its "fp4" stream, else its default stream, is forked) or an
+    ``nnx.RngStream``; None gives no random bits (fine for recipes without stochastic rounding).
+  """
+
+  def __init__(self, recipe: Recipe | str = "nvfp4", *, rngs: nnx.Rngs | nnx.RngStream | None = None,
+               rng_stream: str = RNG_STREAM):
+    self.recipe = _as_recipe(recipe)
+    self.rng_stream = rng_stream
+    if isinstance(rngs, nnx.Rngs):
+      self.rngs = rngs[rng_stream].fork()
+    elif isinstance(rngs, nnx.RngStream):
+      self.rngs = rngs.fork()
+    elif rngs is None:
+      self.rngs = nnx.data(None)
+    else:
+      raise TypeError(f"rngs must be an nnx.Rngs, an nnx.RngStream or None; got {type(rngs).__name__}")
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               out_sharding=None) -> Any:
+    key = self.rngs() if needs_key(self.recipe) and self.rngs is not None else None
+    return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                       recipe=self.recipe, key=key, out_sharding=out_sharding)
