@@ -19,7 +19,7 @@ def schedule(optim_config, total_steps: int) -> optax.Schedule:
   """
   peak = optim_config.lr
   floor = peak * optim_config.min_lr_ratio
-  warmup = optim_config.warmup_steps
+  warmup = min(optim_config.warmup_steps, total_steps)
   if optim_config.schedule == "constant":
     if not warmup:
       return optax.constant_schedule(peak)
