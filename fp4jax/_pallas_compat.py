@@ -1,0 +1,91 @@
+"""Every jax-version-specific piece of Pallas that fp4jax uses, in one place.
+
+The kernels under ``fp4jax.kernels`` only use ``pl.BlockSpec``, ``pl.ds``, ``pl.program_id``, ref
+indexing and plain jnp/lax ops inside kernels; the rest (which GPU backend compiles a pallas_call,
+its compiler parameters, the exact division the Triton backend lacks, lowering a function for CUDA
+on a machine without a GPU) goes through here.
+
+Written against jax 0.10 (Triton selected by passing ``triton.CompilerParams``; without it jax
+picks Mosaic GPU on some versions).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:   # the Triton backend of Pallas; present in CPU wheels too (lowering needs no GPU)
+  from jax.experimental.pallas import triton as _pltriton
+except ImportError:   # pragma: no cover - very old or stripped jax
+  _pltriton = None
+
+BlockSpec = pl.BlockSpec
+ds = pl.ds
+program_id = pl.program_id
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+
+
+def has_triton() -> bool:
+  return _pltriton is not None and hasattr(_pltriton, "CompilerParams")
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  """Compiler parameters that select the Triton backend of Pallas."""
+  return _pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool, name: str,
+                num_warps: int = 4, num_stages: int = 2):
+  """``pl.pallas_call`` on the Triton backend (or the interpreter when ``interpret``)."""
+  params = None if interpret or not has_triton() else compiler_params(num_warps, num_stages)
+  return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+                        out_specs=out_specs, interpret=interpret, name=name,
+                        compiler_params=params)
+
+
+def precise_div(a, b, *, interpret: bool):
+  """a / b rounded to nearest even (IEEE), elementwise float32, inside a kernel.
+
+  Triton lowers ``arith.divf`` on float32 to PTX ``div.full.f32`` (approximate, up to 2 ulp), so the
+  compiled kernel asks for ``div.rn.f32`` explicitly; the interpreter divides exactly anyway.
+  """
+  if interpret:
+    return a / b
+  a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+  (out,) = _pltriton.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+  return out
+
+
+def dot_nt_f32(a, b):
+  """a (m, k) · b (n, k)ᵀ with float32 accumulation, inside a kernel (tl.dot on GPU)."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def gpu_available() -> bool:
+  """True when the default backend is a CUDA GPU."""
+  try:
+    return jax.default_backend() == "gpu" and any(
+        d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:   # pragma: no cover
+    return False
+
+
+def export_for_cuda(fn, *arg_specs) -> str:
+  """StableHLO text of ``jax.jit(fn)`` lowered for CUDA, on any machine.
+
+  Runs the Pallas->Triton lowering of every kernel in ``fn`` (so unsupported ops or non-power-of-two
+  tensors inside kernels fail here), without compiling PTX. Used by the CPU tests.
+  """
+  from jax import export
+  exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*arg_specs)
+  return exp.mlir_module()
+
+
+@functools.lru_cache(maxsize=None)
+def jax_version() -> tuple[int, ...]:
+  return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())

@@ -1,0 +1,188 @@
+"""Kernel-friendly numerics shared by the Pallas kernels, and tile fitting.
+
+Inside a Triton kernel there is no float8 type to cast through, no frexp/ldexp and no exact float32
+division, so the block scales are computed here from integer bit operations. Each function equals the
+reference in ``fp4jax.nvfp4`` / ``fp4jax.mxfp4`` / ``fp4jax.e2m1`` bit for bit on finite inputs (the
+tests check that on dense sweeps); the E2M1 encode/decode helpers of ``fp4jax.e2m1`` are used as they
+are. NaN: Triton's float min/max drop NaN where XLA's propagate it, so NaN inputs give
+implementation-defined (but non-crashing) codes and scales in compiled kernels.
+
+Scales leave the kernels as raw bytes (uint8): E4M3 for NVFP4, E8M0 (biased exponent) for MXFP4.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import e2m1
+from fp4jax._pallas_compat import precise_div
+from fp4jax.scales import FLT_MAX
+
+E4M3_MAX = 448.0
+_MIN_NORMAL_E4M3 = 2.0 ** -6
+
+
+def _f32_bits(x):
+  return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _f32_from_bits(b):
+  return lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
+
+
+# ---------------------------------------------------------------- E4M3 (NVFP4 block scales)
+
+def e4m3_byte(v):
+  """E4M3 byte of float32 ``v`` >= 0: round to nearest even, saturate at 448, NaN -> 0x7F.
+
+  Equals ``bitcast(e4m3_rne_satfinite(v), uint8)`` for v >= 0. Returns int32 in [0, 127].
+  """
+  is_nan = v != v
+  v = jnp.minimum(v, jnp.float32(E4M3_MAX))
+  # Normal range: round the float32 mantissa to 3 bits, ties to even, carrying into the exponent.
+  bits = _f32_bits(v)
+  rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+  normal = ((((rounded >> 23) & 0xFF) - 120) << 3) | ((rounded >> 20) & 7)
+  # Subnormal range: multiples of 2^-9; v·512 is exact, round it to an integer, ties to even
+  # (8 is the smallest normal, byte 0x08, so the same formula covers the boundary).
+  y = v * jnp.float32(512.0)
+  fl = y.astype(jnp.int32)                      # y >= 0: truncation is floor
+  frac = y - fl.astype(jnp.float32)
+  up = (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
+  sub = fl + up.astype(jnp.int32)
+  byte = jnp.where(v < jnp.float32(_MIN_NORMAL_E4M3), sub, normal)
+  return jnp.where(is_nan, 0x7F, byte)
+
+
+def e4m3_value(byte):
+  """float32 value of E4M3 bytes (int32 or uint8), exact."""
+  b = byte.astype(jnp.int32)
+  exp = (b >> 3) & 15
+  mant = b & 7
+  normal = _f32_from_bits(((exp + 120) << 23) | (mant << 20))
+  sub = mant.astype(jnp.float32) * jnp.float32(2.0 ** -9)
+  mag = jnp.where(exp == 0, sub, normal)
+  mag = jnp.where((b & 0x7F) == 0x7F, jnp.float32(jnp.nan), mag)
+  return jnp.where((b & 0x80) != 0, -mag, mag)
+
+
+def nvfp4_block_encode(amax_b, s_enc6, s_dec, *, interpret):
+  """E4M3 scale bytes (int32) and float32 encode factors of blocks, spec §2 order.
+
+  s_enc6 = S_enc · f32(1/6) and s_dec = 1 / S_enc are computed once per tensor outside the kernel
+  (exactly as ``nvfp4.block_scales`` does) and passed in.
+  """
+  prod = amax_b * s_enc6
+  byte = e4m3_byte(jnp.where(prod != prod, prod, jnp.minimum(prod, jnp.float32(FLT_MAX))))
+  s_b = e4m3_value(byte)
+  enc = precise_div(jnp.float32(1.0), s_b * s_dec, interpret=interpret)
+  enc = jnp.where(enc != enc, enc, jnp.minimum(enc, jnp.float32(FLT_MAX)))
+  return byte, enc
+
+
+def nvfp4_tensor_params(amax_g):
+  """(S_enc · f32(1/6), 1 / S_enc) of tensor amaxes (any shape), in XLA outside the kernels."""
+  from fp4jax import nvfp4
+  s_enc = nvfp4.global_encode_scale(amax_g)
+  return s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc
+
+
+# ---------------------------------------------------------------- E8M0 (MXFP4 block scales)
+
+def e8m0_block_encode(amax_b, rule: str):
+  """E8M0 scale bytes (int32) and the exact float32 factors 2^-exp of MXFP4 blocks (spec §3)."""
+  bits = _f32_bits(amax_b)
+  if rule == "floor":
+    exp = ((bits >> 23) & 0xFF) - 127 - 2
+    exp = jnp.where(((bits >> 23) & 0xFF) == 0, -127, exp)      # zero / subnormal amax
+  elif rule == "rceil":
+    y = amax_b * jnp.float32(1.0 / 6.0)
+    ybits = _f32_bits(y)
+    e_field = (ybits >> 23) & 0xFF
+    pow2 = (ybits & 0x7FFFFF) == 0
+    exp = jnp.where(pow2, e_field - 127, e_field - 126)
+    # y subnormal: ceil(log2 y) is -126 above 2^-127, else clipped to -127 below.
+    exp = jnp.where(e_field == 0, jnp.where(y > jnp.float32(2.0 ** -127), -126, -127), exp)
+  else:
+    raise ValueError(f"unknown MXFP4 scale rule {rule!r}; use 'rceil' or 'floor'")
+  exp = jnp.clip(exp, -127, 127)
+  exp = jnp.where(amax_b == 0, -127, exp)
+  exp = jnp.where(amax_b == jnp.float32(jnp.inf), 127, exp)
+  byte = jnp.where(amax_b != amax_b, 0xFF, exp + 127)
+  inv = _f32_from_bits((jnp.maximum(-exp, -126) + 127) << 23)
+  return byte, inv
+
+
+def e8m0_value(byte):
+  """float32 2^(byte - 127) of E8M0 bytes (byte 0 -> 2^-127, a subnormal; 0xFF -> NaN)."""
+  b = byte.astype(jnp.int32)
+  val = jnp.where(b == 0, _f32_from_bits(jnp.full(b.shape, 0x00400000, jnp.int32)),
+                  _f32_from_bits(b << 23))
+  return jnp.where(b == 255, jnp.float32(jnp.nan), val)
+
+
+# ---------------------------------------------------------------- E2M1 elements
+
+def _sr_step(v):
+  return jnp.where(v < 2.0, jnp.float32(0.5), jnp.where(v < 4.0, jnp.float32(1.0), jnp.float32(2.0)))
+
+
+def _sr_inv_step(v):
+  return jnp.where(v < 2.0, jnp.float32(2.0), jnp.where(v < 4.0, jnp.float32(1.0), jnp.float32(0.5)))
+
+
+def encode_stochastic(x_f32, bits):
+  """``e2m1.encode_stochastic`` without a division: t / step(t) is t · (1/step(t)), both exact."""
+  u = (bits.astype(jnp.int32) & 0xFF).astype(jnp.float32) * jnp.float32(1.0 / 256.0)
+  mag = jnp.abs(x_f32)
+  t = mag + u * _sr_step(mag)
+  q = jnp.minimum(jnp.floor(t * _sr_inv_step(t)) * _sr_step(t), jnp.float32(e2m1.MAX))
+  q = jnp.where(jnp.signbit(x_f32), -q, q)
+  return e2m1.encode_rne(q)
+
+
+def encode(scaled_f32, bits):
+  """E2M1 codes (uint8) of values already scaled into [-6, 6]; ``bits`` None = nearest even."""
+  if bits is None:
+    return e2m1.encode_rne(scaled_f32)
+  return encode_stochastic(scaled_f32, bits)
+
+
+# ---------------------------------------------------------------- tiles
+
+def fit(dim: int, pref: int) -> tuple[int, int]:
+  """(block, padded_dim): a power-of-two block <= ``pref`` for an axis of length ``dim``.
+
+  Triton tensors need power-of-two sizes. Prefer a divisor of ``dim`` (no padding, no copy) when it is
+  at least pref/4; otherwise the largest block that wastes at most 1/8 in padding.
+  """
+  pref = max(1, pref)
+  d = 1
+  while d * 2 <= pref and dim % (d * 2) == 0:
+    d *= 2
+  if d >= max(1, pref // 4) or d >= dim:
+    return d, dim
+  best = 1
+  b = 1
+  while b <= pref:
+    padded = -(-dim // b) * b
+    if (padded - dim) * 8 <= dim:
+      best = b
+    b *= 2
+  return best, -(-dim // best) * best
+
+
+def pad_axis(x, axis: int, new_len: int):
+  """Zero-pad ``x`` along ``axis`` to ``new_len`` (no-op when already that long)."""
+  if x.shape[axis] == new_len:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, new_len - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def pack_pairs(codes):
+  """uint8 bytes of codes (..., P, 2): element 0 in the low nibble, element 1 in the high."""
+  c = codes.astype(jnp.int32)
+  shift = lax.broadcasted_iota(jnp.int32, (1,) * (c.ndim - 1) + (2,), c.ndim - 1) * 4
+  return jnp.sum(c << shift, axis=-1).astype(jnp.uint8)

@@ -1,0 +1,133 @@
+"""NVFP4 (1x16) / MXFP4 (1x32) quantization along the last axis, one Pallas kernel.
+
+Axis legend: R rows (all leading axes flattened), K the quantized axis, NB = K/B blocks of B elements
+(B = 16 nvfp4, 32 mxfp4), P = B/2 packed bytes per block.
+
+The kernel reads x viewed as (R, NB, P, 2) — a free reshape — so that one tile holds whole blocks and
+the two elements of every output byte sit in the last axis of size 2: block amax is a reduction over
+the last two axes, packing a reduction over the last one. Rounding to nearest even or stochastic with
+8 random bits per element (an input, so kernel and reference agree bit for bit).
+The tensor amax (NVFP4) is computed before this pass (a separate reduction) and enters as per-row
+factors (S_enc/6, 1/S_enc) — one row of factors per amax when vmapped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import _pallas_compat as plc
+from fp4jax.kernels import _common as C
+
+BLOCKS = {"nvfp4": 16, "mxfp4": 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantize1dTiles:
+  rows: int = 32           # rows per program (power of two, fitted to R)
+  blocks: int = 8          # blocks per program along K (power of two, fitted to NB)
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+DEFAULT_TILES = Quantize1dTiles()
+
+
+def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
+  if stochastic:
+    x_ref, f_ref, bits_ref, q_ref, s_ref = refs
+  else:
+    (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
+  x_RxNxPx2 = x_ref[...].astype(jnp.float32)
+  amax_RxN = jnp.max(jnp.abs(x_RxNxPx2), axis=(2, 3))
+  if fmt == "nvfp4":
+    s_enc6_Rx1 = f_ref[:, 0][:, None]       # ref reads, not register slices (Triton has no slice)
+    s_dec_Rx1 = f_ref[:, 1][:, None]
+    byte_RxN, enc_RxN = C.nvfp4_block_encode(amax_RxN, s_enc6_Rx1, s_dec_Rx1, interpret=interpret)
+  else:
+    byte_RxN, enc_RxN = C.e8m0_block_encode(amax_RxN, scale_rule)
+  scaled = jnp.clip(x_RxNxPx2 * enc_RxN[:, :, None, None], -6.0, 6.0)
+  bits = None if bits_ref is None else bits_ref[...]
+  q_ref[...] = C.pack_pairs(C.encode(scaled, bits))
+  s_ref[...] = byte_RxN.astype(jnp.uint8)
+
+
+def _quantize_1d_call(x_RxK, factors_Rx2, bits_RxK, *, fmt, scale_rule, tiles, interpret):
+  """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles."""
+  r, k = x_RxK.shape
+  b = BLOCKS[fmt]
+  nb = k // b
+  br, rp = C.fit(r, tiles.rows)
+  bn, nbp = C.fit(nb, tiles.blocks)
+  view = lambda a: C.pad_axis(C.pad_axis(a.reshape(r, nb, b // 2, 2), 0, rp), 1, nbp)
+  ops = [view(x_RxK), C.pad_axis(factors_Rx2, 0, rp)]
+  in_specs = [plc.BlockSpec((br, bn, b // 2, 2), lambda i, j: (i, j, 0, 0)),
+              plc.BlockSpec((br, 2), lambda i, j: (i, 0))]
+  if bits_RxK is not None:
+    ops.append(view(bits_RxK))
+    in_specs.append(plc.BlockSpec((br, bn, b // 2, 2), lambda i, j: (i, j, 0, 0)))
+  kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule,
+                             stochastic=bits_RxK is not None, interpret=interpret)
+  q, s = plc.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((rp, nbp, b // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((rp, nbp), jnp.uint8)),
+      grid=(rp // br, nbp // bn), in_specs=in_specs,
+      out_specs=(plc.BlockSpec((br, bn, b // 2), lambda i, j: (i, j, 0)),
+                 plc.BlockSpec((br, bn), lambda i, j: (i, j))),
+      interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}",
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
+  return q[:r, :nb].reshape(r, k // 2), s[:r, :nb]
+
+
+def row_factors(amax, x_shape, fmt):
+  """Per-row (S_enc/6, 1/S_enc) float32 (R, 2) for an amax of shape x_shape[:amax.ndim]."""
+  r = 1
+  for d in x_shape[:-1]:
+    r *= d
+  if fmt != "nvfp4":
+    return jnp.zeros((r, 2), jnp.float32)
+  s_enc6, s_dec = C.nvfp4_tensor_params(amax)
+  f = jnp.stack([s_enc6, s_dec], axis=-1)                       # amax.shape + (2,)
+  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(x_shape) - 1 - amax.ndim) + (2,)),
+                       tuple(x_shape[:-1]) + (2,))
+  return f.reshape(r, 2)
+
+
+def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TILES,
+                interpret=False):
+  """Quantize x (..., K) in 1D blocks along the last axis with the Pallas kernel.
+
+  amax: NVFP4 tensor amax, float32 of shape x.shape[:n] (n = 0 normally; one per vmapped slice);
+  ignored for MXFP4. bits: uint8 of x's shape for stochastic rounding, or None.
+  Returns packed codes (..., K/2) uint8 and scale bytes (..., K/B) uint8. K must be a multiple of B.
+  """
+  *lead, k = x.shape
+  b = BLOCKS[fmt]
+  if k % b:
+    raise ValueError(f"{k=} must be a multiple of the block {b} for fmt={fmt!r}; pad the input")
+  x_RxK = x.reshape(-1, k)
+  bits_RxK = None if bits is None else bits.reshape(-1, k)
+  factors = row_factors(jnp.asarray(amax, jnp.float32), x.shape, fmt)
+  q, s = _quantize_1d_call(x_RxK, factors, bits_RxK, fmt=fmt, scale_rule=scale_rule, tiles=tiles,
+                           interpret=interpret)
+  return q.reshape(*lead, k // 2), s.reshape(*lead, k // b)
+
+
+def quantize_1d_reference(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil"):
+  """The oracle: ``fp4jax.reference.quantize_reference`` along the last axis, as (codes, bytes)."""
+  from fp4jax.reference import quantize_reference
+
+  def one(x1, a1, b1):
+    q = quantize_reference(x1, fmt, axis=-1, bits=b1, amax=a1 if fmt == "nvfp4" else None,
+                           scale_rule=scale_rule)
+    return q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)
+
+  amax = jnp.asarray(amax, jnp.float32)
+  fn = one
+  for _ in range(amax.ndim):
+    fn = jax.vmap(fn, in_axes=(0, 0, None if bits is None else 0))
+  return fn(x, amax, bits)
