@@ -238,39 +238,39 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   files = expand_sources(data_config.sources)
   token_dtype = np.uint8 if tokenizer.vocab_size <= 256 else (
       np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
-  text = {"train": [], "validation": []}
-  text_bytes = {"train": 0, "validation": 0}
+  docs = []             # (split, tokens, bytes) in reading order
   segments = {"train": [], "validation": []}
-  num_docs = 0
   for path in files:
     if path.endswith(TOKEN_SUFFIXES):
       tokens = _load_token_file(path, data_config.token_dtype)
       cut = len(tokens) - int(round(fraction * len(tokens)))
       segments["train"].append(tokens[:cut])
       segments["validation"].append(tokens[cut:])
-      num_docs += 1
       continue
     for name, data in _iter_documents(path, data_config.jsonl_field):
-      if not data:
-        continue
-      split = "validation" if is_validation(name, fraction) else "train"
-      text[split].append(tokenizer.encode(data))
-      text_bytes[split] += len(data)
-      num_docs += 1
-  if num_docs == 0 or all(len(s) == 0 for s in text["train"] + text["validation"]
-                          + segments["train"] + segments["validation"]):
+      if data:
+        split = "validation" if is_validation(name, fraction) else "train"
+        docs.append((split, tokenizer.encode(data), len(data)))
+  if not docs and not any(len(s) for s in segments["train"] + segments["validation"]):
     raise ConfigError(f"the corpus is empty: {len(files)} file(s) from config.data.sources="
                       f"{data_config.sources!r} hold no text or tokens")
-  joined = {k: _join(v, tokenizer.eos_id, token_dtype) for k, v in text.items()}
-  if fraction > 0 and len(joined["train"]) and not len(joined["validation"]) and not any(
-      len(s) for s in segments["validation"]):
-    # Too few documents for a split by document: the tail of the token stream is validation instead.
-    stream = joined["train"]
+  splits = {s for s, _, _ in docs}
+  if fraction > 0 and docs and len(splits) == 1:
+    # Too few documents to split by document: the tail of the token stream is validation instead.
+    stream = _join([t for _, t, _ in docs], tokenizer.eos_id, token_dtype)
     cut = len(stream) - int(round(fraction * len(stream)))
+    total_bytes = sum(n for _, _, n in docs)
     joined = {"train": stream[:cut], "validation": stream[cut:]}
-    share = cut / len(stream)
-    text_bytes = {"train": int(text_bytes["train"] * share),
-                  "validation": text_bytes["train"] - int(text_bytes["train"] * share)}
+    text_bytes = {"train": round(total_bytes * cut / len(stream))}
+    text_bytes["validation"] = total_bytes - text_bytes["train"]
+  else:
+    joined = {k: _join([t for s, t, _ in docs if s == k], tokenizer.eos_id, token_dtype)
+              for k in ("train", "validation")}
+    text_bytes = {k: sum(n for s, _, n in docs if s == k) for k in ("train", "validation")}
+  num_docs = len(docs) + len(segments["train"])
+  for k in text_bytes:  # bits per byte are only known for text: not when token files are mixed in
+    if any(len(seg) for seg in segments[k]):
+      text_bytes[k] = 0
   train = Split([joined["train"]] + segments["train"], window, text_bytes["train"])
   validation = Split([joined["validation"]] + segments["validation"], window, text_bytes["validation"])
   if train.num_windows == 0:

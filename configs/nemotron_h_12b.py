@@ -1,0 +1,38 @@
+"""Nemotron-H 12B (spec §7): 62 blocks (28 Mamba-2, 28 MLP, 6 attention), first 2 and last 8 in bf16,
+NVFP4 elsewhere; sequence 8192, batch 736, AdamW (0.9, 0.95), weight decay 0.1, warmup-stable-decay at 4.5e-4
+decaying to 4.5e-6 over the last 20%. Parameters and optimizer state are sharded over all devices (fsdp),
+blocks rematerialized. Point the data at your pre-tokenized corpus (vocabulary 131072):
+
+  python train.py --config configs/nemotron_h_12b.py --config.data.sources='/data/tokens/*.bin' \
+      --config.data.token_dtype=uint32 --workdir /ckpt/nemotron_h_12b
+
+`steps` is the paper's 10T tokens (10e12 / (736 * 8192)); lower it (and keep the schedule's shape) for
+shorter runs. The paper's precision switch (--config.precision_switch.fraction=0.18) is off by default.
+"""
+from configs import base
+
+
+def get_config():
+  c = base.get_config()
+  c.name = "nemotron_h_12b"
+  c.model.preset = "nemotron_h_12b"
+  c.model.remat = True
+  c.steps = 1_658_000
+  c.batch_size = 736
+  c.data.seq_len = 8192
+  c.data.validation_fraction = 0.001
+  c.data.read_threads = 8
+  c.data.prefetch = 8
+  c.optim.lr = 4.5e-4
+  c.optim.min_lr_ratio = 0.01
+  c.optim.warmup_steps = 2000
+  c.optim.decay_fraction = 0.2
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+  c.log_every = 10
+  c.eval.every_steps = 1000
+  c.eval.batches = 8
+  c.checkpoint.every_steps = 1000
+  c.checkpoint.keep = 2
+  return c

@@ -1,0 +1,180 @@
+"""Configs, the rules table, the optimizer, and bad input failing with a clear error before any compute."""
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+import models
+from training import config as config_lib
+from training import optim
+from training import sharding
+from training import testing
+from training import trainer
+from training.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                 if os.path.basename(p) not in ("base.py", "__init__.py"))
+
+
+def _load(path, *overrides):
+  argv = ["train.py", f"--config={path}", *overrides]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", path, flag_values=values, lock_config=True, sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_files_validate_and_document_their_command(path):
+  config = _load(path)
+  config_lib.validate(config)
+  name = os.path.basename(path)
+  with open(path, encoding="utf-8") as f:
+    source = f.read()
+  assert f"python train.py --config configs/{name}" in source, f"{name}: put the run command in the docstring"
+  assert config.name == name[:-3]
+
+
+def test_all_four_configs_exist():
+  assert {os.path.basename(p) for p in CONFIGS} >= {"tiny.py", "small.py", "nemotron_h_12b.py", "hybrid_8b.py"}
+
+
+def test_command_line_overrides_the_model_preset_and_recipe():
+  config = _load(os.path.join(ROOT, "configs", "tiny.py"), "--config.model.d_model=128", "--config.recipe=mxfp4",
+                 "--config.model.pattern=M-")
+  model_config = config_lib.resolve_model_config(config.model)
+  assert (model_config.d_model, model_config.pattern) == (128, "M-")
+  assert model_config.mlp_dim == models.get_model_config("tiny").mlp_dim  # untouched fields: the preset's
+  assert config_lib.resolve_recipes(config)[0].name == "mxfp4"
+
+
+def test_wrong_type_is_rejected():
+  with pytest.raises(flags.IllegalFlagValueError, match="d_model"):
+    _load(os.path.join(ROOT, "configs", "tiny.py"), "--config.model.d_model=wide")
+
+
+def test_unknown_field_is_one_clear_line():
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config.model.d_modl=64"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert result.returncode == 2
+  assert "unknown config field" in result.stderr and "d_model" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_rules_table_covers_every_model_axis_name():
+  rules = dict(sharding.LOGICAL_RULES)
+  assert set(models.LOGICAL_AXIS_NAMES) <= set(rules), set(models.LOGICAL_AXIS_NAMES) - set(rules)
+  for name, axes in rules.items():
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    assert set(names) <= set(sharding.MESH_AXES), name
+
+
+def test_precision_switch_recipes():
+  config = testing.shrunken_config(steps=100, recipe="nvfp4", **{"precision_switch.fraction": 0.2})
+  recipe, late, start = config_lib.resolve_recipes(config)
+  assert (recipe.name, late.fprop, late.dgrad, late.wgrad, start) == ("nvfp4", "bf16", "nvfp4", "nvfp4", 80)
+  config.precision_switch.mode = "fwd_bwd"
+  assert config_lib.resolve_recipes(config)[1].name == "bf16"
+  config.precision_switch.mode = "sideways"
+  with pytest.raises(ConfigError, match="precision_switch.mode"):
+    config_lib.resolve_recipes(config)
+
+
+# Optimizer -----------------------------------------------------------------------------------------------
+
+def test_weight_decay_only_on_matrices():
+  params = {"w": jnp.ones((4, 4)), "scale": jnp.ones((4,)), "conv": jnp.ones((4, 2, 3))}
+  assert optim.decay_mask(params) == {"w": True, "scale": False, "conv": True}
+  config = testing.shrunken_config().optim
+  config.lr, config.warmup_steps, config.grad_clip = 0.0, 0, 1.0  # lr 0: only decay could move a param
+  tx, _ = optim.make_optimizer(config, 10)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero, tx.init(params), params)
+  assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
+
+
+def test_wsd_schedule_shape():
+  config = testing.shrunken_config().optim
+  config.lr, config.min_lr_ratio, config.warmup_steps, config.decay_fraction = 1.0, 0.01, 10, 0.2
+  lr = optim.schedule(config, 100)
+  values = np.asarray([lr(i) for i in range(100)])
+  np.testing.assert_allclose(values[[0, 5, 10, 50, 80]], [0.0, 0.5, 1.0, 1.0, 1.0], atol=1e-6)
+  assert np.all(np.diff(values[80:]) < 0) and abs(values[99] - 0.01) < 1e-6
+
+
+def test_cosine_schedule_ends_at_floor():
+  config = testing.shrunken_config().optim
+  config.schedule, config.lr, config.min_lr_ratio, config.warmup_steps = "cosine", 1.0, 0.1, 5
+  lr = optim.schedule(config, 50)
+  assert float(lr(5)) == pytest.approx(1.0) and float(lr(50)) == pytest.approx(0.1)
+
+
+# Bad input: a clear ConfigError before any model is built ---------------------------------------------
+
+def _no_model(*_):
+  raise AssertionError("the model was built before the bad input was caught")
+
+
+def _bad_run(tmp_path, **overrides):
+  config = testing.shrunken_config(**overrides)
+  with pytest.raises(ConfigError) as info:
+    trainer.train_and_evaluate(config, str(tmp_path / "run"), model_fn=_no_model)
+  return str(info.value)
+
+
+def test_missing_data_path(tmp_path):
+  message = _bad_run(tmp_path, **{"data.sources": str(tmp_path / "no_such_file.txt")})
+  assert "does not exist" in message and "no_such_file.txt" in message
+
+
+def test_glob_matching_nothing(tmp_path):
+  assert "matches no files" in _bad_run(tmp_path, **{"data.sources": str(tmp_path / "*.txt")})
+
+
+def test_empty_corpus(tmp_path):
+  (tmp_path / "a.txt").write_text("")
+  (tmp_path / "b.txt").write_text("")
+  message = _bad_run(tmp_path, **{"data.sources": str(tmp_path / "*.txt")})
+  assert "corpus is empty" in message
+
+
+def test_seq_len_larger_than_the_data(tmp_path):
+  (tmp_path / "a.txt").write_text("just a few words\n" * 3)
+  message = _bad_run(tmp_path, **{"data.sources": str(tmp_path / "a.txt"), "data.seq_len": 4096})
+  assert "seq_len=4096 is larger than the training data" in message
+
+
+def test_unknown_recipe(tmp_path):
+  message = _bad_run(tmp_path, recipe="nvfp3")
+  assert "config.recipe" in message and "nvfp4" in message
+
+
+def test_mesh_that_does_not_divide_the_devices(tmp_path):
+  message = _bad_run(tmp_path, **{"mesh.data": jax.device_count() + 1})
+  assert "config.mesh" in message and "devices" in message
+
+
+@pytest.mark.parametrize("mesh, devices", [((2, 2, 1), 8), ((-1, 3, 1), 4), ((-1, -1, 1), 4), ((0, 1, 1), 1)])
+def test_mesh_shape_errors(mesh, devices):
+  with pytest.raises(ConfigError, match="config.mesh"):
+    sharding.mesh_shape(dict(zip(sharding.MESH_AXES, mesh)), devices)
+
+
+def test_mesh_fills_the_minus_one_axis():
+  assert sharding.mesh_shape(dict(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+
+
+def test_unknown_model_preset(tmp_path):
+  assert "config.model.preset" in _bad_run(tmp_path, **{"model.preset": "huge"})
+
+
+def test_model_vocab_smaller_than_the_tokenizer(tmp_path):
+  assert "vocab_size" in _bad_run(tmp_path, **{"model.vocab_size": 128})
