@@ -1,0 +1,154 @@
+"""The chunked SSD scan against the lax.scan recurrence and a naive Python loop; the conv cache."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import ssd
+from models.mamba2 import causal_conv1d
+
+chunked = jax.jit(ssd.ssd_chunked, static_argnames="chunk_size")
+scan_reference = jax.jit(ssd.ssd_scan_reference)
+naive_reference = jax.jit(ssd.ssd_naive_reference)
+
+# Float32 throughout; the forms differ only in summation order.
+TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _inputs(seed, B=2, L=37, H=4, P=8, G=2, N=5, with_state=True):
+  k = jax.random.split(jax.random.key(seed), 6)
+  x = jax.random.normal(k[0], (B, L, H, P))
+  dt = jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 1.0)
+  a = -jnp.exp(jax.random.uniform(k[2], (H,), minval=-1.0, maxval=1.5))
+  b = jax.random.normal(k[3], (B, L, G, N))
+  c = jax.random.normal(k[4], (B, L, G, N))
+  s0 = jax.random.normal(k[5], (B, H, P, N)) if with_state else None
+  return (x, dt, a, b, c), s0
+
+
+@functools.cache
+def _gradients(form, chunk_size):
+  """VJP of (y, final_state) with fixed random cotangents, w.r.t. x, dt, a, B, C and the initial state."""
+  args, s0 = _inputs(2, L=23)
+  cotangents = (jax.random.normal(jax.random.key(9), args[0].shape),
+                jax.random.normal(jax.random.key(10), s0.shape))
+  fn = {"chunked": functools.partial(ssd.ssd_chunked, chunk_size=chunk_size),
+        "scan": ssd.ssd_scan_reference, "naive": ssd.ssd_naive_reference}[form]
+
+  @jax.jit
+  def vjp(args, s0):
+    _, pullback = jax.vjp(lambda *a: fn(*a[:5], initial_state_BxHxPxN=a[5]), *args, s0)
+    return pullback(cotangents)
+
+  return vjp(args, s0)
+
+
+class TestSegsum:
+
+  def test_matches_definition(self):
+    a = jax.random.normal(jax.random.key(0), (3, 6))
+    out = np.asarray(ssd.segsum(a))
+    a = np.asarray(a)
+    for i in range(6):
+      for j in range(6):
+        want = a[:, j + 1:i + 1].sum(-1) if i >= j else -np.inf
+        np.testing.assert_allclose(out[:, i, j], want, rtol=1e-6, atol=1e-6)
+
+  def test_exp_is_exactly_zero_above_diagonal_and_one_on_it(self):
+    decay = jnp.exp(ssd.segsum(jnp.full((5,), -3.0)))
+    assert (decay[jnp.triu_indices(5, 1)] == 0).all()
+    assert (jnp.diag(decay) == 1).all()
+
+
+class TestChunkedScan:
+
+  @pytest.mark.parametrize("chunk_size,with_state", [(1, True), (7, False), (7, True), (16, True), (64, True)])
+  def test_values_match_scan_and_naive_loop(self, chunk_size, with_state):
+    args, s0 = _inputs(0, with_state=with_state)
+    y, final = chunked(*args, chunk_size=chunk_size, initial_state_BxHxPxN=s0)
+    y_scan, final_scan = scan_reference(*args, initial_state_BxHxPxN=s0)
+    y_loop, final_loop = naive_reference(*args, initial_state_BxHxPxN=s0)
+    np.testing.assert_allclose(y_scan, y_loop, **TOL[jnp.float32])
+    np.testing.assert_allclose(final_scan, final_loop, **TOL[jnp.float32])
+    np.testing.assert_allclose(y, y_scan, **TOL[jnp.float32])
+    np.testing.assert_allclose(final, final_scan, **TOL[jnp.float32])
+
+  @pytest.mark.parametrize("L", [1, 16, 17])
+  def test_lengths_around_the_chunk(self, L):
+    args, s0 = _inputs(1, L=L, H=6, G=3, N=4)
+    y, final = chunked(*args, chunk_size=16, initial_state_BxHxPxN=s0)
+    y_ref, final_ref = scan_reference(*args, initial_state_BxHxPxN=s0)
+    assert y.shape == y_ref.shape == args[0].shape
+    np.testing.assert_allclose(y, y_ref, **TOL[jnp.float32])
+    np.testing.assert_allclose(final, final_ref, **TOL[jnp.float32])
+
+  @pytest.mark.parametrize("chunk_size", [4, 7])
+  def test_gradients_match_scan_and_naive_loop(self, chunk_size):
+    got = _gradients("chunked", chunk_size)
+    via_scan = _gradients("scan", None)
+    via_loop = _gradients("naive", None)
+    for name, g, g_scan, g_loop in zip(["x", "dt", "a", "b", "c", "state"], got, via_scan, via_loop):
+      scale = float(jnp.abs(g_loop).max())
+      np.testing.assert_allclose(g_scan, g_loop, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+      np.testing.assert_allclose(g, g_loop, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+
+  def test_strong_decay_stays_finite_with_finite_gradients(self):
+    # dt * a down to about -3000 per step: naive cumsum differences would overflow exp().
+    args, _ = _inputs(3, L=40)
+    x, dt, a, b, c = args
+    dt = dt * 300.0
+    a = a * 10.0
+
+    def loss(dt, a):
+      y, final = chunked(x, dt, a, b, c, chunk_size=16)
+      return jnp.sum(y ** 2) + jnp.sum(final ** 2)
+
+    value, (g_dt, g_a) = jax.value_and_grad(loss, argnums=(0, 1))(dt, a)
+    assert np.isfinite(value) and np.isfinite(g_dt).all() and np.isfinite(g_a).all()
+    y_ref, _ = scan_reference(x, dt, a, b, c)
+    np.testing.assert_allclose(chunked(x, dt, a, b, c, chunk_size=16)[0], y_ref, **TOL[jnp.float32])
+
+  def test_bf16_inputs_compute_in_f32_and_return_bf16(self):
+    args, _ = _inputs(4)
+    args16 = tuple(t.astype(jnp.bfloat16) if t.ndim > 1 else t for t in args)
+    y16, final = chunked(*args16, chunk_size=8)
+    assert y16.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    y_ref, _ = scan_reference(*(t.astype(jnp.float32) for t in args16))
+    np.testing.assert_allclose(y16.astype(jnp.float32), y_ref, **TOL[jnp.bfloat16])
+
+  def test_splitting_the_sequence_carries_the_state(self):
+    args, s0 = _inputs(5, L=30)
+    y, final = chunked(*args, chunk_size=8, initial_state_BxHxPxN=s0)
+    first = tuple(t[:, :11] if t.ndim > 1 else t for t in args)
+    rest = tuple(t[:, 11:] if t.ndim > 1 else t for t in args)
+    y1, mid = chunked(*first, chunk_size=8, initial_state_BxHxPxN=s0)
+    y2, final2 = chunked(*rest, chunk_size=8, initial_state_BxHxPxN=mid)
+    np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), y, **TOL[jnp.float32])
+    np.testing.assert_allclose(final2, final, **TOL[jnp.float32])
+
+  def test_bad_shapes_say_what_is_wrong(self):
+    (x, dt, a, b, c), _ = _inputs(6, H=4, G=2)
+    with pytest.raises(ValueError, match="multiple of groups"):
+      chunked(x, dt, a, b[:, :, :1].repeat(3, 2), c[:, :, :1].repeat(3, 2), chunk_size=4)
+    with pytest.raises(ValueError, match="dt"):
+      chunked(x, dt[:, :-1], a, b, c, chunk_size=4)
+
+
+class TestCausalConv:
+
+  def test_matches_direct_sum_and_carries_state(self):
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (2, 11, 5))
+    w = jax.random.normal(k[1], (4, 5))
+    bias = jax.random.normal(k[2], (5,))
+    out, state = causal_conv1d(x, w, bias)
+    xp = np.pad(np.asarray(x), ((0, 0), (3, 0), (0, 0)))
+    want = sum(np.asarray(w)[j] * xp[:, j:j + 11] for j in range(4)) + np.asarray(bias)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(state, x[:, -3:])
+    out1, s1 = causal_conv1d(x[:, :6], w, bias)
+    out2, s2 = causal_conv1d(x[:, 6:], w, bias, s1)
+    np.testing.assert_allclose(jnp.concatenate([out1, out2], 1), out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(s2, state)
