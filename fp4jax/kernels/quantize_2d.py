@@ -1,0 +1,115 @@
+"""NVFP4 16x16 2D weight quantization (one E4M3 scale per 16x16 tile), one Pallas kernel.
+
+Axis legend: M, K the last two axes (leading axes flattened into the rows), G = rows/16 tile rows,
+NB = K/16 tile columns. The kernel reads x viewed as (G, 16, NB, 8, 2) — a free reshape — so a tile's
+amax is a reduction over axes (1, 3, 4) and the two elements of each output byte sit in the last axis.
+Codes are packed along K (the last axis); the packed-along-M layout is the transpose of the
+quantization of xᵀ (spec §2, 2D tiles are transpose-symmetric), done by the caller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import _pallas_compat as plc
+from fp4jax.kernels import _common as C
+
+TILE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantize2dTiles:
+  tile_rows: int = 2       # 16x16 tile rows per program (power of two, fitted to G)
+  tile_cols: int = 16      # 16x16 tile columns per program (power of two, fitted to NB)
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+DEFAULT_TILES = Quantize2dTiles()
+
+
+def _quantize_2d_kernel(*refs, stochastic, interpret):
+  if stochastic:
+    x_ref, f_ref, bits_ref, q_ref, s_ref = refs
+  else:
+    (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
+  x_Gx16xNx8x2 = x_ref[...].astype(jnp.float32)
+  amax_GxN = jnp.max(jnp.abs(x_Gx16xNx8x2), axis=(1, 3, 4))
+  s_enc6_Gx1 = f_ref[:, 0][:, None]
+  s_dec_Gx1 = f_ref[:, 1][:, None]
+  byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
+  scaled = jnp.clip(x_Gx16xNx8x2 * enc_GxN[:, None, :, None, None], -6.0, 6.0)
+  bits = None if bits_ref is None else bits_ref[...]
+  q_ref[...] = C.pack_pairs(C.encode(scaled, bits))
+  s_ref[...] = byte_GxN.astype(jnp.uint8)
+
+
+def _quantize_2d_call(x_RxK, factors_Gx2, bits_RxK, *, tiles, interpret):
+  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8."""
+  r, k = x_RxK.shape
+  g, nb = r // TILE, k // TILE
+  bg, gp = C.fit(g, tiles.tile_rows)
+  bn, nbp = C.fit(nb, tiles.tile_cols)
+  view = lambda a: C.pad_axis(C.pad_axis(a.reshape(g, TILE, nb, 8, 2), 0, gp), 2, nbp)
+  spec5 = plc.BlockSpec((bg, TILE, bn, 8, 2), lambda i, j: (i, 0, j, 0, 0))
+  ops = [view(x_RxK), C.pad_axis(factors_Gx2, 0, gp)]
+  in_specs = [spec5, plc.BlockSpec((bg, 2), lambda i, j: (i, 0))]
+  if bits_RxK is not None:
+    ops.append(view(bits_RxK))
+    in_specs.append(spec5)
+  kernel = functools.partial(_quantize_2d_kernel, stochastic=bits_RxK is not None,
+                             interpret=interpret)
+  q, s = plc.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((gp, TILE, nbp, 8), jnp.uint8),
+                 jax.ShapeDtypeStruct((gp, nbp), jnp.uint8)),
+      grid=(gp // bg, nbp // bn), in_specs=in_specs,
+      out_specs=(plc.BlockSpec((bg, TILE, bn, 8), lambda i, j: (i, 0, j, 0)),
+                 plc.BlockSpec((bg, bn), lambda i, j: (i, j))),
+      interpret=interpret, name="fp4jax_quantize_nvfp4_16x16",
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
+  return q[:g, :, :nb].reshape(r, k // 2), s[:g, :nb]
+
+
+def tile_row_factors(amax, x_shape):
+  """Per-tile-row (S_enc/6, 1/S_enc) float32 (G, 2) for an amax of shape x_shape[:amax.ndim]."""
+  s_enc6, s_dec = C.nvfp4_tensor_params(amax)
+  f = jnp.stack([s_enc6, s_dec], axis=-1)
+  lead = tuple(x_shape[:-2]) + (x_shape[-2] // TILE,)
+  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(lead) - amax.ndim) + (2,)), lead + (2,))
+  return f.reshape(-1, 2)
+
+
+def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):
+  """NVFP4 16x16-tile quantization of x (..., M, K) with the Pallas kernel.
+
+  amax: float32 tensor amax of shape x.shape[:n] (n = 0 normally). bits: uint8 of x's shape or None.
+  Returns packed codes (..., M, K/2) uint8 (packed along K) and scale bytes (..., M/16, K/16) uint8.
+  """
+  *lead, m, k = x.shape
+  if m % TILE or k % TILE:
+    raise ValueError(f"x.shape[-2:]={(m, k)} must be multiples of {TILE} for 16x16 tiles; pad it")
+  factors = tile_row_factors(jnp.asarray(amax, jnp.float32), x.shape)
+  bits_RxK = None if bits is None else bits.reshape(-1, k)
+  q, s = _quantize_2d_call(x.reshape(-1, k), factors, bits_RxK, tiles=tiles, interpret=interpret)
+  return q.reshape(*lead, m, k // 2), s.reshape(*lead, m // TILE, k // TILE)
+
+
+def quantize_2d_reference(x, amax, bits=None):
+  """The oracle: ``quantize_reference(x, 'nvfp4', tile=(16, 16))`` as (codes, scale bytes)."""
+  from jax import lax
+
+  from fp4jax.reference import quantize_reference
+
+  def one(x1, a1, b1):
+    q = quantize_reference(x1, "nvfp4", axis=-1, tile=(TILE, TILE), bits=b1, amax=a1)
+    return q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)
+
+  amax = jnp.asarray(amax, jnp.float32)
+  fn = one
+  for _ in range(amax.ndim):
+    fn = jax.vmap(fn, in_axes=(0, 0, None if bits is None else 0))
+  return fn(x, amax, bits)

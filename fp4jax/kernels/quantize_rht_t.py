@@ -1,0 +1,156 @@
+"""The weight-gradient operand path in one Pallas kernel: read x (T, C), apply the random Hadamard
+transform along T, quantize along T, write the codes of RHT(x)ᵀ (C, T/2) packed along T.
+
+Axis legend: T tokens (the reduction axis of the wgrad GEMM), C channels, n the RHT size, B the
+quantization block (16 nvfp4, 32 mxfp4), L = max(n, B) rows handled as one unit.
+
+The kernel reads x viewed as (T/L, L, C) and loads the L token rows of a tile one by one (each a
+contiguous (chunks, C-tile) slab), so the Walsh-Hadamard butterfly runs on a list of row tiles in
+exactly the order of ``fp4jax.hadamard.fwht_last`` (sign flip, log2 n stages of a+b / a-b, then one
+multiply by f32(1/sqrt n)) and block amaxes are elementwise maxima across rows. Codes are packed
+eight to a 32-bit word (element 0 in the low nibble, little-endian bytes = the packed layout) and the
+words and scale bytes are transposed in registers before the store. The tensor amax (taken after the
+transform) is a separate reduction before this pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp4jax import _pallas_compat as plc
+from fp4jax import hadamard
+from fp4jax.kernels import _common as C
+from fp4jax.kernels.quantize_1d import BLOCKS
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeRhtTTiles:
+  chunks: int = 4          # L-row chunks of T per program (power of two, fitted to T/L)
+  cols: int = 64           # channels per program (power of two, fitted to C)
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+DEFAULT_TILES = QuantizeRhtTTiles()
+
+
+def _butterfly(rows, signs, scale):
+  """RHT of a list of n row tiles: the float32 op order of ``hadamard.rht`` / ``fwht_last``."""
+  n = len(rows)
+  rows = [r * jnp.float32(s) for r, s in zip(rows, signs)]
+  h = 1
+  while h < n:
+    out = list(rows)
+    for g in range(0, n, 2 * h):
+      for i in range(g, g + h):
+        a, b = rows[i], rows[i + h]
+        out[i], out[i + h] = a + b, a - b
+    rows = out
+    h *= 2
+  return [r * jnp.float32(scale) for r in rows]
+
+
+def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochastic, interpret):
+  if stochastic:
+    x_ref, f_ref, bits_ref, w_ref, s_ref = refs
+  else:
+    (x_ref, f_ref, w_ref, s_ref), bits_ref = refs, None
+  n, b, L = len(signs), BLOCKS[fmt], rows_per_unit
+  scale = float(np.float32(1.0 / np.sqrt(n)))
+  # 1. RHT of every n-row chunk, rows as (chunks, C-tile) float32 tiles.
+  rows = [x_ref[:, i, :].astype(jnp.float32) for i in range(L)]
+  y = []
+  for c0 in range(0, L, n):
+    y += _butterfly(rows[c0:c0 + n], signs, scale)
+  s_enc6 = f_ref[0]
+  s_dec = f_ref[1]
+  # 2. Quantize each block of B rows; 3. pack 8 codes per int32 word, transpose, store.
+  for j in range(L // b):
+    blk = y[j * b:(j + 1) * b]
+    amax = functools.reduce(jnp.maximum, [jnp.abs(r) for r in blk])
+    if fmt == "nvfp4":
+      byte, enc = C.nvfp4_block_encode(amax, s_enc6, s_dec, interpret=interpret)
+    else:
+      byte, enc = C.e8m0_block_encode(amax, scale_rule)
+    s_ref[:, :, j] = byte.astype(jnp.uint8).T
+    for w in range(b // 8):
+      word = None
+      for e in range(8):
+        i = j * b + w * 8 + e
+        bits = None if bits_ref is None else bits_ref[:, :, i].T
+        code = C.encode(jnp.clip(y[i] * enc, -6.0, 6.0), bits).astype(jnp.int32)
+        word = code if word is None else word | (code << (4 * e))
+      w_ref[:, :, (j * b + w * 8) // 8] = word.T
+
+
+def _quantize_rht_t_call(x_TxC, factors_2, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
+  """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T."""
+  t, c = x_TxC.shape
+  b = BLOCKS[fmt]
+  L = max(b, len(signs))
+  u = t // L
+  bu, up = C.fit(u, tiles.chunks)
+  bc, cp = C.fit(c, tiles.cols)
+  x_v = C.pad_axis(C.pad_axis(x_TxC.reshape(u, L, c), 0, up), 2, cp)
+  ops = [x_v, factors_2]
+  in_specs = [plc.BlockSpec((bu, L, bc), lambda i, j: (i, 0, j)),
+              plc.BlockSpec((2,), lambda i, j: (0,))]
+  if bits_CxT is not None:
+    ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
+    in_specs.append(plc.BlockSpec((bc, bu, L), lambda i, j: (j, i, 0)))
+  kernel = functools.partial(_quantize_rht_t_kernel, fmt=fmt, scale_rule=scale_rule,
+                             signs=tuple(signs), rows_per_unit=L,
+                             stochastic=bits_CxT is not None, interpret=interpret)
+  words, s = plc.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((cp, up, L // 8), jnp.int32),
+                 jax.ShapeDtypeStruct((cp, up, L // b), jnp.uint8)),
+      grid=(up // bu, cp // bc), in_specs=in_specs,
+      out_specs=(plc.BlockSpec((bc, bu, L // 8), lambda i, j: (j, i, 0)),
+                 plc.BlockSpec((bc, bu, L // b), lambda i, j: (j, i, 0))),
+      interpret=interpret, name=f"fp4jax_quantize_rht_t_{fmt}",
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
+  q = lax.bitcast_convert_type(words[:c, :u], jnp.uint8).reshape(c, t // 2)
+  return q, s[:c, :u].reshape(c, t // b)
+
+
+def rht_amax(x_TxC, *, rht_size=16, rht_seed=None):
+  """max |RHT(x) along T| (float32): the separate reduction before the fused pass."""
+  return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=rht_size, seed=rht_seed)))
+
+
+def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,
+                   scale_rule="rceil", tiles=DEFAULT_TILES, interpret=False):
+  """Codes (C, T/2) and scale bytes (C, T/B) of RHT(x)ᵀ quantized along T, x of shape (T, C).
+
+  amax: float32 scalar, max |RHT(x)| (``rht_amax``); ignored for MXFP4. bits: uint8 (C, T) or None.
+  T must be a multiple of rht_size and of the block.
+  """
+  t, c = x.shape
+  L = max(BLOCKS[fmt], rht_size)
+  if t % L:
+    raise ValueError(f"token axis T={t} must be a multiple of {L} (rht_size={rht_size}, block "
+                     f"{BLOCKS[fmt]}); pad it")
+  if fmt == "nvfp4":
+    s_enc6, s_dec = C.nvfp4_tensor_params(jnp.asarray(amax, jnp.float32))
+    factors = jnp.stack([s_enc6, s_dec])
+  else:
+    factors = jnp.zeros((2,), jnp.float32)
+  signs = hadamard.signs(rht_size, rht_seed)
+  return _quantize_rht_t_call(x, factors, bits, fmt=fmt, scale_rule=scale_rule, signs=signs,
+                              tiles=tiles, interpret=interpret)
+
+
+def quantize_rht_t_reference(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,
+                             scale_rule="rceil"):
+  """The oracle: ``quantize_reference(rht(xᵀ))`` as (codes, scale bytes)."""
+  from fp4jax.reference import quantize_reference
+  y = hadamard.rht(x.T, axis=-1, size=rht_size, seed=rht_seed)
+  q = quantize_reference(y, fmt, axis=-1, bits=bits, amax=amax if fmt == "nvfp4" else None,
+                         scale_rule=scale_rule)
+  return q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)
