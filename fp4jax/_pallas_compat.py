@@ -60,6 +60,11 @@ def precise_div(a, b, *, interpret: bool):
   return out
 
 
+def multiple_of(x, m: int):
+  """Alignment hint for a dynamic offset inside a kernel."""
+  return pl.multiple_of(x, m) if m > 1 else x
+
+
 def dot_nt_f32(a, b):
   """a (m, k) · b (n, k)ᵀ with float32 accumulation, inside a kernel (tl.dot on GPU)."""
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
