@@ -1,0 +1,191 @@
+"""The whole language model: shapes, causality, decoding vs the parallel forward, axis names, speed."""
+import functools
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import LanguageModel, get_model_config, init_cache
+
+# Tiny config with several SSD chunks per sequence.
+TINY = get_model_config("tiny", chunk_size=8)
+L = 21
+
+
+@functools.cache
+def _setup(config, batch=2, length=L, seed=0):
+  """Model, params, tokens and the jitted parallel forward's logits, shared by the tests."""
+  model = LanguageModel(config)
+  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, length), 0, config.vocab_size)
+  params = jax.jit(model.init)({"params": jax.random.key(seed)}, tokens)["params"]
+  return model, params, tokens
+
+
+@functools.cache
+def _jitted_apply(config):
+  return jax.jit(_setup(config)[0].apply)
+
+
+@functools.cache
+def _parallel_logits(config):
+  _, params, tokens = _setup(config)
+  return _jitted_apply(config)({"params": params}, tokens)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model, params, tokens = _setup(TINY)
+  return model, params, tokens, _jitted_apply(TINY)
+
+
+class TestForward:
+
+  def test_shapes_and_dtypes(self, tiny):
+    model, params, tokens, apply = tiny
+    logits = _parallel_logits(TINY)
+    assert logits.shape == (2, L, 256) and logits.dtype == jnp.float32
+    assert np.isfinite(logits).all()
+    names = set(params)
+    assert names == {"embed", "final_norm", "lm_head"} | {f"blocks_{i}" for i in range(6)}
+
+  def test_no_biases_in_linear_layers(self, tiny):
+    _, params, _, _ = tiny
+    flat = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]
+    paths = ["/".join(str(k.key) for k in path) for path, _ in flat]
+    assert not [p for p in paths if p.endswith("/bias")]
+
+  def test_causal(self, tiny):
+    """Logits at t do not change when any token after t changes; they do when token t changes."""
+    model, params, tokens, apply = tiny
+    logits = _parallel_logits(TINY)
+    for t in (0, 7, 8, 13, L - 2):
+      future = jax.random.randint(jax.random.key(t), (2, L - t - 1), 0, 256)
+      changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 1 + future) % 256)
+      logits2 = apply({"params": params}, changed)
+      np.testing.assert_allclose(logits2[:, :t + 1], logits[:, :t + 1], rtol=1e-6, atol=1e-6)
+      assert not np.allclose(logits2[:, t + 1:], logits[:, t + 1:])
+
+  def test_bf16_compute_tracks_f32(self, tiny):
+    model, params, tokens, apply = tiny
+    logits = _parallel_logits(TINY)
+    model16 = LanguageModel(TINY.replace(dtype=jnp.bfloat16))
+    logits16 = jax.jit(model16.apply)({"params": params}, tokens)
+    assert logits16.dtype == jnp.float32
+    # Fresh init: logits ~0.2 std; bf16 keeps ~3 significant digits through 6 blocks.
+    np.testing.assert_allclose(logits16, logits, atol=0.05 * float(jnp.abs(logits).max()))
+
+  def test_remat_keeps_params_and_logits(self):
+    config = TINY.replace(pattern="M*-")
+    model, params, tokens = _setup(config, length=9)
+    remat = LanguageModel(config.replace(remat=True))
+    remat_params = jax.jit(remat.init)({"params": jax.random.key(0)}, tokens)["params"]
+    assert jax.tree_util.tree_structure(remat_params) == jax.tree_util.tree_structure(params)
+    np.testing.assert_array_equal(jax.jit(remat.apply)({"params": params}, tokens),
+                                  jax.jit(model.apply)({"params": params}, tokens))
+
+  @pytest.mark.slow
+  def test_remat_keeps_gradients(self):
+    config = TINY.replace(pattern="M*-")
+    model, params, tokens = _setup(config, length=9)
+    loss = lambda m: lambda p: m.apply({"params": p}, tokens).std()
+    g = jax.jit(jax.grad(loss(model)))(params)
+    g_remat = jax.jit(jax.grad(loss(LanguageModel(config.replace(remat=True)))))(params)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, g_remat)
+
+  def test_tiny_forward_backward_runs_in_seconds(self):
+    config = get_model_config("tiny")
+    model, params, tokens = _setup(config, batch=4, length=65)
+
+    @jax.jit
+    def loss_and_grad(params, tokens):
+      def loss(params):
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+      return jax.value_and_grad(loss)(params)
+
+    start = time.perf_counter()
+    value, grads = jax.block_until_ready(loss_and_grad(params, tokens))
+    compiled = time.perf_counter()
+    jax.block_until_ready(loss_and_grad(params, tokens))
+    step = time.perf_counter() - compiled
+    assert abs(float(value) - np.log(256)) < 0.1     # near-uniform predictions at init
+    assert all(np.isfinite(g).all() for g in jax.tree_util.tree_leaves(grads))
+    assert compiled - start < 60 and step < 5, (compiled - start, step)
+
+
+DECODE_CONFIGS = {
+    "tiny": TINY,
+    "rope_swiglu_groups": TINY.replace(rope=True, mlp_kind="swiglu", n_groups=2, pattern="*M-M*-"),
+}
+
+
+class TestDecode:
+
+  @pytest.mark.parametrize("name", list(DECODE_CONFIGS))
+  def test_step_by_step_reproduces_parallel_logits(self, name):
+    """One token per call from the start, and a 9-token prompt in one call followed by single tokens:
+    both give the parallel forward's logits."""
+    model, params, tokens = _setup(DECODE_CONFIGS[name])
+    logits = _parallel_logits(DECODE_CONFIGS[name])
+    apply = jax.jit(lambda p, cache, tok: model.apply({"params": p, "cache": cache}, tok, decode=True,
+                                                      mutable=["cache"]))
+    for prompt in (1, 9):
+      cache = init_cache(model, batch_size=2, max_len=L)
+      out, mutated = apply(params, cache, tokens[:, :prompt])
+      outs = [out]
+      for t in range(prompt, L):
+        out, mutated = apply(params, mutated["cache"], tokens[:, t:t + 1])
+        outs.append(out)
+      np.testing.assert_allclose(jnp.concatenate(outs, axis=1), logits, rtol=2e-5, atol=2e-5,
+                                 err_msg=f"{prompt=}")
+
+  def test_cache_layout(self):
+    model = LanguageModel(TINY)
+    cache = init_cache(model, batch_size=3, max_len=10)
+    mamba, attention = cache["blocks_0"]["mixer"], cache["blocks_2"]["mixer"]
+    assert mamba["conv_state"].shape == (3, TINY.conv_width - 1, TINY.conv_dim)
+    assert mamba["ssm_state"].shape == (3, TINY.ssm_n_heads, TINY.ssm_head_dim, TINY.d_state)
+    assert attention["cached_key"].shape == (3, 10, TINY.n_kv_heads, TINY.head_dim)
+    assert attention["cache_index"] == 0
+    assert "blocks_1" not in cache   # MLP blocks keep no state
+
+
+class TestLogicalAxes:
+
+  def test_every_param_is_named_with_known_axes(self):
+    abstract = models.abstract_variables(LanguageModel(get_model_config("small")))["params"]
+    boxes = jax.tree_util.tree_leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    assert boxes and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)
+    for box in boxes:
+      assert len(box.names) == box.value.ndim
+      assert set(box.names) <= set(models.LOGICAL_AXIS_NAMES), box.names
+
+  def test_activation_constraints_use_known_axes(self, tiny, monkeypatch):
+    model, params, tokens, _ = tiny
+    seen = set()
+    original = nn.with_logical_constraint
+
+    def record(x, names, *args, **kwargs):
+      assert len(names) == x.ndim, names
+      seen.update(names)
+      return original(x, names, *args, **kwargs)
+
+    monkeypatch.setattr(nn, "with_logical_constraint", record)
+    model.apply({"params": params}, tokens)
+    assert seen and seen <= set(models.LOGICAL_AXIS_NAMES), seen - set(models.LOGICAL_AXIS_NAMES)
+
+  def test_runs_under_a_mesh_with_rules(self, tiny):
+    model, params, tokens, _ = tiny
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    rules = {name: None for name in models.LOGICAL_AXIS_NAMES}
+    rules.update(activation_batch=("data", "fsdp"), embed="fsdp", mlp="tensor", heads="tensor",
+                 qkv="tensor", vocab="tensor", ssm_in="tensor", ssm_inner="tensor")
+    with jax.set_mesh(mesh), nn.logical_axis_rules(tuple(rules.items())):
+      specs = nn.logical_to_mesh(nn.get_partition_spec(models.abstract_variables(model)["params"]))
+      assert specs["blocks_0"]["mixer"]["in_proj"]["kernel"] == jax.sharding.PartitionSpec("fsdp", "tensor")
+      logits = jax.jit(model.apply)({"params": params}, tokens)
+    np.testing.assert_allclose(logits, model.apply({"params": params}, tokens), rtol=1e-6, atol=1e-6)
