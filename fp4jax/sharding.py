@@ -1,0 +1,145 @@
+"""Sharding of the fp4jax primitives: Shardy rules and per-shard partitioning decisions.
+
+Used by ``fp4jax.primitives`` through ``jax.experimental.custom_partitioning``. The rules say which
+tensor dimensions share a factor; quantized axes are compound factors (blocks x elements per block)
+so a sharded quantized axis is cut at block boundaries. The partition callbacks then keep every
+sharding under which each shard's work is local (whole blocks, whole 16x16 tiles), replicate the
+rest, and add the one collective a sharded contraction needs (a psum of float32 partial products).
+A row-sharded quantize therefore needs no communication except the scalar tensor amax, which the
+caller reduces before the primitive (a max over a sharded array is an all-reduce of one float).
+"""
+from __future__ import annotations
+
+import math
+
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+TILE = 16
+
+
+def _names(n: int, prefix: str = "d") -> list[str]:
+  return [f"{prefix}{i}" for i in range(n)]
+
+
+def _join(*dims) -> str:
+  return " ".join(dims)
+
+
+# ------------------------------------------------------------------------------------- rules
+
+def quantize_rule(x_ndim: int, amax_ndim: int, has_bits: bool, *, block: int, tiled: bool):
+  """Shardy rule for quantize x (..., K) -> (packed (..., K/2), scales)."""
+  lead = _names(x_ndim - (2 if tiled else 1))
+  m_in, m_s = "(m r)", "m"
+  body = lead + ([m_in] if tiled else [])
+  x = _join(*body, "(k i)")
+  amax = _join(*lead[:amax_ndim])          # amax covers leading (vmapped) axes only
+  data = _join(*body, "(k j)")
+  scale = _join(*lead, *([m_s] if tiled else []), "k")
+  operands = [x, amax] + ([x] if has_bits else [])
+  sizes = dict(i=block, j=block // 2)
+  if tiled:
+    sizes["r"] = TILE
+  return f"{', '.join(operands)} -> {data}, {scale}", sizes
+
+
+def dequantize_rule(ndim: int, amax_ndim: int, *, block: int, tiled: bool):
+  """Shardy rule for dequantize (packed, scales, amax) -> x."""
+  rule, sizes = quantize_rule(ndim, amax_ndim, False, block=block, tiled=tiled)
+  ins, outs = rule.split(" -> ")
+  x, amax = ins.split(", ")
+  return f"{outs}, {amax} -> {x}", sizes
+
+
+def quantize_rht_t_rule(has_bits: bool, *, rows: int, block: int):
+  """Shardy rule for the RHT-transposed quantize x (T, C) -> (packed (C, T/2), scales (C, T/B))."""
+  per = rows // block
+  scale = "c t" if per == 1 else "c (t v)"
+  ops = ["(t l) c", ""] + (["c (t l)"] if has_bits else [])
+  sizes = dict(l=rows, j=rows // 2)
+  if per > 1:
+    sizes["v"] = per
+  return f"{', '.join(ops)} -> c (t j), {scale}", sizes
+
+
+def scaled_matmul_rule(a_ndim: int, *, block: int, a_tiled: bool, b_tiled: bool):
+  """Shardy rule for the scaled matmul (a_data, a_scale, a_amax, b_data, b_scale, b_amax) -> out."""
+  lead = _names(a_ndim - 2)
+  m_d = "(m ra)" if a_tiled else "m"
+  n_d = "(n rb)" if b_tiled else "n"
+  unit = TILE if (a_tiled or b_tiled) else block
+  k_d = "(k j)"
+  ops = [_join(*lead, m_d, k_d), _join(*lead, "m", "k"), "",
+         _join(n_d, k_d), _join("n", "k"), ""]
+  sizes = dict(j=unit // 2)
+  if a_tiled:
+    sizes["ra"] = TILE
+  if b_tiled:
+    sizes["rb"] = TILE
+  return f"{', '.join(ops)} -> {_join(*lead, m_d, n_d)}", sizes
+
+
+# ------------------------------------------------------------------------------------- partition
+
+def spec_of(sharding, ndim: int) -> list:
+  spec = list(getattr(sharding, "spec", P()))
+  return spec + [None] * (ndim - len(spec))
+
+
+def shards(mesh, entry) -> int:
+  if entry is None:
+    return 1
+  axes = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def axes_of(entry) -> tuple:
+  if entry is None:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
+
+
+def keep_if_divides(mesh, entry, length: int, unit: int):
+  """``entry`` if every shard of an axis of ``length`` holds a whole number of ``unit``s, else None."""
+  n = shards(mesh, entry)
+  return entry if length % (n * unit) == 0 else None
+
+
+def named(mesh, spec) -> NamedSharding:
+  return NamedSharding(mesh, P(*spec))
+
+
+def quantize_specs(mesh, x_shape, x_sharding, *, block: int, tiled: bool):
+  """PartitionSpec entries (list) for x, valid for local quantization."""
+  spec = spec_of(x_sharding, len(x_shape))
+  spec[-1] = keep_if_divides(mesh, spec[-1], x_shape[-1], block)
+  if tiled:
+    spec[-2] = keep_if_divides(mesh, spec[-2], x_shape[-2], TILE)
+  return spec
+
+
+def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int, a_tiled: bool,
+                 b_tiled: bool):
+  """(a spec, b spec, out spec, contraction mesh axes) for a local scaled matmul."""
+  a_spec = spec_of(a_sharding, len(a_shape))
+  b_spec = spec_of(b_sharding, 2)
+  unit = TILE if (a_tiled or b_tiled) else block
+  k = a_shape[-1]
+  k_entry = keep_if_divides(mesh, a_spec[-1], k, unit) or keep_if_divides(mesh, b_spec[-1], k, unit)
+  if a_tiled:
+    a_spec[-2] = keep_if_divides(mesh, a_spec[-2], a_shape[-2], TILE)
+  used = set()
+  for e in a_spec[:-1]:
+    used |= set(axes_of(e))
+  if set(axes_of(k_entry)) & used:
+    k_entry = None
+  used |= set(axes_of(k_entry))
+  n_entry = b_spec[0]
+  if b_tiled:
+    n_entry = keep_if_divides(mesh, n_entry, b_shape[0], TILE)
+  if set(axes_of(n_entry)) & used:
+    n_entry = None
+  a_spec[-1] = k_entry
+  b_spec = [n_entry, k_entry]
+  out_spec = a_spec[:-1] + [n_entry]
+  return a_spec, b_spec, out_spec, axes_of(k_entry)
