@@ -64,13 +64,13 @@ def test_linen_dense_general_is_fp4jax_dot_general():
 def test_linen_rng_stream():
   x = jnp.ones((16, D_IN))
   model = nn.Dense(D_OUT, dot_general_cls=dot_general_cls("nvfp4"))
-  params = model.init(jax.random.key(1), x)
-  model.apply(params, x)                               # evaluation needs no random bits
+  params = jax.jit(model.init)(jax.random.key(1), x)
+  jax.jit(model.apply)(params, x)                      # evaluation needs no random bits
   with pytest.raises(ValueError, match=r"rngs=\{'fp4': key\}"):
-    jax.grad(lambda p: jnp.sum(model.apply(p, x)))(params)
+    jax.jit(jax.grad(lambda p: jnp.sum(model.apply(p, x))))(params)
   # Without stochastic rounding no stream is needed at all.
   plain = nn.Dense(D_OUT, dot_general_cls=dot_general_cls(recipes.nvfp4(stochastic_grad=False)))
-  jax.grad(lambda p: jnp.sum(plain.apply(p, x)))(params)
+  jax.jit(jax.grad(lambda p: jnp.sum(plain.apply(p, x))))(params)
 
   class TwoSites(nn.Module):
     @nn.compact
