@@ -8,6 +8,10 @@ A linear layer y = x·W runs three GEMMs (spec §6):
                            of size ``rht_size`` when ``rht``; dy with stochastic rounding
 Each GEMM has its own format, so the ablations ("this GEMM in bf16") and the precision switch
 ("forward in bf16 for the last steps") are recipes too.
+
+Where a switch applies: ``weight_2d`` to the formats with 2D tiles (nvfp4 16x16, fp8 128x128; mxfp4
+weights are always 1x32 blocks); ``stochastic_grad`` and ``rht`` to the FP4 formats (fp8 GEMMs round
+to nearest and skip the RHT, as the paper's FP8 baseline does). ``fp4jax.dot`` implements the recipe.
 """
 from __future__ import annotations
 
