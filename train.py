@@ -41,6 +41,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory for checkpoints 
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-host runs.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes, for multi-host runs.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, for multi-host runs.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", os.path.join("~", ".cache", "fp4jax", "jax_compilation_cache"),
+    "Directory of JAX's persistent compilation cache, so reruns and resumes skip compiling; '' turns it off.")
 
 
 def _parse_flags(argv):
@@ -63,6 +66,8 @@ def main(argv):
   import training  # pylint: disable=g-import-not-at-top
   from training import sharding  # pylint: disable=g-import-not-at-top
   sharding.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if _COMPILATION_CACHE.value:
+    sharding.use_compilation_cache(_COMPILATION_CACHE.value)
   config = _CONFIG.value
   workdir = _WORKDIR.value or os.path.join("runs", config.name)
   try:

@@ -94,7 +94,7 @@ class Reporter:
     self._jsonl.flush()
     if self._tb is not None:
       for key, value in record.items():
-        if key not in ("step", "kind") and isinstance(value, (int, float)) and value is not None:
+        if key not in ("step", "kind") and isinstance(value, (int, float)) and math.isfinite(value):
           self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
   def train_step(self, step: int, metrics: dict, *, recipe: str, nonfinite_note: str = "") -> None:

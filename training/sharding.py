@@ -65,6 +65,13 @@ def maybe_initialize_distributed(coordinator_address: str | None = None, num_pro
   return False
 
 
+def use_compilation_cache(path: str) -> None:
+  """JAX's persistent compilation cache in ``path``: a rerun or a resume skips XLA compilation."""
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   """(data, fsdp, tensor) sizes with a -1 axis filled in; a ConfigError unless they multiply to the devices."""
   sizes = [mesh_config[a] for a in MESH_AXES]

@@ -5,6 +5,11 @@ batches of 4; recipe bf16 unless given.
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
+TEST_COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "fp4jax_test_compilation_cache")
+
 SHRUNKEN_MODEL = dict(d_model=32, pattern="M*-", mlp_dim=64, n_heads=2, n_kv_heads=1, head_dim=16, d_state=8,
                       ssm_head_dim=16, chunk_size=16, bf16_first_blocks=0, bf16_last_blocks=0)
 
@@ -44,3 +49,9 @@ def shrunken_flags(*, steps: int = 8, recipe: str = "bf16") -> list[str]:
            "--config.checkpoint.every_steps=0"]
   flags += [f"--config.model.{k}={v}" for k, v in SHRUNKEN_MODEL.items()]
   return flags
+
+
+def compilation_cache_env(path: str = TEST_COMPILATION_CACHE) -> dict:
+  """Environment variables that turn on JAX's persistent compilation cache in a subprocess."""
+  return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

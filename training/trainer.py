@@ -184,7 +184,8 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
     abstract = jax.eval_shape(init_fn)
     if late_model is not None:
       late_params = jax.eval_shape(lambda: init_state(late_model, tx, config.seed, seq_len)["params"])
-      if jax.tree.structure(nn.unbox(late_params)) != jax.tree.structure(nn.unbox(abstract["params"])):
+      shapes = functools.partial(jax.tree.map, lambda x: (x.shape, x.dtype))
+      if shapes(late_params) != shapes(abstract["params"]):
         raise ConfigError(f"recipes {recipe.name} and {late_recipe.name} give different parameter trees; "
                           "the precision switch needs the same parameters")
   repl = sharding.replicated(mesh)
