@@ -81,6 +81,7 @@ def _qwix_rows(m, k, n, reps):
     return [("qwix nvfp4 QT", None, f"n/a (not installed: {e.name}; pip install qwix)", None)]
   try:
     x, _, dy = _operands(m, k, n)
+    x, dy = x[None], dy[None]   # Qwix tells weights by their shape: keep x from looking like one
     dense = nn.Dense(n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     rule = qwix.QtRule(module_path=".*", weight_qtype="nvfp4", act_qtype="nvfp4", bwd_qtype="nvfp4",
                        tile_size=16, bwd_weight_grad_tile_size=16, bwd_stochastic_rounding="uniform",
