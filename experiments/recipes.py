@@ -1,0 +1,420 @@
+"""The recipe study: one model, one data stream, the same seeds, trained with each recipe variant.
+
+  python -m experiments.recipes --config configs/study_cpu.py [--workdir results/study_cpu]
+  python -m experiments.recipes --config configs/study_cpu.py --summarize_only    # tables from finished runs
+  python -m experiments.recipes --config configs/study_cpu.py --config.study.variants=bf16,nvfp4
+
+Variants (spec §6-7): bf16, fp8, mxfp4, nvfp4 (the paper's recipe), nvfp4 without stochastic rounding,
+without RHT, without 2D weight tiles, nvfp4 with every linear layer in FP4, and nvfp4 with the precision
+switch (the last ``study.switch_fraction`` of the steps with the forward pass in bf16).
+
+1. Each (variant, seed) trains with ``training.train_and_evaluate`` in ``<runs_dir>/<variant>/seed<k>``,
+   one after the other in this process. A finished run leaves ``study_result.json`` there and is skipped
+   next time; an interrupted one resumes from its latest checkpoint (the trainer's own resume).
+2. After every run the summary is rewritten from all finished runs: ``summary.md`` (final validation loss,
+   relative gap to bf16 per seed, mean and spread over seeds, tokens/s, wall time), ``summary.json`` and
+   ``loss_gap.png`` (relative validation-loss gap to bf16 against tokens, one line per variant).
+
+The gap of a variant is paired by seed: (loss_variant(seed) - loss_bf16(seed)) / loss_bf16(seed), so
+init, data order and validation batches are the same on both sides; mean and sample std over seeds.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# Each variant is a set of overrides (dotted config paths) of the study's base training config.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {"recipe": "bf16"},
+    "fp8": {"recipe": "fp8"},
+    "mxfp4": {"recipe": "mxfp4"},
+    "nvfp4": {"recipe": "nvfp4"},
+    "nvfp4_no_sr": {"recipe": "nvfp4_no_sr"},
+    "nvfp4_no_rht": {"recipe": "nvfp4_no_rht"},
+    "nvfp4_no_2d": {"recipe": "nvfp4_no_2d"},
+    "nvfp4_all_fp4": {"recipe": "nvfp4", "model.bf16_first_blocks": 0, "model.bf16_last_blocks": 0},
+    "nvfp4_switch": {"recipe": "nvfp4", "precision_switch.mode": "fwd"},  # fraction from study.switch_fraction
+}
+
+DESCRIPTIONS = {
+    "bf16": "no quantization (the reference)",
+    "fp8": "E4M3, 1x128 blocks, 128x128 weight tiles",
+    "mxfp4": "E2M1, E8M0 scale per 32, SR, RHT-32 on wgrad",
+    "nvfp4": "paper recipe: 16x16 weight tiles, SR on grads, RHT-16 on wgrad",
+    "nvfp4_no_sr": "nvfp4, round-to-nearest gradients",
+    "nvfp4_no_rht": "nvfp4, no Hadamard transform on wgrad",
+    "nvfp4_no_2d": "nvfp4, 1x16 weight blocks (dgrad requantizes W)",
+    "nvfp4_all_fp4": "nvfp4, every linear layer in FP4 (no bf16 blocks)",
+    "nvfp4_switch": "nvfp4, forward in bf16 for the last steps",
+}
+
+RESULT_FILE = "study_result.json"
+
+
+# ------------------------------------------------------------------------------------------- configs
+
+def _set(config, path: str, value) -> None:
+  *parents, leaf = path.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+
+
+def study_variants(config) -> list[str]:
+  """The variant names of ``config.study.variants`` ("all" or comma-separated), bf16 first."""
+  spec = config.study.variants
+  names = list(VARIANTS) if spec in ("all", "", None) else [
+      v.strip() for v in (spec.split(",") if isinstance(spec, str) else spec) if v.strip()]
+  unknown = [v for v in names if v not in VARIANTS]
+  if unknown:
+    raise ValueError(f"config.study.variants: unknown {unknown}; choose from {list(VARIANTS)} or 'all'")
+  if "bf16" not in names:
+    raise ValueError("config.study.variants must include bf16: every gap is measured against it")
+  return ["bf16"] + [v for v in names if v != "bf16"]
+
+
+def run_config(config, variant: str, seed: int):
+  """The training config of one run: the study config without its ``study`` section, plus the variant."""
+  run = copy.deepcopy(config)
+  with run.unlocked():
+    del run["study"]
+  run.name = f"{config.name}/{variant}/seed{seed}"
+  run.seed = int(seed)
+  for path, value in VARIANTS[variant].items():
+    _set(run, path, value)
+  if variant == "nvfp4_switch":
+    run.precision_switch.fraction = float(config.study.switch_fraction)
+  return run
+
+
+# ------------------------------------------------------------------------------------------- running
+
+def read_metrics(workdir: str) -> dict[str, list[dict]]:
+  """``metrics.jsonl`` records by kind; a step logged twice (after a resume) keeps its last record."""
+  by_kind: dict[str, dict[int, dict]] = {}
+  path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        line = line.strip()
+        if line:
+          rec = json.loads(line)
+          by_kind.setdefault(rec.get("kind", "?"), {})[int(rec["step"])] = rec
+  return {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_kind.items()}
+
+
+def _count_params(run) -> int:
+  from training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from models.lm import count_params  # pylint: disable=g-import-not-at-top
+  return int(count_params(config_lib.resolve_model_config(run.model)))
+
+
+def train_one(run, workdir: str, log: Callable[[str], None] = print) -> dict:
+  """Trains (or resumes) one run and writes its ``study_result.json``; returns that record."""
+  import training  # pylint: disable=g-import-not-at-top
+  resumed = os.path.isdir(os.path.join(workdir, "checkpoints")) and bool(os.listdir(os.path.join(workdir, "checkpoints")))
+  start = time.perf_counter()
+  try:
+    summary = training.train_and_evaluate(run, workdir)
+  except training.TrainingDiverged as e:
+    log(f"  diverged: {e}")
+    summary = dict(status="diverged", validation_loss=float("nan"), tokens_per_second=float("nan"),
+                   step=None, error=str(e))
+  wall = time.perf_counter() - start
+  record = dict(status=summary["status"], step=summary.get("step"),
+                validation_loss=summary.get("validation_loss"), train_loss=summary.get("train_loss"),
+                bits_per_byte=summary.get("bits_per_byte"), tokens_per_second=summary.get("tokens_per_second"),
+                nonfinite_steps=summary.get("nonfinite_steps"), wall_seconds=wall, resumed=resumed,
+                finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+  if record["status"] in ("done", "diverged"):
+    with open(os.path.join(workdir, RESULT_FILE), "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=2)
+  return record
+
+
+def load_result(workdir: str) -> dict | None:
+  path = os.path.join(workdir, RESULT_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callable[[str], None] = print,
+              train: bool = True) -> dict:
+  """Runs every missing (variant, seed) of ``config.study`` in order, rewriting the summary after each.
+
+  Returns the summary dict (also written to ``out_dir/summary.json``).
+  """
+  runs_dir = runs_dir or config.study.runs_dir
+  variants = study_variants(config)
+  seeds = [int(s) for s in config.study.seeds]
+  os.makedirs(out_dir, exist_ok=True)
+  summary = write_summary(config, out_dir, runs_dir)
+  if not train:
+    return summary
+  todo = [(v, s) for s in seeds for v in variants if load_result(run_dir(runs_dir, v, s)) is None]
+  log(f"study {config.name}: {len(variants)} variants x {len(seeds)} seeds; {len(todo)} run(s) to do")
+  for i, (variant, seed) in enumerate(todo):
+    workdir = run_dir(runs_dir, variant, seed)
+    log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
+    record = train_one(run_config(config, variant, seed), workdir, log)
+    if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
+      log(f"run {variant}/seed{seed} ended with status {record['status']}; stopping the study")
+      break
+    summary = write_summary(config, out_dir, runs_dir)
+  return summary
+
+
+def run_dir(runs_dir: str, variant: str, seed: int) -> str:
+  return os.path.join(runs_dir, variant, f"seed{seed}")
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+  vals = [v for v in values if v is not None and math.isfinite(v)]
+  if not vals:
+    return float("nan"), float("nan")
+  return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
+
+
+def _eval_curve(workdir: str) -> dict[int, float]:
+  return {int(r["step"]): float(r["loss"]) for r in read_metrics(workdir).get("eval", [])}
+
+
+def collect(config, runs_dir: str) -> dict:
+  """Everything the summary shows, from the finished runs on disk."""
+  variants = study_variants(config)
+  seeds = [int(s) for s in config.study.seeds]
+  base_run = run_config(config, "bf16", seeds[0])
+  tokens_per_step = int(config.batch_size * config.data.seq_len)
+  n_params = _count_params(base_run)
+  results, curves = {}, {}
+  for v in variants:
+    for s in seeds:
+      rec = load_result(run_dir(runs_dir, v, s))
+      if rec is not None:
+        results[(v, s)] = rec
+        curves[(v, s)] = _eval_curve(run_dir(runs_dir, v, s))
+  rows = {}
+  for v in variants:
+    done = [s for s in seeds if (v, s) in results]
+    losses = {s: results[(v, s)]["validation_loss"] for s in done}
+    gaps = {s: 100.0 * (losses[s] - results[("bf16", s)]["validation_loss"]) / results[("bf16", s)]["validation_loss"]
+            for s in done if ("bf16", s) in results and losses[s] is not None and math.isfinite(losses[s])}
+    loss_mean, loss_std = _mean_std(list(losses.values()))
+    gap_mean, gap_std = _mean_std(list(gaps.values()))
+    tps = [results[(v, s)]["tokens_per_second"] for s in done]
+    walls = [results[(v, s)]["wall_seconds"] for s in done]
+    # The gap curve: per seed at the evaluation steps both runs have, then the mean over seeds.
+    per_seed = []
+    for s in done:
+      if ("bf16", s) not in curves:
+        continue
+      ref, cur = curves[("bf16", s)], curves[(v, s)]
+      per_seed.append({st: 100.0 * (cur[st] - ref[st]) / ref[st] for st in cur if st in ref})
+    steps = sorted(set.intersection(*(set(c) for c in per_seed))) if per_seed else []
+    curve = [(st * tokens_per_step, float(np.mean([c[st] for c in per_seed]))) for st in steps]
+    rows[v] = dict(description=DESCRIPTIONS[v], seeds=done, validation_loss=losses, gap_percent=gaps,
+                   loss_mean=loss_mean, loss_std=loss_std, gap_mean=gap_mean, gap_std=gap_std,
+                   tokens_per_second=float(np.mean(tps)) if tps else float("nan"),
+                   wall_seconds=float(np.mean(walls)) if walls else float("nan"),
+                   statuses=sorted({results[(v, s)]["status"] for s in done}),
+                   nonfinite_steps=sum(int(results[(v, s)].get("nonfinite_steps") or 0) for s in done),
+                   gap_curve=curve)
+  # Seed noise: how far the bf16 runs of different seeds land from each other (relative to their mean).
+  bf16 = [results[("bf16", s)]["validation_loss"] for s in seeds if ("bf16", s) in results]
+  noise = 100.0 * float(np.std(bf16, ddof=1) / np.mean(bf16)) if len(bf16) > 1 else float("nan")
+  tokens = int(config.steps) * tokens_per_step
+  switch_step = int(config.steps) - int(round(float(config.study.switch_fraction) * int(config.steps)))
+  import jax  # pylint: disable=g-import-not-at-top
+  return dict(
+      name=config.name, variants=variants, seeds=seeds, rows=rows,
+      runs_done=len(results), runs_total=len(variants) * len(seeds),
+      params=n_params, tokens_per_run=tokens, tokens_per_param=tokens / n_params,
+      steps=int(config.steps), batch_size=int(config.batch_size), seq_len=int(config.data.seq_len),
+      switch_fraction=float(config.study.switch_fraction), switch_tokens=switch_step * tokens_per_step,
+      bf16_seed_std_percent=noise,
+      model=_model_summary(base_run),
+      hardware=dict(machine=platform.machine(), processor=platform.processor() or "?", cpus=os.cpu_count(),
+                    platform=jax.devices()[0].platform, device=str(jax.devices()[0].device_kind),
+                    jax=jax.__version__, python=platform.python_version()),
+      total_wall_seconds=float(sum(r["wall_seconds"] for r in results.values())),
+      updated=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  )
+
+
+def _model_summary(run) -> dict:
+  from training import config as config_lib  # pylint: disable=g-import-not-at-top
+  m = config_lib.resolve_model_config(run.model)
+  return dict(preset=run.model.preset, pattern=m.pattern, d_model=m.d_model, mlp_dim=m.mlp_dim,
+              bf16_first_blocks=m.bf16_first_blocks, bf16_last_blocks=m.bf16_last_blocks, dtype=str(m.dtype))
+
+
+def _pm(mean: float, std: float, fmt: str) -> str:
+  if not math.isfinite(mean):
+    return "—"
+  return f"{mean:{fmt}} ± {std:{fmt}}" if math.isfinite(std) else f"{mean:{fmt}}"
+
+
+def render_markdown(s: dict) -> str:
+  m, hw = s["model"], s["hardware"]
+  lines = [
+      f"# Recipe study `{s['name']}`",
+      "",
+      f"Model: `{m['preset']}` preset, pattern `{m['pattern']}`, d_model {m['d_model']}, MLP {m['mlp_dim']}, "
+      f"{s['params']:,} parameters; bf16 blocks: first {m['bf16_first_blocks']}, last {m['bf16_last_blocks']}. "
+      f"{s['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens = {s['tokens_per_run']:,} tokens per run "
+      f"({s['tokens_per_param']:.1f} tokens/parameter). Seeds {s['seeds']}; runs finished "
+      f"{s['runs_done']}/{s['runs_total']}.",
+      f"Hardware: {hw['cpus']} x {hw['machine']} {hw['platform']} ({hw['device']}), jax {hw['jax']}; "
+      f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
+      "",
+      "Gap = (validation loss - bf16 validation loss) / bf16 validation loss, paired by seed; "
+      "± is the sample standard deviation over seeds. tokens/s excludes compilation; wall time is per run "
+      "and includes compilation and evaluation.",
+      "",
+      "| variant | what | final validation loss | gap to bf16 (%) | per seed (%) | tokens/s | wall / run |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for v in s["variants"]:
+    r = s["rows"][v]
+    if not r["seeds"]:
+      lines.append(f"| {v} | {r['description']} | not run yet | | | | |")
+      continue
+    status = "" if r["statuses"] == ["done"] else f" ({', '.join(r['statuses'])})"
+    per_seed = ", ".join(f"{r['gap_percent'][k]:+.2f}" for k in sorted(r["gap_percent"]))
+    gap = "0 (reference)" if v == "bf16" else _pm(r["gap_mean"], r["gap_std"], "+.2f")
+    lines.append(f"| {v}{status} | {r['description']} | {_pm(r['loss_mean'], r['loss_std'], '.4f')} | {gap} | "
+                 f"{'' if v == 'bf16' else per_seed} | {r['tokens_per_second']:,.0f} | "
+                 f"{r['wall_seconds'] / 60:.1f} min |")
+  lines += [
+      "",
+      f"Seed noise: the bf16 runs' final losses differ by {s['bf16_seed_std_percent']:.2f}% (sample std / mean "
+      "over seeds); a gap smaller than that, or than its own ± over seeds, is not a result.",
+      f"Precision switch: the last {100 * s['switch_fraction']:.0f}% of the steps (from token "
+      f"{s['switch_tokens']:,}) run the forward pass in bf16.",
+      "",
+      "![relative loss gap](loss_gap.png)",
+      "",
+  ]
+  return "\n".join(lines)
+
+
+def plot_gaps(s: dict, path: str) -> None:
+  """Relative validation-loss gap to bf16 (%) against tokens, one line per variant (mean over seeds)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(8, 4.8))
+  styles = {"fp8": ("tab:green", "-"), "mxfp4": ("tab:red", "-"), "nvfp4": ("tab:blue", "-"),
+            "nvfp4_no_sr": ("tab:orange", "--"), "nvfp4_no_rht": ("tab:purple", "--"),
+            "nvfp4_no_2d": ("tab:brown", "--"), "nvfp4_all_fp4": ("tab:pink", ":"),
+            "nvfp4_switch": ("tab:cyan", "-.")}
+  for v in s["variants"]:
+    curve = s["rows"][v]["gap_curve"]
+    if v == "bf16" or not curve:
+      continue
+    color, ls = styles.get(v, (None, "-"))
+    x, y = zip(*curve)
+    n = len(s["rows"][v]["seeds"])
+    ax.plot(x, y, ls, color=color, marker="o", ms=3, lw=1.6 if v in ("nvfp4", "mxfp4") else 1.1,
+            label=f"{v} ({s['rows'][v]['gap_mean']:+.2f}%, {n} seed{'s' if n != 1 else ''})")
+  ax.axhline(0.0, color="black", lw=0.8)
+  if "nvfp4_switch" in s["variants"] and s["switch_fraction"] > 0:
+    ax.axvline(s["switch_tokens"], color="tab:cyan", lw=0.8, alpha=0.6)
+  if math.isfinite(s["bf16_seed_std_percent"]):
+    ax.axhspan(-s["bf16_seed_std_percent"], s["bf16_seed_std_percent"], color="gray", alpha=0.15,
+               label="bf16 seed noise (±1 std)")
+  ax.set_xlabel("tokens")
+  ax.set_ylabel("relative validation loss gap to bf16 (%)")
+  ax.set_title(f"{s['name']}: {s['params']:,} params, {s['tokens_per_param']:.0f} tokens/param")
+  ax.grid(alpha=0.3)
+  # The first evaluations (still far from converged) can dwarf the end; show the second half's range well.
+  ys = [y for v in s["variants"] if v != "bf16" for _, y in s["rows"][v]["gap_curve"][len(s["rows"][v]["gap_curve"]) // 3:]]
+  if ys:
+    lo, hi = min(ys + [0.0]), max(ys + [0.0])
+    pad = 0.15 * (hi - lo or 1.0)
+    ax.set_ylim(lo - pad, hi + pad)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8, loc="best")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _jsonable(s: dict) -> dict:
+  def clean(x):
+    if isinstance(x, float):
+      return None if not math.isfinite(x) else round(x, 6)
+    if isinstance(x, dict):
+      return {str(k): clean(v) for k, v in x.items() if k != "gap_curve"}
+    if isinstance(x, (list, tuple)):
+      return [clean(v) for v in x]
+    return x
+  return clean(s)
+
+
+def write_summary(config, out_dir: str, runs_dir: str) -> dict:
+  s = collect(config, runs_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
+    f.write(render_markdown(s))
+  with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
+    json.dump(_jsonable(s), f, indent=1)
+  plot_gaps(s, os.path.join(out_dir, "loss_gap.png"))
+  return s
+
+
+# ------------------------------------------------------------------------------------- command line
+
+def enable_compilation_cache(directory: str) -> None:
+  """Persistent XLA cache: the second seed of a variant (and a resumed study) reuses compiled steps."""
+  from training import sharding  # pylint: disable=g-import-not-at-top
+  sharding.use_compilation_cache(os.path.abspath(directory))
+
+
+def main(argv=None) -> int:
+  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, root)
+  config_flag = config_flags.DEFINE_config_file("config", os.path.join(root, "configs", "study_cpu.py"),
+                                                "Study config (configs/study_*.py).", lock_config=False)
+  workdir = flags.DEFINE_string("workdir", None, "Where summary.md/json and loss_gap.png go; default "
+                                "results/<config.name>.")
+  runs_dir = flags.DEFINE_string("runs_dir", None, "Work directories of the runs; default config.study.runs_dir.")
+  summarize_only = flags.DEFINE_bool("summarize_only", False, "Only rewrite the summary from finished runs.")
+
+  def _main(args):
+    if len(args) > 1:
+      raise app.UsageError(f"unexpected arguments {args[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    config = config_flag.value
+    out = workdir.value or os.path.join("results", config.name)
+    runs = runs_dir.value or config.study.runs_dir
+    if config.study.get("compilation_cache", True):
+      enable_compilation_cache(os.path.join(os.path.dirname(os.path.abspath(runs)), "jax_cache"))
+    summary = run_study(config, out, runs_dir=runs, train=not summarize_only.value)
+    print(f"\nsummary: {os.path.join(out, 'summary.md')} ({summary['runs_done']}/{summary['runs_total']} runs)")
+    print(render_markdown(summary))
+    return 0
+
+  app.run(_main, argv=argv)
+  return 0
+
+
+if __name__ == "__main__":
+  main()
