@@ -49,6 +49,11 @@ def make_optimizer(optim_config, total_steps: int) -> tuple[optax.GradientTransf
   return tx, lr
 
 
+def global_norm(tree) -> jax.Array:
+  """The L2 norm of all leaves together, in fp32 (what clip_by_global_norm clips)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def fp32_params(params):
   """Master weights are fp32 whatever the model's param_dtype: floating leaves are cast."""
   return jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)

@@ -78,7 +78,7 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn):
 
   with jax.named_scope("forward_backward"):
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -202,7 +202,11 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
                                 read_threads=config.data.read_threads, prefetch=config.data.prefetch)
   latest = checkpoints.latest_step()
   if latest is not None:
-    state, data_state = checkpoints.restore(latest, ckpt_lib.abstract_like(abstract, state_sh))
+    try:
+      state, data_state = checkpoints.restore(latest, ckpt_lib.abstract_like(abstract, state_sh))
+    except (ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"the checkpoint {checkpoints.directory}/{latest} does not fit this config (another model "
+                        f"or optimizer?): {str(e)[:300]}; use a new --workdir, or the config it was made with") from e
     if data_state.get("process_count") != nproc:
       raise ConfigError(f"checkpoint step {latest} was saved by {data_state.get('process_count')} process(es); "
                         f"resume with the same number (now {nproc})")
