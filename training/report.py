@@ -24,7 +24,7 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class Reporter:
-  """Progress (``\\r`` line on a terminal, a line every ``log_every`` steps otherwise) and metric files."""
+  """Progress (a line every ``log_every`` steps; on a terminal also a ``\\r`` line redrawn every step) and files."""
 
   def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, log_every: int,
                primary: bool = True, stream=None):
@@ -112,11 +112,10 @@ class Reporter:
     line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:7.4f}  "
             f"{self.tokens_per_second:9,.0f} tok/s  {1000 * self.step_time:7.1f} ms/step  "
             f"ETA {_fmt_duration(remaining)}  [{recipe}]{nonfinite_note}")
-    if self.tty:
-      self._print(line, transient=True)
-    if step % self.log_every == 0 or step == self.total_steps:
-      if not self.tty:
-        self._print(line)
+    logged = step % self.log_every == 0 or step == self.total_steps
+    if logged or self.tty:
+      self._print(line, transient=not logged)  # on a terminal every step redraws; logged steps stay
+    if logged:
       mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
       self._interval = []
       self.train_curve.append((step, mean))

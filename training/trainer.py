@@ -205,9 +205,13 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
     try:
       state, data_state = checkpoints.restore(latest, ckpt_lib.abstract_like(abstract, state_sh))
     except (ValueError, KeyError, TypeError) as e:
+      checkpoints.close()
+      reporter.close()
       raise ConfigError(f"the checkpoint {checkpoints.directory}/{latest} does not fit this config (another model "
                         f"or optimizer?): {str(e)[:300]}; use a new --workdir, or the config it was made with") from e
     if data_state.get("process_count") != nproc:
+      checkpoints.close()
+      reporter.close()
       raise ConfigError(f"checkpoint step {latest} was saved by {data_state.get('process_count')} process(es); "
                         f"resume with the same number (now {nproc})")
     train_iter.set_state(data_state["iterator"])
