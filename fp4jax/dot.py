@@ -65,7 +65,7 @@ def _uses_rht(recipe):
 
 def needs_key(recipe: Recipe) -> bool:
   """Whether the backward pass of ``recipe`` draws random bits (stochastic rounding of dy)."""
-  return any(_rounding(f, recipe) == "stochastic" for f in (recipe.dgrad, recipe.wgrad))
+  return recipe.needs_key
 
 
 def _shares_fprop_weight(recipe):

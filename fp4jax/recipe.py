@@ -57,5 +57,10 @@ class Recipe:
   def quantizes_anything(self) -> bool:
     return any(f != "bf16" for f in (self.fprop, self.dgrad, self.wgrad))
 
+  @property
+  def needs_key(self) -> bool:
+    """Whether the backward pass draws random bits: stochastic rounding of dy in an FP4 GEMM."""
+    return self.stochastic_grad and any(f in ("nvfp4", "mxfp4") for f in (self.dgrad, self.wgrad))
+
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)

@@ -30,6 +30,7 @@ def test_presets():
   assert not bf16.quantizes_anything and not needs_key(bf16)
   assert not needs_key(recipes.nvfp4(stochastic_grad=False))
   assert not needs_key(recipes.nvfp4(dgrad="bf16", wgrad="fp8"))
+  assert recipes.nvfp4(dgrad="bf16").needs_key and not recipes.mxfp4(stochastic_grad=False).needs_key
 
 
 def test_names_and_hashable():
