@@ -130,8 +130,8 @@ class TestNvfp4Model:
   """The real quantized dot in the tiny model (start running once fp4jax.flax lands)."""
 
   def test_forward_backward_finite_and_close_to_bf16(self):
-    # Every linear layer of a 3-block model in NVFP4 (the CPU reference path compiles slowly).
-    config = get_model_config("tiny", pattern="M*-", bf16_last_blocks=0)
+    # Every linear layer of a 2-block model in NVFP4 (the CPU reference path compiles slowly).
+    config = get_model_config("tiny", pattern="M-", bf16_last_blocks=0)
     model, reference = LanguageModel(config, recipe="nvfp4"), LanguageModel(config)
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
     params = jax.jit(reference.init)(jax.random.key(0), tokens)["params"]
