@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fp4jax import fp8, nvfp4
+from fp4jax import fp8, nvfp4, primitives
 from fp4jax.qtensor import QTensor
 from fp4jax.reference import DEFAULT_BLOCK, dequantize_reference, quantize_reference
 
@@ -74,7 +74,7 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
 
 
 def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=None, amax=None,
-             scale_rule="rceil", scaling="block") -> QTensor:
+             scale_rule="rceil", scaling="block", impl: str | None = None) -> QTensor:
   """Quantize ``x`` to ``fmt`` ("nvfp4" | "mxfp4" | "fp8").
 
   axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
@@ -82,34 +82,72 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
     ``bits`` of the input's shape, for bit-exact comparisons). amax: the NVFP4 tensor amax to use
     instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
-    scaling: "tensor" for plain per-tensor FP8.
+    scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
+    CPU), "xla" (the pure-JAX reference), or None = "pallas" where ``fp4jax.primitives.can_use_pallas``
+    (an FP4 format on a CUDA GPU), else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
+    fp8 runs the reference directly.
   NaN: an NVFP4 tensor with a NaN has a NaN amax, so all its scales are NaN and it dequantizes to NaN;
     an MXFP4 block with a NaN gets the NaN scale byte 0xFF; fp8 keeps NaN elements.
   """
   x = jnp.asarray(x)
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling)
+  impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.shape, jnp.uint8)
-  return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
-                            scale_rule=scale_rule, scaling=scaling)
+  if fmt not in primitives.KERNEL_FORMATS:
+    return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
+                              scale_rule=scale_rule, scaling=scaling)
+  amax_g = None
+  if fmt == "nvfp4":
+    amax_g = nvfp4.tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
+  prim_amax = jnp.zeros((), jnp.float32) if amax_g is None else amax_g
+  # The primitive quantizes (and packs) along the last axis: move the axis there and back. For 16x16
+  # tiles packed along axis -2 that is the tile quantization of the transpose, transposed back.
+  last = x.ndim - 1
+  src = axis if tile is None else (last - 1 if axis == last - 1 else last)
+  x_l = jnp.moveaxis(x, src, -1)
+  bits_l = None if bits is None else jnp.moveaxis(bits, src, -1)
+  data, scale = primitives.quantize_last(x_l, prim_amax, bits_l, fmt=fmt, tiled=tile is not None,
+                                         scale_rule=scale_rule, impl=impl)
+  data, scale = jnp.moveaxis(data, -1, src), jnp.moveaxis(scale, -1, src)
+  block = None if tile is not None else DEFAULT_BLOCK[fmt]
+  return QTensor(data, scale, amax_g, fmt, axis - x.ndim, block,
+                 None if tile is None else tuple(tile), x.dtype,
+                 scale_rule if fmt == "mxfp4" else None)
 
 
-def dequantize(q: QTensor, dtype=jnp.float32):
-  """The values ``q`` represents, in the original shape, as ``dtype``."""
+def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
+  """The values ``q`` represents, in the original shape, as ``dtype``.
+
+  FP4 formats run as the ``fp4jax_dequantize`` primitive (both impls lower to the XLA reference,
+  which fuses into its consumers); fp8 runs the reference directly.
+  """
   if not isinstance(q, QTensor):
     raise TypeError(f"fp4jax.dequantize takes a QTensor from fp4jax.quantize; got {type(q).__name__}")
-  return dequantize_reference(q, dtype)
+  impl = primitives.resolve_impl(impl, q.fmt)
+  if q.fmt not in primitives.KERNEL_FORMATS:
+    return dequantize_reference(q, dtype)
+  nd = q.data.ndim
+  axis = q.axis % nd
+  src = axis if q.tile is None else (nd - 2 if axis == nd - 2 else nd - 1)
+  data, scale = jnp.moveaxis(q.data, src, -1), jnp.moveaxis(q.scale, src, -1)
+  out = primitives.dequantize_last(data, scale, q.amax, fmt=q.fmt, tiled=q.tile is not None,
+                                   dtype=dtype, impl=impl)
+  return jnp.moveaxis(out, -1, src)
 
 
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
-                            bits=None, scale_rule="rceil") -> QTensor:
+                            bits=None, scale_rule="rceil", impl: str | None = None) -> QTensor:
   """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
 
   Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T
   (in float32), and quantizes the result in 1D blocks along T. ``bits`` (stochastic rounding) have
   the output's shape (C, T). T must be a multiple of both ``rht_size`` and the format's block.
+  Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"); the tensor
+  amax after the transform is a separate reduction before it. impl: as for ``quantize``.
   """
-  from fp4jax.hadamard import rht
+  from fp4jax.hadamard import signs
+  from fp4jax.kernels.quantize_rht_t import rht_amax
   x = jnp.asarray(x)
   if x.ndim != 2:
     raise ValueError(f"quantize_rht_transposed takes a 2-D (tokens, channels) input; got shape {x.shape}")
@@ -118,7 +156,13 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   if x.shape[0] % rht_size:
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
   _validate(x.T, fmt, -1, None, rounding, key, bits, None, scale_rule, "block")
+  impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.T.shape, jnp.uint8)
-  y = rht(x.T, axis=-1, size=rht_size, seed=rht_seed)
-  return quantize_reference(y, fmt, axis=-1, bits=bits, scale_rule=scale_rule)
+  signs(rht_size, rht_seed)   # validates rht_size
+  amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed) if fmt == "nvfp4" else None
+  data, scale = primitives.quantize_rht_t(
+      x, jnp.zeros((), jnp.float32) if amax is None else amax, bits, fmt=fmt, rht_size=rht_size,
+      rht_seed=rht_seed, scale_rule=scale_rule, impl=impl)
+  return QTensor(data, scale, amax, fmt, -1, DEFAULT_BLOCK[fmt], None, jnp.dtype(jnp.float32),
+                 scale_rule if fmt == "mxfp4" else None)

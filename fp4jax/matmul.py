@@ -68,10 +68,19 @@ def check_operands(a: QTensor, b: QTensor):
     raise ValueError(f"contraction lengths differ: lhs K={a.shape[-1]}, rhs K={b.shape[-1]}")
 
 
-def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
-  """a (..., M, K) · b (N, K)ᵀ -> (..., M, N) in ``out_dtype``, from quantized operands."""
+def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None):
+  """a (..., M, K) · b (N, K)ᵀ -> (..., M, N) in ``out_dtype``, from quantized operands.
+
+  FP4 operands run as the ``fp4jax_scaled_matmul`` primitive. impl: "pallas" (the Pallas kernel;
+  interpreted on CPU), "xla" (the reference), or None = "pallas" where
+  ``fp4jax.primitives.can_use_pallas``, else "xla". fp8 operands run the reference.
+  """
+  from fp4jax import primitives
   check_operands(a, b)
-  return scaled_matmul_reference(a, b, out_dtype)
+  impl = primitives.resolve_impl(impl, a.fmt)
+  if a.fmt not in primitives.KERNEL_FORMATS:
+    return scaled_matmul_reference(a, b, out_dtype)
+  return primitives.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl)
 
 
 def transpose_tiles(q: QTensor) -> QTensor:

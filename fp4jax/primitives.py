@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import sharding as shd
@@ -115,6 +115,17 @@ def _partitioned(local_fn, *, rule, partition, infer):
   cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=lambda mesh, vt, rt: (rule_str, sizes))
   return cp
+
+
+def _def_reference_jvp(prim, reference_fn):
+  """Differentiate like the pure-JAX reference: the primal output goes through ``prim``, tangents are
+  the reference's (zero through the rounding, as for the reference; float0 for integer outputs)."""
+  def jvp(primals, tangents, **params):
+    out = prim.bind(*primals, **params)
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    _, t_out = jax.jvp(lambda *a: reference_fn(*a, **params), tuple(primals), tangents)
+    return out, (list(t_out) if prim.multiple_results else t_out)
+  ad.primitive_jvps[prim] = jvp
 
 
 def _to_front(x, d, size):
@@ -224,6 +235,8 @@ _requires_devices(quantize_p)
 mlir.register_lowering(quantize_p, _quantize_lowering)
 _register_local_lowerings(quantize_local_p, _quantize_local_impl)
 batching.primitive_batchers[quantize_p] = _quantize_batch
+_def_reference_jvp(quantize_p, lambda x, amax, *bits, impl, **p: _quantize_local_impl(
+    x, amax, *bits, impl="xla", platform="other", **p))
 
 
 def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl="xla"):
@@ -306,6 +319,7 @@ _requires_devices(dequantize_p)
 mlir.register_lowering(dequantize_p, _dequantize_lowering)
 _register_local_lowerings(dequantize_local_p, _dequantize_local_impl)
 batching.primitive_batchers[dequantize_p] = _dequantize_batch
+_def_reference_jvp(dequantize_p, lambda *a, **p: _dequantize_local_impl(*a, platform="other", **p))
 
 
 def dequantize_last(data, scale, amax, *, fmt, tiled=False, dtype=jnp.float32, impl="xla"):
@@ -390,6 +404,8 @@ _requires_devices(quantize_rht_t_p)
 mlir.register_lowering(quantize_rht_t_p, _rht_t_lowering)
 _register_local_lowerings(quantize_rht_t_local_p, _rht_t_local_impl)
 batching.primitive_batchers[quantize_rht_t_p] = _map_batch(quantize_rht_t_p)
+_def_reference_jvp(quantize_rht_t_p, lambda *a, impl, **p: _rht_t_local_impl(
+    *a, impl="xla", platform="other", **p))
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale_rule="rceil",
@@ -437,8 +453,7 @@ def _mm_cp(a_ndim, params_items):
   fmt, a_tiled, b_tiled = params["fmt"], params["a_tiled"], params["b_tiled"]
 
   def local(*ops):
-    (out,) = scaled_matmul_local_p.bind(*ops, **params)
-    return out
+    return scaled_matmul_local_p.bind(*ops, **params)
 
   def specs(mesh, arg_shapes):
     a, b = arg_shapes[0], arg_shapes[3]
@@ -458,7 +473,7 @@ def _mm_cp(a_ndim, params_items):
 
     def local_psum(*ops):   # K sharded: float32 partial products, summed across the K shards
       part = scaled_matmul_local_p.bind(*ops, **{**params, "out_dtype": jnp.dtype(jnp.float32)})
-      return lax.psum(part[0], k_axes).astype(params["out_dtype"])
+      return lax.psum(part, k_axes).astype(params["out_dtype"])
 
     return mesh, local_psum, out, args
 
@@ -505,6 +520,8 @@ mlir.register_lowering(
     mlir.lower_fun(lambda *a, **p: _mm_local_impl(*a, platform="other", **p)[0],
                    multiple_results=False))
 batching.primitive_batchers[scaled_matmul_p] = _mm_batch
+_def_reference_jvp(scaled_matmul_p, lambda *a, impl, **p: _mm_local_impl(
+    *a, impl="xla", platform="other", **p)[0])
 
 
 def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl="xla"):
