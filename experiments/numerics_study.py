@@ -19,13 +19,27 @@ Legend: M tokens (batch x sequence, flattened), K a linear layer's input width, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
-from typing import Any
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+from ml_collections import config_dict
+
+import fp4jax
+from fp4jax.dot import needs_key
+from models.lm import LanguageModel
+from models.policy import describe_linear_layers
+from training import config as config_lib
+from training import data as data_lib
+from training.trainer import cross_entropy
 
 STUDY_RECIPES = ("fp8", "mxfp4", "nvfp4", "nvfp4_no_sr", "nvfp4_no_rht", "nvfp4_no_2d", "nvfp4_all_fp4")
 FORMATS = {  # name -> (fmt, kwargs for weights, kwargs for 1D operands)
@@ -41,7 +55,6 @@ _BLOCK = {"nvfp4": 16, "mxfp4": 32, "fp8": 128}
 # ------------------------------------------------------------------------------------------- helpers
 
 def _pad_to(x, multiples: dict[int, int]):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   pads = [(0, (-x.shape[a]) % multiples.get(a, 1)) for a in range(x.ndim)]
   return jnp.pad(x, pads)
 
@@ -53,21 +66,27 @@ def sqnr_db(t, fmt: str, *, axis: int = -1, tile=None, rounding: str = "nearest"
   With ``rht_size`` the RHT along ``axis`` is applied first; it is orthogonal, so the error is measured
   in the rotated basis (equal to the error after the inverse transform).
   """
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import fp4jax  # pylint: disable=g-import-not-at-top
-  axis = axis % t.ndim
-  t = jnp.asarray(t, jnp.float32)
+  t = np.asarray(t, np.float32)
+  if key is None:
+    key = jax.random.key(0)
+  signal, noise = _sqnr_parts(t, key, fmt=fmt, axis=axis % t.ndim, tile=tile, rounding=rounding,
+                              rht_size=rht_size)
+  signal, noise = float(signal), float(noise)
+  return 10.0 * math.log10(signal / noise) if noise > 0 else float("inf")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "axis", "tile", "rounding", "rht_size"))
+def _sqnr_parts(t, key, *, fmt, axis, tile, rounding, rht_size):
   if tile is not None:
     padded = _pad_to(t, {0: tile[0], 1: tile[1]})
   else:
     padded = _pad_to(t, {axis: math.lcm(_BLOCK[fmt], rht_size or 1)})
   if rht_size:
     padded = fp4jax.rht(padded, axis=axis, size=rht_size)
-  q = fp4jax.quantize(padded, fmt, axis=axis, tile=tile, rounding=rounding, key=key)
+  q = fp4jax.quantize(padded, fmt, axis=axis, tile=tile, rounding=rounding,
+                      key=key if rounding == "stochastic" else None)
   err = fp4jax.dequantize(q, jnp.float32) - padded
-  signal = float(jnp.sum(padded ** 2))
-  noise = float(jnp.sum(err ** 2))
-  return 10.0 * math.log10(signal / noise) if noise > 0 else float("inf")
+  return jnp.sum(padded ** 2), jnp.sum(err ** 2)
 
 
 def _cosine(a, b) -> float:
@@ -85,10 +104,6 @@ def _rel_err(a, ref) -> float:
 
 def load_run(run_dir: str, batch_size: int):
   """(model config, run config, params, tokens_BxW) of a run directory (config.json + checkpoints/)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_dict  # pylint: disable=g-import-not-at-top
-  from training import config as config_lib  # pylint: disable=g-import-not-at-top
-  from training import data as data_lib  # pylint: disable=g-import-not-at-top
   with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
     plain = json.load(f)
   config = config_dict.ConfigDict(plain)
@@ -108,18 +123,11 @@ def load_run(run_dir: str, batch_size: int):
 
 
 def linear_layers(model_config) -> list[tuple[str, str, int, int]]:
-  from models.policy import describe_linear_layers  # pylint: disable=g-import-not-at-top
   return describe_linear_layers(model_config, "nvfp4")
 
 
 def capture(model_config, params, tokens_BxW, key):
   """Unquantized forward/backward with taps: {path: dict(x=x_MxK, w=w_KxN, dy=dy_MxN, dw=dw_KxN)}, loss."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  from models.lm import LanguageModel  # pylint: disable=g-import-not-at-top
-  from training.trainer import cross_entropy  # pylint: disable=g-import-not-at-top
 
   layers = linear_layers(model_config)
   model = LanguageModel(model_config, recipe="bf16")
@@ -155,15 +163,12 @@ def capture(model_config, params, tokens_BxW, key):
 
 def recipe_model(model_config, name: str):
   """(LanguageModel, label) for a study recipe name; ``nvfp4_all_fp4`` is nvfp4 with no bf16 blocks."""
-  from models.lm import LanguageModel  # pylint: disable=g-import-not-at-top
   if name == "nvfp4_all_fp4":
     return LanguageModel(model_config.replace(bf16_first_blocks=0, bf16_last_blocks=0), recipe="nvfp4")
   return LanguageModel(model_config, recipe=name)
 
 
 def gradients(model, params, tokens_BxW, key):
-  import jax  # pylint: disable=g-import-not-at-top
-  from training.trainer import cross_entropy  # pylint: disable=g-import-not-at-top
 
   def loss_fn(p, k):
     logits = model.apply({"params": p}, tokens_BxW[:, :-1], rngs={"fp4": k})
@@ -176,7 +181,6 @@ def gradients(model, params, tokens_BxW, key):
 
 def sqnr_tables(taps: dict, key) -> tuple[list[dict], list[dict]]:
   """Per layer: SQNR of w, x, dy per format; and the wgrad operands along tokens with and without RHT."""
-  import jax  # pylint: disable=g-import-not-at-top
   per_format, wgrad = [], []
   for path, t in taps.items():
     row = dict(layer=path, precision=t["precision"])
@@ -199,9 +203,6 @@ def sqnr_tables(taps: dict, key) -> tuple[list[dict], list[dict]]:
 
 def gradient_table(model_config, params, tokens_BxW, key, recipes_: tuple[str, ...], draws: int,
                    ref_grads, ref_loss: float) -> list[dict]:
-  import jax  # pylint: disable=g-import-not-at-top
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  import fp4jax  # pylint: disable=g-import-not-at-top
   flat_ref = traverse_util.flatten_dict(ref_grads, sep="/")
   layers = linear_layers(model_config)
   ref_all = np.concatenate([np.ravel(v) for v in flat_ref.values()])
@@ -209,7 +210,7 @@ def gradient_table(model_config, params, tokens_BxW, key, recipes_: tuple[str, .
   for name in recipes_:
     model = recipe_model(model_config, name)
     base = "nvfp4" if name == "nvfp4_all_fp4" else name
-    stochastic = fp4jax.dot.needs_key(fp4jax.recipes.get(base))
+    stochastic = needs_key(fp4jax.recipes.get(base))
     n = draws if stochastic else 1
     losses, grads = [], []
     for i in range(n):
@@ -289,8 +290,6 @@ def main(argv=None) -> int:
   parser.add_argument("--draws", type=int, default=4, help="SR keys averaged for 'cos of mean'")
   parser.add_argument("--recipes", default=",".join(STUDY_RECIPES))
   args = parser.parse_args(argv)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  import jax  # pylint: disable=g-import-not-at-top
 
   model_config, _, params, tokens, step = load_run(args.run, args.batch)
   key = jax.random.key(0)

@@ -247,12 +247,23 @@ def collect(config, runs_dir: str) -> dict:
       switch_fraction=float(config.study.switch_fraction), switch_tokens=switch_step * tokens_per_step,
       bf16_seed_std_percent=noise,
       model=_model_summary(base_run),
-      hardware=dict(machine=platform.machine(), processor=platform.processor() or "?", cpus=os.cpu_count(),
+      hardware=dict(machine=platform.machine(), processor=_cpu_name(), cpus=os.cpu_count(),
                     platform=jax.devices()[0].platform, device=str(jax.devices()[0].device_kind),
                     jax=jax.__version__, python=platform.python_version()),
       total_wall_seconds=float(sum(r["wall_seconds"] for r in results.values())),
       updated=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   )
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "?"
 
 
 def _model_summary(run) -> dict:
@@ -278,7 +289,7 @@ def render_markdown(s: dict) -> str:
       f"{s['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens = {s['tokens_per_run']:,} tokens per run "
       f"({s['tokens_per_param']:.1f} tokens/parameter). Seeds {s['seeds']}; runs finished "
       f"{s['runs_done']}/{s['runs_total']}.",
-      f"Hardware: {hw['cpus']} x {hw['machine']} {hw['platform']} ({hw['device']}), jax {hw['jax']}; "
+      f"Hardware: {hw['cpus']} x {hw['processor']} ({hw['platform']}), jax {hw['jax']}; "
       f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
       "",
       "Gap = (validation loss - bf16 validation loss) / bf16 validation loss, paired by seed; "

@@ -58,3 +58,14 @@ def test_micro_study_writes_summary_and_skips_finished_runs(tmp_path):
   study.run_study(c, out, runs_dir=runs, log=calls.append)
   assert "0 run(s) to do" in calls[0]
   assert os.path.getmtime(os.path.join(runs, "nvfp4", "seed0", study.RESULT_FILE)) == mtime
+
+
+def test_sqnr_of_gaussian_data_orders_the_formats():
+  import numpy as np
+  from experiments import numerics_study as ns
+  x = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)  # 96: not a multiple of 32 or 128
+  nv, mx, f8 = (ns.sqnr_db(x, fmt, axis=-1) for fmt in ("nvfp4", "mxfp4", "fp8"))
+  assert 18.0 < nv < 23.0 and mx < nv < f8 and f8 > 28.0   # docs/PERF.md: 20.4 / 18.8 / 31.8 dB
+  assert ns.sqnr_db(x, "nvfp4", axis=0, rht_size=16) > 15.0
+  exact = np.tile(np.array([0, .5, 1, 1.5, 2, 3, 4, 6] * 2, np.float32), (4, 1))
+  assert ns.sqnr_db(exact, "nvfp4") == float("inf")
