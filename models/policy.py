@@ -70,7 +70,7 @@ def dot_general_cls(config: ModelConfig, recipe: Recipe | str, path: str | Seque
 
 def describe_linear_layers(config: ModelConfig, recipe: Recipe | str
                            ) -> list[tuple[str, str, int, int]]:
-  """``[(path, precision, in_dim, out_dim)]`` for every linear layer of every block, in order.
+  """``[(path, precision, in_dim, out_dim)]`` for every linear layer of every block, by block (names sorted).
 
   Computed from ``jax.eval_shape`` of the model's init: nothing is allocated, any size works.
   """
