@@ -1,0 +1,208 @@
+"""Quantize kernels (1x16/1x32, 16x16 tiles, fused RHT-transposed) against the reference, bit for bit.
+
+Each kernel has one test class; the classes here run the kernels in the Pallas interpreter
+(INTERPRET = True, CPU); tests/test_kernels_gpu.py subclasses them with INTERPRET = False.
+Compared with ``==`` on raw bits: packed codes and scale bytes.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax.kernels import _common as C
+from fp4jax.kernels import quantize_1d as K1
+from fp4jax.kernels import quantize_2d as K2
+from fp4jax.kernels import quantize_rht_t as KR
+from fp4jax.scales import e4m3_rne_satfinite, e8m0_exponent, e8m0_from_exponent
+
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def make_input(shape, dtype, seed=0):
+  """Magnitudes over many binades, plus an all-zero 32-block, an underflowing block and E2M1 ties."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, shape))
+  x = x.reshape(-1, shape[-1])
+  x[0, :32 if shape[-1] >= 32 else shape[-1]] = 0.0
+  if x.shape[0] > 1:
+    x[1, :16] = rng.standard_normal(16) * 1e-9
+  if x.shape[0] > 2:
+    x[2, :16] = np.array([0, .25, -.75, 1.25, 1.75, -2.5, 3.5, 5, 6, -6, .5, 1, 2, 3, 4, -1.5])
+  return jnp.asarray(x.reshape(shape), dtype)
+
+
+def make_bits(shape, seed=1):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape), jnp.uint8)
+
+
+def assert_bits_equal(got, want):
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+SHAPES_NVFP4 = [(16, 16), (304, 304), (256, 1024)]
+SHAPES_MXFP4 = [(16, 32), (304, 320), (256, 1024)]
+SLOW_SHAPES = [(2, 48, 64), (1024, 256), (96, 4096), (512, 512)]
+# Default (CPU, interpreted) cases: every shape with float32 + nearest and bfloat16 + stochastic;
+# the full cross product of shapes x dtypes x roundings is marked slow.
+_PAIRS = [(jnp.float32, False), (jnp.bfloat16, True)]
+NVFP4_CASES = [(s, d, r) for s in SHAPES_NVFP4 for d, r in _PAIRS]
+MXFP4_CASES = [(s, d, r) for s, (d, r) in zip(SHAPES_MXFP4, _PAIRS * 2)]
+FULL = [(d, r) for d in DTYPES for r in (False, True)]
+
+
+class _Quantize1dCases:
+  INTERPRET = True
+
+  @pytest.mark.parametrize("shape,dtype,stochastic", NVFP4_CASES)
+  def test_nvfp4_matches_reference(self, shape, dtype, stochastic):
+    self._check("nvfp4", shape, dtype, stochastic)
+
+  @pytest.mark.parametrize("shape,dtype,stochastic", MXFP4_CASES)
+  def test_mxfp4_matches_reference(self, shape, dtype, stochastic):
+    self._check("mxfp4", shape, dtype, stochastic)
+
+  def test_mxfp4_floor_rule(self):
+    self._check("mxfp4", (64, 256), jnp.float32, False, scale_rule="floor")
+
+  def test_batched_amax(self):
+    x = make_input((3, 32, 64), jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=(1, 2)) * jnp.array([1.0, 2.0, 0.5])
+    got = K1.quantize_1d(x, amax, interpret=self.INTERPRET)
+    assert_bits_equal(got, K1.quantize_1d_reference(x, amax))
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("dtype,stochastic", FULL)
+  @pytest.mark.parametrize("fmt,shape", [("nvfp4", s) for s in SHAPES_NVFP4 + SLOW_SHAPES]
+                           + [("mxfp4", s) for s in SHAPES_MXFP4 + SLOW_SHAPES])
+  def test_sweep(self, fmt, shape, dtype, stochastic):
+    self._check(fmt, shape, dtype, stochastic)
+
+  def _check(self, fmt, shape, dtype, stochastic, scale_rule="rceil"):
+    x = make_input(shape, dtype)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    bits = make_bits(shape) if stochastic else None
+    got = K1.quantize_1d(x, amax, bits, fmt=fmt, scale_rule=scale_rule, interpret=self.INTERPRET)
+    assert_bits_equal(got, K1.quantize_1d_reference(x, amax, bits, fmt=fmt, scale_rule=scale_rule))
+
+
+class _Quantize2dCases:
+  INTERPRET = True
+
+  @pytest.mark.parametrize("shape,dtype,stochastic", NVFP4_CASES)
+  def test_matches_reference(self, shape, dtype, stochastic):
+    self._check(shape, dtype, stochastic)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("dtype,stochastic", FULL)
+  @pytest.mark.parametrize("shape", SHAPES_NVFP4 + [(2, 48, 64), (1024, 256), (512, 512), (16, 4096)])
+  def test_sweep(self, shape, dtype, stochastic):
+    self._check(shape, dtype, stochastic)
+
+  def _check(self, shape, dtype, stochastic):
+    x = make_input(shape, dtype)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    bits = make_bits(shape) if stochastic else None
+    got = K2.quantize_2d(x, amax, bits, interpret=self.INTERPRET)
+    assert_bits_equal(got, K2.quantize_2d_reference(x, amax, bits))
+
+
+class _QuantizeRhtTCases:
+  INTERPRET = True
+
+  @pytest.mark.parametrize("shape,dtype,stochastic",
+                           [((16, 16), jnp.float32, False), ((16, 16), jnp.bfloat16, True),
+                            ((304, 304), jnp.bfloat16, True), ((256, 1024), jnp.float32, False)])
+  def test_nvfp4_matches_reference(self, shape, dtype, stochastic):
+    self._check("nvfp4", shape, dtype, stochastic)
+
+  def test_mxfp4_matches_reference(self):
+    self._check("mxfp4", (64, 48), jnp.bfloat16, True)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("dtype,stochastic", FULL)
+  @pytest.mark.parametrize("fmt,shape", [("nvfp4", s) for s in SHAPES_NVFP4 + [(1024, 256)]]
+                           + [("mxfp4", s) for s in [(32, 16), (320, 304), (256, 1024), (1024, 256)]])
+  def test_sweep(self, fmt, shape, dtype, stochastic):
+    self._check(fmt, shape, dtype, stochastic)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("rht_size,seed", [(32, None), (64, 7), (8, None)])
+  def test_other_rht_sizes(self, rht_size, seed):
+    self._check("nvfp4", (128, 64), jnp.float32, False, rht_size=rht_size, rht_seed=seed)
+
+  def _check(self, fmt, shape, dtype, stochastic, rht_size=16, rht_seed=None):
+    x = make_input(shape, dtype)
+    amax = KR.rht_amax(x, rht_size=rht_size, rht_seed=rht_seed)
+    bits = make_bits(shape[::-1]) if stochastic else None
+    kw = dict(fmt=fmt, rht_size=rht_size, rht_seed=rht_seed)
+    got = KR.quantize_rht_t(x, amax, bits, interpret=self.INTERPRET, **kw)
+    assert_bits_equal(got, KR.quantize_rht_t_reference(x, amax, bits, **kw))
+
+
+class TestQuantize1dInterpret(_Quantize1dCases):
+  INTERPRET = True
+
+
+class TestQuantize2dInterpret(_Quantize2dCases):
+  INTERPRET = True
+
+
+class TestQuantizeRhtTInterpret(_QuantizeRhtTCases):
+  INTERPRET = True
+
+
+# ----------------------------------------------------------------- kernel-friendly numerics
+
+def _dense_floats():
+  rng = np.random.default_rng(0)
+  v = np.abs(rng.standard_normal(1 << 18)).astype(np.float32)
+  v *= np.exp2(rng.integers(-24, 14, v.size)).astype(np.float32)
+  grid = np.asarray(jax.lax.bitcast_convert_type(jnp.arange(127, dtype=jnp.uint8),
+                                                 jnp.float8_e4m3fn).astype(jnp.float32))
+  mids = (grid[1:] + grid[:-1]) / 2
+  edges = np.array([0, 448, 449, 464, 465, 1e30, np.inf, 2.0 ** -10, 2.0 ** -9, 3 * 2.0 ** -10],
+                   np.float32)
+  return jnp.asarray(np.concatenate([v, grid, mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9),
+                                     edges]).astype(np.float32))
+
+
+def test_e4m3_byte_matches_cast():
+  v = _dense_floats()
+  want = jax.lax.bitcast_convert_type(e4m3_rne_satfinite(v), jnp.uint8).astype(jnp.int32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(C.e4m3_byte)(v)), np.asarray(want))
+
+
+def test_e4m3_value_matches_cast():
+  b = jnp.arange(256, dtype=jnp.int32)
+  want = jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(C.e4m3_value(b)), np.asarray(want))
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+def test_e8m0_bytes_match_reference(rule):
+  v = jnp.concatenate([_dense_floats(), jnp.array([3.0, 3.1, 6.0, 6.0001, 7.0, 12.0], jnp.float32)])
+  v = v[v > 1e-36]   # float32 subnormal block amaxes: CPU XLA flushes them (see KERNELS.md)
+  e = e8m0_exponent(v, rule)
+  want = jax.lax.bitcast_convert_type(e8m0_from_exponent(e, v), jnp.uint8).astype(jnp.int32)
+  byte, inv = jax.jit(lambda a: C.e8m0_block_encode(a, rule))(v)
+  np.testing.assert_array_equal(np.asarray(byte), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(inv),
+                                np.asarray(jnp.ldexp(jnp.float32(1), jnp.maximum(-e, -126))))
+
+
+def test_stochastic_encode_matches_reference():
+  from fp4jax import e2m1
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.uniform(-6.5, 6.5, 1 << 16), jnp.float32)
+  bits = make_bits(x.shape)
+  np.testing.assert_array_equal(np.asarray(C.encode_stochastic(x, bits)),
+                                np.asarray(e2m1.encode_stochastic(x, bits)))
+
+
+@pytest.mark.parametrize("dim,pref,want", [(16, 32, (16, 16)), (304, 32, (16, 304)),
+                                           (19, 8, (4, 20)), (1024, 32, (32, 1024)), (1, 8, (1, 1))])
+def test_fit(dim, pref, want):
+  block, padded = C.fit(dim, pref)
+  assert (block, padded) == want and block & (block - 1) == 0 and padded % block == 0
