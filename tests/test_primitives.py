@@ -1,0 +1,176 @@
+"""The fp4jax primitives: names in jaxprs, the impl switch, vmap, autodiff, the public API routes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import primitives
+from fp4jax.api import quantize_rht_transposed
+from fp4jax.matmul import scaled_matmul, scaled_matmul_reference, transpose_tiles
+from fp4jax.reference import dequantize_reference
+from fp4jax.reference import quantize_reference as _quantize_reference
+
+# One compiled reference per configuration (eager op-by-op dispatch is what makes CPU tests slow).
+_jit_ref = jax.jit(_quantize_reference, static_argnames=("fmt", "axis", "tile", "scale_rule", "scaling"))
+
+
+def quantize_reference(x, fmt, **kw):
+  if "amax" in kw and kw["amax"] is not None:
+    kw["amax"] = jnp.asarray(kw["amax"], jnp.float32)
+  return _jit_ref(x, fmt, **kw)
+
+
+def _x(shape, seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal(shape) * np.exp(rng.uniform(-3, 3, shape)), dtype)
+
+
+def _raw(a):
+  if a is None:
+    return None
+  a = jnp.asarray(a)
+  return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a)
+
+
+def assert_same_qtensor(q, ref):
+  assert (q.fmt, q.axis, q.block, q.tile, q.dtype, q.scale_rule) == (
+      ref.fmt, ref.axis, ref.block, ref.tile, ref.dtype, ref.scale_rule)
+  for a, b in ((q.data, ref.data), (q.scale, ref.scale), (q.amax, ref.amax)):
+    if b is None:
+      assert a is None
+    else:
+      assert a.dtype == b.dtype
+      np.testing.assert_array_equal(_raw(a), _raw(b))
+
+
+def _primitive_names(fn, *args):
+  return {str(e.primitive) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns}
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_jaxpr_shows_the_primitives(impl):
+  x = _x((32, 64))
+  names = _primitive_names(lambda x: fp4jax.quantize(x, "nvfp4", impl=impl), x)
+  assert "fp4jax_quantize" in names
+  names = _primitive_names(lambda x: quantize_rht_transposed(x, "nvfp4", impl=impl), x)
+  assert "fp4jax_quantize_rht_t" in names
+  q = fp4jax.quantize(x, "nvfp4", impl="xla")
+  assert "fp4jax_dequantize" in _primitive_names(lambda q: fp4jax.dequantize(q, impl=impl), q)
+  assert "fp4jax_scaled_matmul" in _primitive_names(
+      lambda a, b: scaled_matmul(a, b, impl=impl), q, q)
+
+
+def test_impl_switch_and_can_use_pallas():
+  assert primitives.can_use_pallas("nvfp4", platform="cuda")
+  assert not primitives.can_use_pallas("fp8", platform="cuda")
+  assert not primitives.can_use_pallas("nvfp4", platform="cpu")
+  if jax.default_backend() == "cpu":
+    assert primitives.resolve_impl(None, "nvfp4") == "xla"
+  assert primitives.resolve_impl("pallas", "mxfp4") == "pallas"
+  with pytest.raises(ValueError, match="impl="):
+    fp4jax.quantize(_x((16, 16)), "nvfp4", impl="triton")
+  with pytest.raises(ValueError, match="no Pallas kernels for fmt='fp8'"):
+    fp4jax.quantize(_x((16, 128)), "fp8", impl="pallas")
+
+
+CASES = [
+    dict(fmt="nvfp4"),
+    dict(fmt="nvfp4", axis=0),
+    dict(fmt="nvfp4", tile=(16, 16)),
+    dict(fmt="nvfp4", tile=(16, 16), axis=-2, rounding="stochastic"),
+    dict(fmt="nvfp4", amax=3.0, rounding="stochastic"),
+    dict(fmt="mxfp4", axis=1),
+    dict(fmt="mxfp4", scale_rule="floor", rounding="stochastic"),
+]
+
+
+@pytest.mark.parametrize("case,impl", [(c, "pallas") for c in CASES] + [(CASES[3], "xla")],
+                         ids=lambda c: c if isinstance(c, str) else
+                         "-".join(f"{k}={v}" for k, v in c.items()))
+def test_api_quantize_dequantize_equal_reference(case, impl):
+  x = _x((32, 64, 96) if case.get("fmt") == "mxfp4" else (32, 48, 64), dtype=jnp.bfloat16)
+  kw = dict(case)
+  fmt = kw.pop("fmt")
+  bits = None
+  if kw.pop("rounding", "nearest") == "stochastic":
+    bits = jax.random.bits(jax.random.key(1), x.shape, jnp.uint8)
+    kw["rounding"] = "stochastic"
+  q = fp4jax.quantize(x, fmt, bits=bits, impl=impl, **kw)
+  kw.pop("rounding", None)
+  ref = quantize_reference(x, fmt, bits=bits, **kw)
+  assert_same_qtensor(q, ref)
+  np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(q, jnp.bfloat16, impl=impl)),
+                                np.asarray(dequantize_reference(ref, jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_api_rht_transposed_equals_reference(fmt):
+  from fp4jax.hadamard import rht
+  x = _x((64, 48), dtype=jnp.bfloat16)
+  bits = jax.random.bits(jax.random.key(2), (48, 64), jnp.uint8)
+  ref = quantize_reference(rht(x.T, axis=-1), fmt, axis=-1, bits=bits)
+  for impl in ("xla", "pallas"):
+    q = quantize_rht_transposed(x, fmt, rounding="stochastic", bits=bits, impl=impl)
+    assert_same_qtensor(q, ref)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_api_scaled_matmul(impl):
+  a = fp4jax.quantize(_x((2, 48, 64)), "nvfp4", impl="xla")
+  w = fp4jax.quantize(_x((64, 32), seed=1), "nvfp4", tile=(16, 16), impl="xla")
+  out = scaled_matmul(a, transpose_tiles(w), out_dtype=jnp.bfloat16, impl=impl)
+  ref = scaled_matmul_reference(a, transpose_tiles(w), jnp.bfloat16)
+  assert out.shape == (2, 48, 32) and out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2 ** -8,
+                             atol=1e-6 * float(jnp.max(jnp.abs(ref.astype(jnp.float32)))))
+
+
+def test_vmap_xla():
+  xs = _x((3, 32, 64))
+  qs = jax.vmap(lambda x: fp4jax.quantize(x, "nvfp4", impl="xla"))(xs)
+  assert_same_qtensor(jax.tree.map(lambda t: t[1], qs), quantize_reference(xs[1], "nvfp4"))
+
+
+def test_vmap_pallas():
+  impl = "pallas"
+  xs = _x((3, 32, 64))
+  qs = jax.vmap(lambda x: fp4jax.quantize(x, "nvfp4", impl=impl))(xs)   # one amax per slice
+  assert qs.amax.shape == (3,)
+  for i in range(3):
+    assert_same_qtensor(jax.tree.map(lambda t: t[i], qs), quantize_reference(xs[i], "nvfp4"))
+  deq = jax.vmap(lambda q: fp4jax.dequantize(q, impl=impl))(qs)
+  np.testing.assert_array_equal(np.asarray(deq[1]),
+                                np.asarray(dequantize_reference(quantize_reference(xs[1], "nvfp4"))))
+  w = fp4jax.quantize(_x((16, 64), seed=3), "nvfp4", impl="xla")
+  out = jax.vmap(lambda x: scaled_matmul(fp4jax.quantize(x, "nvfp4", impl=impl), w, impl=impl))(xs)
+  np.testing.assert_allclose(np.asarray(out[2]),
+                             np.asarray(scaled_matmul_reference(quantize_reference(xs[2], "nvfp4"), w)),
+                             rtol=1e-6, atol=1e-6)
+  rq = jax.vmap(lambda x: quantize_rht_transposed(x, "nvfp4", impl=impl))(xs)
+  assert_same_qtensor(jax.tree.map(lambda t: t[0], rq), quantize_rht_transposed(xs[0], "nvfp4",
+                                                                                impl="xla"))
+
+
+def test_vmap_over_bits_and_nested():
+  xs = _x((2, 2, 16, 32))
+  bits = jax.random.bits(jax.random.key(0), xs.shape, jnp.uint8)
+  f = lambda x, b: fp4jax.quantize(x, "mxfp4", rounding="stochastic", bits=b, impl="pallas")
+  qs = jax.vmap(jax.vmap(f))(xs, bits)
+  ref = quantize_reference(xs[1, 0], "mxfp4", bits=bits[1, 0])
+  assert_same_qtensor(jax.tree.map(lambda t: t[1, 0], qs), ref)
+
+
+def test_grad_runs_like_the_reference():
+  x = _x((16, 32))
+  loss = lambda v, impl: jnp.sum(fp4jax.dequantize(fp4jax.quantize(v, "nvfp4", impl=impl), impl=impl))
+  g = jax.jit(jax.grad(loss), static_argnums=1)(x, "xla")
+  g_ref = jax.jit(jax.grad(lambda v: jnp.sum(dequantize_reference(_quantize_reference(v, "nvfp4")))))(x)
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
+
+
+def test_jit_eager_and_impl_default_agree():
+  x = _x((32, 64))
+  eager = fp4jax.quantize(x, "nvfp4")
+  jitted = jax.jit(lambda x: fp4jax.quantize(x, "nvfp4", impl="pallas"))(x)
+  assert_same_qtensor(eager, jitted)
