@@ -1,0 +1,55 @@
+"""Every kernel lowers to Triton IR for CUDA, on a machine without a GPU.
+
+``jax.export`` for platform "cuda" runs the Pallas->Triton lowering (the step that rejects unsupported
+ops and non-power-of-two tensors inside kernels); PTX compilation and execution need a GPU
+(tests/test_kernels_gpu.py). The public API with impl="pallas" is lowered end to end, so the CUDA
+lowering rules of the primitives are exercised too.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp4jax
+from fp4jax import _pallas_compat as plc
+from fp4jax.api import quantize_rht_transposed
+from fp4jax.matmul import scaled_matmul
+
+S = jax.ShapeDtypeStruct
+pytestmark = pytest.mark.skipif(not plc.has_triton(), reason="jax without the Pallas Triton backend")
+
+
+def _kernels_in(fn, *specs):
+  return plc.export_for_cuda(fn, *specs).count(plc.TRITON_CUSTOM_CALL)
+
+
+@pytest.mark.parametrize("fmt,shape,dtype", [("nvfp4", (304, 304), jnp.bfloat16),
+                                             ("mxfp4", (256, 1024), jnp.float32)])
+def test_quantize_1d_lowers(fmt, shape, dtype):
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  fn = lambda x, k: fp4jax.quantize(x, fmt, rounding="stochastic", key=k, impl="pallas").data
+  assert _kernels_in(fn, S(shape, dtype), key) == 1
+
+
+def test_quantize_2d_lowers():
+  fn = lambda x: fp4jax.quantize(x, "nvfp4", tile=(16, 16), impl="pallas").data
+  assert _kernels_in(fn, S((304, 304), jnp.bfloat16)) == 1
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_quantize_rht_t_lowers(fmt):
+  fn = lambda x: quantize_rht_transposed(x, fmt, impl="pallas").data
+  assert _kernels_in(fn, S((1024, 256), jnp.bfloat16)) == 1
+
+
+@pytest.mark.parametrize("fmt,w_tile", [("nvfp4", (16, 16)), ("mxfp4", None)])
+def test_scaled_matmul_lowers(fmt, w_tile):
+  def fn(x, w):
+    a = fp4jax.quantize(x, fmt, impl="pallas")
+    b = fp4jax.quantize(w, fmt, tile=w_tile, impl="pallas")
+    return scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl="pallas")
+  assert _kernels_in(fn, S((2, 304, 320), jnp.bfloat16), S((4096, 320), jnp.bfloat16)) == 3
+
+
+def test_xla_impl_has_no_kernels():
+  fn = lambda x: fp4jax.quantize(x, "nvfp4", impl="xla").data
+  assert _kernels_in(fn, S((64, 64), jnp.float32)) == 0

@@ -1,0 +1,115 @@
+"""The primitives under an 8-device CPU mesh: results equal single-device results, and a row-sharded
+quantize compiles without gathering the activation (only the scalar amax is all-reduced).
+
+Runs in a subprocess because the device count must be set before jax initializes.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SCRIPT = textwrap.dedent(r"""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import fp4jax
+    from fp4jax.api import quantize_rht_transposed
+    from fp4jax.matmul import scaled_matmul
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(0)
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+    raw = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a)
+    same = lambda q, r: all(np.array_equal(raw(u), raw(v)) for u, v in
+                            zip(jax.tree.leaves(q), jax.tree.leaves(r)))
+    def hlo(f, *args):
+      return f.lower(*args).compile().as_text()
+    out = {"devices": len(jax.devices())}
+    x = jnp.asarray(rng.standard_normal((256, 512)) * np.exp(rng.uniform(-3, 3, (256, 1))), jnp.bfloat16)
+
+    for impl in ("xla", "pallas"):
+      ref = fp4jax.quantize(x, "nvfp4", impl="xla")
+      f = jax.jit(lambda x: fp4jax.quantize(x, "nvfp4", impl=impl))
+      for name, spec in (("rows", ("data", None)), ("rows_cols", ("data", "model"))):
+        xs = put(x, *spec)
+        text = hlo(f, xs)
+        q = f(xs)
+        out[f"quantize_{name}_{impl}"] = dict(
+            equal=same(q, ref), all_gather="all-gather" in text, all_reduce="all-reduce" in text,
+            data_spec=str(q.data.sharding.spec))
+
+    xs = put(x, "data", "model")
+    bits = jax.random.bits(jax.random.key(0), x.shape, jnp.uint8)
+    for name, fn in (
+        ("sr_mxfp4", lambda x, b: fp4jax.quantize(x, "mxfp4", rounding="stochastic", bits=b, impl="pallas")),
+        ("tile", lambda x, b: fp4jax.quantize(x, "nvfp4", tile=(16, 16), impl="pallas")),
+        ("rht_t", lambda x, b: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", bits=b.T, impl="pallas")),
+    ):
+      f = jax.jit(fn)
+      bs = put(bits, "data", "model")
+      out[name] = dict(equal=same(f(xs, bs), jax.jit(fn)(x, bits)),
+                       all_gather="all-gather" in hlo(f, xs, bs))
+
+    q = fp4jax.quantize(x, "nvfp4", impl="xla")
+    f = jax.jit(lambda q: fp4jax.dequantize(q, impl="pallas"))
+    qs = jax.tree.map(lambda a: put(a, "data", "model") if a.ndim == 2 else a, q)
+    out["dequantize"] = dict(equal=bool(jnp.array_equal(f(qs), fp4jax.dequantize(q))),
+                             all_gather="all-gather" in hlo(f, qs))
+
+    a = fp4jax.quantize(jnp.asarray(rng.standard_normal((128, 256)), jnp.float32), "nvfp4", impl="xla")
+    w = fp4jax.quantize(jnp.asarray(rng.standard_normal((64, 256)), jnp.float32), "nvfp4",
+                        tile=(16, 16), impl="xla")
+    ref = np.asarray(scaled_matmul(a, w, impl="xla"))
+    for name, sa, sw in (("m", ("data", None), (None, None)), ("m_n", ("data", None), ("model", None)),
+                         ("k", (None, "model"), (None, "model")), ("m_k", ("data", "model"), (None, "model"))):
+      f = jax.jit(lambda a, w: scaled_matmul(a, w, impl="pallas"))
+      a_s = jax.tree.map(lambda t: put(t, *sa) if t.ndim == 2 else t, a)
+      w_s = jax.tree.map(lambda t: put(t, *sw) if t.ndim == 2 else t, w)
+      got = np.asarray(f(a_s, w_s))
+      text = hlo(f, a_s, w_s)
+      out[f"matmul_{name}"] = dict(rel_err=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
+                                   all_gather="all-gather" in text, all_reduce="all-reduce" in text)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+  return json.loads(line[len("RESULT"):])
+
+
+def test_eight_devices(mesh_results):
+  assert mesh_results["devices"] == 8
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("layout", ["rows", "rows_cols"])
+def test_row_sharded_quantize_is_local(mesh_results, layout, impl):
+  r = mesh_results[f"quantize_{layout}_{impl}"]
+  assert r["equal"], "sharded quantize differs from the single-device result"
+  assert not r["all_gather"], "the activation was gathered"
+  assert r["all_reduce"], "expected the scalar amax all-reduce"
+  assert "data" in r["data_spec"]
+
+
+@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "dequantize"])
+def test_other_ops_stay_sharded(mesh_results, name):
+  r = mesh_results[name]
+  assert r["equal"] and not r["all_gather"]
+
+
+@pytest.mark.parametrize("name,psum", [("m", False), ("m_n", False), ("k", True), ("m_k", True)])
+def test_scaled_matmul_follows_dot_sharding(mesh_results, name, psum):
+  r = mesh_results[f"matmul_{name}"]
+  assert r["rel_err"] <= 1e-6
+  assert not r["all_gather"]
+  assert r["all_reduce"] == psum   # a sharded contraction reduces partial sums, nothing else does
