@@ -17,6 +17,7 @@ Axis legend: K the quantized (last) axis, B the block (16 nvfp4, 32 mxfp4), T to
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +56,21 @@ def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
   return platform in ("cuda", "gpu")
 
 
+DEFAULT_IMPL_ENV = "FP4JAX_DEFAULT_IMPL"
+
+
 def resolve_impl(impl: str | None, fmt: str) -> str:
-  """"pallas" | "xla" for a user's ``impl`` (None = pallas where ``can_use_pallas``, else xla)."""
+  """"pallas" | "xla" for a user's ``impl`` (None = pallas where ``can_use_pallas``, else xla).
+
+  The environment variable FP4JAX_DEFAULT_IMPL=xla makes None mean "xla" everywhere (a switch for
+  runs that must not depend on the kernels); =pallas forces the kernels where they exist.
+  """
   if impl is None:
+    forced = os.environ.get(DEFAULT_IMPL_ENV, "").strip().lower()
+    if forced == "xla" or fmt not in KERNEL_FORMATS:
+      return "xla"
+    if forced == "pallas":
+      return "pallas"
     return "pallas" if can_use_pallas(fmt) else "xla"
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}; use 'pallas', 'xla' or None (pallas where can_use_pallas())")
