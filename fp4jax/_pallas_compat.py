@@ -11,6 +11,7 @@ picks Mosaic GPU on some versions).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +28,36 @@ program_id = pl.program_id
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 
+# jax >= 0.6 names it CompilerParams; older releases TritonCompilerParams.
+_TritonParams = (getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams", None)
+                 if _pltriton is not None else None)
+
+
 def has_triton() -> bool:
-  return _pltriton is not None and hasattr(_pltriton, "CompilerParams")
+  return _TritonParams is not None and hasattr(_pltriton, "elementwise_inline_asm")
 
 
 def compiler_params(num_warps: int, num_stages: int):
   """Compiler parameters that select the Triton backend of Pallas."""
-  return _pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  return _TritonParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# jax 0.11 deprecates the Pallas Triton backend (Mosaic GPU is its successor) and warns each time a
+# Triton kernel is lowered; the kernels here are written for Triton, so that one message is silenced.
+_TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_triton_deprecation():
+  warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
 
 
 def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool, name: str,
                 num_warps: int = 4, num_stages: int = 2):
   """``pl.pallas_call`` on the Triton backend (or the interpreter when ``interpret``)."""
   params = None if interpret or not has_triton() else compiler_params(num_warps, num_stages)
+  if params is not None:
+    _quiet_triton_deprecation()
   return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret, name=name,
                         compiler_params=params)

@@ -39,6 +39,9 @@ KERNEL_FORMATS = ("nvfp4", "mxfp4")
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
 SCALE_DTYPE = {"nvfp4": jnp.float8_e4m3fn, "mxfp4": jnp.float8_e8m0fnu}
 TILE = 16
+_ShapedArray = getattr(jax.core, "ShapedArray", None)
+if _ShapedArray is None:   # pragma: no cover - a jax that no longer re-exports it
+  from jax._src.core import ShapedArray as _ShapedArray
 
 
 # ------------------------------------------------------------------------------------- the switch
@@ -176,8 +179,8 @@ def _quantize_abstract(x, amax, *bits, fmt, tiled, scale_rule, impl):
     s_shape = tuple(lead[:-1]) + (lead[-1] // TILE, k // TILE)
   else:
     s_shape = tuple(lead) + (k // BLOCK[fmt],)
-  return (jax.core.ShapedArray(tuple(lead) + (k // 2,), jnp.uint8),
-          jax.core.ShapedArray(s_shape, SCALE_DTYPE[fmt]))
+  return (_ShapedArray(tuple(lead) + (k // 2,), jnp.uint8),
+          _ShapedArray(s_shape, SCALE_DTYPE[fmt]))
 
 
 def _quantize_xla(x, amax, bits, *, fmt, tiled, scale_rule):
@@ -272,7 +275,7 @@ dequantize_local_p.multiple_results = True
 
 def _dequantize_abstract(data, scale, amax, *, fmt, tiled, dtype, impl):
   del scale, amax, fmt, tiled, impl
-  return (jax.core.ShapedArray(data.shape[:-1] + (data.shape[-1] * 2,), dtype),)
+  return (_ShapedArray(data.shape[:-1] + (data.shape[-1] * 2,), dtype),)
 
 
 def _dequantize_local_impl(data, scale, amax, *, fmt, tiled, dtype, impl, platform):
@@ -357,8 +360,8 @@ def _rht_rows(fmt, rht_size):
 
 def _rht_t_abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl):
   t, c = x.shape
-  return (jax.core.ShapedArray((c, t // 2), jnp.uint8),
-          jax.core.ShapedArray((c, t // BLOCK[fmt]), SCALE_DTYPE[fmt]))
+  return (_ShapedArray((c, t // 2), jnp.uint8),
+          _ShapedArray((c, t // BLOCK[fmt]), SCALE_DTYPE[fmt]))
 
 
 def _rht_t_local_impl(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl, platform):
@@ -438,7 +441,7 @@ scaled_matmul_local_p = Primitive("fp4jax_scaled_matmul_local")
 
 def _mm_abstract(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled,
                  out_dtype, impl):
-  return jax.core.ShapedArray(a_data.shape[:-1] + (b_data.shape[0],), out_dtype)
+  return _ShapedArray(a_data.shape[:-1] + (b_data.shape[0],), out_dtype)
 
 
 def _qtensor(data, scale, amax, fmt, tiled):
