@@ -233,6 +233,13 @@ def collect(config, runs_dir: str) -> dict:
                    statuses=sorted({results[(v, s)]["status"] for s in done}),
                    nonfinite_steps=sum(int(results[(v, s)].get("nonfinite_steps") or 0) for s in done),
                    gap_curve=curve)
+  # Ablations against the full recipe, paired by seed: gap(variant) - gap(nvfp4) in percentage points.
+  if "nvfp4" in rows:
+    ref = rows["nvfp4"]["gap_percent"]
+    for v, r in rows.items():
+      diffs = {k: g - ref[k] for k, g in r["gap_percent"].items() if k in ref}
+      r["vs_nvfp4_pp"] = diffs
+      r["vs_nvfp4_mean"], r["vs_nvfp4_std"] = _mean_std(list(diffs.values()))
   # Seed noise: how far the bf16 runs of different seeds land from each other (relative to their mean).
   bf16 = [results[("bf16", s)]["validation_loss"] for s in seeds if ("bf16", s) in results]
   noise = 100.0 * float(np.std(bf16, ddof=1) / np.mean(bf16)) if len(bf16) > 1 else float("nan")
@@ -276,7 +283,7 @@ def _model_summary(run) -> dict:
 def _pm(mean: float, std: float, fmt: str) -> str:
   if not math.isfinite(mean):
     return "—"
-  return f"{mean:{fmt}} ± {std:{fmt}}" if math.isfinite(std) else f"{mean:{fmt}}"
+  return f"{mean:{fmt}} ± {std:{fmt.lstrip('+')}}" if math.isfinite(std) else f"{mean:{fmt}}"
 
 
 def render_markdown(s: dict) -> str:
@@ -293,22 +300,28 @@ def render_markdown(s: dict) -> str:
       f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
       "",
       "Gap = (validation loss - bf16 validation loss) / bf16 validation loss, paired by seed; "
+      "vs nvfp4 = gap - gap of nvfp4 with the same seed, in percentage points (per seed in brackets): the "
+      "seeds move all variants together, so this paired difference is the sharper test of an ablation; "
       "± is the sample standard deviation over seeds. tokens/s excludes compilation; wall time is per run "
-      "and includes compilation and evaluation.",
+      "and includes compilation and evaluation. Both depend on what else the machine runs: on shared cores "
+      "they are not comparable between variants (bench/run.py measures nvfp4 vs bf16 back to back).",
       "",
-      "| variant | what | final validation loss | gap to bf16 (%) | per seed (%) | tokens/s | wall / run |",
-      "|---|---|---|---|---|---|---|",
+      "| variant | what | final validation loss | gap to bf16 (%) | per seed (%) | vs nvfp4 (pp) | tokens/s | wall / run |",
+      "|---|---|---|---|---|---|---|---|",
   ]
   for v in s["variants"]:
     r = s["rows"][v]
     if not r["seeds"]:
-      lines.append(f"| {v} | {r['description']} | not run yet | | | | |")
+      lines.append(f"| {v} | {r['description']} | not run yet | | | | | |")
       continue
     status = "" if r["statuses"] == ["done"] else f" ({', '.join(r['statuses'])})"
     per_seed = ", ".join(f"{r['gap_percent'][k]:+.2f}" for k in sorted(r["gap_percent"]))
     gap = "0 (reference)" if v == "bf16" else _pm(r["gap_mean"], r["gap_std"], "+.2f")
+    vs = "" if v in ("bf16", "nvfp4") or not r.get("vs_nvfp4_pp") else (
+        _pm(r["vs_nvfp4_mean"], r["vs_nvfp4_std"], "+.2f") + " (" +
+        ", ".join(f"{r['vs_nvfp4_pp'][k]:+.2f}" for k in sorted(r["vs_nvfp4_pp"])) + ")")
     lines.append(f"| {v}{status} | {r['description']} | {_pm(r['loss_mean'], r['loss_std'], '.4f')} | {gap} | "
-                 f"{'' if v == 'bf16' else per_seed} | {r['tokens_per_second']:,.0f} | "
+                 f"{'' if v == 'bf16' else per_seed} | {vs} | {r['tokens_per_second']:,.0f} | "
                  f"{r['wall_seconds'] / 60:.1f} min |")
   lines += [
       "",
@@ -328,6 +341,7 @@ def plot_gaps(s: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(8, 4.8))
   styles = {"fp8": ("tab:green", "-"), "mxfp4": ("tab:red", "-"), "nvfp4": ("tab:blue", "-"),
             "nvfp4_no_sr": ("tab:orange", "--"), "nvfp4_no_rht": ("tab:purple", "--"),
@@ -348,9 +362,11 @@ def plot_gaps(s: dict, path: str) -> None:
   if math.isfinite(s["bf16_seed_std_percent"]):
     ax.axhspan(-s["bf16_seed_std_percent"], s["bf16_seed_std_percent"], color="gray", alpha=0.15,
                label="bf16 seed noise (±1 std)")
+  ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda t, _: f"{t / 1e6:g}M"))
   ax.set_xlabel("tokens")
   ax.set_ylabel("relative validation loss gap to bf16 (%)")
-  ax.set_title(f"{s['name']}: {s['params']:,} params, {s['tokens_per_param']:.0f} tokens/param")
+  ax.set_title(f"{s['name']}: {s['params']:,} params, {s['tokens_per_run'] / 1e6:.2f}M tokens "
+               f"({s['tokens_per_param']:.0f}/param), mean over {len(s['seeds'])} seeds")
   ax.grid(alpha=0.3)
   # The first evaluations (still far from converged) can dwarf the end; show the second half's range well.
   ys = [y for v in s["variants"] if v != "bf16" for _, y in s["rows"][v]["gap_curve"][len(s["rows"][v]["gap_curve"]) // 3:]]
