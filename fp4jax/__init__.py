@@ -3,12 +3,13 @@ from fp4jax import hadamard, recipes
 from fp4jax.api import dequantize, quantize
 from fp4jax.dot import dot, dot_general
 from fp4jax.hadamard import rht
+from fp4jax.primitives import can_use_pallas
 from fp4jax.qtensor import QTensor
 from fp4jax.recipe import Recipe
 
 __version__ = "0.1.0"
 
-__all__ = ["QTensor", "Recipe", "dequantize", "hadamard", "quantize", "recipes", "rht"]
+__all__ = ["QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht"]
 __all__ += ["dot", "dot_general", "flax"]
 
 
