@@ -1,7 +1,7 @@
 """Every benchmark table in one run: numerics, the quantized dot, the kernels, and train steps.
 
   python bench/run.py            # the default sizes (~10 min on a 2-core CPU)
-  python bench/run.py --quick    # small sizes, the tiny config only (~3 min on a 2-core CPU)
+  python bench/run.py --quick    # small sizes, the tiny config only (~1 min on a quiet 2-core CPU)
 
 1. ``bench/numerics.py``: quantization error per format and quantize throughput.
 2. ``bench/dot.py``: forward+backward time and residual bytes of ``fp4jax.dot`` vs bf16.
@@ -113,10 +113,11 @@ def measure_train_step(config_name: str, recipe: str, steps: int) -> dict:
               loss=float(metrics["loss"]))
 
 
-def train_step_table(configs: list[str], steps: int, timeout: int) -> None:
+def train_step_table(configs: dict[str, int], timeout: int) -> None:
+  """``configs``: config name -> number of timed steps (after one warm-up step)."""
   print("\n## Train step: nvfp4 vs bf16 (training.trainer.train_step, jitted, donated state)", flush=True)
   rows = {}
-  for name in configs:
+  for name, steps in configs.items():
     for recipe in ("bf16", "nvfp4"):
       cmd = [sys.executable, os.path.abspath(__file__), "--_measure", f"{name}:{recipe}:{steps}"]
       try:
@@ -129,7 +130,7 @@ def train_step_table(configs: list[str], steps: int, timeout: int) -> None:
         print(f"{name} {recipe}: failed (status {proc.returncode})\n{proc.stderr[-2000:]}", flush=True)
         continue
       rows[(name, recipe)] = r = json.loads(line[-1])
-      print(f"  measured {name} {recipe}: {r['tokens_per_s']:,.0f} tokens/s", flush=True)
+      print(f"  measured {name} {recipe}: {r['tokens_per_s']:,.0f} tokens/s (median of {steps} steps)", flush=True)
   mib = lambda b: "—" if b is None else f"{b / 2**20:.1f}"
   print("\n| config | params | batch x seq | recipe | tokens/s | ms/step | compile s | XLA memory MiB "
         "| temporaries MiB | peak RSS MiB |")
@@ -156,7 +157,8 @@ def train_step_table(configs: list[str], steps: int, timeout: int) -> None:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="small sizes and the tiny config only")
-  parser.add_argument("--steps", type=int, default=None, help="timed train steps (default 5, quick 3)")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="timed train steps per measurement (default: tiny 5, small 2; --quick: tiny 3)")
   parser.add_argument("--only", default="numerics,dot,kernels,train", help="comma-separated sections")
   parser.add_argument("--_measure", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -178,7 +180,9 @@ def main(argv=None) -> int:
   if "kernels" in only:
     run_script("kernels", [], ["--quick"], args.quick, timeout=1200)
   if "train" in only:
-    train_step_table(["tiny"] if args.quick else ["tiny", "small"], args.steps or (3 if args.quick else 5),
+    # small: 8192 tokens per step take ~30-40 s on 2 CPU cores, so fewer timed steps.
+    tiny_steps = args.steps or (3 if args.quick else 5)
+    train_step_table({"tiny": tiny_steps} if args.quick else {"tiny": tiny_steps, "small": args.steps or 2},
                      timeout=1200)
   print(f"\n(total {time.perf_counter() - start:.0f} s)")
   return 0
