@@ -65,20 +65,26 @@ def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: i
   dt_BxQxCxGxR = chunked(dt_BxLxH, G, R)
   b_BxQxCxGxN = chunked(b_BxLxGxN, G, N)
   c_BxQxCxGxN = chunked(c_BxLxGxN, G, N)
-  a_BxGxRxQxC = jnp.einsum("bqcgr,gr->bgrqc", dt_BxQxCxGxR, a_H.astype(jnp.float32).reshape(G, R))
-  a_cumsum_BxGxRxQxC = jnp.cumsum(a_BxGxRxQxC, axis=-1)
-  einsum = lambda spec, *ops: jnp.einsum(spec, *ops, precision=precision)
+  a_BxQxGxRxC = jnp.einsum("bqcgr,gr->bqgrc", dt_BxQxCxGxR, a_H.astype(jnp.float32).reshape(G, R))
+  a_cumsum_BxQxGxRxC = jnp.cumsum(a_BxQxGxRxC, axis=-1)
+  # Every contraction below has exactly two operands, in an order chosen so that no intermediate
+  # holds the head dim P (or N) together with both within-chunk axes l and s: a four-operand einsum
+  # left to XLA can expand to B x Q x H x C x C x P (1 GB at the small config's shapes).
+  einsum = lambda spec, lhs, rhs: jnp.einsum(spec, lhs, rhs, precision=precision)
+  # dt folded into x once: the input injected at each step, shared by steps 1 and 2.
+  xdt_BxQxCxGxRxP = x_BxQxCxGxRxP * dt_BxQxCxGxR[..., None]
 
-  # 1. Intra-chunk: the quadratic (attention-like) form within each chunk.
-  decay_BxGxRxQxCxC = jnp.exp(segsum(a_BxGxRxQxC))
+  # 1. Intra-chunk: the quadratic (attention-like) form within each chunk. Scores C·Bᵀ per group,
+  #    masked by each head's decay, then a batched (l x s) @ (s x P) product per (b, q, g, r).
+  decay_BxQxGxRxCxC = jnp.exp(segsum(a_BxQxGxRxC))
   cb_BxQxGxCxC = einsum("bqlgn,bqsgn->bqgls", c_BxQxCxGxN, b_BxQxCxGxN)
-  y_diag_BxQxCxGxRxP = einsum("bqgls,bgrqls,bqsgr,bqsgrp->bqlgrp",
-                              cb_BxQxGxCxC, decay_BxGxRxQxCxC, dt_BxQxCxGxR, x_BxQxCxGxRxP)
+  scores_BxQxGxRxCxC = cb_BxQxGxCxC[:, :, :, None] * decay_BxQxGxRxCxC
+  y_diag_BxQxCxGxRxP = einsum("bqgrls,bqsgrp->bqlgrp", scores_BxQxGxRxCxC, xdt_BxQxCxGxRxP)
 
   # 2. Chunk states: each chunk's contribution to the state at its end, starting from zero.
-  decay_to_end_BxGxRxQxC = jnp.exp(a_cumsum_BxGxRxQxC[..., -1:] - a_cumsum_BxGxRxQxC)
-  states_BxQxGxRxPxN = einsum("bqsgn,bgrqs,bqsgr,bqsgrp->bqgrpn",
-                              b_BxQxCxGxN, decay_to_end_BxGxRxQxC, dt_BxQxCxGxR, x_BxQxCxGxRxP)
+  decay_to_end_BxQxGxRxC = jnp.exp(a_cumsum_BxQxGxRxC[..., -1:] - a_cumsum_BxQxGxRxC)
+  xw_BxQxCxGxRxP = xdt_BxQxCxGxRxP * jnp.einsum("bqgrs->bqsgr", decay_to_end_BxQxGxRxC)[..., None]
+  states_BxQxGxRxPxN = einsum("bqsgrp,bqsgn->bqgrpn", xw_BxQxCxGxRxP, b_BxQxCxGxN)
 
   # 3. State passing: the state entering each chunk, from the initial state and all earlier chunks.
   if initial_state_BxHxPxN is None:
@@ -86,15 +92,17 @@ def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: i
   else:
     initial_BxGxRxPxN = initial_state_BxHxPxN.astype(jnp.float32).reshape(B, G, R, P, N)
   states_BxQ1xGxRxPxN = jnp.concatenate([initial_BxGxRxPxN[:, None], states_BxQxGxRxPxN], axis=1)
-  chunk_a_BxGxRxQ1 = jnp.pad(a_cumsum_BxGxRxQxC[..., -1], [(0, 0)] * 3 + [(1, 0)])
+  chunk_a_BxGxRxQ1 = jnp.pad(jnp.einsum("bqgr->bgrq", a_cumsum_BxQxGxRxC[..., -1]),
+                             [(0, 0)] * 3 + [(1, 0)])
   chunk_decay_BxGxRxQ1xQ1 = jnp.exp(segsum(chunk_a_BxGxRxQ1))
   states_BxQ1xGxRxPxN = einsum("bgrzy,bygrpn->bzgrpn", chunk_decay_BxGxRxQ1xQ1, states_BxQ1xGxRxPxN)
   states_in_BxQxGxRxPxN = states_BxQ1xGxRxPxN[:, :-1]
   final_BxGxRxPxN = states_BxQ1xGxRxPxN[:, -1]
 
-  # 4. State to output: the entering state, decayed to each position, read out through C.
-  y_off_BxQxCxGxRxP = einsum("bqlgn,bqgrpn,bgrql->bqlgrp",
-                             c_BxQxCxGxN, states_in_BxQxGxRxPxN, jnp.exp(a_cumsum_BxGxRxQxC))
+  # 4. State to output: the entering state read out through C, then decayed to each position.
+  y_off_BxQxCxGxRxP = einsum("bqlgn,bqgrpn->bqlgrp", c_BxQxCxGxN, states_in_BxQxGxRxPxN)
+  decay_in_BxQxCxGxR = jnp.exp(jnp.einsum("bqgrl->bqlgr", a_cumsum_BxQxGxRxC))
+  y_off_BxQxCxGxRxP = y_off_BxQxCxGxRxP * decay_in_BxQxCxGxR[..., None]
 
   y_BxLxHxP = (y_diag_BxQxCxGxRxP + y_off_BxQxCxGxRxP).reshape(B, Q * C, H, P)[:, :L]
   return y_BxLxHxP.astype(out_dtype), final_BxGxRxPxN.reshape(B, H, P, N)

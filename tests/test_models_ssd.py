@@ -136,6 +136,25 @@ class TestChunkedScan:
       chunked(x, dt[:, :-1], a, b, c, chunk_size=4)
 
 
+  def test_temporaries_stay_small(self):
+    # The head dim P must never be expanded against both within-chunk axes: the four-operand
+    # einsums this replaced needed ~68x (forward) and ~138x (forward+backward) the bytes of x here;
+    # two-operand contractions need ~5x and ~15x (XLA CPU, jax 0.10.2).
+    B, L, H, P, G, N = 2, 128, 8, 32, 1, 64
+    x, dt, a = jnp.zeros((B, L, H, P)), jnp.zeros((B, L, H)), jnp.zeros((H,))
+    b = c = jnp.zeros((B, L, G, N))
+
+    def loss(*args):
+      y, final = ssd.ssd_chunked(*args, chunk_size=64)
+      return jnp.sum(y) + jnp.sum(final)
+
+    for fn, bound in ((lambda *args: ssd.ssd_chunked(*args, chunk_size=64), 16),
+                      (jax.grad(loss, argnums=(0, 1, 2, 3, 4)), 32)):
+      memory = jax.jit(fn).lower(x, dt, a, b, c).compile().memory_analysis()
+      if memory is None:
+        pytest.skip("no memory analysis on this backend")
+      assert memory.temp_size_in_bytes < bound * x.nbytes, memory.temp_size_in_bytes / x.nbytes
+
 class TestCausalConv:
 
   def test_matches_direct_sum_and_carries_state(self):
