@@ -70,7 +70,7 @@ def needs_key(recipe: Recipe) -> bool:
 
 def _shares_fprop_weight(recipe):
   """dgrad reads the fprop tiles transposed (spec §2): the same quantized tensor in both GEMMs."""
-  return recipe.weight_2d and recipe.fprop == recipe.dgrad == "nvfp4"
+  return recipe.weight_2d and recipe.fprop == recipe.dgrad and recipe.fprop in _TILE_SIDE
 
 
 def _alignment(recipe):

@@ -86,14 +86,17 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | 
 def transpose_tiles(q: QTensor) -> QTensor:
   """The 2D-tiled QTensor of the transposed matrix, from codes and scales alone (no requantization).
 
-  With 16x16 tiles the quantization of Wᵀ is exactly the transpose of W's codes and scales (spec §2),
-  so the dgrad GEMM reuses the fprop weight. The result is packed along its last axis.
+  With square tiles (nvfp4 16x16, fp8 128x128) the quantization of Wᵀ is exactly the transpose of W's
+  codes and scales (spec §2), so the dgrad GEMM reuses the fprop weight. The result is packed (nvfp4)
+  along its last axis.
   """
   if q.tile is None or len(q.shape) != 2:
-    raise ValueError("transpose_tiles needs a 2-D QTensor quantized with tile=(16, 16)")
-  if q.fmt not in ("nvfp4",):
-    raise ValueError(f"transpose_tiles supports nvfp4 tiles; got fmt={q.fmt!r}")
-  codes_t = codes_of(q).T
-  data = e2m1.pack(codes_t)
+    raise ValueError("transpose_tiles needs a 2-D QTensor quantized with tile= (nvfp4 (16, 16) or "
+                     "fp8 (128, 128))")
+  if q.fmt == "nvfp4":
+    data = e2m1.pack(codes_of(q).T)
+  elif q.fmt == "fp8":
+    data = q.data.T
+  else:
+    raise ValueError(f"transpose_tiles supports nvfp4 and fp8 tiles; got fmt={q.fmt!r}")
   return QTensor(data, q.scale.T, q.amax, q.fmt, -1, None, q.tile, q.dtype, q.scale_rule)
-

@@ -180,12 +180,12 @@ def test_rht_on_and_off_both_estimate_the_weight_gradient():
   assert not np.array_equal(on, off)
 
 
-@pytest.mark.parametrize("weight_2d", [True, False])
-def test_dgrad_weight_is_the_fprop_weight_transposed(weight_2d):
+@pytest.mark.parametrize("preset, weight_2d", [("nvfp4", True), ("nvfp4", False), ("fp8", True)])
+def test_dgrad_weight_is_the_fprop_weight_transposed(preset, weight_2d):
   """x = I reads out the fprop weight; dy = I reads out the dgrad weight (both quantize exactly)."""
   k, n = 64, 48
   w = _normal(1, (k, n))
-  recipe = recipes.nvfp4(weight_2d=weight_2d)
+  recipe = recipes.get(preset).replace(weight_2d=weight_2d)
   w_fprop = jax.jit(lambda w: fp4jax.dot(jnp.eye(k), w, recipe=recipe))(w)            # (K, N)
   w_dgrad = _value_and_grads(jnp.zeros((n, k)), w, jnp.eye(n), KEY, recipe)[1].T       # (K, N)
   differ = float(jnp.mean(w_fprop != w_dgrad))

@@ -6,6 +6,7 @@ import pytest
 
 import fp4jax
 from fp4jax import nvfp4
+from fp4jax.matmul import transpose_tiles
 from fp4jax.reference import codes_of
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -89,6 +90,15 @@ def test_2d_transpose_gives_transposed_codes_and_scales(shape):
   c = fp4jax.quantize(w, "nvfp4")
   d = fp4jax.quantize(wt, "nvfp4")
   assert (np.asarray(jnp.swapaxes(codes_of(c), -1, -2)) != np.asarray(codes_of(d))).mean() > 0.05
+
+
+@pytest.mark.parametrize("fmt, tile, shape", [("nvfp4", (16, 16), (48, 80)), ("fp8", (128, 128), (128, 256))])
+def test_transpose_tiles_equals_quantizing_the_transpose(fmt, tile, shape):
+  w = normal(shape, seed=6, scale=2.0)
+  t = transpose_tiles(fp4jax.quantize(w, fmt, tile=tile))
+  assert_q_equal(t, fp4jax.quantize(w.T, fmt, tile=tile))
+  with pytest.raises(ValueError, match="tile="):
+    transpose_tiles(fp4jax.quantize(w, fmt))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
