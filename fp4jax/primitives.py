@@ -114,14 +114,26 @@ def _requires_devices(prim):
     pass
 
 
-def _register_local_lowerings(prim, impl_fn):
+def _register_local_lowerings(prim, impl_fn, multiple_results=True):
   """CUDA: kernels when impl='pallas'; CPU: interpreted kernels when impl='pallas'; else reference."""
-  for platform in ("cuda", "cpu"):
-    mlir.register_lowering(
-        prim, mlir.lower_fun(functools.partial(impl_fn, platform=platform), multiple_results=True),
-        platform=platform)
-  mlir.register_lowering(prim, mlir.lower_fun(functools.partial(impl_fn, platform="other"),
-                                              multiple_results=True))
+  for platform in ("cuda", "cpu", None):
+    fn = functools.partial(impl_fn, platform=platform or "other")
+    mlir.register_lowering(prim, mlir.lower_fun(fn, multiple_results=multiple_results),
+                           **({"platform": platform} if platform else {}))
+
+
+def _register(prim, local_prim, *, abstract, lowering, local_impl, batch, reference_fn,
+              multiple_results=True):
+  """Everything a primitive pair needs: the outer ``prim`` (partitioned lowering, batching, JVP)
+  and its per-shard twin ``local_prim`` (per-platform lowerings)."""
+  for p in (prim, local_prim):
+    p.def_abstract_eval(abstract)
+    _def_impl(p)
+  _requires_devices(prim)
+  mlir.register_lowering(prim, lowering)
+  _register_local_lowerings(local_prim, local_impl, multiple_results)
+  batching.primitive_batchers[prim] = batch
+  _def_reference_jvp(prim, reference_fn)
 
 
 def _partitioned(local_fn, *, rule, partition, infer):
@@ -244,15 +256,10 @@ def _quantize_batch(args, dims, **params):
   return quantize_p.bind(*ops, **params), [0, 0]
 
 
-for _p in (quantize_p, quantize_local_p):
-  _p.def_abstract_eval(_quantize_abstract)
-  _def_impl(_p)
-_requires_devices(quantize_p)
-mlir.register_lowering(quantize_p, _quantize_lowering)
-_register_local_lowerings(quantize_local_p, _quantize_local_impl)
-batching.primitive_batchers[quantize_p] = _quantize_batch
-_def_reference_jvp(quantize_p, lambda x, amax, *bits, impl, **p: _quantize_local_impl(
-    x, amax, *bits, impl="xla", platform="other", **p))
+_register(quantize_p, quantize_local_p, abstract=_quantize_abstract, lowering=_quantize_lowering,
+          local_impl=_quantize_local_impl, batch=_quantize_batch,
+          reference_fn=lambda x, amax, *bits, impl, **p: _quantize_local_impl(
+              x, amax, *bits, impl="xla", platform="other", **p))
 
 
 def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl="xla"):
@@ -328,14 +335,9 @@ def _dequantize_batch(args, dims, **params):
   return dequantize_p.bind(*ops, **params), [0]
 
 
-for _p in (dequantize_p, dequantize_local_p):
-  _p.def_abstract_eval(_dequantize_abstract)
-  _def_impl(_p)
-_requires_devices(dequantize_p)
-mlir.register_lowering(dequantize_p, _dequantize_lowering)
-_register_local_lowerings(dequantize_local_p, _dequantize_local_impl)
-batching.primitive_batchers[dequantize_p] = _dequantize_batch
-_def_reference_jvp(dequantize_p, lambda *a, **p: _dequantize_local_impl(*a, platform="other", **p))
+_register(dequantize_p, dequantize_local_p, abstract=_dequantize_abstract,
+          lowering=_dequantize_lowering, local_impl=_dequantize_local_impl, batch=_dequantize_batch,
+          reference_fn=lambda *a, **p: _dequantize_local_impl(*a, platform="other", **p))
 
 
 def dequantize_last(data, scale, amax, *, fmt, tiled=False, dtype=jnp.float32, impl="xla"):
@@ -413,15 +415,10 @@ def _rht_t_lowering(ctx, x, amax, *bits, **params):
   return mlir.lower_fun(lambda *a: fn(*a), multiple_results=True)(ctx, x, amax, *bits)
 
 
-for _p in (quantize_rht_t_p, quantize_rht_t_local_p):
-  _p.def_abstract_eval(_rht_t_abstract)
-  _def_impl(_p)
-_requires_devices(quantize_rht_t_p)
-mlir.register_lowering(quantize_rht_t_p, _rht_t_lowering)
-_register_local_lowerings(quantize_rht_t_local_p, _rht_t_local_impl)
-batching.primitive_batchers[quantize_rht_t_p] = _map_batch(quantize_rht_t_p)
-_def_reference_jvp(quantize_rht_t_p, lambda *a, impl, **p: _rht_t_local_impl(
-    *a, impl="xla", platform="other", **p))
+_register(quantize_rht_t_p, quantize_rht_t_local_p, abstract=_rht_t_abstract,
+          lowering=_rht_t_lowering, local_impl=_rht_t_local_impl,
+          batch=_map_batch(quantize_rht_t_p),
+          reference_fn=lambda *a, impl, **p: _rht_t_local_impl(*a, impl="xla", platform="other", **p))
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale_rule="rceil",
@@ -518,26 +515,10 @@ def _mm_batch(args, dims, **params):
   return lax.map(lambda o: scaled_matmul_p.bind(*o, **params), ops), 0
 
 
-for _p in (scaled_matmul_p, scaled_matmul_local_p):
-  _p.def_abstract_eval(_mm_abstract)
-scaled_matmul_p.def_impl(
-    lambda *a, **p: _jitted_bind(scaled_matmul_p, tuple(sorted(p.items())))(*a))
-scaled_matmul_local_p.def_impl(
-    lambda *a, **p: _jitted_bind(scaled_matmul_local_p, tuple(sorted(p.items())))(*a))
-_requires_devices(scaled_matmul_p)
-mlir.register_lowering(scaled_matmul_p, _mm_lowering)
-for _platform in ("cuda", "cpu"):
-  mlir.register_lowering(
-      scaled_matmul_local_p,
-      mlir.lower_fun(lambda *a, _pf=_platform, **p: _mm_local_impl(*a, platform=_pf, **p)[0],
-                     multiple_results=False), platform=_platform)
-mlir.register_lowering(
-    scaled_matmul_local_p,
-    mlir.lower_fun(lambda *a, **p: _mm_local_impl(*a, platform="other", **p)[0],
-                   multiple_results=False))
-batching.primitive_batchers[scaled_matmul_p] = _mm_batch
-_def_reference_jvp(scaled_matmul_p, lambda *a, impl, **p: _mm_local_impl(
-    *a, impl="xla", platform="other", **p)[0])
+_register(scaled_matmul_p, scaled_matmul_local_p, abstract=_mm_abstract, lowering=_mm_lowering,
+          local_impl=lambda *a, **p: _mm_local_impl(*a, **p)[0], batch=_mm_batch,
+          reference_fn=lambda *a, impl, **p: _mm_local_impl(*a, impl="xla", platform="other", **p)[0],
+          multiple_results=False)
 
 
 def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl="xla"):
