@@ -57,11 +57,6 @@ def round_stochastic(x_f32, bits):
   return jnp.where(jnp.signbit(x_f32), -q, q)
 
 
-def encode_exact(v_f32):
-  """Codes of values that are already on the E2M1 grid (exact; sign bit from the sign of v)."""
-  return encode_rne(v_f32)
-
-
 def encode_stochastic(x_f32, bits):
   """E2M1 codes with stochastic rounding (spec §4)."""
   q = round_stochastic(x_f32, bits)
