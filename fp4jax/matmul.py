@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import e2m1
-from fp4jax.layout import Layout
 from fp4jax.qtensor import QTensor
-from fp4jax.reference import codes_of, dequantize_reference
+from fp4jax.reference import codes_of, dequantize_reference, layout_of_q
 from fp4jax.scales import e8m0_to_f32
 
 _INV_6_6_448_448 = jnp.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
@@ -24,8 +23,7 @@ _INV_6_6_448_448 = jnp.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
 
 def _scaled_codes_bf16(q: QTensor):
   """e2m1(code) · block scale as bfloat16 (exact), without the tensor-level factor."""
-  shape = q.shape
-  lay = Layout(shape, q.axis % len(shape), q.block, q.tile)
+  lay = layout_of_q(q)
   vals = e2m1.decode(lay.to_blocks(codes_of(q)))
   s = lay.scale_from_storage(q.scale)
   s = s.astype(jnp.float32) if q.fmt == "nvfp4" else e8m0_to_f32(s)

@@ -23,6 +23,12 @@ def layout_of(shape, fmt, axis, tile, scaling="block") -> Layout:
   return Layout(tuple(shape), axis, DEFAULT_BLOCK[fmt], None)
 
 
+def layout_of_q(q: QTensor) -> Layout:
+  """The blocked-view layout a QTensor was quantized with."""
+  shape = q.shape
+  return Layout(shape, q.axis % len(shape), q.block, q.tile)
+
+
 def quantize_reference(x, fmt, *, axis=-1, tile=None, bits=None, amax=None, scale_rule="rceil",
                        scaling="block") -> QTensor:
   """Quantize ``x`` (float32/bf16/fp16) to ``fmt``; ``bits`` (shape of x) selects stochastic rounding."""
@@ -55,8 +61,7 @@ def codes_of(q: QTensor):
 
 def dequantize_reference(q: QTensor, dtype=jnp.float32):
   """Values of ``q`` in ``dtype`` (computed in float32, rounded once at the end)."""
-  shape = q.shape
-  lay = Layout(shape, q.axis % len(shape), q.block, q.tile)
+  lay = layout_of_q(q)
   s_blk = lay.scale_from_storage(q.scale)
   if q.fmt == "nvfp4":
     vals = nvfp4.dequantize_blocks(lay.to_blocks(codes_of(q)), s_blk, q.amax)
