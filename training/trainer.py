@@ -33,75 +33,11 @@ from training import optim
 from training import report as report_lib
 from training import sharding
 from training.config import ConfigError
+from training.step import build_model, cross_entropy, eval_step, init_state, train_step  # noqa: F401
 
 
 class TrainingDiverged(RuntimeError):
   """The loss or gradient norm was non-finite for ``config.health.max_nonfinite_streak`` steps in a row."""
-
-
-# ------------------------------------------------------------------------------------------ the model
-
-def build_model(model_config, recipe) -> nn.Module:
-  """The language model: ``apply({"params": p}, tokens_BxL, rngs={"fp4": key}) -> logits_BxLxV``."""
-  from models.lm import LanguageModel  # pylint: disable=g-import-not-at-top
-  return LanguageModel(config=model_config, recipe=recipe)
-
-
-# ------------------------------------------------------------------------------------- pure functions
-
-def init_state(model, tx, seed: int, seq_len: int):
-  """The train state: fp32 params (boxed with logical axis names), optimizer state, step, RNG, health."""
-  root = jax.random.PRNGKey(seed)
-  k_params, k_fp4, k_train = jax.random.split(root, 3)
-  tokens_1xL = jnp.zeros((1, seq_len), jnp.int32)
-  params = model.init({"params": k_params, "fp4": k_fp4}, tokens_1xL)["params"]
-  params = jax.tree.map(lambda p: p.replace_boxed(optim.fp32_params(p.unbox())) if isinstance(p, nn.Partitioned)
-                        else optim.fp32_params(p), params, is_leaf=lambda p: isinstance(p, nn.Partitioned))
-  return dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(nn.unbox(params)), rng=k_train,
-              nonfinite_total=jnp.zeros((), jnp.int32), nonfinite_streak=jnp.zeros((), jnp.int32))
-
-
-def cross_entropy(logits_BxLxV, targets_BxL):
-  """Mean next-token cross entropy in nats, computed in fp32."""
-  logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
-
-
-def train_step(state, tokens_BxW, *, model, tx, lr_fn):
-  """One AdamW step; a step whose loss or gradient norm is non-finite leaves params and moments untouched."""
-  inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
-  key = jax.random.fold_in(state["rng"], state["step"])
-
-  def loss_fn(params):
-    logits_BxLxV = model.apply({"params": params}, inputs_BxL, rngs={"fp4": key})
-    return cross_entropy(logits_BxLxV, targets_BxL)
-
-  with jax.named_scope("forward_backward"):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-  grad_norm = optim.global_norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  with jax.named_scope("optimizer"):
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-  keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
-  applied = state["step"] - state["nonfinite_total"]
-  new_state = dict(
-      step=state["step"] + 1,
-      params=keep(params, state["params"]),
-      opt_state=keep(opt_state, state["opt_state"]),
-      rng=state["rng"],
-      nonfinite_total=state["nonfinite_total"] + (~ok).astype(jnp.int32),
-      nonfinite_streak=jnp.where(ok, 0, state["nonfinite_streak"] + 1),
-  )
-  metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
-                 nonfinite_streak=new_state["nonfinite_streak"])
-  return new_state, metrics
-
-
-def eval_step(params, tokens_BxW, *, model):
-  """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key)."""
-  logits_BxLxV = model.apply({"params": params}, tokens_BxW[:, :-1], rngs={"fp4": jax.random.PRNGKey(0)})
-  return cross_entropy(logits_BxLxV, tokens_BxW[:, 1:])
 
 
 # -------------------------------------------------------------------------------------- signal handling
