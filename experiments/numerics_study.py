@@ -36,7 +36,7 @@ from ml_collections import config_dict
 import fp4jax
 from fp4jax.dot import needs_key
 from models.lm import LanguageModel
-from models.policy import describe_linear_layers
+from models.report import describe_linear_layers
 from training import config as config_lib
 from training import data as data_lib
 from training.trainer import cross_entropy

@@ -6,8 +6,9 @@ quantized dot is decided by ``models.policy`` from each layer's path.
 from models.axes import LOGICAL_AXIS_NAMES
 from models.config import ModelConfig
 from models.lm import Block, LanguageModel, abstract_variables, count_params, init_cache
-from models.policy import describe_linear_layers, layer_precision
+from models.policy import layer_precision
 from models.presets import get_model_config
+from models.report import describe_linear_layers
 
 __all__ = [
     "LOGICAL_AXIS_NAMES", "Block", "LanguageModel", "ModelConfig", "abstract_variables", "count_params",

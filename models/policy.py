@@ -6,11 +6,8 @@ runs the recipe unless block i is one of the config's first ``bf16_first_blocks`
 attention score/value products) is never a quantized dot. ``dot_general_cls`` turns the decision
 into the ``dot_general_cls`` of ``nn.Dense``; it is the only place that imports ``fp4jax.flax``.
 
-Counting convention (``describe_linear_layers``): one linear layer per GEMM weight in a block, with
-attention's Q, K, V fused into one ``qkv`` weight as Megatron does. Every block then has two
-(Mamba in/out, attention qkv/out, relu² MLP up/down; SwiGLU MLP has three: gate, up, down), so the
-12B model has 62 x 2 = 124 and its first 2 + last 8 blocks keep 20 in bf16 (16.1%), the paper's
-"20 of 124". The LM head (always bf16) is not counted.
+A leaf of ``models``: it imports only ``models.config`` (and fp4jax's public API); the report that
+lists every layer's decision, ``describe_linear_layers``, builds the model and lives in ``models.report``.
 """
 from __future__ import annotations
 
@@ -18,13 +15,7 @@ import functools
 import re
 from typing import Any, Sequence
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-from flax import traverse_util
-
-from fp4jax import recipes
-from fp4jax.recipe import Recipe
+from fp4jax import Recipe, recipes
 from models.config import ModelConfig
 
 QUANTIZABLE_LAYERS = ("in_proj", "out_proj", "qkv", "out", "gate", "up", "down")
@@ -67,22 +58,3 @@ def dot_general_cls(config: ModelConfig, recipe: Recipe | str, path: str | Seque
   from fp4jax.flax import Fp4DotGeneral  # pylint: disable=g-import-not-at-top  (only quantized runs need it)
   return functools.partial(Fp4DotGeneral, recipe=recipe)
 
-
-def describe_linear_layers(config: ModelConfig, recipe: Recipe | str
-                           ) -> list[tuple[str, str, int, int]]:
-  """``[(path, precision, in_dim, out_dim)]`` for every linear layer of every block, by block (names sorted).
-
-  Computed from ``jax.eval_shape`` of the model's init: nothing is allocated, any size works.
-  """
-  from models.lm import LanguageModel, abstract_variables  # pylint: disable=g-import-not-at-top  (cycle)
-  # The parameter tree does not depend on the recipe; shapes come from the always-available bf16 path.
-  abstract = abstract_variables(LanguageModel(config, recipe="bf16"))
-  rows = []
-  for names, leaf in traverse_util.flatten_dict(nn.meta.unbox(abstract["params"])).items():
-    if names[-1] != "kernel" or block_index(names) is None:
-      continue
-    layer = names[:-1]
-    in_dim, out_dim = leaf.shape
-    rows.append(("/".join(layer), layer_precision(config, recipe, layer), in_dim, out_dim))
-  rows.sort(key=lambda row: (block_index(row[0]), row[0]))
-  return rows
