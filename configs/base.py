@@ -11,9 +11,38 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
 """
+import dataclasses
+
 from ml_collections import config_dict
 
-from training.config import model_section
+from models import ModelConfig
+
+
+def model_section(preset: str, **overrides) -> config_dict.ConfigDict:
+  """A ``config.model`` section: ``preset`` plus one typed placeholder per ``ModelConfig`` field.
+
+  Every field is present, ``None`` meaning "the preset's value", so that ``--config.model.d_model=128``
+  works from the command line. dtype fields are strings ("bfloat16"); ``overrides`` set fields of the preset.
+  """
+  section = config_dict.ConfigDict()
+  section.preset = preset
+  defaults = ModelConfig()
+  for field in dataclasses.fields(defaults):
+    value = getattr(defaults, field.name)
+    if value is None:  # an Optional field: its annotation names the type
+      annotation = str(field.type)
+      kind = int if "int" in annotation else float if "float" in annotation else str
+    elif isinstance(value, type) or field.name.endswith("dtype"):
+      kind = str
+    else:
+      kind = type(value)
+    section[field.name] = config_dict.placeholder(kind)
+  for name, value in overrides.items():
+    if name not in section:
+      raise ValueError(f"model_section: {name!r} is not a ModelConfig field; "
+                       f"fields are {sorted(k for k in section.keys() if k != 'preset')}")
+    section[name] = value
+  return section
 
 
 def get_config() -> config_dict.ConfigDict:

@@ -1,7 +1,7 @@
 """The recipe study at CPU size (issue 7): 9 variants x 2 seeds of a 60K-parameter hybrid on the stdlib corpus.
 
-  python -m experiments.recipes --config configs/study_cpu.py                      # -> results/study_cpu
-  nohup python -m experiments.recipes --config configs/study_cpu.py > results/study_cpu/log.txt 2>&1 &
+  python -m experiments.study --config configs/study_cpu.py                      # -> results/study_cpu
+  nohup python -m experiments.study --config configs/study_cpu.py > results/study_cpu/log.txt 2>&1 &
 
 Sized for 2 x86 cores shared with other jobs: throughput measured with short runs (batch 32 x 64 bytes,
 load average ~12 on the 2 cores): 4.3K tokens/s in NVFP4 emulation, 5.9K in bf16 (most of the step is the

@@ -1,6 +1,6 @@
 """The recipe study at H200 size: 9 variants x 3 seeds of a 0.2M-parameter hybrid, ~8 minutes of device time.
 
-  python -m experiments.recipes --config configs/study_gpu.py        # -> results/study_gpu
+  python -m experiments.study --config configs/study_gpu.py        # -> results/study_gpu
 
 NOT YET RUN: no GPU was available when this config was written, so the budget is an estimate, not a
 measurement. The estimate: 500 steps of 64 x 128 tokens (4.1M tokens, 20 tokens per parameter) of a

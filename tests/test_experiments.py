@@ -7,11 +7,12 @@ import os
 import pytest
 from ml_collections import config_dict
 
-from experiments import recipes as study
-from training import sharding, testing
-from training.testing import shrunken_config
+from configs import shrunken
+from configs.shrunken import shrunken_config
+from experiments import study
+from training import sharding
 
-sharding.use_compilation_cache(testing.TEST_COMPILATION_CACHE)  # reruns compile once
+sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)  # reruns compile once
 
 
 def micro_study_config(steps: int = 4):

@@ -11,11 +11,11 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from configs import shrunken
 import models
 from training import config as config_lib
 from training import optim
 from training import sharding
-from training import testing
 from training import trainer
 from training.config import ConfigError
 
@@ -80,7 +80,7 @@ def test_rules_table_covers_every_model_axis_name():
 
 
 def test_precision_switch_recipes():
-  config = testing.shrunken_config(steps=100, recipe="nvfp4", **{"precision_switch.fraction": 0.2})
+  config = shrunken.shrunken_config(steps=100, recipe="nvfp4", **{"precision_switch.fraction": 0.2})
   recipe, late, start = config_lib.resolve_recipes(config)
   assert (recipe.name, late.fprop, late.dgrad, late.wgrad, start) == ("nvfp4", "bf16", "nvfp4", "nvfp4", 80)
   config.precision_switch.mode = "fwd_bwd"
@@ -95,7 +95,7 @@ def test_precision_switch_recipes():
 def test_weight_decay_only_on_matrices():
   params = {"w": jnp.ones((4, 4)), "scale": jnp.ones((4,)), "conv": jnp.ones((4, 2, 3))}
   assert optim.decay_mask(params) == {"w": True, "scale": False, "conv": True}
-  config = testing.shrunken_config().optim
+  config = shrunken.shrunken_config().optim
   config.lr, config.warmup_steps, config.grad_clip = 0.0, 0, 1.0  # lr 0: only decay could move a param
   tx, _ = optim.make_optimizer(config, 10)
   zero = jax.tree.map(jnp.zeros_like, params)
@@ -104,7 +104,7 @@ def test_weight_decay_only_on_matrices():
 
 
 def test_wsd_schedule_shape():
-  config = testing.shrunken_config().optim
+  config = shrunken.shrunken_config().optim
   config.lr, config.min_lr_ratio, config.warmup_steps, config.decay_fraction = 1.0, 0.01, 10, 0.2
   lr = optim.schedule(config, 100)
   values = np.asarray([lr(i) for i in range(100)])
@@ -113,7 +113,7 @@ def test_wsd_schedule_shape():
 
 
 def test_cosine_schedule_ends_at_floor():
-  config = testing.shrunken_config().optim
+  config = shrunken.shrunken_config().optim
   config.schedule, config.lr, config.min_lr_ratio, config.warmup_steps = "cosine", 1.0, 0.1, 5
   lr = optim.schedule(config, 50)
   assert float(lr(5)) == pytest.approx(1.0) and float(lr(50)) == pytest.approx(0.1)
@@ -126,7 +126,7 @@ def _no_model(*_):
 
 
 def _bad_run(tmp_path, **overrides):
-  config = testing.shrunken_config(**overrides)
+  config = shrunken.shrunken_config(**overrides)
   with pytest.raises(ConfigError) as info:
     trainer.train_and_evaluate(config, str(tmp_path / "run"), model_fn=_no_model)
   return str(info.value)

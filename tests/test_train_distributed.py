@@ -8,14 +8,14 @@ import sys
 
 import numpy as np
 
+from configs import shrunken
 from training import sharding
-from training import testing
 from training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 TIMEOUT_S = 300
-sharding.use_compilation_cache(testing.TEST_COMPILATION_CACHE)
+sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)
 
 _DRIVER = """
 import json, sys
@@ -24,8 +24,9 @@ import jax
 if {coordinator!r}:
   jax.distributed.initialize(coordinator_address={coordinator!r}, num_processes=2, process_id={process_id},
                              initialization_timeout=120)
-from training import testing, trainer
-config = testing.shrunken_config(steps={steps}, **{overrides!r})
+from configs import shrunken
+from training import trainer
+config = shrunken.shrunken_config(steps={steps}, **{overrides!r})
 summary = trainer.train_and_evaluate(config, {workdir!r})
 print("SUMMARY " + json.dumps(dict(summary, devices=jax.device_count(), processes=jax.process_count())))
 """
@@ -38,7 +39,7 @@ def _free_port() -> int:
 
 
 def _start(workdir, *, overrides, devices=1, coordinator="", process_id=0):
-  env = dict(os.environ, **testing.compilation_cache_env(),
+  env = dict(os.environ, **shrunken.compilation_cache_env(),
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
   code = _DRIVER.format(root=ROOT, coordinator=coordinator, process_id=process_id, steps=STEPS,
                         overrides=overrides, workdir=workdir)
@@ -71,7 +72,7 @@ def test_8_device_mesh_and_2_processes_match_1_device(tmp_path):
   processes += [_start(two, coordinator=address, process_id=i, overrides=base) for i in (0, 1)]
   try:
     one = str(tmp_path / "one")
-    reference = trainer.train_and_evaluate(testing.shrunken_config(steps=STEPS, **base), one)
+    reference = trainer.train_and_evaluate(shrunken.shrunken_config(steps=STEPS, **base), one)
     summaries = [_finish(p) for p in processes]
   finally:
     for p in processes:

@@ -14,12 +14,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from configs import shrunken
 from training import sharding
-from training import testing
 from training import trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sharding.use_compilation_cache(testing.TEST_COMPILATION_CACHE)  # reruns of one program compile once
+sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)  # reruns of one program compile once
 
 
 def _records(workdir, kind):
@@ -39,7 +39,7 @@ def _saved(workdir, step):
 
 def test_tiny_trains_end_to_end_and_loss_falls(tmp_path):
   workdir = str(tmp_path / "run")
-  config = testing.shrunken_config(steps=40, **{"optim.lr": 1e-2, "eval.every_steps": 20, "log_every": 10,
+  config = shrunken.shrunken_config(steps=40, **{"optim.lr": 1e-2, "eval.every_steps": 20, "log_every": 10,
                                                 "profile_steps": (3, 4)})
   summary = trainer.train_and_evaluate(config, workdir)
   assert summary["status"] == "done" and summary["step"] == 40
@@ -59,7 +59,7 @@ def test_tiny_trains_end_to_end_and_loss_falls(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("fp4jax.flax") is None,
                     reason="fp4jax.flax (the quantized dot) has not landed yet")
 def test_tiny_trains_in_nvfp4(tmp_path):
-  config = testing.shrunken_config(steps=24, recipe="nvfp4", **{"optim.lr": 1e-2, "log_every": 8})
+  config = shrunken.shrunken_config(steps=24, recipe="nvfp4", **{"optim.lr": 1e-2, "log_every": 8})
   summary = trainer.train_and_evaluate(config, str(tmp_path / "run"))
   train = _records(str(tmp_path / "run"), "train")
   assert train[-1]["recipe"] == "nvfp4" and train[-1]["loss"] < train[0]["loss"] - 0.5, train
@@ -71,13 +71,13 @@ def test_resume_is_bit_exact_across_the_precision_switch(tmp_path):
   overrides = {"eval.batches": 0, "data.read_threads": 1, "data.prefetch": 4, "precision_switch.fraction": 0.5}
   straight = str(tmp_path / "straight")
   # Its checkpoint 3 is saved asynchronously while the next steps reuse the donated buffers.
-  trainer.train_and_evaluate(testing.shrunken_config(steps=6, **overrides, **{"checkpoint.every_steps": 3}),
+  trainer.train_and_evaluate(shrunken.shrunken_config(steps=6, **overrides, **{"checkpoint.every_steps": 3}),
                              straight)
   assert [r["recipe"] for r in _records(straight, "train")] == ["bf16"] * 3 + ["bf16_bf16_fprop"] * 3
   split = str(tmp_path / "split")
-  first = trainer.train_and_evaluate(testing.shrunken_config(steps=6, halt_after=3, **overrides), split)
+  first = trainer.train_and_evaluate(shrunken.shrunken_config(steps=6, halt_after=3, **overrides), split)
   assert (first["status"], first["step"]) == ("halted", 3)
-  second = trainer.train_and_evaluate(testing.shrunken_config(steps=6, **overrides), split)
+  second = trainer.train_and_evaluate(shrunken.shrunken_config(steps=6, **overrides), split)
   assert (second["status"], second["step"]) == ("done", 6)
   for step in (3, 6):
     (a, data_a), (b, data_b) = _saved(straight, step), _saved(split, step)
@@ -90,7 +90,7 @@ def test_resume_is_bit_exact_across_the_precision_switch(tmp_path):
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
   workdir = str(tmp_path / "run")
-  config = testing.shrunken_config(steps=20, **{"optim.lr": 1e30, "optim.warmup_steps": 0,
+  config = shrunken.shrunken_config(steps=20, **{"optim.lr": 1e30, "optim.warmup_steps": 0,
                                                 "health.max_nonfinite_streak": 3, "eval.batches": 0})
   with pytest.raises(trainer.TrainingDiverged, match="non-finite for 3 steps in a row") as info:
     trainer.train_and_evaluate(config, workdir)
@@ -112,7 +112,7 @@ def test_step_with_nonfinite_loss_leaves_the_state_alone():
     def __call__(self, tokens):
       return nn.Embed(256, 256)(tokens)
 
-  config = testing.shrunken_config()
+  config = shrunken.shrunken_config()
   tx, lr = optim.make_optimizer(config.optim, 10)
   model = Bigram()
   state = trainer.init_state(model, tx, 0, 8)
@@ -145,7 +145,7 @@ def _read_until(stream, pattern, deadline, sink):
 def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   command = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
-             f"--compilation_cache={testing.TEST_COMPILATION_CACHE}", *testing.shrunken_flags(steps=100_000),
+             f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}", *shrunken.shrunken_flags(steps=100_000),
              "--config.eval.batches=0"]
   process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines = []
@@ -161,7 +161,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
   assert "received SIGTERM: saved checkpoint" in output, output
   saved = max(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")))
   assert saved >= 3
-  config = testing.shrunken_config(steps=100_000, halt_after=2, **{"eval.batches": 0})  # the same program
+  config = shrunken.shrunken_config(steps=100_000, halt_after=2, **{"eval.batches": 0})  # the same program
   summary = trainer.train_and_evaluate(config, workdir)
   assert (summary["status"], summary["step"]) == ("halted", saved + 2)
   assert _records(workdir, "train")[-1]["step"] == saved + 2

@@ -1,59 +1,26 @@
-"""Config helpers: the model section of a config, and the up-front checks that run before any compute.
+"""Config helpers: the model config and recipes a training config names, and the up-front checks that
+run before any compute.
 
 A training config is an ``ml_collections.ConfigDict`` (see ``configs/base.py``). Its ``model`` section names
-a preset of ``models.presets`` and may override any ``ModelConfig`` field; every field is present (as a typed
-placeholder, ``None`` meaning "the preset's value") so that ``--config.model.d_model=128`` works from the
-command line.
+a preset of ``models.presets`` and may override any ``ModelConfig`` field (``None``: the preset's value).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
 from ml_collections import config_dict
 
 import fp4jax
+from models import presets
 
 
 class ConfigError(ValueError):
   """A bad config or bad input data, found before any compute. The message says what and how to fix."""
 
 
-def _model_config_cls():
-  from models.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  return ModelConfig
-
-
-def model_section(preset: str, **overrides) -> config_dict.ConfigDict:
-  """A ``config.model`` section: ``preset`` plus one typed placeholder per ``ModelConfig`` field.
-
-  dtype fields are strings ("bfloat16"); tuples stay tuples. ``overrides`` set fields of the preset.
-  """
-  section = config_dict.ConfigDict()
-  section.preset = preset
-  defaults = _model_config_cls()()
-  for field in dataclasses.fields(defaults):
-    value = getattr(defaults, field.name)
-    if value is None:  # an Optional field: its annotation names the type
-      annotation = str(field.type)
-      kind = int if "int" in annotation else float if "float" in annotation else str
-    elif isinstance(value, (jnp.dtype, type)) or field.name.endswith("dtype"):
-      kind = str
-    else:
-      kind = type(value)
-    section[field.name] = config_dict.placeholder(kind)
-  for name, value in overrides.items():
-    if name not in section:
-      raise ConfigError(f"model_section: {name!r} is not a ModelConfig field; "
-                        f"fields are {sorted(k for k in section.keys() if k != 'preset')}")
-    section[name] = value
-  return section
-
-
 def resolve_model_config(section: config_dict.ConfigDict):
   """``models.ModelConfig``: the preset ``section.preset`` with every non-None field of the section applied."""
-  from models import presets  # pylint: disable=g-import-not-at-top
   try:
     base = presets.get_model_config(section.preset)
   except (KeyError, ValueError) as e:

@@ -1,8 +1,8 @@
 """The recipe study: one model, one data stream, the same seeds, trained with each recipe variant.
 
-  python -m experiments.recipes --config configs/study_cpu.py [--workdir results/study_cpu]
-  python -m experiments.recipes --config configs/study_cpu.py --summarize_only    # tables from finished runs
-  python -m experiments.recipes --config configs/study_cpu.py --config.study.variants=bf16,nvfp4
+  python -m experiments.study --config configs/study_cpu.py [--workdir results/study_cpu]
+  python -m experiments.study --config configs/study_cpu.py --summarize_only    # tables from finished runs
+  python -m experiments.study --config configs/study_cpu.py --config.study.variants=bf16,nvfp4
 
 Variants (spec §6-7): bf16, fp8, mxfp4, nvfp4 (the paper's recipe), nvfp4 without stochastic rounding,
 without RHT, without 2D weight tiles, nvfp4 with every linear layer in FP4, and nvfp4 with the precision
@@ -30,7 +30,15 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import training
+from models import count_params
+from training import config as config_lib
+from training import sharding
 
 # Each variant is a set of overrides (dotted config paths) of the study's base training config.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -114,14 +122,11 @@ def read_metrics(workdir: str) -> dict[str, list[dict]]:
 
 
 def _count_params(run) -> int:
-  from training import config as config_lib  # pylint: disable=g-import-not-at-top
-  from models.lm import count_params  # pylint: disable=g-import-not-at-top
   return int(count_params(config_lib.resolve_model_config(run.model)))
 
 
 def train_one(run, workdir: str, log: Callable[[str], None] = print) -> dict:
   """Trains (or resumes) one run and writes its ``study_result.json``; returns that record."""
-  import training  # pylint: disable=g-import-not-at-top
   resumed = os.path.isdir(os.path.join(workdir, "checkpoints")) and bool(os.listdir(os.path.join(workdir, "checkpoints")))
   start = time.perf_counter()
   try:
@@ -245,7 +250,6 @@ def collect(config, runs_dir: str) -> dict:
   noise = 100.0 * float(np.std(bf16, ddof=1) / np.mean(bf16)) if len(bf16) > 1 else float("nan")
   tokens = int(config.steps) * tokens_per_step
   switch_step = int(config.steps) - int(round(float(config.study.switch_fraction) * int(config.steps)))
-  import jax  # pylint: disable=g-import-not-at-top
   return dict(
       name=config.name, variants=variants, seeds=seeds, rows=rows,
       runs_done=len(results), runs_total=len(variants) * len(seeds),
@@ -274,7 +278,6 @@ def _cpu_name() -> str:
 
 
 def _model_summary(run) -> dict:
-  from training import config as config_lib  # pylint: disable=g-import-not-at-top
   m = config_lib.resolve_model_config(run.model)
   return dict(preset=run.model.preset, pattern=m.pattern, d_model=m.d_model, mlp_dim=m.mlp_dim,
               bf16_first_blocks=m.bf16_first_blocks, bf16_last_blocks=m.bf16_last_blocks, dtype=str(m.dtype))
@@ -408,13 +411,10 @@ def write_summary(config, out_dir: str, runs_dir: str) -> dict:
 
 def enable_compilation_cache(directory: str) -> None:
   """Persistent XLA cache: the second seed of a variant (and a resumed study) reuses compiled steps."""
-  from training import sharding  # pylint: disable=g-import-not-at-top
   sharding.use_compilation_cache(os.path.abspath(directory))
 
 
 def main(argv=None) -> int:
-  from absl import app, flags, logging  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   sys.path.insert(0, root)
   config_flag = config_flags.DEFINE_config_file("config", os.path.join(root, "configs", "study_cpu.py"),
