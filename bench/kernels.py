@@ -22,8 +22,7 @@ import numpy as np
 
 import fp4jax
 from fp4jax import primitives
-from fp4jax.api import quantize_rht_transposed
-from fp4jax.matmul import scaled_matmul
+from fp4jax.api import quantize_rht_transposed, scaled_matmul
 
 
 def _time(fn, *args, iters: int) -> float:

@@ -1,21 +1,23 @@
-"""Public quantize / dequantize: validation at the boundary, then the implementation."""
+"""The public ops on tensors: quantize, dequantize, the RHT-transposed quantize, scaled matmul and
+transpose_tiles. Validation at the boundary, then the primitive (FP4 formats) or the reference (fp8).
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from fp4jax import fp8, nvfp4, primitives
+from fp4jax import e2m1, formats, hadamard, nvfp4, primitives
+from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor
-from fp4jax.reference import DEFAULT_BLOCK, dequantize_reference, quantize_reference
+from fp4jax.reference import (codes_of, dequantize_reference, quantize_reference,
+                              scaled_matmul_reference)
 
-FORMATS = ("nvfp4", "mxfp4", "fp8")
 ROUNDINGS = ("nearest", "stochastic")
-_TILES = {"nvfp4": nvfp4.TILE, "fp8": fp8.TILE}
 
 
 def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling):
-  if fmt not in FORMATS:
-    raise ValueError(f"unknown format fmt={fmt!r}; use one of {FORMATS}")
+  if fmt not in formats.NAMES:
+    raise ValueError(f"unknown format fmt={fmt!r}; use one of {formats.NAMES}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"fp4jax.quantize needs a floating-point input (float32, bfloat16 or float16); "
                     f"got dtype {x.dtype}. Cast it first, e.g. x.astype(jnp.float32)")
@@ -39,7 +41,7 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
     raise ValueError("bits= is only used with rounding='stochastic'")
   if amax is not None and fmt != "nvfp4":
     raise ValueError(f"amax= is the NVFP4 tensor amax; fmt={fmt!r} has no tensor-level scale")
-  if scale_rule not in ("rceil", "floor"):
+  if scale_rule not in formats.SCALE_RULES:
     raise ValueError(f"scale_rule={scale_rule!r}; use 'rceil' (cuBLAS, the paper) or 'floor' (OCP)")
   if scaling not in ("block", "tensor"):
     raise ValueError(f"scaling={scaling!r}; use 'block' or 'tensor'")
@@ -51,10 +53,11 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
     return axis
   if tile is not None:
     tile = tuple(tile)
-    if fmt not in _TILES:
-      raise ValueError(f"fmt={fmt!r} has no 2D tiles; tile= is for nvfp4 {nvfp4.TILE} and fp8 {fp8.TILE}")
-    if tile != _TILES[fmt]:
-      raise ValueError(f"tile={tile} is not supported for fmt={fmt!r}; use tile={_TILES[fmt]}")
+    if fmt not in formats.TILE:
+      raise ValueError(f"fmt={fmt!r} has no 2D tiles; tile= is for "
+                       + " and ".join(f"{f} {t}" for f, t in formats.TILE.items()))
+    if tile != formats.TILE[fmt]:
+      raise ValueError(f"tile={tile} is not supported for fmt={fmt!r}; use tile={formats.TILE[fmt]}")
     if x.ndim < 2:
       raise ValueError(f"tile={tile} quantizes the last two axes; got a 1-D input of shape {x.shape}")
     if axis < x.ndim - 2:
@@ -63,10 +66,10 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
       if x.shape[ax] % t:
         raise ValueError(f"axis {ax} has length {x.shape[ax]}, not a multiple of the tile side {t} "
                          f"for fmt={fmt!r} tile={tile}; pad the input or use fp4jax.dot, which pads")
-    if fmt != "fp8" and x.shape[axis] % 2:
+    if formats.TABLE[fmt].packed and x.shape[axis] % 2:
       raise ValueError(f"axis {axis} has odd length {x.shape[axis]}; two codes are packed per byte")
     return axis
-  block = DEFAULT_BLOCK[fmt]
+  block = formats.BLOCK[fmt]
   if x.shape[axis] % block:
     raise ValueError(f"axis {axis} has length {x.shape[axis]}, not a multiple of the block {block} for "
                      f"fmt={fmt!r}; pad the input or use fp4jax.dot, which pads")
@@ -94,7 +97,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.shape, jnp.uint8)
-  if fmt not in primitives.KERNEL_FORMATS:
+  if fmt not in formats.KERNEL_FORMATS:
     return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
                               scale_rule=scale_rule, scaling=scaling)
   amax_g = None
@@ -110,7 +113,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   data, scale = primitives.quantize_last(x_l, prim_amax, bits_l, fmt=fmt, tiled=tile is not None,
                                          scale_rule=scale_rule, impl=impl)
   data, scale = jnp.moveaxis(data, -1, src), jnp.moveaxis(scale, -1, src)
-  block = None if tile is not None else DEFAULT_BLOCK[fmt]
+  block = None if tile is not None else formats.BLOCK[fmt]
   return QTensor(data, scale, amax_g, fmt, axis - x.ndim, block,
                  None if tile is None else tuple(tile), x.dtype,
                  scale_rule if fmt == "mxfp4" else None)
@@ -125,7 +128,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   if not isinstance(q, QTensor):
     raise TypeError(f"fp4jax.dequantize takes a QTensor from fp4jax.quantize; got {type(q).__name__}")
   impl = primitives.resolve_impl(impl, q.fmt)
-  if q.fmt not in primitives.KERNEL_FORMATS:
+  if q.fmt not in formats.KERNEL_FORMATS:
     return dequantize_reference(q, dtype)
   nd = q.data.ndim
   axis = q.axis % nd
@@ -146,8 +149,6 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"); the tensor
   amax after the transform is a separate reduction before it. impl: as for ``quantize``.
   """
-  from fp4jax.hadamard import signs
-  from fp4jax.kernels.quantize_rht_t import rht_amax
   x = jnp.asarray(x)
   if x.ndim != 2:
     raise ValueError(f"quantize_rht_transposed takes a 2-D (tokens, channels) input; got shape {x.shape}")
@@ -159,10 +160,57 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.T.shape, jnp.uint8)
-  signs(rht_size, rht_seed)   # validates rht_size
+  hadamard.signs(rht_size, rht_seed)   # validates rht_size
   amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed) if fmt == "nvfp4" else None
   data, scale = primitives.quantize_rht_t(
       x, jnp.zeros((), jnp.float32) if amax is None else amax, bits, fmt=fmt, rht_size=rht_size,
       rht_seed=rht_seed, scale_rule=scale_rule, impl=impl)
-  return QTensor(data, scale, amax, fmt, -1, DEFAULT_BLOCK[fmt], None, jnp.dtype(jnp.float32),
+  return QTensor(data, scale, amax, fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(jnp.float32),
                  scale_rule if fmt == "mxfp4" else None)
+
+
+def check_operands(a: QTensor, b: QTensor):
+  if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
+    raise TypeError("scaled_matmul takes two QTensors from fp4jax.quantize")
+  if a.fmt != b.fmt:
+    raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
+  if a.axis != -1 or b.axis != -1:
+    raise ValueError("scaled_matmul contracts the last axis of both operands; quantize them with axis=-1 "
+                     f"(got axis {a.axis} and {b.axis})")
+  if len(b.shape) != 2:
+    raise ValueError(f"the right operand must be 2-D (N, K); got shape {b.shape}")
+  if a.shape[-1] != b.shape[-1]:
+    raise ValueError(f"contraction lengths differ: lhs K={a.shape[-1]}, rhs K={b.shape[-1]}")
+
+
+def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None):
+  """a (..., M, K) · b (N, K)ᵀ -> (..., M, N) in ``out_dtype``, from quantized operands.
+
+  FP4 operands run as the ``fp4jax_scaled_matmul`` primitive. impl: "pallas" (the Pallas kernel;
+  interpreted on CPU), "xla" (the reference), or None = "pallas" where
+  ``fp4jax.primitives.can_use_pallas``, else "xla". fp8 operands run the reference.
+  """
+  check_operands(a, b)
+  impl = primitives.resolve_impl(impl, a.fmt)
+  if a.fmt not in formats.KERNEL_FORMATS:
+    return scaled_matmul_reference(a, b, out_dtype)
+  return primitives.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl)
+
+
+def transpose_tiles(q: QTensor) -> QTensor:
+  """The 2D-tiled QTensor of the transposed matrix, from codes and scales alone (no requantization).
+
+  With square tiles (nvfp4 16x16, fp8 128x128) the quantization of Wᵀ is exactly the transpose of W's
+  codes and scales (spec §2), so the dgrad GEMM reuses the fprop weight. The result is packed (nvfp4)
+  along its last axis.
+  """
+  if q.tile is None or len(q.shape) != 2:
+    raise ValueError("transpose_tiles needs a 2-D QTensor quantized with tile= (nvfp4 (16, 16) or "
+                     "fp8 (128, 128))")
+  if q.fmt == "nvfp4":
+    data = e2m1.pack(codes_of(q).T)
+  elif q.fmt == "fp8":
+    data = q.data.T
+  else:
+    raise ValueError(f"transpose_tiles supports nvfp4 and fp8 tiles; got fmt={q.fmt!r}")
+  return QTensor(data, q.scale.T, q.amax, q.fmt, -1, None, q.tile, q.dtype, q.scale_rule)

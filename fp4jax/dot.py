@@ -31,14 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import recipes
-from fp4jax.api import quantize, quantize_rht_transposed
-from fp4jax.matmul import scaled_matmul, transpose_tiles
+from fp4jax import formats, recipes
+from fp4jax.api import quantize, quantize_rht_transposed, scaled_matmul, transpose_tiles
 from fp4jax.recipe import Recipe
 
-_BLOCK = {"nvfp4": 16, "mxfp4": 32, "fp8": 128, "bf16": 1}
-_TILE_SIDE = {"nvfp4": 16, "fp8": 128}          # formats with 2D weight tiles
-_FP4 = ("nvfp4", "mxfp4")
+_BLOCK = {**formats.BLOCK, "bf16": 1}
+_FP4 = formats.FP4
 
 MISSING_KEY_MESSAGE = (
     "stochastic rounding of the gradients (Recipe.stochastic_grad=True) needs random bits, and no key "
@@ -52,7 +50,7 @@ MISSING_KEY_MESSAGE = (
 # ---------------------------------------------------------------------------------------------------
 
 def _weight_tile(fmt, recipe):
-  return (_TILE_SIDE[fmt],) * 2 if recipe.weight_2d and fmt in _TILE_SIDE else None
+  return formats.TILE[fmt] if recipe.weight_2d and fmt in formats.TILE else None
 
 
 def _rounding(fmt, recipe):
@@ -70,7 +68,7 @@ def needs_key(recipe: Recipe) -> bool:
 
 def _shares_fprop_weight(recipe):
   """dgrad reads the fprop tiles transposed (spec §2): the same quantized tensor in both GEMMs."""
-  return recipe.weight_2d and recipe.fprop == recipe.dgrad and recipe.fprop in _TILE_SIDE
+  return recipe.weight_2d and recipe.fprop == recipe.dgrad and recipe.fprop in formats.TILE
 
 
 def _alignment(recipe):

@@ -10,9 +10,6 @@ import jax.numpy as jnp
 
 from fp4jax.scales import E4M3_MAX, e4m3_rne_satfinite
 
-BLOCK = 128
-TILE = (128, 128)
-
 
 def quantize_blocks(x_f32):
   """E4M3 data (shape of x) and float32 decode scales (..., NB) of blocked float32 values."""

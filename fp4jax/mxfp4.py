@@ -9,9 +9,6 @@ import jax.numpy as jnp
 from fp4jax import e2m1
 from fp4jax.scales import e8m0_exponent, e8m0_from_exponent, e8m0_to_f32
 
-BLOCK = 32
-SCALE_RULES = ("rceil", "floor")
-
 
 def quantize_blocks(x_f32, *, scale_rule="rceil", bits=None):
   """Codes (uint8, shape of x) and float8_e8m0fnu scales (..., NB) of blocked float32 values."""

@@ -11,8 +11,6 @@ import jax.numpy as jnp
 from fp4jax import e2m1
 from fp4jax.scales import FLT_MAX, e4m3_rne_satfinite
 
-BLOCK = 16
-TILE = (16, 16)
 _ONE_SIXTH = jnp.float32(1.0 / 6.0)
 _INV_2688 = jnp.float32(1.0 / 2688.0)   # 1 / (6 · 448)
 

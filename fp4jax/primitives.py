@@ -27,18 +27,21 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from fp4jax import _pallas_compat as plc
+from fp4jax import formats
 from fp4jax import sharding as shd
 from fp4jax.kernels import quantize_1d as _k1d
 from fp4jax.kernels import quantize_2d as _k2d
 from fp4jax.kernels import quantize_rht_t as _krht
 from fp4jax.kernels import scaled_matmul as _kmm
-from fp4jax.qtensor import QTensor
+from fp4jax.qtensor import QTensor, along_last
+from fp4jax.reference import (dequantize_last_reference, quantize_last_reference,
+                              quantize_rht_t_reference, scaled_matmul_reference, tensor_factor)
 
 IMPLS = ("xla", "pallas")
-KERNEL_FORMATS = ("nvfp4", "mxfp4")
-BLOCK = {"nvfp4": 16, "mxfp4": 32}
-SCALE_DTYPE = {"nvfp4": jnp.float8_e4m3fn, "mxfp4": jnp.float8_e8m0fnu}
-TILE = 16
+KERNEL_FORMATS = formats.KERNEL_FORMATS
+BLOCK = formats.BLOCK
+SCALE_DTYPE = formats.SCALE_DTYPE
+TILE = formats.NVFP4.tile[0]
 _ShapedArray = getattr(jax.core, "ShapedArray", None)
 if _ShapedArray is None:   # pragma: no cover - a jax that no longer re-exports it
   from jax._src.core import ShapedArray as _ShapedArray
@@ -86,12 +89,6 @@ def resolve_impl(impl: str | None, fmt: str) -> str:
 
 def _bytes(s):
   return lax.bitcast_convert_type(s, jnp.uint8)
-
-
-def _vmap_leading(fn, n: int, in_axes):
-  for _ in range(n):
-    fn = jax.vmap(fn, in_axes=in_axes)
-  return fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,17 +192,6 @@ def _quantize_abstract(x, amax, *bits, fmt, tiled, scale_rule, impl):
           _ShapedArray(s_shape, SCALE_DTYPE[fmt]))
 
 
-def _quantize_xla(x, amax, bits, *, fmt, tiled, scale_rule):
-  from fp4jax.reference import quantize_reference
-
-  def one(x1, a1, b1):
-    q = quantize_reference(x1, fmt, axis=-1, tile=(TILE, TILE) if tiled else None, bits=b1,
-                           amax=a1 if fmt == "nvfp4" else None, scale_rule=scale_rule)
-    return q.data, q.scale
-
-  return _vmap_leading(one, amax.ndim, (0, 0, None if bits is None else 0))(x, amax, bits)
-
-
 def _quantize_local_impl(x, amax, *bits, fmt, tiled, scale_rule, impl, platform):
   bits = bits[0] if bits else None
   if impl == "pallas" and platform in ("cuda", "cpu"):
@@ -215,7 +201,7 @@ def _quantize_local_impl(x, amax, *bits, fmt, tiled, scale_rule, impl, platform)
     else:
       q, s = _k1d.quantize_1d(x, amax, bits, fmt=fmt, scale_rule=scale_rule, interpret=interpret)
     return q, lax.bitcast_convert_type(s, SCALE_DTYPE[fmt])
-  return _quantize_xla(x, amax, bits, fmt=fmt, tiled=tiled, scale_rule=scale_rule)
+  return quantize_last_reference(x, amax, bits, fmt=fmt, tiled=tiled, scale_rule=scale_rule)
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,14 +274,7 @@ def _dequantize_abstract(data, scale, amax, *, fmt, tiled, dtype, impl):
 def _dequantize_local_impl(data, scale, amax, *, fmt, tiled, dtype, impl, platform):
   """Both impls lower to the XLA reference: dequantization is elementwise and XLA fuses it."""
   del impl, platform
-  from fp4jax.reference import dequantize_reference
-
-  def one(d1, s1, a1):
-    q = QTensor(d1, s1, a1 if fmt == "nvfp4" else None, fmt, -1, None if tiled else BLOCK[fmt],
-                (TILE, TILE) if tiled else None, dtype)
-    return dequantize_reference(q, dtype)
-
-  return (_vmap_leading(one, amax.ndim, (0, 0, 0))(data, scale, amax),)
+  return (dequantize_last_reference(data, scale, amax, fmt=fmt, tiled=tiled, dtype=dtype),)
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,12 +351,8 @@ def _rht_t_local_impl(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl,
     q, s = _krht.quantize_rht_t(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                 scale_rule=scale_rule, interpret=platform != "cuda")
     return q, lax.bitcast_convert_type(s, SCALE_DTYPE[fmt])
-  from fp4jax.hadamard import rht
-  from fp4jax.reference import quantize_reference
-  y = rht(x.T, axis=-1, size=rht_size, seed=rht_seed)
-  q = quantize_reference(y, fmt, axis=-1, bits=bits, amax=amax if fmt == "nvfp4" else None,
-                         scale_rule=scale_rule)
-  return q.data, q.scale
+  return quantize_rht_t_reference(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
+                                  scale_rule=scale_rule)
 
 
 @functools.lru_cache(maxsize=None)
@@ -441,16 +416,10 @@ def _mm_abstract(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_til
   return _ShapedArray(a_data.shape[:-1] + (b_data.shape[0],), out_dtype)
 
 
-def _qtensor(data, scale, amax, fmt, tiled):
-  return QTensor(data, scale, amax if fmt == "nvfp4" else None, fmt, -1,
-                 None if tiled else BLOCK[fmt], (TILE, TILE) if tiled else None, jnp.float32)
-
-
 def _mm_local_impl(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled,
                    out_dtype, impl, platform):
-  from fp4jax.matmul import scaled_matmul_reference, tensor_factor
-  a = _qtensor(a_data, a_scale, a_amax, fmt, a_tiled)
-  b = _qtensor(b_data, b_scale, b_amax, fmt, b_tiled)
+  a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
+  b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
   if impl == "pallas" and platform in ("cuda", "cpu"):
     out = _kmm.scaled_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor(a, b),
                              fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,

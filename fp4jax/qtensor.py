@@ -1,4 +1,7 @@
-"""QTensor: a quantized tensor as a pytree (data and scales are leaves, the layout is static)."""
+"""QTensor: a quantized tensor as a pytree (data and scales are leaves, the layout is static).
+
+Plain data: the values it represents come from ``fp4jax.dequantize(q)`` (a layer above).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-FP4_FORMATS = ("nvfp4", "mxfp4")
+from fp4jax import formats
 
 
 @jax.tree_util.register_pytree_node_class
@@ -48,7 +51,7 @@ class QTensor:
   def shape(self) -> tuple[int, ...]:
     """The shape of the original (dequantized) tensor."""
     shape = list(self.data.shape)
-    if self.fmt in FP4_FORMATS:
+    if formats.TABLE[self.fmt].packed:
       shape[self.axis] *= 2
     return tuple(shape)
 
@@ -62,6 +65,10 @@ class QTensor:
     leaves = [x for x in (self.data, self.scale, self.amax) if x is not None]
     return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
-  def dequantize(self, dtype=jnp.float32):
-    from fp4jax.api import dequantize
-    return dequantize(self, dtype)
+
+def along_last(data, scale, amax, *, fmt: str, tiled: bool, dtype=jnp.float32) -> QTensor:
+  """The QTensor of codes packed along the last axis, in 1D blocks or the format's 2D tiles, as the
+  primitives pass them around (amax is dropped for formats without a tensor scale)."""
+  spec = formats.TABLE[fmt]
+  return QTensor(data, scale, amax if fmt == "nvfp4" else None, fmt, -1,
+                 None if tiled else spec.block, spec.tile if tiled else None, dtype)

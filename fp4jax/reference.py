@@ -1,18 +1,32 @@
-"""Pure-JAX reference quantize / dequantize for every format: the oracle the kernels must match.
+"""Pure-JAX references for every format and op: the oracles the kernels and primitives must match.
 
-No input validation here (``fp4jax.api`` validates at the public boundary); inputs are assumed to fit
-their layout. All arithmetic in float32 in the order of NVFP4_SPEC.md.
+Quantize / dequantize of any layout, the scaled matmul (and its tensor factor), and the per-shard ops
+the primitives run (last-axis quantize and dequantize, the RHT-transposed quantize). No input
+validation here (``fp4jax.api`` validates at the public boundary); inputs are assumed to fit their
+layout. All arithmetic in float32 in the order of the format modules.
+
+Scaled matmul: both operands are quantized along their last axis K, the contraction axis (the "NT"
+layout FP4 tensor cores read). NVFP4 operands: the block products e2m1·s_b are exact in bfloat16, so
+the reference dequantizes each operand per block to bf16 *without* the tensor scale, runs a bf16 dot
+with float32 accumulation, and applies amax_a · amax_b · f32(1/(6·6·448·448)) to the float32 result —
+exactly what an FP4 tensor core computes, up to the order of the float32 sums. MXFP4 likewise with
+power-of-two scales; FP8 operands are dequantized to float32 and multiplied in float32.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
-from fp4jax import fp8, mxfp4, nvfp4
+from fp4jax import e2m1, formats, fp8, hadamard, mxfp4, nvfp4
 from fp4jax.layout import Layout, pack_along, unpack_along
-from fp4jax.qtensor import QTensor
+from fp4jax.qtensor import QTensor, along_last
+from fp4jax.scales import e8m0_to_f32
 
-DEFAULT_BLOCK = {"nvfp4": nvfp4.BLOCK, "mxfp4": mxfp4.BLOCK, "fp8": fp8.BLOCK}
+_INV_6_6_448_448 = jnp.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
 
+
+# ------------------------------------------------------------------------------ quantize / dequantize
 
 def layout_of(shape, fmt, axis, tile, scaling="block") -> Layout:
   axis = axis % len(shape)
@@ -20,7 +34,7 @@ def layout_of(shape, fmt, axis, tile, scaling="block") -> Layout:
     return Layout(tuple(shape), axis, 0, None)
   if tile is not None:
     return Layout(tuple(shape), axis, None, tuple(tile))
-  return Layout(tuple(shape), axis, DEFAULT_BLOCK[fmt], None)
+  return Layout(tuple(shape), axis, formats.BLOCK[fmt], None)
 
 
 def layout_of_q(q: QTensor) -> Layout:
@@ -72,3 +86,76 @@ def dequantize_reference(q: QTensor, dtype=jnp.float32):
   else:
     raise ValueError(f"unknown format {q.fmt!r}")
   return lay.from_blocks(vals).astype(dtype)
+
+
+# ------------------------------------------------------------------------------ the per-shard ops
+
+def _vmap_leading(fn, n: int, in_axes):
+  for _ in range(n):
+    fn = jax.vmap(fn, in_axes=in_axes)
+  return fn
+
+
+def quantize_last_reference(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil"):
+  """(packed codes, scales) of x quantized along its last axis, in 1D blocks or the format's tiles.
+
+  amax: float32 of shape x.shape[:n], one NVFP4 tensor amax per slice over the leading n axes (n = 0
+  normally; vmapped slices otherwise); ignored by MXFP4. bits: uint8 of x's shape or None.
+  """
+  def one(x1, a1, b1):
+    q = quantize_reference(x1, fmt, axis=-1, tile=formats.TILE[fmt] if tiled else None, bits=b1,
+                           amax=a1 if fmt == "nvfp4" else None, scale_rule=scale_rule)
+    return q.data, q.scale
+
+  amax = jnp.asarray(amax, jnp.float32)
+  return _vmap_leading(one, amax.ndim, (0, 0, None if bits is None else 0))(x, amax, bits)
+
+
+def dequantize_last_reference(data, scale, amax, *, fmt, tiled=False, dtype=jnp.float32):
+  """Values of codes packed along the last axis; amax as for ``quantize_last_reference``."""
+  def one(d1, s1, a1):
+    return dequantize_reference(along_last(d1, s1, a1, fmt=fmt, tiled=tiled, dtype=dtype), dtype)
+
+  return _vmap_leading(one, amax.ndim, (0, 0, 0))(data, scale, amax)
+
+
+def quantize_rht_t_reference(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None,
+                             scale_rule="rceil"):
+  """(packed codes (C, T/2), scales (C, T/B)) of RHT(xᵀ) quantized along T; x of shape (T, C)."""
+  y = hadamard.rht(x.T, axis=-1, size=rht_size, seed=rht_seed)
+  q = quantize_reference(y, fmt, axis=-1, bits=bits, amax=amax if fmt == "nvfp4" else None,
+                         scale_rule=scale_rule)
+  return q.data, q.scale
+
+
+# ------------------------------------------------------------------------------ scaled matmul
+
+def _scaled_codes_bf16(q: QTensor):
+  """e2m1(code) · block scale as bfloat16 (exact), without the tensor-level factor."""
+  lay = layout_of_q(q)
+  vals = e2m1.decode(lay.to_blocks(codes_of(q)))
+  s = lay.scale_from_storage(q.scale)
+  s = s.astype(jnp.float32) if q.fmt == "nvfp4" else e8m0_to_f32(s)
+  return lay.from_blocks(vals * s[..., None]).astype(jnp.bfloat16)
+
+
+def tensor_factor(a: QTensor, b: QTensor):
+  """The float32 factor applied after accumulation (1 for MXFP4 and FP8)."""
+  if a.fmt == "nvfp4":
+    return (a.amax * b.amax) * _INV_6_6_448_448
+  return jnp.float32(1.0)
+
+
+def _contract_last(a, b, preferred):
+  dims = (((a.ndim - 1,), (1,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=preferred,
+                         precision=lax.Precision.HIGHEST)
+
+
+def scaled_matmul_reference(a: QTensor, b: QTensor, out_dtype=jnp.float32):
+  """a (..., M, K) · b (N, K)ᵀ -> (..., M, N): the oracle of ``fp4jax.api.scaled_matmul``."""
+  if formats.TABLE[a.fmt].packed:
+    acc = _contract_last(_scaled_codes_bf16(a), _scaled_codes_bf16(b), jnp.float32)
+    return (acc * tensor_factor(a, b)).astype(out_dtype)
+  acc = _contract_last(dequantize_reference(a), dequantize_reference(b), jnp.float32)
+  return acc.astype(out_dtype)

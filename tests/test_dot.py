@@ -9,9 +9,8 @@ from jax import lax
 
 import fp4jax
 from fp4jax import hadamard, nvfp4, recipes
-from fp4jax.api import quantize_rht_transposed
+from fp4jax.api import quantize_rht_transposed, scaled_matmul
 from fp4jax.dot import MISSING_KEY_MESSAGE
-from fp4jax.matmul import scaled_matmul
 
 KEY = jax.random.key(7)
 DENSE = (((1,), (0,)), ((), ()))

@@ -10,7 +10,7 @@ import pytest
 
 import fp4jax
 from fp4jax.kernels import scaled_matmul as KM
-from fp4jax.matmul import scaled_matmul_reference, tensor_factor
+from fp4jax.reference import scaled_matmul_reference, tensor_factor
 
 REL_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2 ** -8}   # bf16 output: one rounding of the result
 TILE = (16, 16)

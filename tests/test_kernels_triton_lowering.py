@@ -11,8 +11,7 @@ import pytest
 
 import fp4jax
 from fp4jax import _pallas_compat as plc
-from fp4jax.api import quantize_rht_transposed
-from fp4jax.matmul import scaled_matmul
+from fp4jax.api import quantize_rht_transposed, scaled_matmul
 
 S = jax.ShapeDtypeStruct
 pytestmark = pytest.mark.skipif(not plc.has_triton(), reason="jax without the Pallas Triton backend")

@@ -6,7 +6,7 @@ import pytest
 
 import fp4jax
 from fp4jax import nvfp4
-from fp4jax.matmul import transpose_tiles
+from fp4jax.api import transpose_tiles
 from fp4jax.reference import codes_of
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -254,7 +254,7 @@ def test_qtensor_is_a_pytree_through_jit():
   assert len(leaves) == 3
   out = jax.jit(lambda q: q)(q)
   assert_q_equal(out, q)
-  np.testing.assert_array_equal(np.asarray(jax.jit(fp4jax.dequantize)(q)), np.asarray(q.dequantize()))
+  np.testing.assert_array_equal(np.asarray(jax.jit(fp4jax.dequantize)(q)), np.asarray(fp4jax.dequantize(q)))
   assert q.nbytes == 32 * 16 + 4 + 4
 
 

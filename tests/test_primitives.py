@@ -6,9 +6,8 @@ import pytest
 
 import fp4jax
 from fp4jax import primitives
-from fp4jax.api import quantize_rht_transposed
-from fp4jax.matmul import scaled_matmul, scaled_matmul_reference, transpose_tiles
-from fp4jax.reference import dequantize_reference
+from fp4jax.api import quantize_rht_transposed, scaled_matmul, transpose_tiles
+from fp4jax.reference import dequantize_reference, scaled_matmul_reference
 from fp4jax.reference import quantize_reference as _quantize_reference
 
 # One compiled reference per configuration (eager op-by-op dispatch is what makes CPU tests slow).

@@ -17,8 +17,7 @@ _SCRIPT = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import fp4jax
-    from fp4jax.api import quantize_rht_transposed
-    from fp4jax.matmul import scaled_matmul
+    from fp4jax.api import quantize_rht_transposed, scaled_matmul
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     rng = np.random.default_rng(0)

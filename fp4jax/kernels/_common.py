@@ -14,11 +14,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import e2m1
+from fp4jax import e2m1, nvfp4
 from fp4jax._pallas_compat import precise_div
-from fp4jax.scales import FLT_MAX
+from fp4jax.scales import E4M3_MAX, FLT_MAX
 
-E4M3_MAX = 448.0
 _MIN_NORMAL_E4M3 = 2.0 ** -6
 
 
@@ -82,7 +81,6 @@ def nvfp4_block_encode(amax_b, s_enc6, s_dec, *, interpret):
 
 def nvfp4_tensor_params(amax_g):
   """(S_enc · f32(1/6), 1 / S_enc) of tensor amaxes (any shape), in XLA outside the kernels."""
-  from fp4jax import nvfp4
   s_enc = nvfp4.global_encode_scale(amax_g)
   return s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc
 

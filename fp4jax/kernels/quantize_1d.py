@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
+from fp4jax import formats
 from fp4jax.kernels import _common as C
-
-BLOCKS = {"nvfp4": 16, "mxfp4": 32}
+from fp4jax.reference import quantize_last_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
 def _quantize_1d_call(x_RxK, factors_Rx2, bits_RxK, *, fmt, scale_rule, tiles, interpret):
   """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles."""
   r, k = x_RxK.shape
-  b = BLOCKS[fmt]
+  b = formats.BLOCK[fmt]
   nb = k // b
   br, rp = C.fit(r, tiles.rows)
   bn, nbp = C.fit(nb, tiles.blocks)
@@ -106,7 +106,7 @@ def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DE
   Returns packed codes (..., K/2) uint8 and scale bytes (..., K/B) uint8. K must be a multiple of B.
   """
   *lead, k = x.shape
-  b = BLOCKS[fmt]
+  b = formats.BLOCK[fmt]
   if k % b:
     raise ValueError(f"{k=} must be a multiple of the block {b} for fmt={fmt!r}; pad the input")
   x_RxK = x.reshape(-1, k)
@@ -118,16 +118,6 @@ def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DE
 
 
 def quantize_1d_reference(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil"):
-  """The oracle: ``fp4jax.reference.quantize_reference`` along the last axis, as (codes, bytes)."""
-  from fp4jax.reference import quantize_reference
-
-  def one(x1, a1, b1):
-    q = quantize_reference(x1, fmt, axis=-1, bits=b1, amax=a1 if fmt == "nvfp4" else None,
-                           scale_rule=scale_rule)
-    return q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)
-
-  amax = jnp.asarray(amax, jnp.float32)
-  fn = one
-  for _ in range(amax.ndim):
-    fn = jax.vmap(fn, in_axes=(0, 0, None if bits is None else 0))
-  return fn(x, amax, bits)
+  """The oracle: ``fp4jax.reference.quantize_last_reference`` in 1D blocks, as (codes, bytes)."""
+  q, s = quantize_last_reference(x, amax, bits, fmt=fmt, scale_rule=scale_rule)
+  return q, lax.bitcast_convert_type(s, jnp.uint8)

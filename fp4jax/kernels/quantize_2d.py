@@ -13,11 +13,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fp4jax import _pallas_compat as plc
+from fp4jax import formats
 from fp4jax.kernels import _common as C
+from fp4jax.reference import quantize_last_reference
 
-TILE = 16
+TILE = formats.NVFP4.tile[0]   # square tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +103,5 @@ def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):
 
 def quantize_2d_reference(x, amax, bits=None):
   """The oracle: ``quantize_reference(x, 'nvfp4', tile=(16, 16))`` as (codes, scale bytes)."""
-  from jax import lax
-
-  from fp4jax.reference import quantize_reference
-
-  def one(x1, a1, b1):
-    q = quantize_reference(x1, "nvfp4", axis=-1, tile=(TILE, TILE), bits=b1, amax=a1)
-    return q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)
-
-  amax = jnp.asarray(amax, jnp.float32)
-  fn = one
-  for _ in range(amax.ndim):
-    fn = jax.vmap(fn, in_axes=(0, 0, None if bits is None else 0))
-  return fn(x, amax, bits)
+  q, s = quantize_last_reference(x, amax, bits, fmt="nvfp4", tiled=True)
+  return q, lax.bitcast_convert_type(s, jnp.uint8)

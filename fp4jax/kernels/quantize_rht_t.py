@@ -23,9 +23,8 @@ import numpy as np
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import hadamard
+from fp4jax import formats, hadamard, reference
 from fp4jax.kernels import _common as C
-from fp4jax.kernels.quantize_1d import BLOCKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +59,7 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
     x_ref, f_ref, bits_ref, w_ref, s_ref = refs
   else:
     (x_ref, f_ref, w_ref, s_ref), bits_ref = refs, None
-  n, b, L = len(signs), BLOCKS[fmt], rows_per_unit
+  n, b, L = len(signs), formats.BLOCK[fmt], rows_per_unit
   scale = float(np.float32(1.0 / np.sqrt(n)))
   # 1. RHT of every n-row chunk, rows as (chunks, C-tile) float32 tiles.
   rows = [x_ref[:, i, :].astype(jnp.float32) for i in range(L)]
@@ -91,7 +90,7 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
 def _quantize_rht_t_call(x_TxC, factors_2, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
   """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T."""
   t, c = x_TxC.shape
-  b = BLOCKS[fmt]
+  b = formats.BLOCK[fmt]
   L = max(b, len(signs))
   u = t // L
   bu, up = C.fit(u, tiles.chunks)
@@ -132,10 +131,10 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
   T must be a multiple of rht_size and of the block.
   """
   t, c = x.shape
-  L = max(BLOCKS[fmt], rht_size)
+  L = max(formats.BLOCK[fmt], rht_size)
   if t % L:
     raise ValueError(f"token axis T={t} must be a multiple of {L} (rht_size={rht_size}, block "
-                     f"{BLOCKS[fmt]}); pad it")
+                     f"{formats.BLOCK[fmt]}); pad it")
   if fmt == "nvfp4":
     s_enc6, s_dec = C.nvfp4_tensor_params(jnp.asarray(amax, jnp.float32))
     factors = jnp.stack([s_enc6, s_dec])
@@ -148,9 +147,7 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
 
 def quantize_rht_t_reference(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,
                              scale_rule="rceil"):
-  """The oracle: ``quantize_reference(rht(xᵀ))`` as (codes, scale bytes)."""
-  from fp4jax.reference import quantize_reference
-  y = hadamard.rht(x.T, axis=-1, size=rht_size, seed=rht_seed)
-  q = quantize_reference(y, fmt, axis=-1, bits=bits, amax=amax if fmt == "nvfp4" else None,
-                         scale_rule=scale_rule)
-  return q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)
+  """The oracle: ``fp4jax.reference.quantize_rht_t_reference`` as (codes, scale bytes)."""
+  q, s = reference.quantize_rht_t_reference(x, amax, bits, fmt=fmt, rht_size=rht_size,
+                                            rht_seed=rht_seed, scale_rule=scale_rule)
+  return q, lax.bitcast_convert_type(s, jnp.uint8)

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import e2m1
+from fp4jax import e2m1, formats, reference
 from fp4jax.kernels import _common as C
-from fp4jax.kernels.quantize_1d import BLOCKS
 
-TILE = 16
+TILE = formats.NVFP4.tile[0]   # side of the square 2D tiles (nvfp4 is the kernel format with tiles)
+_MIN_DOT = 16                  # tl.dot needs every dimension >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ def _dequant_tile_bf16(packed_RxK2, scale_bytes, *, fmt, tiled):
 def _scaled_matmul_kernel(a_ref, as_ref, b_ref, bs_ref, f_ref, o_ref, *, fmt, a_tiled, b_tiled,
                           bk, nk):
   bm, bn = o_ref.shape
-  blk = BLOCKS[fmt]
+  blk = formats.BLOCK[fmt]
 
   def scale_cols(tiled):
     return bk // TILE if tiled else bk // blk
@@ -87,16 +87,16 @@ def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_1, *, fmt, a_ti
   m, k2 = a_data.shape
   n = b_data.shape[0]
   k = 2 * k2
-  blk = BLOCKS[fmt]
+  blk = formats.BLOCK[fmt]
   unit = TILE if (a_tiled or b_tiled) else blk       # K granularity that keeps scales aligned
   unit = max(unit, blk)
   ku, kup = C.fit(k // unit, max(1, tiles.bk // unit))
   bk, kp = ku * unit, kup * unit
   bm, mp = C.fit(m, tiles.bm)
   bn, np_ = C.fit(n, tiles.bn)
-  if bm < TILE or bn < TILE or bk < 16:          # tl.dot needs every dimension >= 16
-    bm, mp = max(bm, TILE), -(-m // max(bm, TILE)) * max(bm, TILE)
-    bn, np_ = max(bn, TILE), -(-n // max(bn, TILE)) * max(bn, TILE)
+  if bm < _MIN_DOT or bn < _MIN_DOT or bk < _MIN_DOT:
+    bm, mp = max(bm, _MIN_DOT), -(-m // max(bm, _MIN_DOT)) * max(bm, _MIN_DOT)
+    bn, np_ = max(bn, _MIN_DOT), -(-n // max(bn, _MIN_DOT)) * max(bn, _MIN_DOT)
   a_rows = (lambda v: v // TILE) if a_tiled else (lambda v: v)
   b_rows = (lambda v: v // TILE) if b_tiled else (lambda v: v)
   a_cols = (lambda v: v // TILE) if a_tiled else (lambda v: v // blk)
@@ -141,6 +141,5 @@ def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_ti
 
 
 def scaled_matmul_reference(a, b, out_dtype=jnp.float32):
-  """The oracle on QTensors: ``fp4jax.matmul.scaled_matmul_reference``."""
-  from fp4jax.matmul import scaled_matmul_reference as ref
-  return ref(a, b, out_dtype)
+  """The oracle on QTensors: ``fp4jax.reference.scaled_matmul_reference``."""
+  return reference.scaled_matmul_reference(a, b, out_dtype)
