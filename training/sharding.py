@@ -12,6 +12,7 @@ import os
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from training.config import ConfigError
@@ -146,3 +147,19 @@ def any_process(flag: bool) -> bool:
     return flag
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], np.int32))))
+
+
+def train_state_shardings(abstract_state, tx, mesh):
+  """``(abstract state with params unboxed, its NamedShardings)`` for the state of ``step.init_state``.
+
+  ``abstract_state``: ``jax.eval_shape`` of ``init_state`` traced under ``mesh_context(mesh)`` (params still
+  boxed with logical axis names). Parameters and the optimizer moments that mirror them follow the rules
+  table; every other leaf (step, rng, counters, optimizer counts) is replicated.
+  """
+  repl = replicated(mesh)
+  param_sh = logical_shardings(abstract_state["params"], mesh)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_state["opt_state"], param_sh,
+                                 transform_non_params=lambda _: repl)
+  state_sh = dict(step=repl, params=param_sh, opt_state=opt_sh, rng=repl, nonfinite_total=repl,
+                  nonfinite_streak=repl)
+  return dict(abstract_state, params=nn.unbox(abstract_state["params"])), state_sh

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from training import optim
+from training import sharding
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -77,3 +78,14 @@ def eval_step(params, tokens_BxW, *, model):
   """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key)."""
   logits_BxLxV = model.apply({"params": params}, tokens_BxW[:, :-1], rngs={"fp4": jax.random.PRNGKey(0)})
   return cross_entropy(logits_BxLxV, tokens_BxW[:, 1:])
+
+
+def jit_train_step(model, tx, lr_fn, state_shardings, mesh):
+  """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
+
+  ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
+  ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve.
+  """
+  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn)
+  return jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+                 out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))

@@ -1,0 +1,256 @@
+"""Ahead-of-time memory and communication of the real train step on a simulated mesh (nothing allocated).
+
+  python bench/scale.py --config configs/nemotron_h_12b.py --devices 64
+  python bench/scale.py --config configs/nemotron_h_12b.py --devices 8 --config.model.pattern='M*-' \
+      --mesh.fsdp=8 --json /tmp/slice.json
+  python bench/scale.py --config configs/tiny.py --devices 8 --batch_per_device 2
+
+``--devices N`` runs on N CPU devices (``--xla_force_host_platform_device_count``, set before JAX is imported).
+The step is ``training.step.jit_train_step`` with the shardings of ``training.sharding.train_state_shardings``:
+the trainer's own function and placement. The state and the batch are ``jax.ShapeDtypeStruct``s, so any model
+size compiles. The global batch is ``--batch_per_device`` x (data x fsdp) sequences of ``config.data.seq_len``.
+``--mesh.<axis>=k`` is short for ``--config.mesh.<axis>=k``; any ``--config.<field>=<value>`` override works.
+
+Printed (and written by ``--json``): per-device argument / output / alias / temp bytes from XLA's memory
+analysis of the compiled executable; every collective of the compiled (partitioned, optimized) HLO by kind
+and dtype, with its count and output bytes per device, and ops inside loop bodies counted once (they run
+once per iteration); lower and compile seconds. The CPU compiler's buffer assignment approximates a GPU's;
+the program (and its collectives) is the same but for backend passes, e.g. the GPU's reduce-scatter creation.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+
+def _early_devices(argv) -> int:
+  """``--devices N`` from the command line, read before JAX is imported (XLA reads its flags once)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--devices="):
+      return int(arg.split("=", 1)[1])
+    if arg == "--devices" and i + 1 < len(argv):
+      return int(argv[i + 1])
+  return 8
+
+
+def _mesh_aliases(argv) -> list[str]:
+  """``--mesh.fsdp=8`` -> ``--config.mesh.fsdp=8``."""
+  return [f"--config.{a[2:]}" if a.startswith("--mesh.") else a for a in argv]
+
+
+DUMP_DIR = os.path.join(tempfile.gettempdir(), f"fp4jax_scale_dump_{os.getpid()}")
+
+if __name__ == "__main__":
+  sys.argv = _mesh_aliases(sys.argv)
+  # The partitioned program is dumped once, right after SPMD partitioning: its collectives carry the
+  # program's dtypes (the CPU backend later widens bf16 collectives to float32, which a GPU does not).
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={_early_devices(sys.argv)}"
+                             + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning"
+                             + " --xla_dump_hlo_module_re=.*train_step.*").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=wrong-import-position
+import collections
+import json
+import re
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from training import config as config_lib
+from training import optim
+from training import sharding
+from training import step as step_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
+_DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (read before JAX starts).")
+_BATCH = flags.DEFINE_integer("batch_per_device", 1, "Sequences per data-parallel rank (data x fsdp).")
+_JSON = flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
+_HLO = flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this file.")
+_PARTITIONED = flags.DEFINE_string("partitioned_hlo", None, "Also write the HLO after SPMD partitioning here.")
+
+GiB = 2 ** 30
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8,
+         "f8e8m0fnu": 8, "f8e4m3": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32,
+         "u32": 32, "f64": 64, "s64": 64, "u64": 64, "c64": 64, "c128": 128}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+                          r"(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY = re.compile(r"([a-z]\w*)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+.*\{\s*$")   # unindented: a computation header
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_SLICED = re.compile(r"dynamic-slice\((?:[a-z]\w*\[[\d,]*\]\S*\s)?%([\w.\-]+)")   # an all-reduce whose result is sliced
+_COND = re.compile(r"condition=%?([\w.\-]+)")
+_INT_CONSTANT = re.compile(r"s32\[\] constant\((\d+)\)")
+_TRIPS = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  n = 1
+  for d in filter(None, dims.split(",")):
+    n *= int(d)
+  return n * _BITS.get(dtype, 32) // 8
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """``{computation name: its instruction lines}``."""
+  comps, name = {}, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      name = header.group(1)
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  return comps
+
+
+def _trip_counts(hlo_text: str, comps: dict[str, list[str]]) -> dict[str, int]:
+  """``{while body computation: iterations}``: XLA's known_trip_count when annotated (optimized HLO), else
+  the one integer constant of the loop condition (a scan's ``i < N``); 1 when neither is found."""
+  trips = {}
+  for line in hlo_text.splitlines():
+    body = _BODY.search(line)
+    if not (body and " while(" in line):
+      continue
+    known = _TRIPS.search(line)
+    cond = _COND.search(line)
+    constants = set(_INT_CONSTANT.findall("\n".join(comps.get(cond.group(1), [])))) if cond else set()
+    trips[body.group(1)] = int(known.group(1)) if known else int(constants.pop()) if len(constants) == 1 else 1
+  return trips
+
+
+def collectives(hlo_text: str) -> list[dict]:
+  """``[{kind, dtype, in_loop, count, bytes, bytes_per_step}]`` of the collectives in compiled HLO text,
+  one row per (kind, dtype, in_loop). Kind ``all-reduce+slice``: an all-reduce whose result feeds a
+  dynamic-slice, each device keeping its shard (the GPU compiler rewrites it into a reduce-scatter; the
+  CPU compiler keeps it); its bytes are the all-reduce's. bytes: output bytes per device of each op counted once (the gathered
+  tensor for an all-gather, the scattered shard for a reduce-scatter); bytes_per_step multiplies ops in a
+  loop body by its trip count (one level of nesting). An async ``-start`` counts its result (the last
+  array of its tuple)."""
+  comps = _computations(hlo_text)
+  trips = _trip_counts(hlo_text, comps)
+  sliced = set(_SLICED.findall(hlo_text))
+  rows = collections.defaultdict(lambda: [0, 0, 0])
+  for computation, lines in comps.items():
+    for line in lines:
+      match = _INSTRUCTION.match(line)
+      if not match:
+        continue
+      name, shape, kind, is_start = match.groups()
+      if kind == "all-reduce" and name in sliced:
+        kind = "all-reduce+slice"
+      arrays = _ARRAY.findall(shape)
+      if is_start:
+        arrays = arrays[-1:]
+      for dtype, dims in arrays:
+        row = rows[(kind, dtype, computation in trips)]
+        row[0] += 1
+        row[1] += _array_bytes(dtype, dims)
+        row[2] += _array_bytes(dtype, dims) * trips.get(computation, 1)
+  return [dict(kind=k, dtype=d, in_loop=loop, count=c, bytes=b, bytes_per_step=t)
+          for (k, d, loop), (c, b, t) in sorted(rows.items())]
+
+
+def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
+            partitioned_path: str | None = None) -> dict:
+  """Lowers and compiles the train step of ``config`` on the current devices; returns the numbers."""
+  model_config = config_lib.resolve_model_config(config.model)
+  recipe, _, _ = config_lib.resolve_recipes(config)
+  mesh = sharding.make_mesh(config.mesh)
+  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  seq_len = config.data.seq_len
+  model = step_lib.build_model(model_config, recipe)
+  tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
+  with sharding.mesh_context(mesh):
+    abstract_boxed = jax.eval_shape(lambda: step_lib.init_state(model, tx, config.seed, seq_len))
+  abstract, state_sh = sharding.train_state_shardings(abstract_boxed, tx, mesh)
+  state_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
+  tokens_in = jax.ShapeDtypeStruct((batch_per_device * ranks, seq_len + 1), jnp.int32,
+                                   sharding=sharding.batch_sharding(mesh))
+  step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh)
+  with sharding.mesh_context(mesh):
+    t0 = time.perf_counter()
+    lowered = step_fn.lower(state_in, tokens_in)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+  mem = compiled.memory_analysis()
+  hlo = compiled.as_text()
+  if hlo_path:
+    with open(hlo_path, "w", encoding="utf-8") as f:
+      f.write(hlo)
+  partitioned = _partitioned_hlo()
+  if partitioned and partitioned_path:
+    with open(partitioned_path, "w", encoding="utf-8") as f:
+      f.write(partitioned)
+  n_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
+  return dict(
+      config=config.name, preset=config.model.preset, pattern=model_config.pattern,
+      n_blocks=model_config.n_blocks, d_model=model_config.d_model, recipe=recipe.name,
+      remat=model_config.remat, params=int(n_params), devices=jax.device_count(), mesh=dict(mesh.shape),
+      batch_per_device=batch_per_device, seq_len=seq_len,
+      argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
+      alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
+      lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+      collectives=collectives(partitioned) if partitioned else None, compiled_collectives=collectives(hlo))
+
+
+def _partitioned_hlo() -> str | None:
+  """The train step's HLO right after SPMD partitioning (from the dump bench/scale.py asks XLA for), or
+  None when run without the dump (imported rather than run as a script). Deletes the dump."""
+  if not os.path.isdir(DUMP_DIR):
+    return None
+  names = sorted(n for n in os.listdir(DUMP_DIR) if "train_step" in n and "after_spmd-partitioning" in n)
+  text = None
+  if names:
+    with open(os.path.join(DUMP_DIR, names[-1]), encoding="utf-8") as f:
+      text = f.read()
+  shutil.rmtree(DUMP_DIR, ignore_errors=True)
+  return text
+
+
+def report(r: dict) -> str:
+  lines = [f"{r['config']}: {r['preset']} '{r['pattern']}' ({r['n_blocks']} blocks, d_model {r['d_model']}, "
+           f"{r['params'] / 1e9:.3f}B params), recipe {r['recipe']}, remat {r['remat']}",
+           f"devices {r['devices']} mesh {r['mesh']}, {r['batch_per_device']} x {r['seq_len']} tokens per rank",
+           f"per device: arguments {r['argument_bytes'] / GiB:.3f} GiB, outputs {r['output_bytes'] / GiB:.3f} GiB "
+           f"(aliased {r['alias_bytes'] / GiB:.3f}), temp {r['temp_bytes'] / GiB:.3f} GiB",
+           f"lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
+           "collectives per device (ops in the HLO; loop: inside a loop body, MiB/step x its trip count):"]
+  tables = [("partitioned program (the program's dtypes)", r["collectives"]),
+            ("compiled for CPU (bf16 collectives widened to f32; all-reduce + dynamic-slice where a GPU "
+             "forms reduce-scatter)", r["compiled_collectives"])]
+  for title, rows in tables:
+    if rows is None:
+      continue
+    lines += [f"  {title}:", f"    {'kind':<20}{'dtype':<10}{'loop':<6}{'ops':>6}{'MiB (once)':>12}{'MiB/step':>12}"]
+    for c in rows:
+      lines.append(f"    {c['kind']:<20}{c['dtype']:<10}{'yes' if c['in_loop'] else '':<6}{c['count']:>6}"
+                   f"{c['bytes'] / 2 ** 20:>12.1f}{c['bytes_per_step'] / 2 ** 20:>12.1f}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if jax.device_count() != _DEVICES.value:
+    raise SystemExit(f"JAX sees {jax.device_count()} devices, not --devices={_DEVICES.value}; run bench/scale.py "
+                     "as a script (it sets XLA_FLAGS before JAX starts)")
+  result = measure(_CONFIG.value, _BATCH.value, _HLO.value, _PARTITIONED.value)
+  print(report(result))
+  if _JSON.value:
+    with open(_JSON.value, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,84 @@
+"""bench/scale.py: the train step compiled ahead of time on 8 simulated devices, and its HLO collective count."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs.shrunken import SHRUNKEN_MODEL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "scale.py")
+
+
+def _load_scale():
+  spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)   # no __main__: XLA_FLAGS untouched
+  return module
+
+
+HLO = """\
+HloModule jit_train_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ag.1 = bf16[64,32]{1,0} all-gather(bf16[8,32]{1,0} %x), channel_id=1, dimensions={0}
+  %ar.1 = f32[64,32]{1,0} all-reduce(f32[64,32]{1,0} %y), channel_id=2, to_apply=%add
+  %ds.1 = f32[8,32]{1,0} dynamic-slice(f32[64,32]{1,0} %ar.1, s32[] %i, s32[] %j), dynamic_slice_sizes={8,32}
+}
+
+ENTRY %main.2 (a: f32[4], /*index=1*/b: f32[4]) -> f32[4] {
+  %ag.2 = f32[1024]{0} all-gather(f32[128]{0} %a), channel_id=3, dimensions={0}
+  %ar.2 = (f32[], bf16[16]{0}) all-reduce(f32[] %s, bf16[16]{0} %t), channel_id=4, to_apply=%add
+  %ags = (u8[16]{0}, u8[128]{0}) all-gather-start(u8[16]{0} %c), channel_id=5, dimensions={0}
+  %agd = u8[128]{0} all-gather-done(%ags)
+  ROOT %w = (s32[], f32[4]) while(%init), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+
+
+def test_collectives_are_counted_by_kind_dtype_and_loop():
+  rows = {(r["kind"], r["dtype"], r["in_loop"]): r for r in _load_scale().collectives(HLO)}
+  assert set(rows) == {("all-gather", "bf16", True), ("all-reduce+slice", "f32", True), ("all-gather", "f32", False),
+                       ("all-reduce", "f32", False), ("all-reduce", "bf16", False), ("all-gather", "u8", False)}
+  assert rows[("all-gather", "bf16", True)]["bytes"] == 64 * 32 * 2
+  assert rows[("all-gather", "bf16", True)]["bytes_per_step"] == 5 * 64 * 32 * 2
+  assert rows[("all-reduce+slice", "f32", True)]["bytes_per_step"] == 5 * 64 * 32 * 4   # a reduce-scatter on GPU
+  assert rows[("all-gather", "f32", False)]["bytes"] == 1024 * 4
+  assert rows[("all-reduce", "bf16", False)]["bytes"] == 32 and rows[("all-reduce", "f32", False)]["bytes"] == 4
+  assert rows[("all-gather", "u8", False)] == dict(kind="all-gather", dtype="u8", in_loop=False, count=1,
+                                                   bytes=128, bytes_per_step=128)
+
+
+def _run(tmp_path, *flags, timeout=600):
+  out = tmp_path / "scale.json"
+  cmd = [sys.executable, SCRIPT, "--config", os.path.join(ROOT, "configs", "tiny.py"), "--devices", "8",
+         "--mesh.data=1", "--mesh.fsdp=8", "--json", str(out), *flags]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(out.read_text()), proc.stdout
+
+
+def test_shrunken_tiny_on_8_devices(tmp_path):
+  flags = ["--config.recipe=bf16", "--config.data.seq_len=32"]
+  flags += [f"--config.model.{k}={v}" for k, v in SHRUNKEN_MODEL.items()]
+  result, stdout = _run(tmp_path, *flags)
+  assert result["devices"] == 8 and result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert result["pattern"] == "M*-" and result["seq_len"] == 32 and result["batch_per_device"] == 1
+  assert result["temp_bytes"] > 0 and result["argument_bytes"] > 0 and result["compile_s"] > 0
+  assert result["alias_bytes"] > 0            # the state is donated
+  kinds = {c["kind"] for c in result["collectives"]}
+  assert "all-gather" in kinds                # FSDP gathers weights
+  assert "all-reduce+slice" in kinds          # and reduces gradients to shards
+  assert result["compiled_collectives"]
+  assert "temp" in stdout and "all-gather" in stdout
+
+
+@pytest.mark.slow
+def test_tiny_nvfp4_on_8_devices(tmp_path):
+  result, _ = _run(tmp_path)
+  assert result["recipe"] == "nvfp4" and result["n_blocks"] == 6
+  assert any(c["kind"] == "all-gather" and c["dtype"] == "u8" for c in result["collectives"])  # FP4 codes
