@@ -16,12 +16,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from ml_collections import config_dict
 
 from configs import base as base_config
 from models import LanguageModel, ModelConfig
 from training import checkpoint as ckpt_lib
 from training import config as config_lib
+from training import data as data_lib
 from training import optim
 from training.step import init_state
 
@@ -140,11 +142,19 @@ def write_run(workdir: str, config: config_dict.ConfigDict, params, *, note: str
     json.dump(config_lib.to_plain(config), f, indent=2)
   checkpoints = ckpt_lib.Checkpoints(directory, keep=max(int(config.checkpoint.keep), 1), async_save=False)
   try:
-    checkpoints.save(0, state, dict(iterator=None, process_count=1, step=0, note=note))
+    checkpoints.save(0, state, dict(iterator=_fresh_iterator_state(), process_count=1, step=0, note=note))
     checkpoints.wait()
   finally:
     checkpoints.close()
   return directory
+
+
+def _fresh_iterator_state() -> dict:
+  """The state of a data iterator that has produced nothing yet (the same for every split and seed), so
+  that train.py resuming this work directory starts its data from the beginning."""
+  split = data_lib.Split([np.zeros(2, np.uint8)], window=2)
+  return data_lib.batches(split, global_batch=1, seed=0, process_index=0, process_count=1,
+                          read_threads=0, prefetch=0).get_state()
 
 
 def _first_diffs(got, want, limit: int = 3) -> str:

@@ -1,0 +1,533 @@
+"""Conversion between ``LanguageModel`` parameters and Hugging Face Nemotron-H checkpoints (pure functions).
+
+transformers' ``NemotronHForCausalLM`` is the same architecture: pre-norm residual blocks chosen by a
+pattern (``M`` Mamba-2, ``*`` attention without position encoding, ``-`` squared-ReLU MLP), RMSNorm,
+untied LM head. The layouts differ, and every difference is a fixed permutation or a transpose:
+
+  ours (Flax)                                       Nemotron-H (torch, ``backbone.`` prefix)
+  Dense kernel  [in, out]                           Linear weight [out, in]
+  in_proj out axis per group g: z_g x_g B_g C_g dt_g  [z | x | B | C | dt], each over all groups/heads
+  conv channels per group g: x_g B_g C_g              [x | B | C];  conv weight [W, E] -> [E, 1, W]
+  fused qkv, per KV head k: R queries, key, value     q_proj, k_proj, v_proj
+  blocks_<i>/norm/scale, mixer/norm_scale             layers.<i>.norm.weight, mixer.norm.weight
+
+transformers clamps softplus(dt + dt_bias) from below at ``time_step_min`` in its chunked scan; this model
+does not clamp, so the exported config sets ``time_step_min = 0`` (a no-op clamp) and the math matches.
+
+NVFP4 (``to_hf_nvfp4``): every linear layer the precision policy quantizes is written in NVIDIA ModelOpt's
+layout (``weight`` uint8 [N, K/2], two E2M1 codes per byte, element 2j in the low nibble; ``weight_scale``
+float8_e4m3fn [N, K/16]; ``weight_scale_2`` float32 = amax / (6 * 448); ``input_scale`` float32 =
+activation amax / (6 * 448)). The codes and scales are those of the training forward pass: the weight cast
+to the compute dtype, quantized by ``fp4jax.quantize(w.T, "nvfp4", tile=(16, 16))``; a 16x16 tile's scale
+is the scale of each of its sixteen 1x16 row blocks, so it is only repeated, never recomputed.
+
+No torch here: tensors are numpy arrays (bfloat16 / float8 through ml_dtypes) and safetensors files are
+read and written by the small codec below.
+
+Legend: N output features, K input features, G SSM groups, R heads per group (SSM) or queries per KV head
+(attention), P head dim, H heads, E conv channels, W conv width, D model width, V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from typing import Any, Callable, Iterable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import fp4jax
+from models import ModelConfig, layer_precision
+from models.config import BLOCK_KINDS
+
+PREFIX = "backbone."                       # NVIDIA's checkpoints; transformers also reads "model."
+HF_BLOCK_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+HF_LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+GROUP = 16                                 # NVFP4 block: elements per E4M3 scale
+_E4M3_X_E2M1_MAX = 6.0 * 448.0
+
+
+class ConversionError(ValueError):
+  """A checkpoint or config that cannot be converted; the message says what and how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------- safetensors
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+           "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+  """Writes a safetensors file: 8-byte little-endian header length, JSON header, raw little-endian data."""
+  header, offset, blobs = {}, 0, []
+  for name in sorted(tensors):
+    array = np.asarray(tensors[name]).copy(order="C")   # (ascontiguousarray would make scalars 1-D)
+    if array.dtype not in _NAMES:
+      raise ConversionError(f"tensor {name!r} has dtype {array.dtype}, which safetensors here does not store")
+    blob = array.tobytes()
+    header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
+                    "data_offsets": [offset, offset + len(blob)]}
+    blobs.append(blob)
+    offset += len(blob)
+  if metadata:
+    header["__metadata__"] = dict(metadata)
+  encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  encoded += b" " * (-len(encoded) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+    for blob in blobs:
+      f.write(blob)
+
+
+def load_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Reads every tensor of a safetensors file into numpy arrays."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  if len(raw) < 8:
+    raise ConversionError(f"{path} is not a safetensors file (too short)")
+  (size,) = struct.unpack("<Q", raw[:8])
+  try:
+    header = json.loads(raw[8:8 + size])
+  except (ValueError, UnicodeDecodeError):
+    raise ConversionError(f"{path} is not a safetensors file (bad header)") from None
+  base, out = 8 + size, {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    if info["dtype"] not in _DTYPES:
+      raise ConversionError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
+    start, end = info["data_offsets"]
+    out[name] = np.frombuffer(raw[base + start:base + end], _DTYPES[info["dtype"]]).reshape(info["shape"])
+  return out
+
+
+def load_hf_tensors(directory: str) -> dict[str, np.ndarray]:
+  """All tensors of a Hugging Face checkpoint directory (``model.safetensors`` or a sharded index)."""
+  single = os.path.join(directory, "model.safetensors")
+  index = os.path.join(directory, "model.safetensors.index.json")
+  if os.path.isfile(single):
+    return load_safetensors(single)
+  if os.path.isfile(index):
+    with open(index, encoding="utf-8") as f:
+      shards = sorted(set(json.load(f)["weight_map"].values()))
+    tensors = {}
+    for shard in shards:
+      tensors.update(load_safetensors(os.path.join(directory, shard)))
+    return tensors
+  if any(n.endswith(".bin") for n in os.listdir(directory)):
+    raise ConversionError(f"{directory} holds pytorch_model*.bin files; convert them to safetensors first "
+                          "(transformers: model.save_pretrained(dir, safe_serialization=True))")
+  raise ConversionError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+def _in_proj_rows(c: ModelConfig) -> np.ndarray:
+  """For each row of Nemotron-H's in_proj [z | x | B | C | dt], the row of ours (group-major)."""
+  G, N, P, R = c.n_groups, c.d_state, c.ssm_head_dim, c.ssm_n_heads // c.n_groups
+  F = 2 * R * P + 2 * N + R                      # one group's share of the projection
+  part = lambda start, width: [g * F + start + j for g in range(G) for j in range(width)]
+  return np.array(part(0, R * P) + part(R * P, R * P) + part(2 * R * P, N) + part(2 * R * P + N, N)
+                  + part(2 * R * P + 2 * N, R), np.int64)
+
+
+def _conv_channels(c: ModelConfig) -> np.ndarray:
+  """For each conv channel of Nemotron-H [x | B | C], the channel of ours (group-major)."""
+  G, N, P, R = c.n_groups, c.d_state, c.ssm_head_dim, c.ssm_n_heads // c.n_groups
+  E = R * P + 2 * N
+  part = lambda start, width: [g * E + start + j for g in range(G) for j in range(width)]
+  return np.array(part(0, R * P) + part(R * P, N) + part(R * P + N, N), np.int64)
+
+
+def _qkv_rows(c: ModelConfig) -> dict[str, np.ndarray]:
+  """Rows of our fused qkv output (per KV head k: R queries, key, value) for q_proj, k_proj, v_proj."""
+  K, P, R = c.n_kv_heads, c.head_dim, c.n_heads // c.n_kv_heads
+  row = lambda k, slot: [(k * (R + 2) + slot) * P + p for p in range(P)]
+  return {"q_proj": np.array([i for k in range(K) for r in range(R) for i in row(k, r)], np.int64),
+          "k_proj": np.array([i for k in range(K) for i in row(k, R)], np.int64),
+          "v_proj": np.array([i for k in range(K) for i in row(k, R + 1)], np.int64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+  """One Nemotron-H linear weight: rows ``rows`` (None: all, in order) of our kernel ``path``, transposed."""
+  hf_name: str
+  path: tuple[str, ...]
+  rows: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """Any other parameter: ``to_hf(ours) -> theirs`` and its inverse ``from_hf``."""
+  hf_name: str
+  path: tuple[str, ...]
+  to_hf: Callable[[np.ndarray], np.ndarray]
+  from_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _same(x):
+  return x
+
+
+def layout(c: ModelConfig) -> tuple[list[Linear], list[Tensor]]:
+  """Every Nemotron-H tensor of ``c`` and where it comes from in our parameter tree."""
+  check_exportable(c)
+  linears: list[Linear] = []
+  tensors = [Tensor(f"{PREFIX}embeddings.weight", ("embed", "embedding"), _same, _same),
+             Tensor(f"{PREFIX}norm_f.weight", ("final_norm", "scale"), _same, _same)]
+  for i, char in enumerate(c.pattern):
+    block, layer = f"blocks_{i}", f"{PREFIX}layers.{i}."
+    tensors.append(Tensor(layer + "norm.weight", (block, "norm", "scale"), _same, _same))
+    mixer = (block, "mixer")
+    if char == "M":
+      channels = _conv_channels(c)
+      inverse = np.argsort(channels)
+      linears += [Linear(layer + "mixer.in_proj.weight", (*mixer, "in_proj"), _in_proj_rows(c)),
+                  Linear(layer + "mixer.out_proj.weight", (*mixer, "out_proj"))]
+      tensors += [
+          Tensor(layer + "mixer.conv1d.weight", (*mixer, "conv_weight"),
+                 lambda w_WxE, ch=channels: w_WxE[:, ch].T[:, None, :],
+                 lambda w_Ex1xW, inv=inverse: w_Ex1xW[:, 0, :].T[:, inv])]
+      if c.conv_bias:
+        tensors.append(Tensor(layer + "mixer.conv1d.bias", (*mixer, "conv_bias"),
+                              lambda b_E, ch=channels: b_E[ch], lambda b_E, inv=inverse: b_E[inv]))
+      tensors += [Tensor(layer + f"mixer.{name}", (*mixer, name), _same, _same) for name in ("dt_bias", "A_log", "D")]
+      tensors.append(Tensor(layer + "mixer.norm.weight", (*mixer, "norm_scale"), _same, _same))
+    elif char == "*":
+      linears += [Linear(layer + f"mixer.{name}.weight", (*mixer, "qkv"), rows)
+                  for name, rows in _qkv_rows(c).items()]
+      linears.append(Linear(layer + "mixer.o_proj.weight", (*mixer, "out")))
+    else:
+      linears += [Linear(layer + "mixer.up_proj.weight", (*mixer, "up")),
+                  Linear(layer + "mixer.down_proj.weight", (*mixer, "down"))]
+  linears.append(Linear("lm_head.weight", ("lm_head",)))
+  return linears, tensors
+
+
+def check_exportable(c: ModelConfig) -> None:
+  if c.rope:
+    raise ConversionError("rope=True: Nemotron-H attention has no position encoding; only rope=False models "
+                          "export")
+  if "-" in c.pattern and c.mlp_kind != "relu2":
+    raise ConversionError(f"mlp_kind={c.mlp_kind!r}: Nemotron-H MLPs are squared ReLU without a gate; only "
+                          "mlp_kind='relu2' models export")
+
+
+# ------------------------------------------------------------------------------------------- configs
+
+def to_hf_config(c: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None,
+                 max_position_embeddings: int = 4096, extra: dict | None = None) -> dict:
+  """transformers' ``config.json`` for ``c``; ``extra["fp4jax"]`` keeps our full ModelConfig for import."""
+  check_exportable(c)
+  config = {
+      "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": dtype,
+      "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.n_blocks,
+      "hybrid_override_pattern": c.pattern, "layers_block_type": [HF_LAYER_TYPES[ch] for ch in c.pattern],
+      "tie_word_embeddings": False, "layer_norm_epsilon": c.norm_eps, "residual_in_fp32": False,
+      "use_bias": False, "initializer_range": c.init_std, "rescale_prenorm_residual": False,
+      # MLP blocks
+      "intermediate_size": c.mlp_dim, "mlp_hidden_act": "relu2", "mlp_bias": False,
+      # attention blocks
+      "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim,
+      "attention_bias": False, "attention_dropout": 0.0, "max_position_embeddings": max_position_embeddings,
+      # Mamba-2 blocks
+      "mamba_num_heads": c.ssm_n_heads, "mamba_head_dim": c.ssm_head_dim, "ssm_state_size": c.d_state,
+      "n_groups": c.n_groups, "conv_kernel": c.conv_width, "expand": c.expand, "use_conv_bias": c.conv_bias,
+      "mamba_hidden_act": "silu", "mamba_proj_bias": False, "chunk_size": c.chunk_size,
+      "time_step_min": 0.0,       # transformers clamps dt >= time_step_min; this model never clamps
+      "time_step_max": c.dt_max, "time_step_floor": 1e-4, "mamba_ssm_cache_dtype": "float32",
+      "use_cache": True, "num_logits_to_keep": 1,
+      "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
+  }
+  config["fp4jax"] = {"model": model_config_to_json(c), **(extra or {})}
+  return config
+
+
+def model_config_to_json(c: ModelConfig) -> dict:
+  out = {}
+  for field in dataclasses.fields(c):
+    value = getattr(c, field.name)
+    if field.name.endswith("dtype"):
+      value = jnp.dtype(value).name
+    out[field.name] = list(value) if isinstance(value, tuple) else value
+  return out
+
+
+def model_config_from_json(plain: dict) -> ModelConfig:
+  names = {f.name for f in dataclasses.fields(ModelConfig)}
+  kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in plain.items() if k in names}
+  return ModelConfig(**kwargs)
+
+
+def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: int = 0,
+                   bf16_last_blocks: int = 0) -> ModelConfig:
+  """Our ModelConfig for a transformers Nemotron-H ``config.json`` (a dict). One that this package
+  exported carries our exact config (``fp4jax.model``), which wins after the dimensions are checked."""
+  kind = hf.get("model_type")
+  if kind != "nemotron_h":
+    raise ConversionError(f"config.json has model_type={kind!r}; only Nemotron-H checkpoints "
+                          "(model_type 'nemotron_h') import")
+  if hf.get("quantization_config"):
+    raise ConversionError("the checkpoint is quantized (quantization_config in config.json); import its "
+                          "bf16/fp32 original instead")
+  pattern = hf.get("hybrid_override_pattern")
+  if not pattern and hf.get("layers_block_type"):
+    reverse = {v: k for k, v in HF_LAYER_TYPES.items()}
+    legacy = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+    try:
+      pattern = "".join(reverse.get(t) or legacy[t] for t in hf["layers_block_type"])
+    except KeyError as e:
+      raise ConversionError(f"config.json layers_block_type has the unknown layer type {e}") from None
+  if not pattern:
+    raise ConversionError("config.json has neither hybrid_override_pattern nor layers_block_type")
+  if "E" in pattern:
+    raise ConversionError(f"the pattern {pattern!r} has mixture-of-experts layers ('E'); this model has no MoE "
+                          "blocks, so only dense Nemotron-H checkpoints (M, *, - layers) import")
+  unknown = sorted(set(pattern) - set(BLOCK_KINDS))
+  if unknown:
+    raise ConversionError(f"the pattern {pattern!r} has layer kinds {unknown} this model does not have")
+  for flag in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
+    if hf.get(flag):
+      raise ConversionError(f"config.json sets {flag}=true; this model's linear layers have no biases")
+  if "-" in pattern and hf.get("mlp_hidden_act", "relu2") != "relu2":
+    raise ConversionError(f"mlp_hidden_act={hf.get('mlp_hidden_act')!r}; only relu2 MLPs import")
+  d_model = hf["hidden_size"]
+  n_heads_ssm, head_dim_ssm = hf.get("mamba_num_heads"), hf.get("mamba_head_dim")
+  expand = hf.get("expand", 2)
+  if "M" in pattern and n_heads_ssm and head_dim_ssm:
+    if (n_heads_ssm * head_dim_ssm) % d_model:
+      raise ConversionError(f"mamba_num_heads * mamba_head_dim = {n_heads_ssm * head_dim_ssm} is not a multiple "
+                            f"of hidden_size={d_model}; this model needs d_inner = expand * d_model")
+    expand = n_heads_ssm * head_dim_ssm // d_model
+  try:
+    config = ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=d_model, pattern=pattern,
+        mlp_dim=hf.get("intermediate_size", 4 * d_model), mlp_kind="relu2",
+        n_heads=hf.get("num_attention_heads", 1), n_kv_heads=hf.get("num_key_value_heads") or
+        hf.get("num_attention_heads", 1), head_dim=hf.get("head_dim") or d_model // hf.get("num_attention_heads", 1),
+        rope=False, n_groups=hf.get("n_groups", 1), d_state=hf.get("ssm_state_size", 128),
+        ssm_head_dim=head_dim_ssm or 64, expand=expand, conv_width=hf.get("conv_kernel", 4),
+        conv_bias=hf.get("use_conv_bias", True), chunk_size=hf.get("chunk_size", 128),
+        dt_min=hf.get("time_step_min") or 0.001, dt_max=hf.get("time_step_max", 0.1),
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02),
+        param_dtype=jnp.float32, dtype=dtype, bf16_first_blocks=bf16_first_blocks,
+        bf16_last_blocks=bf16_last_blocks)
+  except KeyError as e:
+    raise ConversionError(f"config.json lacks {e}") from None
+  except (TypeError, ValueError) as e:
+    raise ConversionError(f"config.json does not describe a model this package builds: {e}") from None
+  ours = (hf.get("fp4jax") or {}).get("model")
+  if ours:
+    exact = model_config_from_json(ours)
+    dims = ("vocab_size", "d_model", "pattern", "n_heads", "n_kv_heads", "head_dim", "n_groups", "d_state",
+            "ssm_head_dim", "expand", "conv_width", "conv_bias")
+    if any(getattr(exact, d) != getattr(config, d) for d in dims if d != "mlp_dim"):
+      raise ConversionError("config.json's fp4jax.model disagrees with its Nemotron-H dimensions; remove the "
+                            "'fp4jax' entry to import from the Nemotron-H fields alone")
+    return exact
+  return config
+
+
+# ------------------------------------------------------------------------------------------- weights
+
+def _get(params, path):
+  for key in path:
+    params = params[key]
+  return params
+
+
+def _numpy(x) -> np.ndarray:
+  return np.asarray(jax.device_get(x))
+
+
+def to_hf(params, c: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+  """Nemotron-H tensors (``dtype``: float32 or bfloat16) of our unboxed parameter tree."""
+  linears, tensors = layout(c)
+  out = {}
+  for lin in linears:
+    w_NxK = _numpy(_get(params, lin.path)["kernel"]).T
+    out[lin.hf_name] = np.ascontiguousarray(w_NxK if lin.rows is None else w_NxK[lin.rows]).astype(dtype)
+  for t in tensors:
+    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(dtype)
+  return out
+
+
+def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
+  """Our parameter tree (float32 numpy) from Nemotron-H tensors (``backbone.`` or ``model.`` prefix)."""
+  named = {}
+  for name, value in tensors.items():
+    if name.startswith("mtp."):
+      continue                       # multi-token-prediction heads: not part of this model
+    if name.startswith("model."):
+      name = PREFIX + name[len("model."):]
+    named[name] = value
+  experts = sorted(n for n in named if ".experts." in n or ".gate.weight" in n)
+  if experts:
+    raise ConversionError(f"the checkpoint has mixture-of-experts tensors ({experts[0]}, ...); this model has "
+                          "no MoE layers")
+  quantized = sorted(n for n in named if n.endswith(("weight_scale", "weight_scale_2", "input_scale")))
+  if quantized:
+    raise ConversionError(f"the checkpoint holds quantized tensors ({quantized[0]}, ...); import the bf16/fp32 "
+                          "checkpoint it was made from")
+  linears, others = layout(c)
+  used, params = set(), {}
+
+  def take(name, shape=None):
+    if name not in named:
+      raise ConversionError(f"the checkpoint lacks {name!r}; is it a Nemotron-H checkpoint of this config?")
+    value = np.asarray(named[name]).astype(np.float32)
+    if shape is not None and tuple(value.shape) != tuple(shape):
+      raise ConversionError(f"{name} has shape {tuple(value.shape)}; the config implies {tuple(shape)}")
+    used.add(name)
+    return value
+
+  def put(path, value):
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+  by_path: dict[tuple, list[Linear]] = {}
+  for lin in linears:
+    by_path.setdefault(lin.path, []).append(lin)
+  for path, pieces in by_path.items():
+    first = take(pieces[0].hf_name)
+    K = first.shape[1]
+    N = sum(take(p.hf_name).shape[0] for p in pieces)
+    w_NxK = np.zeros((N, K), np.float32)
+    filled = np.zeros(N, bool)
+    for p in pieces:
+      part = take(p.hf_name)
+      rows = np.arange(N) if p.rows is None else p.rows
+      if part.shape != (len(rows), K):
+        raise ConversionError(f"{p.hf_name} has shape {part.shape}; the config implies {(len(rows), K)}")
+      w_NxK[rows] = part
+      filled[rows] = True
+    assert filled.all(), path
+    put((*path, "kernel"), w_NxK.T.copy())
+  for t in others:
+    put(t.path, np.ascontiguousarray(t.from_hf(take(t.hf_name))))
+  leftover = sorted(set(named) - used)
+  if leftover:
+    raise ConversionError(f"the checkpoint has tensors this model has no place for: {leftover[:4]}")
+  return params
+
+
+def check_params(params, abstract) -> None:
+  """Raises ConversionError when ``params`` and the model's ``abstract`` tree differ in keys or shapes."""
+  flat_p = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat_a = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+  bad = [k for k in sorted(set(flat_p) | set(flat_a)) if flat_p.get(k) != flat_a.get(k)]
+  if bad:
+    raise ConversionError(f"converted parameters do not fit the model: {[(k, flat_p.get(k), flat_a.get(k)) for k in bad[:3]]}")
+
+
+# ----------------------------------------------------------------------------------------------- NVFP4
+
+def fprop_weight(kernel_KxN, c: ModelConfig) -> fp4jax.QTensor:
+  """The weight as the training forward pass quantizes it: cast to the compute dtype, transposed to
+  (N, K), zero-padded to whole 16x16 tiles (zeros change no amax), ``quantize(..., tile=(16, 16))``."""
+  w_NxK = jnp.asarray(kernel_KxN).astype(c.dtype).T
+  N, K = w_NxK.shape
+  w_NxK = jnp.pad(w_NxK, ((0, -N % 16), (0, -K % 16)))
+  return fp4jax.quantize(w_NxK, "nvfp4", tile=(16, 16))
+
+
+def modelopt_tensors(q: fp4jax.QTensor, n: int, k: int) -> dict[str, np.ndarray]:
+  """``weight`` [n, k/2] uint8, ``weight_scale`` [n, k/16] float8_e4m3fn, ``weight_scale_2`` float32 of a
+  16x16-tiled QTensor of an (n, k) weight: each tile scale repeated for the tile's 16 rows."""
+  if k % GROUP:
+    raise ConversionError(f"a quantized layer has K={k} inputs, not a multiple of {GROUP}: ModelOpt's NVFP4 "
+                          "layout needs whole 1x16 blocks along K")
+  data = np.asarray(q.data)[:n, :k // 2]
+  scale = np.repeat(np.asarray(q.scale), 16, axis=0)[:n, :k // GROUP]
+  scale_2 = np.float32(np.asarray(q.amax, np.float32)) / np.float32(_E4M3_X_E2M1_MAX)
+  return {"weight": np.ascontiguousarray(data), "weight_scale": np.ascontiguousarray(scale),
+          "weight_scale_2": np.asarray(scale_2, np.float32)}
+
+
+def quantized_paths(c: ModelConfig, recipe) -> set[tuple[str, ...]]:
+  """Module paths of the linear layers the precision policy runs in ``recipe``'s FP4 format."""
+  recipe = fp4jax.recipes.get(recipe)
+  if recipe.fprop != "nvfp4":
+    raise ConversionError(f"recipe {recipe.name!r} runs its forward pass in {recipe.fprop}; the NVFP4 export "
+                          "writes the weights an nvfp4 forward pass uses (pass --recipe nvfp4)")
+  linears, _ = layout(c)
+  return {lin.path for lin in linears if layer_precision(c, recipe, lin.path) != "bf16"}
+
+
+def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tuple, float] | None = None,
+                dtype=ml_dtypes.bfloat16) -> tuple[dict[str, np.ndarray], list[str]]:
+  """(tensors, excluded module names): the policy's FP4 layers in ModelOpt's NVFP4 layout, every other
+  tensor in ``dtype``. ``input_amax[path]``: calibrated max |input| of a quantized layer -> input_scale."""
+  quantized = quantized_paths(c, recipe)
+  linears, tensors = layout(c)
+  out, excluded, fprop = {}, [], {}
+  for lin in linears:
+    module = lin.hf_name[:-len(".weight")]
+    kernel = _get(params, lin.path)["kernel"]
+    if lin.path not in quantized:
+      w_NxK = _numpy(kernel).T
+      out[lin.hf_name] = np.ascontiguousarray(w_NxK if lin.rows is None else w_NxK[lin.rows]).astype(dtype)
+      excluded.append(module)
+      continue
+    if lin.path not in fprop:
+      fprop[lin.path] = modelopt_tensors(fprop_weight(kernel, c), kernel.shape[1], kernel.shape[0])
+    full = fprop[lin.path]
+    rows = slice(None) if lin.rows is None else lin.rows
+    out[module + ".weight"] = np.ascontiguousarray(full["weight"][rows])
+    out[module + ".weight_scale"] = np.ascontiguousarray(full["weight_scale"][rows])
+    out[module + ".weight_scale_2"] = full["weight_scale_2"]
+    if input_amax is not None:
+      amax = np.float32(input_amax[lin.path])
+      out[module + ".input_scale"] = np.asarray(amax / np.float32(_E4M3_X_E2M1_MAX), np.float32)
+  for t in tensors:
+    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(dtype)
+  return out, excluded
+
+
+def nvfp4_quant_configs(excluded: Iterable[str], *, producer_version: str) -> tuple[dict, dict]:
+  """(``hf_quant_config.json``, config.json's ``quantization_config``) in ModelOpt's format."""
+  excluded = sorted(set(excluded))
+  producer = {"name": "fp4jax", "version": producer_version}
+  hf_quant = {"producer": producer,
+              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": GROUP,
+                               "exclude_modules": excluded}}
+  fmt = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": GROUP}
+  quantization_config = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": GROUP,
+                         "kv_cache_quant_algo": None, "exclude_modules": excluded, "ignore": excluded,
+                         "config_groups": {"group_0": {"weights": dict(fmt), "input_activations": dict(fmt),
+                                                       "targets": ["Linear"]}},
+                         "producer": producer}
+  return hf_quant, quantization_config
+
+
+def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> dict[tuple, float]:
+  """max |input| of each linear layer in ``paths`` over a forward pass of ``tokens_BxL`` (the input_scale
+  of a static-activation NVFP4 checkpoint; training itself used each batch's own amax)."""
+  seen: dict[tuple, float] = {}
+
+  def record(next_fun, args, kwargs, context):
+    path = tuple(context.module.path)
+    if context.method_name == "__call__" and path in paths:
+      seen[path] = max(seen.get(path, 0.0), float(jnp.max(jnp.abs(args[0].astype(jnp.float32)))))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    model.apply({"params": params}, jnp.asarray(tokens_BxL, jnp.int32))
+  missing = sorted(paths - set(seen))
+  if missing:
+    raise ConversionError(f"calibration saw no input for {missing[:3]}")
+  return seen
+
+
+def hf_size_bytes(tensors: dict[str, np.ndarray]) -> int:
+  return sum(int(t.nbytes) for t in tensors.values())
