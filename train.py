@@ -4,19 +4,42 @@
   python train.py --config configs/small.py --workdir /tmp/small
   python train.py --config.model.d_model=128 --config.recipe=mxfp4 --config.steps=500
   python train.py --config.data.sources='~/texts/*.txt,~/more.jsonl'
+  python train.py --config configs/small.py --config.init_from=runs/imported --workdir runs/continued
 
-Running again with the same work directory resumes from its latest checkpoint. Ctrl-C (or SIGTERM) saves
+Running again with the same work directory resumes from its latest intact checkpoint (a resume with another
+recipe, model, optimizer or data config is refused unless --allow_config_change). Ctrl-C (or SIGTERM) saves
 a checkpoint and exits. Multi-host: pass --coordinator_address/--num_processes/--process_id, or set
 JAX_COORDINATOR_ADDRESS, or FP4JAX_DISTRIBUTED=1 on a cluster JAX detects (SLURM, MPI, ...).
-"""
-import os
-import sys
 
+A failure prints one paragraph and exits with a status that names its kind (training/errors.py,
+docs/TRAINING.md): 2 config, 3 data, 4 work directory, 5 checkpoint, 6 config changed on resume, 7 storage,
+8 distributed set-up, 9 diverged, 1 anything unexpected. The traceback goes to <workdir>/error.log (or a
+file in the temp directory when the work directory is unusable); --debug also prints it.
+"""
+import errno
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+EXIT_USAGE, EXIT_UNEXPECTED, EXIT_INTERRUPTED = 2, 1, 130
+EXIT_DISTRIBUTED = 8  # training.errors.DistributedError.exit_code (not imported: see _initialize_distributed)
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+def _fail(message: str, code: int, *, log: str | None = None) -> int:
+  """Prints ``error: <message>`` as one paragraph (and where the traceback is); returns ``code``."""
+  print(f"error: {message}" + (f" (traceback: {log})" if log else ""), file=sys.stderr)
+  return code
 
 
 def _unknown_field(error) -> None:
@@ -24,61 +47,194 @@ def _unknown_field(error) -> None:
   while isinstance(error, Exception) and error.args:  # config_flags nests the KeyError's message
     error = error.args[0]
   detail = str(error).replace("\n", "; ")
-  print(f"error: unknown config field {detail} (in {' '.join(bad)}); list the fields with "
-        "`python -c \"from configs import base; print(base.get_config())\"`", file=sys.stderr)
-  sys.exit(2)
+  sys.exit(_fail(f"unknown config field {detail} (in {' '.join(bad)}); list the fields with "
+                 "`python -c \"from configs import base; print(base.get_config())\"`", EXIT_USAGE))
 
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # config files import `configs` and `training`
+sys.path.insert(0, ROOT)  # config files import `configs` and `training`
 try:  # config_flags applies the --config.<field> overrides right here, when the flag is defined
   _CONFIG = config_flags.DEFINE_config_file(
-      "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py"),
+      "config", os.path.join(ROOT, "configs", "tiny.py"),
       "Training config file (a configs/*.py); override fields with --config.<field>=<value>.", lock_config=True)
 except (AttributeError, KeyError) as e:
   _unknown_field(e)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory for checkpoints and metrics; default "
                                "./runs/<config.name>.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-host runs.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes, for multi-host runs.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, for multi-host runs.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False, "Resume even if the recipe, model, optimizer or data config differs from the "
+    "run's (the difference is printed and recorded in config_history.jsonl).")
+_DEBUG = flags.DEFINE_bool("debug", False, "Print the traceback of a failure (it is always in <workdir>/error.log).")
+_DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id", "distributed_timeout")
+
+
+def _define_distributed_flags(values: flags.FlagValues) -> None:
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0, for multi-host runs.", flag_values=values)
+  flags.DEFINE_integer("num_processes", None, "Number of processes, for multi-host runs.", flag_values=values)
+  flags.DEFINE_integer("process_id", None, "This process's index, for multi-host runs.", flag_values=values)
+  flags.DEFINE_integer("distributed_timeout", 300, "Seconds to wait for all processes to join.", flag_values=values)
+
+
+_define_distributed_flags(flags.FLAGS)
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join("~", ".cache", "fp4jax", "jax_compilation_cache"),
     "Directory of JAX's persistent compilation cache, so reruns and resumes skip compiling; '' turns it off.")
 
 
-def _parse_flags(argv):
-  """absl's parser, with unknown --config keys reported as a one-line usage error."""
+def _initialize_distributed(argv) -> None:
+  """``jax.distributed.initialize`` when the flags or the environment ask for several processes.
+
+  It must run before anything touches a device, and loading the config file imports the library (whose
+  modules build constants), so it runs here, on flags read ahead of the others, with nothing of the
+  project imported. Explicit flags win; else ``JAX_COORDINATOR_ADDRESS``, or a cluster JAX detects itself
+  (SLURM, Open MPI, Kubernetes) when ``FP4JAX_DISTRIBUTED=1``.
+  """
+  values = flags.FlagValues()
+  _define_distributed_flags(values)
+  known = [argv[0]] + [a for a in argv[1:] if a.lstrip("-").split("=")[0] in _DISTRIBUTED_FLAGS]
+  values(known)
+  explicit = dict(coordinator_address=values.coordinator_address, num_processes=values.num_processes,
+                  process_id=values.process_id)
+  if not any(v is not None for v in explicit.values()) and not (
+      os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FP4JAX_DISTRIBUTED") == "1"):
+    return
+  kwargs = {k: v for k, v in explicit.items() if v is not None}
   try:
+    if values.coordinator_address and values.process_id:
+      _wait_for_coordinator(values.coordinator_address, values.distributed_timeout)
+    jax.distributed.initialize(**kwargs, initialization_timeout=values.distributed_timeout)
+  except Exception as e:  # pylint: disable=broad-except  (jax raises RuntimeError, ValueError, XlaRuntimeError)
+    sys.exit(_fail(
+        f"the multi-process set-up failed: {str(e).strip().splitlines()[0][:300]} (coordinator "
+        f"{values.coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')}, {values.num_processes} "
+        f"processes, this one {values.process_id}); check that process 0 runs and is reachable at the "
+        "coordinator address, that every process got the same --num_processes, and that --process_id is in "
+        "[0, --num_processes)", EXIT_DISTRIBUTED))
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Waits until process 0's coordinator accepts connections; raises ConnectionError after ``timeout_s``.
+
+  (JAX's client aborts the whole process, uncatchably, when it cannot reach the coordinator in time.)
+  """
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"--coordinator_address={address!r} must be host:port")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        return
+    except OSError as e:
+      if time.monotonic() > deadline:
+        raise ConnectionError(f"no coordinator answered at {address} within {timeout_s} s ({e.strerror or e})") from None
+      time.sleep(0.5)
+
+
+def _parse_flags(argv):
+  """absl's parser, with unknown --config keys and bad values reported as a one-line usage error."""
+  try:
+    _initialize_distributed(argv)
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
     _unknown_field(e)
   except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(_fail(f"{e}; see `python train.py --help`", EXIT_USAGE))
+  except Exception as e:  # pylint: disable=broad-except  (the config file runs while the flags are parsed)
+    _config_file_failed(_config_path(argv), e)
+
+
+def _config_path(argv) -> str:
+  given = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config=")]
+  given += [b for a, b in zip(argv[1:], argv[2:]) if a == "--config"]
+  return given[-1] if given else os.path.join(ROOT, "configs", "tiny.py")
+
+
+def _config_file_failed(path: str, error: BaseException) -> None:
+  """Exits with one paragraph on a config file that is missing, does not parse, or fails in get_config()."""
+  cause = error
+  while cause.__cause__ is not None or cause.__context__ is not None:
+    cause = cause.__cause__ or cause.__context__
+  lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+  if not os.path.exists(path):
+    reason = "no such file"
+  elif isinstance(cause, SyntaxError):
+    reason = f"SyntaxError at line {cause.lineno}: {cause.msg}"
+  else:
+    reason = f"{type(cause).__name__}: {lines[-1] if lines else ''}"
+  sys.exit(_fail(f"the config file {path!r} could not be loaded ({reason}); give a Python file whose get_config() "
+                 "returns a training config, e.g. --config configs/tiny.py", EXIT_USAGE))
+
+
+def _load_config():
+  """The config with its overrides (exits with one paragraph when it cannot be had)."""
+  path = _config_path(sys.argv)
+  try:
+    config = _CONFIG.value
+    is_training_config = hasattr(config, "steps")  # config_flags defers a loading error to the first use
+  except Exception as e:  # pylint: disable=broad-except  (config_flags wraps every loading error)
+    _config_file_failed(path, e)
+  if not is_training_config:
+    sys.exit(_fail(f"the config file {path!r} did not return a training config from get_config(); start from "
+                   "configs/base.py", EXIT_USAGE))
+  return config
+
+
+def _error_log(workdir: str) -> str:
+  """Where the traceback goes: <workdir>/error.log when that directory can be written, else a temp file."""
+  if os.path.isdir(workdir) and os.access(workdir, os.W_OK):
+    return os.path.join(workdir, "error.log")
+  return os.path.join(tempfile.gettempdir(), f"fp4jax_error_{os.getpid()}.log")
+
+
+def _write_log(path: str) -> str | None:
+  try:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(f"$ {' '.join(sys.argv)}\n{traceback.format_exc()}\n")
+    return path
+  except OSError:
+    return None
 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}; use --config.<field>=<value>")
+    return _fail(f"unexpected arguments {argv[1:]}; use --config.<field>=<value>", EXIT_USAGE)
   if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  # Import after flag parsing: jax.distributed must initialize before anything touches a device.
-  import training  # pylint: disable=g-import-not-at-top
-  from training import sharding  # pylint: disable=g-import-not-at-top
-  sharding.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  if _COMPILATION_CACHE.value:
-    sharding.use_compilation_cache(_COMPILATION_CACHE.value)
-  config = _CONFIG.value
+    logging.set_verbosity(logging.ERROR)  # orbax logs every save at INFO and recoverable oddities at WARNING
+  config = _load_config()
   workdir = _WORKDIR.value or os.path.join("runs", config.name)
+  import training  # pylint: disable=g-import-not-at-top  (after jax.distributed: see _initialize_distributed)
+  from training import sharding  # pylint: disable=g-import-not-at-top
   try:
+    if _COMPILATION_CACHE.value:
+      sharding.use_compilation_cache(_COMPILATION_CACHE.value)
+    if _ALLOW_CONFIG_CHANGE.value:
+      config.allow_config_change = True
     summary = training.train_and_evaluate(config, workdir)
-  except training.ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except training.TrainingDiverged as e:
-    print(f"error: training diverged: {e}", file=sys.stderr)
-    return 1
-  return 0 if summary["status"] in ("done", "halted", "stopped") else 1
+  except training.TrainingError as e:
+    log = _write_log(_error_log(workdir))
+    if _DEBUG.value:
+      traceback.print_exc()
+    prefix = "training diverged: " if isinstance(e, training.TrainingDiverged) else ""
+    return _fail(prefix + str(e), e.exit_code, log=log)
+  except OSError as e:
+    log = _write_log(_error_log(workdir))
+    if _DEBUG.value:
+      traceback.print_exc()
+    if e.errno in _STORAGE_ERRNOS:
+      return _fail(f"writing {e.filename or 'to the work directory'} failed: {e.strerror}; free space or fix the "
+                   f"storage, then run the same command again to resume from the latest checkpoint",
+                   training.StorageError.exit_code, log=log)
+    return _fail(f"unexpected I/O error: {e}; check the paths in the config and the work directory",
+                 EXIT_UNEXPECTED, log=log)
+  except KeyboardInterrupt:
+    return _fail("interrupted (a second Ctrl-C); the latest completed checkpoint is intact", EXIT_INTERRUPTED)
+  except Exception as e:  # pylint: disable=broad-except  (a bug: say so, keep the traceback)
+    log = _write_log(_error_log(workdir))
+    if _DEBUG.value:
+      traceback.print_exc()
+    return _fail(f"unexpected {type(e).__name__}: {str(e).strip()[:500]}. This is a bug in fp4jax or a "
+                 "dependency; please report it with the traceback", EXIT_UNEXPECTED, log=log)
+  return 0 if summary["status"] in ("done", "halted", "stopped") else EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

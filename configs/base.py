@@ -10,6 +10,10 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   mesh              (data, fsdp, tensor) sizes; -1 takes the remaining devices
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
+  init_from         a run's work directory: a new run starts from its latest checkpoint's params (fresh
+                    optimizer, step 0); ignored when the work directory has checkpoints of its own
+  allow_config_change  let a resume change the recipe, model, optimizer, data, seed, batch or steps
+  checkpoint.fallback  restore the newest intact checkpoint when the latest cannot be read (else stop)
 """
 import dataclasses
 
@@ -56,6 +60,8 @@ def get_config() -> config_dict.ConfigDict:
   c.halt_after = 0
   c.log_every = 10
   c.profile_steps = ()
+  c.init_from = ""
+  c.allow_config_change = False
 
   c.data = config_dict.ConfigDict()
   c.data.sources = ""               # empty: the standard library's *.py files (no download)
@@ -89,6 +95,7 @@ def get_config() -> config_dict.ConfigDict:
   c.checkpoint.every_steps = 200
   c.checkpoint.keep = 3
   c.checkpoint.async_save = True
+  c.checkpoint.fallback = True
 
   c.precision_switch = config_dict.ConfigDict()
   c.precision_switch.fraction = 0.0

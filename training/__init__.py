@@ -1,8 +1,11 @@
 """The pretraining pipeline: configs, grain data, optax, mesh sharding, orbax checkpoints, metrics.
 
-``train_and_evaluate(config, workdir)`` is the whole run; ``train.py`` is its command line.
+``train_and_evaluate(config, workdir)`` is the whole run; ``train.py`` is its command line. Every
+foreseeable failure raises a ``training.errors.TrainingError`` subclass with an exit code.
 """
-from training.config import ConfigError
-from training.trainer import TrainingDiverged, train_and_evaluate
+from training.errors import (CheckpointError, ConfigChangedError, ConfigError, DataError, DistributedError,
+                             StorageError, TrainingDiverged, TrainingError, WorkdirError)
+from training.trainer import train_and_evaluate
 
-__all__ = ["ConfigError", "TrainingDiverged", "train_and_evaluate"]
+__all__ = ["CheckpointError", "ConfigChangedError", "ConfigError", "DataError", "DistributedError", "StorageError",
+           "TrainingDiverged", "TrainingError", "WorkdirError", "train_and_evaluate"]

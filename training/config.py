@@ -13,10 +13,7 @@ from ml_collections import config_dict
 
 import fp4jax
 from models import presets
-
-
-class ConfigError(ValueError):
-  """A bad config or bad input data, found before any compute. The message says what and how to fix."""
+from training.errors import ConfigError
 
 
 def resolve_model_config(section: config_dict.ConfigDict):

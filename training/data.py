@@ -27,7 +27,7 @@ from typing import Iterator
 import grain
 import numpy as np
 
-from training.config import ConfigError
+from training.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".tex", ".html", ".c", ".h")
 TOKEN_SUFFIXES = (".npy", ".bin")
@@ -89,7 +89,7 @@ def make_tokenizer(spec: str):
   if spec == "byte":
     return ByteTokenizer()
   if not os.path.isfile(spec):
-    raise ConfigError(f"config.data.tokenizer={spec!r} is neither 'byte' nor an existing file")
+    raise DataError(f"config.data.tokenizer={spec!r} is neither 'byte' nor an existing file")
   if spec.endswith(".json"):
     return HFTokenizer(spec)
   if spec.endswith(".model"):
@@ -115,8 +115,8 @@ def expand_sources(sources: str) -> list[str]:
   if not sources.strip() or sources.strip() == "stdlib":
     files = stdlib_files()
     if not files:
-      raise ConfigError(f"the default corpus is empty: no *.py files under {sysconfig.get_paths()['stdlib']}; "
-                        "set config.data.sources to your text files")
+      raise DataError(f"the default corpus is empty: no *.py files under {sysconfig.get_paths()['stdlib']}; "
+                      "set config.data.sources to your text files")
     return files
   files = []
   for item in (s.strip() for s in sources.split(",")):
@@ -126,7 +126,7 @@ def expand_sources(sources: str) -> list[str]:
     if any(c in item for c in "*?["):
       matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
       if not matched:
-        raise ConfigError(f"config.data.sources: the pattern {item!r} matches no files")
+        raise DataError(f"config.data.sources: the pattern {item!r} matches no files")
       files.extend(matched)
     elif os.path.isdir(item):
       matched = []
@@ -135,14 +135,14 @@ def expand_sources(sources: str) -> list[str]:
         matched.extend(os.path.join(folder, n) for n in sorted(names)
                        if n.endswith(TEXT_SUFFIXES + TOKEN_SUFFIXES + (".jsonl",)))
       if not matched:
-        raise ConfigError(f"config.data.sources: the directory {item!r} holds no text, .jsonl, .npy or .bin "
-                          "files")
+        raise DataError(f"config.data.sources: the directory {item!r} holds no text, .jsonl, .npy or .bin "
+                        "files")
       files.extend(matched)
     elif os.path.isfile(item):
       files.append(item)
     else:
-      raise ConfigError(f"config.data.sources: {item!r} does not exist; give existing files, globs or "
-                        "directories (comma-separated), or leave it empty for the default corpus")
+      raise DataError(f"config.data.sources: {item!r} does not exist; give existing files, globs or "
+                      "directories (comma-separated), or leave it empty for the default corpus")
   return files
 
 
@@ -162,10 +162,10 @@ def _iter_documents(path: str, jsonl_field: str) -> Iterator[tuple[str, bytes]]:
         try:
           record = json.loads(line)
         except json.JSONDecodeError as e:
-          raise ConfigError(f"{path}:{lineno + 1}: not JSON ({e})") from None
+          raise DataError(f"{path}:{lineno + 1}: not JSON ({e})") from None
         if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
-          raise ConfigError(f"{path}:{lineno + 1}: no string field {jsonl_field!r}; set "
-                            "config.data.jsonl_field to the field that holds the text")
+          raise DataError(f"{path}:{lineno + 1}: no string field {jsonl_field!r}; set "
+                          "config.data.jsonl_field to the field that holds the text")
         yield f"{path}:{lineno}", record[jsonl_field].encode("utf-8")
   else:
     with open(path, "rb") as f:
@@ -176,13 +176,13 @@ def _load_token_file(path: str, bin_dtype: str) -> np.ndarray:
   if path.endswith(".npy"):
     tokens = np.load(path, mmap_mode="r")
     if tokens.dtype.name not in TOKEN_DTYPES or tokens.ndim != 1:
-      raise ConfigError(f"{path}: a token file must be 1-D uint16 or uint32, not {tokens.dtype}{tokens.shape}")
+      raise DataError(f"{path}: a token file must be 1-D uint16 or uint32, not {tokens.dtype}{tokens.shape}")
     return tokens
   if bin_dtype not in TOKEN_DTYPES:
     raise ConfigError(f"config.data.token_dtype={bin_dtype!r}; use one of {TOKEN_DTYPES}")
   if os.path.getsize(path) % np.dtype(bin_dtype).itemsize:
-    raise ConfigError(f"{path}: {os.path.getsize(path)} bytes is not a whole number of {bin_dtype} tokens; "
-                      "check config.data.token_dtype")
+    raise DataError(f"{path}: {os.path.getsize(path)} bytes is not a whole number of {bin_dtype} tokens; "
+                    "check config.data.token_dtype")
   if os.path.getsize(path) == 0:
     return np.zeros((0,), bin_dtype)
   return np.memmap(path, dtype=bin_dtype, mode="r")
@@ -242,18 +242,28 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   segments = {"train": [], "validation": []}
   for path in files:
     if path.endswith(TOKEN_SUFFIXES):
-      tokens = _load_token_file(path, data_config.token_dtype)
+      try:
+        tokens = _load_token_file(path, data_config.token_dtype)
+      except ConfigError:
+        raise
+      except (OSError, ValueError) as e:  # unreadable, or not a .npy file
+        raise DataError(f"config.data.sources: cannot read the token file {path!r}: {e}; check that it exists, "
+                        "is readable, and is a 1-D .npy or raw .bin of config.data.token_dtype") from None
       cut = len(tokens) - int(round(fraction * len(tokens)))
       segments["train"].append(tokens[:cut])
       segments["validation"].append(tokens[cut:])
       continue
-    for name, data in _iter_documents(path, data_config.jsonl_field):
-      if data:
-        split = "validation" if is_validation(name, fraction) else "train"
-        docs.append((split, tokenizer.encode(data), len(data)))
+    try:
+      for name, data in _iter_documents(path, data_config.jsonl_field):
+        if data:
+          split = "validation" if is_validation(name, fraction) else "train"
+          docs.append((split, tokenizer.encode(data), len(data)))
+    except OSError as e:
+      raise DataError(f"config.data.sources: cannot read {path!r}: {e.strerror or e}; check that the file "
+                      "exists and is readable by this user") from None
   if not docs and not any(len(s) for s in segments["train"] + segments["validation"]):
-    raise ConfigError(f"the corpus is empty: {len(files)} file(s) from config.data.sources="
-                      f"{data_config.sources!r} hold no text or tokens")
+    raise DataError(f"the corpus is empty: {len(files)} file(s) from config.data.sources="
+                    f"{data_config.sources!r} hold no text or tokens")
   splits = {s for s, _, _ in docs}
   if fraction > 0 and docs and len(splits) == 1:
     # Too few documents to split by document: the tail of the token stream is validation instead.
@@ -274,9 +284,9 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   train = Split([joined["train"]] + segments["train"], window, text_bytes["train"])
   validation = Split([joined["validation"]] + segments["validation"], window, text_bytes["validation"])
   if train.num_windows == 0:
-    raise ConfigError(f"config.data.seq_len={data_config.seq_len} is larger than the training data: "
-                      f"{train.num_tokens} tokens make no window of seq_len + 1 = {window} tokens; lower "
-                      "seq_len or add data")
+    raise DataError(f"config.data.seq_len={data_config.seq_len} is larger than the training data: "
+                    f"{train.num_tokens} tokens make no window of seq_len + 1 = {window} tokens; lower "
+                    "seq_len or add data")
   summary = dict(files=len(files), documents=num_docs, tokenizer=tokenizer.name,
                  vocab_size=tokenizer.vocab_size, train_tokens=train.num_tokens,
                  validation_tokens=validation.num_tokens, train_windows=train.num_windows,
@@ -289,8 +299,8 @@ def check_vocab(split: Split, vocab_size: int) -> None:
   for seg in split.segments:
     head = np.asarray(seg[:_VOCAB_SCAN_LIMIT])
     if head.size and int(head.max()) >= vocab_size:
-      raise ConfigError(f"the data holds token id {int(head.max())} but the model's vocab_size is {vocab_size}; "
-                        "set config.model.vocab_size (or use the tokenizer the token files were made with)")
+      raise DataError(f"the data holds token id {int(head.max())} but the model's vocab_size is {vocab_size}; "
+                      "set config.model.vocab_size (or use the tokenizer the token files were made with)")
 
 
 # --------------------------------------------------------------------------------------------- pipelines

@@ -1,9 +1,11 @@
 """What the user sees: a progress line, validation results, and the run's records in the work directory.
 
-  ``metrics.jsonl``  one JSON object per logged train interval and per evaluation (appended across resumes)
+  ``metrics.jsonl``  one JSON object per logged train interval and per evaluation (appended across resumes;
+                     a value that is not finite is written as null)
   ``tensorboard/``   the same scalars for TensorBoard (tensorboardX)
-  ``loss.png``       train and validation loss curves, drawn at the end
-Only process 0 writes; every process keeps the numbers.
+  ``loss.png``       train and validation loss curves of the whole run (every start), drawn at the end
+Only process 0 writes; every process keeps the numbers. A step recorded twice (a resume repeats the steps
+after the last checkpoint, bit for bit) counts once, by its latest record.
 """
 from __future__ import annotations
 
@@ -12,6 +14,30 @@ import math
 import os
 import sys
 import time
+
+
+def read_records(path: str) -> dict[str, dict[int, dict]]:
+  """The records of a ``metrics.jsonl`` by kind and step (a step recorded twice keeps its latest record).
+
+  A line that is not JSON (a run killed mid-write) is skipped.
+  """
+  by_kind: dict[str, dict[int, dict]] = {}
+  if not os.path.exists(path):
+    return by_kind
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+        by_kind.setdefault(record["kind"], {})[int(record["step"])] = record
+      except (ValueError, KeyError, TypeError):
+        continue
+  return by_kind
+
+
+def _finite_or_none(value):
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -43,10 +69,17 @@ class Reporter:
     self._rate_seconds = 0.0
     self.train_curve: list[tuple[int, float]] = []
     self.eval_curve: list[tuple[int, float]] = []
+    self._last_train_record = None
     self._jsonl = self._tb = None
+    self._closed = False
     if primary:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+      path = os.path.join(workdir, "metrics.jsonl")
+      earlier = read_records(path)  # of earlier starts of this run: the curves cover the whole run
+      self.train_curve = [(s, r["loss"]) for s, r in sorted(earlier.get("train", {}).items())]
+      self.eval_curve = [(s, r["loss"]) for s, r in sorted(earlier.get("eval", {}).items())]
+      self._last_train_record = max(earlier.get("train", {}).items(), default=(None, None))[1]
+      self._jsonl = open(path, "a", encoding="utf-8")
       self._png = os.path.join(workdir, "loss.png")
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
@@ -64,6 +97,16 @@ class Reporter:
   @property
   def tokens_per_second(self) -> float:
     return self.tokens_per_step / self.step_time if self._rate_steps else float("nan")
+
+  @property
+  def last_train_loss(self) -> float:
+    """The loss of the latest logged step (of this start or an earlier one), or NaN."""
+    record = self._last_train_record or {}
+    loss = record.get("last_loss")
+    return float(loss) if loss is not None else float("nan")
+
+  def has_evaluation(self, step: int) -> bool:
+    return any(s == step for s, _ in self.eval_curve)
 
   def mark_start(self, step: int) -> None:
     """Restarts the clock; the next interval (compilation, a pause) is not counted in the rates."""
@@ -90,11 +133,12 @@ class Reporter:
   def _record(self, record: dict) -> None:
     if not self.primary:
       return
-    self._jsonl.write(json.dumps(record) + "\n")
+    record = {k: _finite_or_none(v) for k, v in record.items()}
+    self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
       for key, value in record.items():
-        if key not in ("step", "kind") and isinstance(value, (int, float)) and math.isfinite(value):
+        if key not in ("step", "kind") and isinstance(value, (int, float)) and value is not None:
           self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
   def train_step(self, step: int, metrics: dict, *, recipe: str, nonfinite_note: str = "") -> None:
@@ -108,10 +152,14 @@ class Reporter:
     loss = float(metrics["loss"])
     if math.isfinite(loss):
       self._interval.append(loss)
-    remaining = (self.total_steps - step) * self.step_time
-    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:7.4f}  "
-            f"{self.tokens_per_second:9,.0f} tok/s  {1000 * self.step_time:7.1f} ms/step  "
-            f"ETA {_fmt_duration(remaining)}  [{recipe}]{nonfinite_note}")
+    if self._rate_steps:
+      remaining = (self.total_steps - step) * self.step_time
+      rates = (f"{self.tokens_per_second:9,.0f} tok/s  {1000 * self.step_time:7.1f} ms/step  "
+               f"ETA {_fmt_duration(remaining)}")
+    else:  # the first interval of a start holds the compilation: no rate yet
+      rates = f"{'(first step, compiling)':>38}"
+    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:7.4f}  {rates}  "
+            f"[{recipe}]{nonfinite_note}")
     logged = step % self.log_every == 0 or step == self.total_steps
     if logged or self.tty:
       self._print(line, transient=not logged)  # on a terminal every step redraws; logged steps stay
@@ -119,10 +167,11 @@ class Reporter:
       mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
       self._interval = []
       self.train_curve.append((step, mean))
-      self._record(dict(kind="train", step=step, loss=mean, last_loss=loss,
-                        grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]),
-                        nonfinite_total=int(metrics["nonfinite_total"]),
-                        tokens_per_second=self.tokens_per_second, step_time=self.step_time, recipe=recipe))
+      record = dict(kind="train", step=step, loss=mean, last_loss=loss, grad_norm=float(metrics["grad_norm"]),
+                    lr=float(metrics["lr"]), nonfinite_total=int(metrics["nonfinite_total"]),
+                    tokens_per_second=self.tokens_per_second, step_time=self.step_time, recipe=recipe)
+      self._last_train_record = record
+      self._record(record)
 
   def evaluation(self, step: int, loss: float, bits_per_byte: float | None) -> None:
     self.eval_curve.append((step, loss))
@@ -131,19 +180,24 @@ class Reporter:
     self._record(dict(kind="eval", step=step, loss=loss, bits_per_byte=bits_per_byte))
 
   def close(self, title: str = "") -> str | None:
-    """Writes loss.png (when there is a curve) and closes the files; returns the PNG's path."""
-    if not self.primary:
+    """Writes loss.png (when there is a curve) and closes the files; returns the PNG's path. Once."""
+    if not self.primary or self._closed:
       return None
+    self._closed = True
     path = None
-    if self.train_curve or self.eval_curve:
+    train_curve = sorted(dict(self.train_curve).items())  # a step repeated after a resume counts once
+    eval_curve = sorted(dict(self.eval_curve).items())
+    train_curve = [(s, l) for s, l in train_curve if l is not None and math.isfinite(l)]
+    eval_curve = [(s, l) for s, l in eval_curve if l is not None and math.isfinite(l)]
+    if train_curve or eval_curve:
       import matplotlib  # pylint: disable=g-import-not-at-top
       matplotlib.use("Agg")
       import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
       fig, ax = plt.subplots(figsize=(7, 4))
-      if self.train_curve:
-        ax.plot(*zip(*self.train_curve), label="train")
-      if self.eval_curve:
-        ax.plot(*zip(*self.eval_curve), "o-", label="validation")
+      if train_curve:
+        ax.plot(*zip(*train_curve), label="train")
+      if eval_curve:
+        ax.plot(*zip(*eval_curve), "o-", label="validation")
       ax.set_xlabel("step")
       ax.set_ylabel("loss (nats/token)")
       ax.set_title(title)

@@ -1,0 +1,68 @@
+"""What can go wrong in a training run, one class per kind, each with the exit code ``train.py`` returns.
+
+Every message says what happened, where, and how to fix it, in one paragraph; ``train.py`` prints it
+without a traceback (``--debug`` shows the traceback; it is also written to ``<workdir>/error.log``).
+
+  exit  class               when
+  0     -                   finished, halted after ``halt_after`` steps, or stopped by SIGTERM/SIGINT
+  1     (anything else)     an unexpected error: a bug; the traceback is in <workdir>/error.log
+  2     ConfigError         the config file, an override, or a field value is wrong
+  3     DataError           the data sources are missing, unreadable, empty or do not fit the config
+  4     WorkdirError        the work directory cannot be created or written (a file, read-only, ...)
+  5     CheckpointError     no checkpoint of the work directory (or of ``init_from``) can be restored
+  6     ConfigChangedError  resuming with another recipe, optimizer, data or model config than the run's
+  7     StorageError        a checkpoint could not be written (no space left, I/O error)
+  8     DistributedError    the multi-process set-up failed (coordinator unreachable, wrong process count)
+  9     TrainingDiverged    the loss or gradient norm was non-finite too many steps in a row
+"""
+from __future__ import annotations
+
+
+class TrainingError(Exception):
+  """Base of the errors a run reports to its user (never a bug): ``exit_code`` is ``train.py``'s status."""
+  exit_code = 1
+
+
+class ConfigError(TrainingError, ValueError):
+  """A bad config, found before any compute."""
+  exit_code = 2
+
+
+class DataError(ConfigError):
+  """Bad or missing input data, found before any compute."""
+  exit_code = 3
+
+
+class WorkdirError(TrainingError):
+  """The work directory cannot be used."""
+  exit_code = 4
+
+
+class CheckpointError(TrainingError):
+  """No checkpoint could be restored."""
+  exit_code = 5
+
+
+class ConfigChangedError(TrainingError):
+  """A resume whose config differs from the run's in a field that changes the result."""
+  exit_code = 6
+
+
+class StorageError(TrainingError):
+  """A checkpoint could not be written; the earlier ones are intact."""
+  exit_code = 7
+
+
+class DistributedError(TrainingError):
+  """``jax.distributed`` could not be set up."""
+  exit_code = 8
+
+
+class TrainingDiverged(TrainingError, RuntimeError):
+  """The loss or gradient norm was non-finite for ``config.health.max_nonfinite_streak`` steps in a row."""
+  exit_code = 9
+
+
+EXIT_CODES = {cls.__name__: cls.exit_code for cls in (
+    ConfigError, DataError, WorkdirError, CheckpointError, ConfigChangedError, StorageError, DistributedError,
+    TrainingDiverged)}

@@ -1,0 +1,267 @@
+"""A run's fixed parts, built once: ``setup(config, workdir) -> Run``; its first state: ``init_or_restore(run)``.
+
+``setup``:
+1. Check the config, build the mesh, read the data: every bad input fails here, before any compute.
+2. The models (a second one for the precision switch), the optimizer, the state's shardings
+   (eval_shape -> logical specs -> NamedShardings).
+3. The work directory: writable? does it hold a run made with another config? Then the config record,
+   the reporter, the checkpoints and the data iterators.
+
+``init_or_restore``: the newest checkpoint of the work directory that reads back intact (an unreadable one
+is reported, moved to ``<workdir>/unreadable_checkpoints/`` and the next older one tried, unless
+``config.checkpoint.fallback`` is False); else, with ``config.init_from``, the params of another run's
+latest checkpoint with a fresh optimizer at step 0; else a fresh init. The state is created already sharded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import shutil
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import optax
+from jax.experimental import multihost_utils
+
+import fp4jax
+from training import checkpoint as ckpt_lib
+from training import config as config_lib
+from training import data as data_lib
+from training import optim
+from training import report as report_lib
+from training import sharding
+from training import workdir as workdir_lib
+from training.errors import CheckpointError, ConfigChangedError, ConfigError
+from training.step import init_state
+
+UNREADABLE_DIR = "unreadable_checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Everything a run is made of except its state; built by ``setup``, closed (once) by ``close``."""
+  config: Any
+  workdir: str
+  mesh: jax.sharding.Mesh
+  model: nn.Module
+  recipe: fp4jax.Recipe
+  late_model: nn.Module | None       # the precision switch's model (same params), or None
+  late_recipe: fp4jax.Recipe | None
+  switch_step: int                   # the first step of late_model
+  tx: optax.GradientTransformation
+  lr_fn: Callable[[Any], Any]
+  init_fn: Callable[[], dict]        # a fresh state, params boxed with logical axis names
+  abstract_state: dict               # ShapeDtypeStructs of the state, params unboxed
+  state_shardings: dict
+  train_iter: Any                    # grain iterator with get_state/set_state
+  val_batches: list                  # host batches of the validation split ([] when not evaluating)
+  tokens_per_byte: float | None      # of the validation split, for bits per byte
+  checkpoints: ckpt_lib.Checkpoints
+  reporter: report_lib.Reporter
+  process_count: int
+
+  @property
+  def num_params(self) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_state["params"]))
+
+  def recipe_at(self, step: int) -> fp4jax.Recipe:
+    """The recipe of the step that starts at ``step`` (0-based)."""
+    return self.late_recipe if self.late_recipe is not None and step >= self.switch_step else self.recipe
+
+  def say(self, text: str) -> None:
+    self.reporter.message(text)
+
+  def close(self) -> str | None:
+    """Waits for the checkpoint writes (StorageError if one failed), then closes the reporter; loss.png's path."""
+    try:
+      self.checkpoints.close()
+    finally:
+      png = self.reporter.close(f"{self.config.name}: {self.config.model.preset}, {self.recipe.name}")
+    return png
+
+
+def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) -> Run:
+  """Checks everything that can be checked, then builds the run (see the module docstring)."""
+  # 1. Checks, mesh, data.
+  config_lib.validate(config)
+  model_config = config_lib.resolve_model_config(config.model)
+  recipe, late_recipe, switch_step = config_lib.resolve_recipes(config)
+  mesh = sharding.make_mesh(config.mesh)
+  nproc, pindex = jax.process_count(), jax.process_index()
+  batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.batch_size % batch_ways or config.batch_size % nproc:
+    raise ConfigError(f"config.batch_size={config.batch_size} must be a multiple of data * fsdp = {batch_ways} "
+                      f"and of the {nproc} processes")
+  seq_len = config.data.seq_len
+  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+  train_split, val_split, data_summary = data_lib.load_splits(config.data, tokenizer)
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but config.model.vocab_size is "
+                      f"{model_config.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
+  data_lib.check_vocab(train_split, model_config.vocab_size)
+  evaluate = config.eval.batches > 0 and config.data.validation_fraction > 0
+  if evaluate and val_split.num_windows == 0:
+    raise ConfigError(f"the validation split has {val_split.num_tokens} tokens, fewer than seq_len + 1 = "
+                      f"{seq_len + 1}; raise config.data.validation_fraction, lower seq_len, or set "
+                      "config.eval.batches=0")
+
+  # 2. Models, optimizer, shardings.
+  model = model_fn(model_config, recipe)
+  late_model = model_fn(model_config, late_recipe) if late_recipe else None
+  tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
+  init_fn = functools.partial(init_state, model, tx, config.seed, seq_len)
+  with sharding.mesh_context(mesh):
+    abstract = jax.eval_shape(init_fn)
+    if late_model is not None:
+      late_params = jax.eval_shape(lambda: init_state(late_model, tx, config.seed, seq_len)["params"])
+      shapes = functools.partial(jax.tree.map, lambda x: (x.shape, x.dtype))
+      if shapes(late_params) != shapes(abstract["params"]):
+        raise ConfigError(f"recipes {recipe.name} and {late_recipe.name} give different parameter trees; "
+                          "the precision switch needs the same parameters")
+  repl = sharding.replicated(mesh)
+  param_sh = sharding.logical_shardings(abstract["params"], mesh)
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_sh,
+                                 transform_non_params=lambda _: repl)
+  state_sh = dict(step=repl, params=param_sh, opt_state=opt_sh, rng=repl, nonfinite_total=repl,
+                  nonfinite_streak=repl)
+  abstract = dict(abstract, params=nn.unbox(abstract["params"]))
+
+  # 3. The work directory, its records, checkpoints and the data iterators.
+  workdir = workdir_lib.prepare(workdir, pindex)
+  checkpoints = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                                     async_save=config.checkpoint.async_save)
+  try:
+    latest = checkpoints.latest_step()
+    before = workdir_lib.last_config(workdir)
+    guarded = workdir_lib.check_resume(workdir, config, latest) if latest is not None else {}
+    reporter = report_lib.Reporter(workdir, total_steps=config.steps, tokens_per_step=config.batch_size * seq_len,
+                                   log_every=config.log_every, primary=pindex == 0)
+  except BaseException:
+    checkpoints.close()
+    raise
+  if pindex == 0:
+    changes = workdir_lib.config_changes(before, config) if before is not None else {}
+    workdir_lib.record_config(workdir, config, step=latest or 0, event="resume" if latest else "start",
+                              changes=changes)
+  say = reporter.message
+  say(f"fp4jax train: {config.name}  model {config.model.preset} ({model_config.n_blocks} blocks "
+      f"'{model_config.pattern}', d_model {model_config.d_model})  recipe {recipe.name}"
+      + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
+  say(f"data: {data_lib.describe(data_summary)}")
+  say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
+      f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
+  if guarded:
+    say("config changed on resume (allowed by allow_config_change): "
+        + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items()))
+  train_iter = data_lib.batches(train_split, global_batch=config.batch_size, seed=config.seed,
+                                process_index=pindex, process_count=nproc,
+                                read_threads=config.data.read_threads, prefetch=config.data.prefetch)
+  val_batches = (data_lib.eval_batches(val_split, global_batch=config.batch_size, num_batches=config.eval.batches,
+                                       seed=config.seed, process_index=pindex, process_count=nproc)
+                 if evaluate else [])
+  return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
+             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, init_fn=init_fn,
+             abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
+             tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
+             process_count=nproc)
+
+
+# ------------------------------------------------------------------------------------- the first state
+
+def init_or_restore(run: Run) -> tuple[dict, int]:
+  """(state, step): the newest intact checkpoint, else ``config.init_from``'s params, else a fresh init."""
+  restored = _restore_latest_intact(run)
+  if restored is not None:
+    return restored
+  if run.config.get("init_from"):
+    return _init_from(run, run.config.init_from), 0
+  with sharding.mesh_context(run.mesh):
+    state = jax.jit(lambda: _unboxed(run.init_fn()), out_shardings=run.state_shardings)()
+  return state, 0
+
+
+def _restore_latest_intact(run: Run) -> tuple[dict, int] | None:
+  checkpoints, config = run.checkpoints, run.config
+  steps = checkpoints.steps()
+  target = ckpt_lib.abstract_like(run.abstract_state, run.state_shardings)
+  unreadable = []
+  for step in reversed(steps):
+    try:
+      state, data_state = checkpoints.restore(step, target)
+    except ckpt_lib.CheckpointReadError as e:
+      if e.reason == "incompatible":
+        raise CheckpointError(f"{e}. The run in {run.workdir} was made with another model or optimizer config; "
+                              "resume with that config (see config.json there), or use a new --workdir") from e
+      unreadable.append(step)
+      older = [s for s in steps if s < step]
+      if not config.checkpoint.get("fallback", True):
+        raise CheckpointError(f"{e}. config.checkpoint.fallback is False, so the older checkpoints {older} are "
+                              "not tried; set it to True to resume from the newest intact one") from e
+      moved = _move_aside(run, step)
+      run.say(f"warning: {e}; moved it to {moved}; "
+              + (f"falling back to checkpoint {older[-1]}" if older else "no older checkpoint is left"))
+      continue
+    if data_state.get("process_count") != run.process_count:
+      raise ConfigChangedError(f"checkpoint step {step} was saved by {data_state.get('process_count')} "
+                               f"process(es); resume with the same number (now {run.process_count})")
+    if data_state.get("iterator") is not None:
+      run.train_iter.set_state(data_state["iterator"])
+    else:
+      run.say(f"checkpoint {step} holds no data-iterator state (an imported checkpoint?): the data starts "
+              "from its beginning")
+    run.say(f"resumed from {checkpoints.directory}/{step}"
+            + (f" (checkpoints {unreadable} were unreadable)" if unreadable else ""))
+    return state, step
+  if unreadable:
+    raise CheckpointError(f"none of the checkpoints {sorted(unreadable)} of {run.workdir} could be read (reasons "
+                          f"above; they are in {os.path.join(run.workdir, UNREADABLE_DIR)}). Rerun to start from "
+                          "step 0, or set config.init_from to another run")
+  return None
+
+
+def _move_aside(run: Run, step: int) -> str:
+  """Moves an unreadable checkpoint out of the checkpoints directory (kept, not deleted); its new path."""
+  target = os.path.join(run.workdir, UNREADABLE_DIR, str(step))
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.exists(target):
+      shutil.rmtree(target)
+    shutil.move(os.path.join(run.checkpoints.directory, str(step)), target)
+  if run.process_count > 1:
+    multihost_utils.sync_global_devices(f"moved unreadable checkpoint {step}")
+  run.checkpoints.reload()
+  return target
+
+
+def _init_from(run: Run, source: str) -> dict:
+  """A fresh state (optimizer, RNG, counters, step 0) whose params are ``source``'s latest checkpoint's."""
+  source = os.path.abspath(os.path.expanduser(source))
+  directory = source if os.path.basename(source) == "checkpoints" else os.path.join(source, "checkpoints")
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"config.init_from={source!r}: no checkpoints directory {directory}; give the work "
+                          "directory of a run (it holds checkpoints/<step>)")
+  checkpoints = ckpt_lib.Checkpoints(directory, keep=1, async_save=False, create=False)
+  try:
+    steps = checkpoints.steps()
+    if not steps:
+      raise CheckpointError(f"config.init_from={source!r}: {directory} holds no checkpoint")
+    target = ckpt_lib.abstract_like(run.abstract_state["params"], run.state_shardings["params"])
+    try:
+      params = checkpoints.restore_params(steps[-1], target)
+    except ckpt_lib.CheckpointReadError as e:
+      raise CheckpointError(f"config.init_from: {e}; give a run whose model matches config.model") from e
+  finally:
+    checkpoints.close()
+  rest_sh = {k: v for k, v in run.state_shardings.items() if k != "params"}
+  with sharding.mesh_context(run.mesh):  # the random init of the params is dead code here: XLA drops it
+    rest = jax.jit(lambda: {k: v for k, v in _unboxed(run.init_fn()).items() if k != "params"},
+                   out_shardings=rest_sh)()
+  run.say(f"initialized the params from {directory}/{steps[-1]} (optimizer state fresh, step 0)")
+  return dict(rest, params=params)
+
+
+def _unboxed(state):
+  return dict(state, params=nn.unbox(state["params"]))
