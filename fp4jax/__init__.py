@@ -1,21 +1,22 @@
 """fp4jax: NVFP4 / MXFP4 / FP8 quantized training for JAX and Flax."""
+import importlib
+
 from fp4jax import hadamard, recipes
-from fp4jax.api import dequantize, quantize
+from fp4jax.api import dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
 from fp4jax.hadamard import rht
 from fp4jax.primitives import can_use_pallas
 from fp4jax.qtensor import QTensor
-from fp4jax.recipe import Recipe
+from fp4jax.recipes import Recipe
 
 __version__ = "0.1.0"
 
 __all__ = ["QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht"]
-__all__ += ["dot", "dot_general", "flax"]
+__all__ += ["dot", "dot_general", "flax", "scaled_matmul", "transpose_tiles"]
 
 
 def __getattr__(name):
   # fp4jax.flax (the Flax modules) loads on first use, so `import fp4jax` does not import Flax.
   if name == "flax":
-    import importlib
     return importlib.import_module("fp4jax.flax")
   raise AttributeError(f"module 'fp4jax' has no attribute {name!r}")

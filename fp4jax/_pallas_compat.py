@@ -15,6 +15,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax import export
 from jax.experimental import pallas as pl
 
 try:   # the Triton backend of Pallas; present in CPU wheels too (lowering needs no GPU)
@@ -103,7 +104,6 @@ def export_for_cuda(fn, *arg_specs) -> str:
   Runs the Pallas->Triton lowering of every kernel in ``fn`` (so unsupported ops or non-power-of-two
   tensors inside kernels fail here), without compiling PTX. Used by the CPU tests.
   """
-  from jax import export
   exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
       export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*arg_specs)
   return exp.mlir_module()

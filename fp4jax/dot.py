@@ -33,7 +33,7 @@ from jax import lax
 
 from fp4jax import formats, recipes
 from fp4jax.api import quantize, quantize_rht_transposed, scaled_matmul, transpose_tiles
-from fp4jax.recipe import Recipe
+from fp4jax.recipes import Recipe
 
 _BLOCK = {**formats.BLOCK, "bf16": 1}
 _FP4 = formats.FP4

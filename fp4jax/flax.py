@@ -21,7 +21,7 @@ import flax.linen as nn
 from flax import nnx
 
 from fp4jax.dot import _as_recipe, dot_general, needs_key
-from fp4jax.recipe import Recipe
+from fp4jax.recipes import Recipe
 
 RNG_STREAM = "fp4"
 

@@ -39,3 +39,8 @@ BLOCK = {f.name: f.block for f in TABLE.values()}
 TILE = {f.name: f.tile for f in TABLE.values() if f.tile is not None}
 SCALE_DTYPE = {f.name: f.scale_dtype for f in TABLE.values()}
 SCALE_RULES = ("rceil", "floor")                                 # MXFP4 E8M0 scale rules
+
+
+def tile_side(fmt: str, tiled: bool) -> int | None:
+  """The side of ``fmt``'s square 2D tiles when ``tiled``, else None (1D blocks)."""
+  return TILE[fmt][0] if tiled else None

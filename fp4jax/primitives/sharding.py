@@ -1,20 +1,20 @@
 """Sharding of the fp4jax primitives: Shardy rules and per-shard partitioning decisions.
 
-Used by ``fp4jax.primitives`` through ``jax.experimental.custom_partitioning``. The rules say which
+Used by the primitive pairs (``fp4jax.primitives.pair``) through ``jax.experimental.custom_partitioning``. The rules say which
 tensor dimensions share a factor; quantized axes are compound factors (blocks x elements per block)
 so a sharded quantized axis is cut at block boundaries. The partition callbacks then keep every
-sharding under which each shard's work is local (whole blocks, whole 16x16 tiles), replicate the
+sharding under which each shard's work is local (whole blocks, whole 2D tiles), replicate the
 rest, and add the one collective a sharded contraction needs (a psum of float32 partial products).
 A row-sharded quantize therefore needs no communication except the scalar tensor amax, which the
 caller reduces before the primitive (a max over a sharded array is an all-reduce of one float).
+
+``block`` is the 1D block length; ``tile`` the side of the square 2D tiles, or None for 1D blocks.
 """
 from __future__ import annotations
 
 import math
 
 from jax.sharding import NamedSharding, PartitionSpec as P
-
-TILE = 16
 
 
 def _names(n: int, prefix: str = "d") -> list[str]:
@@ -27,8 +27,9 @@ def _join(*dims) -> str:
 
 # ------------------------------------------------------------------------------------- rules
 
-def quantize_rule(x_ndim: int, amax_ndim: int, has_bits: bool, *, block: int, tiled: bool):
+def quantize_rule(x_ndim: int, amax_ndim: int, has_bits: bool, *, block: int, tile: int | None):
   """Shardy rule for quantize x (..., K) -> (packed (..., K/2), scales)."""
+  tiled = tile is not None
   lead = _names(x_ndim - (2 if tiled else 1))
   m_in, m_s = "(m r)", "m"
   body = lead + ([m_in] if tiled else [])
@@ -39,13 +40,13 @@ def quantize_rule(x_ndim: int, amax_ndim: int, has_bits: bool, *, block: int, ti
   operands = [x, amax] + ([x] if has_bits else [])
   sizes = dict(i=block, j=block // 2)
   if tiled:
-    sizes["r"] = TILE
+    sizes["r"] = tile
   return f"{', '.join(operands)} -> {data}, {scale}", sizes
 
 
-def dequantize_rule(ndim: int, amax_ndim: int, *, block: int, tiled: bool):
+def dequantize_rule(ndim: int, amax_ndim: int, *, block: int, tile: int | None):
   """Shardy rule for dequantize (packed, scales, amax) -> x."""
-  rule, sizes = quantize_rule(ndim, amax_ndim, False, block=block, tiled=tiled)
+  rule, sizes = quantize_rule(ndim, amax_ndim, False, block=block, tile=tile)
   ins, outs = rule.split(" -> ")
   x, amax = ins.split(", ")
   return f"{outs}, {amax} -> {x}", sizes
@@ -62,20 +63,20 @@ def quantize_rht_t_rule(has_bits: bool, *, rows: int, block: int):
   return f"{', '.join(ops)} -> c (t j), {scale}", sizes
 
 
-def scaled_matmul_rule(a_ndim: int, *, block: int, a_tiled: bool, b_tiled: bool):
+def scaled_matmul_rule(a_ndim: int, *, block: int, a_tile: int | None, b_tile: int | None):
   """Shardy rule for the scaled matmul (a_data, a_scale, a_amax, b_data, b_scale, b_amax) -> out."""
   lead = _names(a_ndim - 2)
-  m_d = "(m ra)" if a_tiled else "m"
-  n_d = "(n rb)" if b_tiled else "n"
-  unit = TILE if (a_tiled or b_tiled) else block
+  m_d = "(m ra)" if a_tile else "m"
+  n_d = "(n rb)" if b_tile else "n"
+  unit = a_tile or b_tile or block
   k_d = "(k j)"
   ops = [_join(*lead, m_d, k_d), _join(*lead, "m", "k"), "",
          _join(n_d, k_d), _join("n", "k"), ""]
   sizes = dict(j=unit // 2)
-  if a_tiled:
-    sizes["ra"] = TILE
-  if b_tiled:
-    sizes["rb"] = TILE
+  if a_tile:
+    sizes["ra"] = a_tile
+  if b_tile:
+    sizes["rb"] = b_tile
   return f"{', '.join(ops)} -> {_join(*lead, m_d, n_d)}", sizes
 
 
@@ -109,25 +110,34 @@ def named(mesh, spec) -> NamedSharding:
   return NamedSharding(mesh, P(*spec))
 
 
-def quantize_specs(mesh, x_shape, x_sharding, *, block: int, tiled: bool):
+def quantize_specs(mesh, x_shape, x_sharding, *, block: int, tile: int | None):
   """PartitionSpec entries (list) for x, valid for local quantization."""
   spec = spec_of(x_sharding, len(x_shape))
   spec[-1] = keep_if_divides(mesh, spec[-1], x_shape[-1], block)
-  if tiled:
-    spec[-2] = keep_if_divides(mesh, spec[-2], x_shape[-2], TILE)
+  if tile:
+    spec[-2] = keep_if_divides(mesh, spec[-2], x_shape[-2], tile)
   return spec
 
 
-def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int, a_tiled: bool,
-                 b_tiled: bool):
+def quantize_rht_t_specs(mesh, x_shape, x_sharding, *, rows: int):
+  """(T entry, C entry) for x (T, C) of the RHT-transposed quantize: T cut into whole ``rows``."""
+  t_e, c_e = spec_of(x_sharding, 2)
+  t_e = keep_if_divides(mesh, t_e, x_shape[0], rows)
+  if set(axes_of(t_e)) & set(axes_of(c_e)):
+    c_e = None
+  return t_e, c_e
+
+
+def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int,
+                 a_tile: int | None, b_tile: int | None):
   """(a spec, b spec, out spec, contraction mesh axes) for a local scaled matmul."""
   a_spec = spec_of(a_sharding, len(a_shape))
   b_spec = spec_of(b_sharding, 2)
-  unit = TILE if (a_tiled or b_tiled) else block
+  unit = a_tile or b_tile or block
   k = a_shape[-1]
   k_entry = keep_if_divides(mesh, a_spec[-1], k, unit) or keep_if_divides(mesh, b_spec[-1], k, unit)
-  if a_tiled:
-    a_spec[-2] = keep_if_divides(mesh, a_spec[-2], a_shape[-2], TILE)
+  if a_tile:
+    a_spec[-2] = keep_if_divides(mesh, a_spec[-2], a_shape[-2], a_tile)
   used = set()
   for e in a_spec[:-1]:
     used |= set(axes_of(e))
@@ -135,8 +145,8 @@ def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int, 
     k_entry = None
   used |= set(axes_of(k_entry))
   n_entry = b_spec[0]
-  if b_tiled:
-    n_entry = keep_if_divides(mesh, n_entry, b_shape[0], TILE)
+  if b_tile:
+    n_entry = keep_if_divides(mesh, n_entry, b_shape[0], b_tile)
   if set(axes_of(n_entry)) & used:
     n_entry = None
   a_spec[-1] = k_entry

@@ -1,0 +1,77 @@
+"""``fp4jax_scaled_matmul``: a (..., M, K) · b (N, K)ᵀ -> (..., M, N) from two FP4 operands packed
+along K (1D blocks, or nvfp4 16x16 tiles per operand).
+
+Operands: a_data, a_scale, a_amax, b_data, b_scale, b_amax (amax zeros for MXFP4). Params: fmt,
+a_tiled, b_tiled, out_dtype, impl. A K-sharded contraction sums float32 partial products (psum).
+vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import formats
+from fp4jax.kernels import scaled_matmul as kernel
+from fp4jax.primitives import pair
+from fp4jax.primitives import sharding as shd
+from fp4jax.qtensor import QTensor, along_last
+from fp4jax.reference import scaled_matmul_reference, tensor_factor
+
+
+def _abstract(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled,
+              out_dtype, impl):
+  return pair.ShapedArray(a_data.shape[:-1] + (b_data.shape[0],), out_dtype)
+
+
+def _bytes(s):
+  return lax.bitcast_convert_type(s, jnp.uint8)
+
+
+def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled, out_dtype,
+           impl, platform):
+  a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
+  b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
+  if impl == "pallas" and platform in ("cuda", "cpu"):
+    out = kernel.scaled_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor(a, b),
+                               fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
+                               interpret=platform != "cuda")
+  else:
+    out = scaled_matmul_reference(a, b, out_dtype)
+  return (out,)
+
+
+def _shardings(mesh, arg_shapes, *, fmt, a_tiled, b_tiled, **_):
+  a, b = arg_shapes[0], arg_shapes[3]
+  a_shape = a.shape[:-1] + (a.shape[-1] * 2,)
+  b_shape = (b.shape[0], b.shape[1] * 2)
+  a_spec, b_spec, out_spec, k_axes = shd.matmul_specs(
+      mesh, a_shape, a.sharding, b_shape, b.sharding, block=formats.BLOCK[fmt],
+      a_tile=formats.tile_side(fmt, a_tiled), b_tile=formats.tile_side(fmt, b_tiled))
+  return [a_spec, a_spec, [], b_spec, b_spec, []], out_spec, k_axes
+
+
+def _rule(ndims, *, fmt, a_tiled, b_tiled, **_):
+  return shd.scaled_matmul_rule(ndims[0], block=formats.BLOCK[fmt],
+                                a_tile=formats.tile_side(fmt, a_tiled),
+                                b_tile=formats.tile_side(fmt, b_tiled))
+
+
+def _batch_leading(dims):
+  """Only a (data, scale) batched: the batch becomes leading axes of a; otherwise loop."""
+  return (True, True, False, False, False, False) if all(d is None for d in dims[2:]) else None
+
+
+scaled_matmul_p = pair.define(pair.OpSpec(
+    "scaled_matmul", _abstract, _local, _shardings, _rule, batch_leading=_batch_leading,
+    multiple_results=False,
+    partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}))
+
+
+def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl="xla"):
+  """a (..., M, K) · b (N, K)ᵀ from two FP4 QTensors quantized along K (validated by the caller)."""
+  zero = jnp.zeros((), jnp.float32)
+  a_amax = zero if a.amax is None else jnp.asarray(a.amax, jnp.float32)
+  b_amax = zero if b.amax is None else jnp.asarray(b.amax, jnp.float32)
+  return scaled_matmul_p.bind(a.data, a.scale, a_amax, b.data, b.scale, b_amax, fmt=a.fmt,
+                              a_tiled=a.tile is not None, b_tiled=b.tile is not None,
+                              out_dtype=jnp.dtype(out_dtype), impl=impl)

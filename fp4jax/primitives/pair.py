@@ -1,0 +1,167 @@
+"""One builder for every fp4jax primitive pair, from a small per-op spec (``OpSpec``).
+
+  ``fp4jax_<op>``        what jaxprs and profiles show: abstract eval, batching rule, a JVP that
+                         differentiates like the reference, and a lowering that wraps the per-shard op
+                         in ``custom_partitioning`` (Shardy rule + partition callback), so sharded
+                         inputs stay sharded;
+  ``fp4jax_<op>_local``  the per-shard op, lowered per platform by the spec's ``local``: the Pallas
+                         kernels on CUDA with impl="pallas", the same kernels through the Pallas
+                         interpreter on CPU, else the pure-JAX reference.
+Every op has the param ``impl``; the JVP runs ``local`` with impl="xla" on platform "other".
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from fp4jax.primitives import sharding as shd
+
+try:   # the registry of primitives whose lowering needs the device assignment
+  from jax._src import dispatch as _dispatch
+except ImportError:   # pragma: no cover - a jax without it
+  _dispatch = None
+
+ShapedArray = getattr(jax.core, "ShapedArray", None)
+if ShapedArray is None:   # pragma: no cover - a jax that no longer re-exports it
+  from jax._src.core import ShapedArray
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+  """What differs between the ops; params are passed to every function as keywords.
+
+  abstract(*avals, **params): the output aval(s).
+  local(*args, platform, **params): the per-shard outputs as a tuple; platform "cuda" | "cpu" | "other".
+  shardings(mesh, arg_shapes, **params): (operand PartitionSpec entries, result entries, contracted
+    mesh axes). A result is summed (float32 partials, psum) over the contracted axes when there are any.
+  rule(ndims, **params): (Shardy rule string, factor sizes) for operands of these ranks.
+  batch_leading(dims): per operand, whether it takes the vmapped axis as a new leading axis
+    (unbatched ones are broadcast); None: loop over the batch with ``lax.map``.
+  partial_params(params): params of the per-shard op that returns float32 partial sums.
+  """
+
+  name: str
+  abstract: Callable
+  local: Callable
+  shardings: Callable
+  rule: Callable
+  batch_leading: Callable
+  multiple_results: bool = True
+  partial_params: Callable | None = None
+
+
+def define(spec: OpSpec) -> Primitive:
+  """Registers ``fp4jax_<name>`` and ``fp4jax_<name>_local``; returns the outer primitive."""
+  prim = Primitive(f"fp4jax_{spec.name}")
+  local_prim = Primitive(f"fp4jax_{spec.name}_local")
+  for p in (prim, local_prim):
+    p.multiple_results = spec.multiple_results
+    p.def_abstract_eval(spec.abstract)
+    p.def_impl(functools.partial(_eager, p))
+  if _dispatch is not None:
+    _dispatch.prim_requires_devices_during_lowering.add(prim)
+  mlir.register_lowering(prim, functools.partial(_lower_partitioned, spec, local_prim))
+  for platform in ("cuda", "cpu", None):
+    fn = functools.partial(_local_outputs, spec, platform=platform or "other")
+    mlir.register_lowering(local_prim, mlir.lower_fun(fn, multiple_results=spec.multiple_results),
+                           **({"platform": platform} if platform else {}))
+  batching.primitive_batchers[prim] = functools.partial(_batch, spec, prim)
+  ad.primitive_jvps[prim] = functools.partial(_jvp, spec, prim)
+  return prim
+
+
+def _local_outputs(spec, *args, **params):
+  outs = spec.local(*args, **params)
+  return outs if spec.multiple_results else outs[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim, params_items):
+  params = dict(params_items)
+  return jax.jit(lambda *args: prim.bind(*args, **params))
+
+
+def _eager(prim, *args, **params):
+  """Eager calls compile the primitive alone (like jax's own primitives)."""
+  return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+
+def _jvp(spec, prim, primals, tangents, **params):
+  """The primal output goes through ``prim``; tangents are the reference's (zero through the rounding,
+  float0 for integer outputs)."""
+  out = prim.bind(*primals, **params)
+  tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+  reference = functools.partial(_local_outputs, spec, platform="other", **{**params, "impl": "xla"})
+  _, t_out = jax.jvp(reference, tuple(primals), tangents)
+  return out, (list(t_out) if spec.multiple_results else t_out)
+
+
+def _to_front(x, d, size):
+  if d is None:
+    return jnp.broadcast_to(x, (size,) + x.shape)
+  return jnp.moveaxis(x, d, 0)
+
+
+def _batch(spec, prim, args, dims, **params):
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  leading = spec.batch_leading(dims)
+  if leading is None:
+    ops = tuple(_to_front(a, d, size) for a, d in zip(args, dims))
+    if spec.multiple_results:
+      outs = lax.map(lambda o: tuple(prim.bind(*o, **params)), ops)
+      return list(outs), [0] * len(outs)
+    return lax.map(lambda o: prim.bind(*o, **params), ops), 0
+  ops = [_to_front(a, d, size) if lead else a for a, d, lead in zip(args, dims, leading)]
+  out = prim.bind(*ops, **params)
+  return out, ([0] * len(out) if spec.multiple_results else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(spec, local_prim, ndims, params_items):
+  """custom_partitioning-wrapped per-shard op for operands of ranks ``ndims`` and these params."""
+  params = dict(params_items)
+
+  def local(*ops):
+    out = local_prim.bind(*ops, **params)
+    return tuple(out) if spec.multiple_results else out
+
+  def shardings(mesh, arg_shapes):
+    args, outs, contracted = spec.shardings(mesh, arg_shapes, **params)
+    outs = tuple(shd.named(mesh, s) for s in outs) if spec.multiple_results else shd.named(mesh, outs)
+    return tuple(shd.named(mesh, s) for s in args), outs, contracted
+
+  def partition(mesh, arg_shapes, result_shape):
+    args, outs, contracted = shardings(mesh, arg_shapes)
+    if not contracted:
+      return mesh, local, outs, args
+
+    def local_psum(*ops):   # contraction sharded: float32 partial products, summed across the shards
+      part = local_prim.bind(*ops, **spec.partial_params(params))
+      return lax.psum(part, contracted).astype(result_shape.dtype)
+
+    return mesh, local_psum, outs, args
+
+  def infer(mesh, arg_shapes, result_shape):
+    return shardings(mesh, arg_shapes)[1]
+
+  rule = spec.rule(ndims, **params)
+  cp = custom_partitioning(local)
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=lambda mesh, vt, rt: rule)
+  return cp
+
+
+def _lower_partitioned(spec, local_prim, ctx, *ops, **params):
+  fn = _partitioned(spec, local_prim, tuple(a.ndim for a in ctx.avals_in),
+                    tuple(sorted(params.items())))
+  if spec.multiple_results:
+    return mlir.lower_fun(lambda *a: fn(*a), multiple_results=True)(ctx, *ops)
+  return mlir.lower_fun(lambda *a: [fn(*a)], multiple_results=True)(ctx, *ops)

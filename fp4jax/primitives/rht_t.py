@@ -1,0 +1,63 @@
+"""``fp4jax_quantize_rht_t``: the weight-gradient operand path, x (T, C) -> RHT(x)ᵀ (C, T) quantized
+along T: packed codes (C, T/2) and scales (C, T/B).
+
+Axis legend: T tokens, C channels, B the block (16 nvfp4, 32 mxfp4). Operands: x, the NVFP4 tensor
+amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T).
+Params: fmt, rht_size, rht_seed, scale_rule, impl. vmapped calls loop over the batch.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import formats
+from fp4jax.kernels import quantize_rht_t as kernel
+from fp4jax.primitives import pair
+from fp4jax.primitives import sharding as shd
+from fp4jax.reference import quantize_rht_t_reference
+
+
+def _rows(fmt, rht_size):
+  """Token rows one transform-and-quantize unit spans: whole blocks and whole RHT chunks."""
+  return max(formats.BLOCK[fmt], rht_size)
+
+
+def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl):
+  t, c = x.shape
+  return (pair.ShapedArray((c, t // 2), jnp.uint8),
+          pair.ShapedArray((c, t // formats.BLOCK[fmt]), formats.SCALE_DTYPE[fmt]))
+
+
+def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl, platform):
+  bits = bits[0] if bits else None
+  if impl == "pallas" and platform in ("cuda", "cpu"):
+    q, s = kernel.quantize_rht_t(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
+                                 scale_rule=scale_rule, interpret=platform != "cuda")
+    return q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt])
+  return quantize_rht_t_reference(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
+                                  scale_rule=scale_rule)
+
+
+def _shardings(mesh, arg_shapes, *, fmt, rht_size, **_):
+  x = arg_shapes[0]
+  t_e, c_e = shd.quantize_rht_t_specs(mesh, x.shape, x.sharding, rows=_rows(fmt, rht_size))
+  args = [[t_e, c_e], []] + [[c_e, t_e]] * (len(arg_shapes) - 2)
+  return args, [[c_e, t_e], [c_e, t_e]], ()
+
+
+def _rule(ndims, *, fmt, rht_size, **_):
+  return shd.quantize_rht_t_rule(len(ndims) == 3, rows=_rows(fmt, rht_size),
+                                 block=formats.BLOCK[fmt])
+
+
+quantize_rht_t_p = pair.define(pair.OpSpec(
+    "quantize_rht_t", _abstract, _local, _shardings, _rule, batch_leading=lambda dims: None))
+
+
+def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale_rule="rceil",
+                   impl="xla"):
+  """(packed codes (C, T/2), scales (C, T/B)) of RHT(x)ᵀ quantized along T; x of shape (T, C)."""
+  ops = (x, jnp.asarray(amax, jnp.float32)) + (() if bits is None else (bits.astype(jnp.uint8),))
+  data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
+                                      scale_rule=scale_rule, impl=impl)
+  return data, scale
