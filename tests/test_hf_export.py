@@ -3,6 +3,8 @@ bit-exact against the training forward pass, the round trip is exact, bad input 
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -282,3 +284,11 @@ def test_export_rejects_what_nemotron_h_cannot_express():
     hf.to_hf_config(CONFIG.replace(mlp_kind="swiglu"))
   with pytest.raises(hf.ConversionError, match="forward pass in bf16"):
     hf.quantized_paths(CONFIG, "bf16")
+
+
+def test_library_training_and_sampling_never_import_torch():
+  """In a fresh interpreter (this one has torch loaded by the tests above)."""
+  code = ("import sys, fp4jax, models, models.hf, training, training.step, sample, tools.hf; "
+          "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
