@@ -14,6 +14,8 @@ N state size, Q chunks, C chunk length.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,10 +48,50 @@ def _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN):
   return B, L, H, P, G, N
 
 
+def _chunk_step(a_GxR, precision, state_BxGxRxPxN, chunk):
+  """One chunk of the SSD: its outputs from its own inputs and the state entering it, and the state it
+  hands on. All four steps see one chunk only, so nothing is larger than B x H x C x C."""
+  x_BxCxGxRxP, dt_BxCxGxR, b_BxCxGxN, c_BxCxGxN = chunk
+  # Every contraction has exactly two operands, in an order chosen so that no intermediate holds the
+  # head dim P (or N) together with both within-chunk axes l and s.
+  einsum = lambda spec, lhs, rhs: jnp.einsum(spec, lhs, rhs, precision=precision)
+  a_BxGxRxC = jnp.einsum("bcgr,gr->bgrc", dt_BxCxGxR, a_GxR)
+  a_cumsum_BxGxRxC = jnp.cumsum(a_BxGxRxC, axis=-1)
+  # dt folded into x once: the input injected at each step, shared by steps 1 and 2.
+  xdt_BxCxGxRxP = x_BxCxGxRxP * dt_BxCxGxR[..., None]
+
+  # 1. Intra-chunk: the quadratic (attention-like) form. Scores C·Bᵀ per group, masked by each head's
+  #    decay, then a batched (l x s) @ (s x P) product per (b, g, r).
+  decay_BxGxRxCxC = jnp.exp(segsum(a_BxGxRxC))
+  cb_BxGxCxC = einsum("blgn,bsgn->bgls", c_BxCxGxN, b_BxCxGxN)
+  scores_BxGxRxCxC = cb_BxGxCxC[:, :, None] * decay_BxGxRxCxC
+  y_diag_BxCxGxRxP = einsum("bgrls,bsgrp->blgrp", scores_BxGxRxCxC, xdt_BxCxGxRxP)
+
+  # 2. Chunk state: this chunk's contribution to the state at its end, starting from zero.
+  decay_to_end_BxGxRxC = jnp.exp(a_cumsum_BxGxRxC[..., -1:] - a_cumsum_BxGxRxC)
+  xw_BxCxGxRxP = xdt_BxCxGxRxP * jnp.einsum("bgrs->bsgr", decay_to_end_BxGxRxC)[..., None]
+  chunk_state_BxGxRxPxN = einsum("bsgrp,bsgn->bgrpn", xw_BxCxGxRxP, b_BxCxGxN)
+
+  # 3. State passing: the entering state decayed over the whole chunk, plus the chunk's own.
+  chunk_decay_BxGxR = jnp.exp(a_cumsum_BxGxRxC[..., -1])
+  new_state_BxGxRxPxN = chunk_decay_BxGxR[..., None, None] * state_BxGxRxPxN + chunk_state_BxGxRxPxN
+
+  # 4. State to output: the entering state read out through C, then decayed to each position.
+  y_off_BxCxGxRxP = einsum("blgn,bgrpn->blgrp", c_BxCxGxN, state_BxGxRxPxN)
+  decay_in_BxCxGxR = jnp.exp(jnp.einsum("bgrl->blgr", a_cumsum_BxGxRxC))
+  y_off_BxCxGxRxP = y_off_BxCxGxRxP * decay_in_BxCxGxR[..., None]
+  return new_state_BxGxRxPxN, y_diag_BxCxGxRxP + y_off_BxCxGxRxP
+
+
 def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int,
                 initial_state_BxHxPxN=None, precision=None):
   """Chunked SSD. L need not be a multiple of ``chunk_size``: the tail is padded with dt = 0,
-  an identity step, so the final state is exact. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``."""
+  an identity step, so the final state is exact. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``.
+
+  A ``lax.scan`` over the chunks carries the state from one chunk to the next; each chunk's step is
+  rematerialized (``jax.checkpoint``), so the backward pass keeps only the Q entering states
+  (B x H x P x N each) besides the inputs, and no temporary spans more than one chunk.
+  """
   B, L, H, P, G, N = _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
   R, C = H // G, chunk_size
   out_dtype = x_BxLxHxP.dtype
@@ -57,54 +99,20 @@ def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: i
   Q = (L + pad) // C
 
   def chunked(t, *tail):
+    """(B, L, ...) float32 -> (Q, B, C, *tail): the scan runs over the leading chunk axis."""
     t = t.astype(jnp.float32)
     t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
-    return t.reshape(B, Q, C, *tail)
+    return jnp.moveaxis(t.reshape(B, Q, C, *tail), 1, 0)
 
-  x_BxQxCxGxRxP = chunked(x_BxLxHxP, G, R, P)
-  dt_BxQxCxGxR = chunked(dt_BxLxH, G, R)
-  b_BxQxCxGxN = chunked(b_BxLxGxN, G, N)
-  c_BxQxCxGxN = chunked(c_BxLxGxN, G, N)
-  a_BxQxGxRxC = jnp.einsum("bqcgr,gr->bqgrc", dt_BxQxCxGxR, a_H.astype(jnp.float32).reshape(G, R))
-  a_cumsum_BxQxGxRxC = jnp.cumsum(a_BxQxGxRxC, axis=-1)
-  # Every contraction below has exactly two operands, in an order chosen so that no intermediate
-  # holds the head dim P (or N) together with both within-chunk axes l and s: a four-operand einsum
-  # left to XLA can expand to B x Q x H x C x C x P (1 GB at the small config's shapes).
-  einsum = lambda spec, lhs, rhs: jnp.einsum(spec, lhs, rhs, precision=precision)
-  # dt folded into x once: the input injected at each step, shared by steps 1 and 2.
-  xdt_BxQxCxGxRxP = x_BxQxCxGxRxP * dt_BxQxCxGxR[..., None]
-
-  # 1. Intra-chunk: the quadratic (attention-like) form within each chunk. Scores C·Bᵀ per group,
-  #    masked by each head's decay, then a batched (l x s) @ (s x P) product per (b, q, g, r).
-  decay_BxQxGxRxCxC = jnp.exp(segsum(a_BxQxGxRxC))
-  cb_BxQxGxCxC = einsum("bqlgn,bqsgn->bqgls", c_BxQxCxGxN, b_BxQxCxGxN)
-  scores_BxQxGxRxCxC = cb_BxQxGxCxC[:, :, :, None] * decay_BxQxGxRxCxC
-  y_diag_BxQxCxGxRxP = einsum("bqgrls,bqsgrp->bqlgrp", scores_BxQxGxRxCxC, xdt_BxQxCxGxRxP)
-
-  # 2. Chunk states: each chunk's contribution to the state at its end, starting from zero.
-  decay_to_end_BxQxGxRxC = jnp.exp(a_cumsum_BxQxGxRxC[..., -1:] - a_cumsum_BxQxGxRxC)
-  xw_BxQxCxGxRxP = xdt_BxQxCxGxRxP * jnp.einsum("bqgrs->bqsgr", decay_to_end_BxQxGxRxC)[..., None]
-  states_BxQxGxRxPxN = einsum("bqsgrp,bqsgn->bqgrpn", xw_BxQxCxGxRxP, b_BxQxCxGxN)
-
-  # 3. State passing: the state entering each chunk, from the initial state and all earlier chunks.
+  chunks = (chunked(x_BxLxHxP, G, R, P), chunked(dt_BxLxH, G, R), chunked(b_BxLxGxN, G, N),
+            chunked(c_BxLxGxN, G, N))
   if initial_state_BxHxPxN is None:
     initial_BxGxRxPxN = jnp.zeros((B, G, R, P, N), jnp.float32)
   else:
     initial_BxGxRxPxN = initial_state_BxHxPxN.astype(jnp.float32).reshape(B, G, R, P, N)
-  states_BxQ1xGxRxPxN = jnp.concatenate([initial_BxGxRxPxN[:, None], states_BxQxGxRxPxN], axis=1)
-  chunk_a_BxGxRxQ1 = jnp.pad(jnp.einsum("bqgr->bgrq", a_cumsum_BxQxGxRxC[..., -1]),
-                             [(0, 0)] * 3 + [(1, 0)])
-  chunk_decay_BxGxRxQ1xQ1 = jnp.exp(segsum(chunk_a_BxGxRxQ1))
-  states_BxQ1xGxRxPxN = einsum("bgrzy,bygrpn->bzgrpn", chunk_decay_BxGxRxQ1xQ1, states_BxQ1xGxRxPxN)
-  states_in_BxQxGxRxPxN = states_BxQ1xGxRxPxN[:, :-1]
-  final_BxGxRxPxN = states_BxQ1xGxRxPxN[:, -1]
-
-  # 4. State to output: the entering state read out through C, then decayed to each position.
-  y_off_BxQxCxGxRxP = einsum("bqlgn,bqgrpn->bqlgrp", c_BxQxCxGxN, states_in_BxQxGxRxPxN)
-  decay_in_BxQxCxGxR = jnp.exp(jnp.einsum("bqgrl->bqlgr", a_cumsum_BxQxGxRxC))
-  y_off_BxQxCxGxRxP = y_off_BxQxCxGxRxP * decay_in_BxQxCxGxR[..., None]
-
-  y_BxLxHxP = (y_diag_BxQxCxGxRxP + y_off_BxQxCxGxRxP).reshape(B, Q * C, H, P)[:, :L]
+  step = jax.checkpoint(functools.partial(_chunk_step, a_H.astype(jnp.float32).reshape(G, R), precision))
+  final_BxGxRxPxN, y_QxBxCxGxRxP = lax.scan(step, initial_BxGxRxPxN, chunks)
+  y_BxLxHxP = jnp.moveaxis(y_QxBxCxGxRxP, 0, 1).reshape(B, Q * C, H, P)[:, :L]
   return y_BxLxHxP.astype(out_dtype), final_BxGxRxPxN.reshape(B, H, P, N)
 
 
