@@ -46,7 +46,6 @@ from models import ModelConfig, layer_precision
 from models.config import BLOCK_KINDS
 
 PREFIX = "backbone."                       # NVIDIA's checkpoints; transformers also reads "model."
-HF_BLOCK_TYPES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 HF_LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 GROUP = 16                                 # NVFP4 block: elements per E4M3 scale
 _E4M3_X_E2M1_MAX = 6.0 * 448.0
@@ -299,6 +298,12 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
       raise ConversionError(f"config.json sets {flag}=true; this model's linear layers have no biases")
   if "-" in pattern and hf.get("mlp_hidden_act", "relu2") != "relu2":
     raise ConversionError(f"mlp_hidden_act={hf.get('mlp_hidden_act')!r}; only relu2 MLPs import")
+  # Older Nemotron-H configs spell some Mamba fields with a mamba_ prefix.
+  for new, old in (("n_groups", "mamba_n_groups"), ("conv_kernel", "mamba_d_conv"), ("expand", "mamba_expand"),
+                   ("time_step_min", "mamba_dt_min"), ("time_step_max", "mamba_dt_max"),
+                   ("use_conv_bias", "mamba_conv_bias"), ("chunk_size", "mamba_chunk_size")):
+    if new not in hf and old in hf:
+      hf = dict(hf, **{new: hf[old]})
   d_model = hf["hidden_size"]
   n_heads_ssm, head_dim_ssm = hf.get("mamba_num_heads"), hf.get("mamba_head_dim")
   expand = hf.get("expand", 2)
@@ -329,7 +334,7 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
     exact = model_config_from_json(ours)
     dims = ("vocab_size", "d_model", "pattern", "n_heads", "n_kv_heads", "head_dim", "n_groups", "d_state",
             "ssm_head_dim", "expand", "conv_width", "conv_bias")
-    if any(getattr(exact, d) != getattr(config, d) for d in dims if d != "mlp_dim"):
+    if any(getattr(exact, d) != getattr(config, d) for d in dims):
       raise ConversionError("config.json's fp4jax.model disagrees with its Nemotron-H dimensions; remove the "
                             "'fp4jax' entry to import from the Nemotron-H fields alone")
     return exact
@@ -380,14 +385,11 @@ def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
   linears, others = layout(c)
   used, params = set(), {}
 
-  def take(name, shape=None):
+  def take(name):
     if name not in named:
       raise ConversionError(f"the checkpoint lacks {name!r}; is it a Nemotron-H checkpoint of this config?")
-    value = np.asarray(named[name]).astype(np.float32)
-    if shape is not None and tuple(value.shape) != tuple(shape):
-      raise ConversionError(f"{name} has shape {tuple(value.shape)}; the config implies {tuple(shape)}")
     used.add(name)
-    return value
+    return np.asarray(named[name]).astype(np.float32)
 
   def put(path, value):
     node = params
@@ -399,9 +401,8 @@ def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
   for lin in linears:
     by_path.setdefault(lin.path, []).append(lin)
   for path, pieces in by_path.items():
-    first = take(pieces[0].hf_name)
-    K = first.shape[1]
-    N = sum(take(p.hf_name).shape[0] for p in pieces)
+    K = take(pieces[0].hf_name).shape[-1]
+    N = sum(take(p.hf_name).shape[0] if p.rows is None else len(p.rows) for p in pieces)
     w_NxK = np.zeros((N, K), np.float32)
     filled = np.zeros(N, bool)
     for p in pieces:
@@ -414,7 +415,11 @@ def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
     assert filled.all(), path
     put((*path, "kernel"), w_NxK.T.copy())
   for t in others:
-    put(t.path, np.ascontiguousarray(t.from_hf(take(t.hf_name))))
+    value = take(t.hf_name)
+    try:
+      put(t.path, np.ascontiguousarray(t.from_hf(value)))
+    except (IndexError, ValueError):
+      raise ConversionError(f"{t.hf_name} has shape {value.shape}, which does not fit the config") from None
   leftover = sorted(set(named) - used)
   if leftover:
     raise ConversionError(f"the checkpoint has tensors this model has no place for: {leftover[:4]}")
@@ -527,7 +532,3 @@ def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> 
   if missing:
     raise ConversionError(f"calibration saw no input for {missing[:3]}")
   return seen
-
-
-def hf_size_bytes(tensors: dict[str, np.ndarray]) -> int:
-  return sum(int(t.nbytes) for t in tensors.values())

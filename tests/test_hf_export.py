@@ -258,6 +258,10 @@ def test_import_rejects_missing_and_foreign_tensors(tmp_path):
     hf.from_hf(missing, CONFIG)
   with pytest.raises(hf.ConversionError, match="mixture-of-experts"):
     hf.from_hf(dict(tensors, **{"backbone.layers.2.mixer.experts.0.up_proj.weight": np.zeros((2, 2))}), CONFIG)
+  for name in ("backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.k_proj.weight",
+               "backbone.layers.0.mixer.conv1d.weight"):
+    with pytest.raises(hf.ConversionError, match=f"{name} has shape"):
+      hf.from_hf(dict(tensors, **{name: np.zeros((10, 32), np.float32)}), CONFIG)
   with pytest.raises(hf.ConversionError, match="no place"):
     hf.from_hf(dict(tensors, **{"backbone.extra.weight": np.zeros(2)}), CONFIG)
   renamed = {k.replace("backbone.", "model."): v for k, v in tensors.items()}   # transformers 5 naming
@@ -292,3 +296,31 @@ def test_library_training_and_sampling_never_import_torch():
           "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_import_of_a_checkpoint_transformers_wrote(tmp_path, capsys):
+  """A foreign checkpoint: written by transformers' save_pretrained ("model." names, its own config.json
+  with no fp4jax entry); once imported, our model computes transformers' logits."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(0)
+  config = transformers.NemotronHConfig(
+      vocab_size=80, hidden_size=32, layers_block_type=["linear_attention", "full_attention", "mlp"],
+      intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=8,
+      mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=4, layer_norm_epsilon=1e-5)
+  theirs = transformers.NemotronHForCausalLM(config).eval()
+  theirs.save_pretrained(str(tmp_path / "hf"))
+  # This model never clamps dt; with time_step_min = 0 transformers does not either.
+  saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+  (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(saved, time_step_min=0.0)))
+  theirs = transformers.NemotronHForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+  assert hf_cli.main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"),
+                      "--dtype", "float32"]) == 0
+  capsys.readouterr()
+  run = runs.load_run(str(tmp_path / "run"))
+  assert run.model_config.pattern == "M*-" and run.model_config.n_groups == 2
+  tokens = np.random.default_rng(1).integers(0, 80, (2, 9))
+  ours = np.asarray(LanguageModel(run.model_config).apply({"params": run.params}, jnp.asarray(tokens, jnp.int32)))
+  with torch.no_grad():
+    got = theirs(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(ours, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())

@@ -127,3 +127,8 @@ def test_cli_missing_run(tmp_path, capsys):
   (tmp_path / "empty" / "config.json").write_text('{"model": {"preset": "tiny"}}')
   assert sample.main(["--workdir", str(tmp_path / "empty"), "--prompt", "x"]) == 2
   assert "saved no checkpoint" in capsys.readouterr().err
+
+
+def test_cli_unknown_step(run_dir, capsys):
+  assert sample.main(["--workdir", run_dir, "--prompt", "x", "--step", "7"]) == 2
+  assert "has no checkpoint 7; it has steps [0]" in capsys.readouterr().err

@@ -84,18 +84,24 @@ def _write_tokenizer(spec: str, out: str, eos_id: int | None) -> str:
 
 
 def _calibration_tokens(run: runs.Run, calib_file: str | None, n_tokens: int) -> np.ndarray:
+  """Up to ``n_tokens`` tokens of ``calib_file`` (default: the run's validation data) as rows of seq_len."""
   tokenizer = data_lib.make_tokenizer(run.config.data.tokenizer)
-  seq_len = int(run.config.data.seq_len)
   if calib_file:
+    if not os.path.isfile(calib_file):
+      raise hf.ConversionError(f"--calib_file {calib_file!r} does not exist")
     with open(calib_file, "rb") as f:
       tokens = np.asarray(tokenizer.encode(f.read()), np.int64)
   else:
     _, validation, _ = data_lib.load_splits(run.config.data, tokenizer)
-    tokens = np.concatenate([np.asarray(s[:n_tokens]) for s in validation.segments if len(s)])[:n_tokens]
-  rows = max(1, min(len(tokens), n_tokens) // seq_len)
+    pieces = [np.asarray(s[:n_tokens], np.int64) for s in validation.segments if len(s)]
+    if not pieces:
+      raise hf.ConversionError("the run has no validation data to calibrate input_scale on; pass --calib_file")
+    tokens = np.concatenate(pieces)
+  tokens = tokens[:n_tokens]
   if len(tokens) < 2:
     raise hf.ConversionError("the calibration text has fewer than 2 tokens; pass a longer --calib_file")
-  length = min(seq_len, len(tokens))
+  length = min(int(run.config.data.seq_len), len(tokens))
+  rows = len(tokens) // length
   return tokens[:rows * length].reshape(rows, length)
 
 
@@ -158,6 +164,10 @@ def import_(args) -> int:
   c = hf.from_hf_config(hf_config, dtype=jnp.dtype(args.dtype), bf16_first_blocks=args.bf16_first_blocks,
                         bf16_last_blocks=args.bf16_last_blocks)
   params = hf.from_hf(hf.load_hf_tensors(args.hf), c)
+  dt_floor = hf_config.get("time_step_min", hf_config.get("mamba_dt_min", 0.001))   # transformers' default
+  if "M" in c.pattern and dt_floor > 0.0:
+    print(f"note: transformers clamps softplus(dt + dt_bias) at time_step_min={dt_floor}; this model does not "
+          "clamp, so the two differ where dt falls below it", file=sys.stderr)
   hf.check_params(params, nn.unbox(abstract_variables(LanguageModel(c))["params"]))
   base = _load_config_file(args.config) if args.config else None
   config = runs.training_config(c, base=base, name=os.path.basename(os.path.normpath(args.out)))

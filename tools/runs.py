@@ -1,8 +1,8 @@
 """A training run on disk: ``<workdir>/config.json`` and the orbax checkpoints ``train.py`` writes.
 
 ``load_run(workdir)`` gives the model config, the tokenizer spec and the parameters of the latest (or a
-chosen) checkpoint, restored through ``training.checkpoint.Checkpoints`` with the exact state layout the
-trainer saves. ``write_run(workdir, config, params)`` writes such a run (step 0, fresh optimizer state)
+chosen) checkpoint, read by ``training.checkpoint.Checkpoints.restore_params`` (the optimizer state is
+never loaded). ``write_run(workdir, config, params)`` writes such a run (step 0, fresh optimizer state)
 from parameters made elsewhere (``tools.hf import``), so the trainer and ``sample.py`` can read it.
 """
 from __future__ import annotations
@@ -82,22 +82,25 @@ def load_run(workdir: str, step: int | None = None) -> Run:
   if not os.path.isdir(directory):
     raise RunError(f"{directory} does not exist: the run in {workdir!r} has saved no checkpoint yet "
                    "(train.py saves every config.checkpoint.every_steps steps and at the end)")
-  checkpoints = ckpt_lib.Checkpoints(directory, keep=max(int(config.checkpoint.keep), 1), async_save=False)
+  checkpoints = ckpt_lib.Checkpoints(directory, keep=max(int(config.checkpoint.keep), 1), async_save=False,
+                                     create=False)
   try:
-    latest = checkpoints.latest_step()
-    if latest is None:
+    steps = checkpoints.steps()
+    if not steps:
       raise RunError(f"{directory} holds no finished checkpoint; train longer or wait for the save to finish")
-    step = latest if step is None else step
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise RunError(f"{directory} has no checkpoint {step}; it has steps {steps}")
     abstract, _ = _abstract_state(config, model_config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract["params"])
     try:
-      state, _ = checkpoints.restore(step, target)
+      params = checkpoints.restore_params(step, target)   # the optimizer state stays on disk
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
       raise RunError(f"checkpoint {directory}/{step} does not match the run's config.json: {str(e)[:300]}") from None
   finally:
     checkpoints.close()
-  return Run(os.path.abspath(workdir), config, model_config, state["params"], int(step))
+  return Run(os.path.abspath(workdir), config, model_config, params, int(step))
 
 
 def training_config(model_config: ModelConfig, *, base: config_dict.ConfigDict | None = None,
