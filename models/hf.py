@@ -108,6 +108,33 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
   return out
 
 
+def save_hf_tensors(directory: str, tensors: dict[str, np.ndarray], *, max_shard_bytes: int = 5 << 30) -> list[str]:
+  """Writes ``model.safetensors``, or, above ``max_shard_bytes``, shards ``model-0000i-of-0000n.safetensors``
+  with the ``model.safetensors.index.json`` transformers reads. Returns the file names written."""
+  shards, current, size = [], {}, 0
+  for name in sorted(tensors):
+    nbytes = int(np.asarray(tensors[name]).nbytes)
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = tensors[name]
+    size += nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    save_safetensors(os.path.join(directory, "model.safetensors"), shards[0], {"format": "pt"})
+    return ["model.safetensors"]
+  files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  weight_map = {}
+  for file, shard in zip(files, shards):
+    save_safetensors(os.path.join(directory, file), shard, {"format": "pt"})
+    weight_map.update({name: file for name in shard})
+  index = {"metadata": {"total_size": sum(int(np.asarray(t).nbytes) for t in tensors.values())},
+           "weight_map": weight_map}
+  with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+    json.dump(index, f, indent=2)
+  return files + ["model.safetensors.index.json"]
+
+
 def load_hf_tensors(directory: str) -> dict[str, np.ndarray]:
   """All tensors of a Hugging Face checkpoint directory (``model.safetensors`` or a sharded index)."""
   single = os.path.join(directory, "model.safetensors")

@@ -206,6 +206,17 @@ def test_export_import_round_trip_is_exact(run_dir, tmp_path, capsys):
                before.params, after.params)
 
 
+def test_sharded_weights_round_trip(tmp_path):
+  _, params = _params()
+  tensors = hf.to_hf(params, CONFIG)
+  files = hf.save_hf_tensors(str(tmp_path), tensors, max_shard_bytes=20_000)
+  assert len(files) > 3 and files[-1] == "model.safetensors.index.json"
+  back = hf.load_hf_tensors(str(tmp_path))
+  assert sorted(back) == sorted(tensors)
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(back[name], value)
+
+
 def test_nvfp4_cli_writes_modelopt_files(run_dir, tmp_path, capsys):
   text = tmp_path / "calib.txt"
   text.write_text("def f(x):\n    return x * 2\n" * 40)

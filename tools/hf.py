@@ -132,13 +132,14 @@ def export(args) -> int:
     tensors = hf.to_hf(run.params, c, dtype)
     config = hf.to_hf_config(c, dtype=args.format, eos_token_id=tokenizer.eos_id, extra=extra)
     note = f"every tensor in {args.format}"
-  hf.save_safetensors(os.path.join(args.out, "model.safetensors"), tensors, {"format": "pt"})
+  files = hf.save_hf_tensors(args.out, tensors, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
   with open(os.path.join(args.out, "config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2)
   tok_note = _write_tokenizer(run.config.data.tokenizer, args.out, tokenizer.eos_id)
-  size = os.path.getsize(os.path.join(args.out, "model.safetensors"))
+  size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files if f.endswith(".safetensors"))
   print(f"exported {run.workdir} step {run.step} ('{c.pattern}', d_model {c.d_model}) to {args.out}: "
-        f"model.safetensors {size:,} bytes, {note}; {tok_note}")
+        f"{len([f for f in files if f.endswith('.safetensors')])} safetensors file(s), {size:,} bytes, {note}; "
+        f"{tok_note}")
   return 0
 
 
@@ -205,6 +206,8 @@ def _parser() -> argparse.ArgumentParser:
   e.add_argument("--format", choices=FORMATS, default="float32",
                  help="float32 (lossless), bfloat16, or nvfp4 (ModelOpt layout, the trained FP4 weights)")
   e.add_argument("--step", type=int, default=None, help="checkpoint step; default: the latest")
+  e.add_argument("--max_shard_gb", type=float, default=5.0, help="split model.safetensors into shards of "
+                                                                  "at most this size (with an index file)")
   e.add_argument("--recipe", default=None, help="nvfp4: the recipe whose policy picks the FP4 layers; "
                                                  "default: the run's")
   e.add_argument("--calib_file", default=None, help="nvfp4: text for the activation input_scale; "
