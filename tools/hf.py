@@ -119,7 +119,8 @@ def export(args) -> int:
       raise hf.ConversionError(f"the policy keeps every linear layer of this model in bf16 for recipe "
                                f"{recipe.name!r}: nothing to write in NVFP4")
     tokens = _calibration_tokens(run, args.calib_file, args.calib_tokens)
-    amax = hf.calibration_amax(LanguageModel(c, recipe=recipe), run.params, tokens, paths)
+    # Eager (no remat): the calibration reads concrete activations.
+    amax = hf.calibration_amax(LanguageModel(c.replace(remat=False), recipe=recipe), run.params, tokens, paths)
     tensors, excluded = hf.to_hf_nvfp4(run.params, c, recipe, input_amax=amax)
     config = hf.to_hf_config(c, dtype="bfloat16", eos_token_id=tokenizer.eos_id, extra=extra)
     hf_quant, config["quantization_config"] = hf.nvfp4_quant_configs(excluded, producer_version=fp4jax.__version__)
