@@ -16,7 +16,9 @@ docs/TRAINING.md): 2 config, 3 data, 4 work directory, 5 checkpoint, 6 config ch
 8 distributed set-up, 9 diverged, 1 anything unexpected. The traceback goes to <workdir>/error.log (or a
 file in the temp directory when the work directory is unusable); --debug also prints it.
 """
+import collections
 import errno
+import io
 import os
 import socket
 import sys
@@ -99,6 +101,8 @@ def _initialize_distributed(argv) -> None:
     return
   kwargs = {k: v for k, v in explicit.items() if v is not None}
   try:
+    if values.process_id is not None and not 0 <= values.process_id < (values.num_processes or 1):
+      raise ValueError(f"--process_id={values.process_id} is not in [0, --num_processes={values.num_processes})")
     if values.coordinator_address and values.process_id:
       _wait_for_coordinator(values.coordinator_address, values.distributed_timeout)
     jax.distributed.initialize(**kwargs, initialization_timeout=values.distributed_timeout)
@@ -179,6 +183,20 @@ def _load_config():
   return config
 
 
+class _LogTail(io.TextIOBase):
+  """The last lines absl logging writes (orbax, jax): kept out of the console, written to error.log on failure."""
+
+  def __init__(self, max_lines: int = 400):
+    self.lines = collections.deque(maxlen=max_lines)
+
+  def write(self, text: str) -> int:
+    self.lines.append(text)
+    return len(text)
+
+
+_LOG_TAIL = _LogTail()
+
+
 def _error_log(workdir: str) -> str:
   """Where the traceback goes: <workdir>/error.log when that directory can be written, else a temp file."""
   if os.path.isdir(workdir) and os.access(workdir, os.W_OK):
@@ -189,7 +207,8 @@ def _error_log(workdir: str) -> str:
 def _write_log(path: str) -> str | None:
   try:
     with open(path, "a", encoding="utf-8") as f:
-      f.write(f"$ {' '.join(sys.argv)}\n{traceback.format_exc()}\n")
+      f.write(f"$ {' '.join(sys.argv)}\n--- log ---\n{''.join(_LOG_TAIL.lines)}--- traceback ---\n"
+              f"{traceback.format_exc()}\n")
     return path
   except OSError:
     return None
@@ -198,8 +217,9 @@ def _write_log(path: str) -> str | None:
 def main(argv):
   if len(argv) > 1:
     return _fail(f"unexpected arguments {argv[1:]}; use --config.<field>=<value>", EXIT_USAGE)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.ERROR)  # orbax logs every save at INFO and recoverable oddities at WARNING
+  if not flags.FLAGS["verbosity"].present and not _DEBUG.value:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    logging.get_absl_handler().python_handler.stream = _LOG_TAIL  # warnings and errors: to error.log on failure
   config = _load_config()
   workdir = _WORKDIR.value or os.path.join("runs", config.name)
   import training  # pylint: disable=g-import-not-at-top  (after jax.distributed: see _initialize_distributed)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +37,7 @@ REASONS = {
     "incompatible": "incompatible with this config (its arrays do not fit this model or optimizer)",
 }
 _TRUNCATED_MARKS = ("OUT_OF_RANGE", "Truncated", "does not match actual length", "NOT_FOUND", "was not found",
-                    "No such file")
+                    "No such file", "Unknown key")
 
 
 class CheckpointReadError(CheckpointError, ValueError):
@@ -55,6 +58,7 @@ class Checkpoints:
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=dict(
         state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler()))
     self._saving = None  # the step whose write may still be running
+    self._closed = False
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -93,12 +97,23 @@ class Checkpoints:
     self._saving = None
 
   def close(self) -> None:
+    if self._closed:
+      return
     try:
       self.wait()
     finally:
-      self._manager.close()
+      if not self._closed:  # (a failed save has closed it already)
+        self._closed = True
+        self._manager.close()
 
   def _failed(self, step, error: Exception) -> None:
+    for finish in (self._manager.wait_until_finished, self._manager.close):
+      try:  # let every background write of the failed save end before its directory is removed
+        finish()
+      except Exception:  # pylint: disable=broad-except  (the same failure, reported below)
+        pass
+    _join_orbax_threads(timeout_s=60.0)  # a save that failed in the foreground leaves writer threads running
+    self._closed = True
     removed = []
     for name in os.listdir(self.directory) if os.path.isdir(self.directory) else ():
       if TMP_SUFFIX in name:
@@ -106,9 +121,8 @@ class Checkpoints:
         removed.append(name)
     self._saving = None
     intact = [s for s in self.steps() if s != step]
-    reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:300] or type(error).__name__
     raise StorageError(
-        f"writing checkpoint {step} to {self.directory} failed: {reason}. "
+        f"writing checkpoint {step} to {self.directory} failed: {_os_reason(error)}. "
         + (f"The temporary directory {', '.join(removed)} was removed. " if removed else "")
         + (f"The earlier checkpoints {intact} are intact; " if intact else "No earlier checkpoint exists; ")
         + "free space or fix the storage, then run the same command again to resume"
@@ -175,6 +189,24 @@ class Checkpoints:
           f"({'; '.join(lines)})")
 
 
+def _join_orbax_threads(timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax"):
+      thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+def _os_reason(error: Exception) -> str:
+  """The operating system's words for a failed write (tensorstore reports them as ``[os_error_code='28']``)."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  match = re.search(r"os_error_code='?(\d+)", str(error))
+  if match:
+    return os.strerror(int(match.group(1)))
+  lines = str(error).strip().splitlines()
+  return lines[0][:300] if lines else type(error).__name__
+
+
 def _classify(error: Exception) -> tuple[str, str]:
   """(reason, one-line detail) of an exception raised while orbax/tensorstore read a checkpoint."""
   chain, e = [], error
@@ -187,7 +219,7 @@ def _classify(error: Exception) -> tuple[str, str]:
   detail = detail.strip()[:300]
   if any(isinstance(x, (json.JSONDecodeError, StopIteration)) for x in chain):
     return "truncated", f"a metadata file is cut short or empty ({detail})"
-  if any(isinstance(x, FileNotFoundError) for x in chain) or any(m in text for m in _TRUNCATED_MARKS):
+  if any(isinstance(x, (FileNotFoundError, KeyError)) for x in chain) or any(m in text for m in _TRUNCATED_MARKS):
     return "truncated", detail
   if "not compatible with the stored shape" in text or "dtype" in text and "stored" in text:
     return "incompatible", detail

@@ -1,0 +1,426 @@
+"""The training pipeline's bad-input and fault matrix: each case asserts a specific error (and exit code) or an
+exactly specified result. ``CASES`` names every case and its expected verdict; ``scripts/reliability_training.py``
+runs this file and writes the table of docs/RELIABILITY.md from it.
+
+Runs are the shrunken config (a few steps, the shared compilation cache); a finished 4-step run with
+checkpoints 2 and 4 is made once and copied into each checkpoint-fault case.
+"""
+import errno
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import shrunken
+from training import errors
+from training import report as report_lib
+from training import run as run_lib
+from training import sharding
+from training import trainer
+from training import workdir as workdir_lib
+from training.checkpoint import Checkpoints, TMP_SUFFIX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)
+
+CLEAR = "clear error"
+CORRECT = "correct result"
+# test name -> (case, expected verdict, exit code of train.py or None)
+CASES = {
+    "test_cli_config_file_missing": ("--config names a file that does not exist", CLEAR, 2),
+    "test_cli_config_file_syntax_error": ("--config file does not parse", CLEAR, 2),
+    "test_cli_config_file_raises": ("--config file's get_config() raises", CLEAR, 2),
+    "test_cli_config_file_not_a_config": ("--config file returns something else", CLEAR, 2),
+    "test_cli_bad_override_value": ("--config.steps=abc", CLEAR, 2),
+    "test_cli_unknown_override": ("--config.model.d_modl=64 (typo)", CLEAR, 2),
+    "test_cli_workdir_is_a_file": ("--workdir is a file", CLEAR, 4),
+    "test_cli_workdir_not_writable": ("--workdir on a read-only file system", CLEAR, 4),
+    "test_cli_data_missing": ("config.data.sources names a missing file", CLEAR, 3),
+    "test_cli_distributed_bad_process_id": ("--process_id >= --num_processes", CLEAR, 8),
+    "test_cli_distributed_no_coordinator": ("no coordinator at --coordinator_address", CLEAR, 8),
+    "test_cli_diverged": ("learning rate 1e30: every step non-finite", CLEAR, 9),
+    "test_cli_debug_shows_the_traceback": ("--debug: the traceback on stderr, and error.log", CORRECT, 3),
+    "test_resume_of_a_finished_run": ("rerun of a finished run: no step, no repeated evaluation", CORRECT, 0),
+    "test_metrics_after_a_resume": ("halt + resume: whole-run curve, no 'nan' progress line", CORRECT, 0),
+    "test_nonfinite_metrics_are_valid_json": ("NaN/inf metric values in metrics.jsonl", CORRECT, None),
+    "test_metrics_line_cut_short": ("metrics.jsonl ends in a half-written line", CORRECT, None),
+    "test_corrupt_checkpoint_falls_back_exactly": ("latest checkpoint's array bytes flipped", CORRECT, 0),
+    "test_truncated_array_data_falls_back": ("latest checkpoint's array data truncated", CORRECT, 0),
+    "test_truncated_metadata_is_not_blamed_on_the_config": ("latest checkpoint's _METADATA truncated", CORRECT, 0),
+    "test_truncated_iterator_state_falls_back": ("latest checkpoint's data-iterator JSON truncated", CORRECT, 0),
+    "test_missing_state_item_falls_back": ("latest checkpoint's state directory deleted", CORRECT, 0),
+    "test_fallback_disabled": ("unreadable latest checkpoint, checkpoint.fallback=False", CLEAR, 5),
+    "test_every_checkpoint_unreadable": ("every checkpoint unreadable", CLEAR, 5),
+    "test_incompatible_checkpoint": ("resume with another model (allowed change)", CLEAR, 5),
+    "test_changed_recipe_is_refused": ("resume with another recipe", CLEAR, 6),
+    "test_changed_optimizer_and_data_are_refused": ("resume with another lr and seq_len", CLEAR, 6),
+    "test_allowed_config_change_is_recorded": ("resume with --allow_config_change", CORRECT, 0),
+    "test_failed_save_keeps_earlier_checkpoints": ("checkpoint write fails (ENOSPC)", CLEAR, 7),
+    "test_full_disk": ("work directory on a full file system (tmpfs; root only)", CLEAR, 7),
+    "test_init_from_takes_params_and_starts_fresh": ("config.init_from = a run's work directory", CORRECT, 0),
+    "test_init_from_bad_sources": ("config.init_from: missing / other model", CLEAR, 5),
+}
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+def _config(steps=4, **overrides):
+  return shrunken.shrunken_config(steps=steps, **{"eval.batches": 0, "checkpoint.every_steps": 2, **overrides})
+
+
+def _train_cli(workdir, *args, timeout=300):
+  command = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
+             f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}", *args]
+  return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _shrunken_cli(workdir, *args, steps=4):
+  return _train_cli(workdir, "--config=configs/shrunken.py", f"--config.steps={steps}", *args)
+
+
+def _assert_clear(result, exit_code, *phrases):
+  assert result.returncode == exit_code, (result.returncode, result.stderr[-3000:])
+  assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr[-3000:]
+  message = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+  assert len(message) == 1, result.stderr[-3000:]
+  for phrase in phrases:
+    assert phrase in message[0], message[0]
+  return message[0]
+
+
+def _records(workdir):
+  """metrics.jsonl, parsed strictly (no NaN/Infinity tokens)."""
+  def reject(token):
+    raise AssertionError(f"not JSON: {token}")
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line, parse_constant=reject) for line in f]
+
+
+def _state(workdir, step):
+  with ocp.StandardCheckpointer() as checkpointer:
+    return jax.tree.map(np.asarray, checkpointer.restore(os.path.join(workdir, "checkpoints", str(step), "state")))
+
+
+def _assert_same(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """A 4-step run with checkpoints 2 and 4, and a 6-step run straight through (the exact reference)."""
+  base = tmp_path_factory.mktemp("finished")
+  four, six = str(base / "four"), str(base / "six")
+  trainer.train_and_evaluate(_config(steps=6, halt_after=4), four)
+  trainer.train_and_evaluate(_config(steps=6), six)
+  return four, six
+
+
+def _copy(finished, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(finished[0], workdir)
+  return workdir
+
+
+def _largest_array_file(workdir, step):
+  files = glob.glob(os.path.join(workdir, "checkpoints", str(step), "state", "ocdbt.process_0", "d", "*"))
+  return max(files, key=os.path.getsize)
+
+
+def _resume_falls_back(workdir, capsys, reason):
+  summary = trainer.train_and_evaluate(_config(steps=6), workdir)
+  out = capsys.readouterr().out
+  assert f"checkpoints/4 is {reason}" in out and "falling back to checkpoint 2" in out, out
+  assert "resumed from" in out and out.split("resumed from")[1].split()[0].endswith("checkpoints/2"), out
+  assert os.path.isdir(os.path.join(workdir, run_lib.UNREADABLE_DIR, "4"))  # kept, not deleted
+  assert (summary["status"], summary["step"], summary["steps_run"]) == ("done", 6, 4)
+  return out
+
+
+# ---------------------------------------------------------------------------------------- command line
+
+def test_cli_config_file_missing(tmp_path):
+  _assert_clear(_train_cli(tmp_path / "w", f"--config={tmp_path / 'nope.py'}"), 2, "nope.py", "no such file")
+
+
+def test_cli_config_file_syntax_error(tmp_path):
+  (tmp_path / "bad.py").write_text("def get_config(:\n")
+  _assert_clear(_train_cli(tmp_path / "w", f"--config={tmp_path / 'bad.py'}"), 2, "SyntaxError at line 1")
+
+
+def test_cli_config_file_raises(tmp_path):
+  (tmp_path / "raises.py").write_text("def get_config():\n  raise RuntimeError('no such cluster')\n")
+  _assert_clear(_train_cli(tmp_path / "w", f"--config={tmp_path / 'raises.py'}"), 2, "no such cluster")
+
+
+def test_cli_config_file_not_a_config(tmp_path):
+  (tmp_path / "three.py").write_text("def get_config():\n  return 3\n")
+  _assert_clear(_train_cli(tmp_path / "w", f"--config={tmp_path / 'three.py'}"), 2, "did not return a training config")
+
+
+def test_cli_bad_override_value(tmp_path):
+  _assert_clear(_shrunken_cli(tmp_path / "w", "--config.batch_size=abc"), 2, "batch_size")
+
+
+def test_cli_unknown_override(tmp_path):
+  _assert_clear(_shrunken_cli(tmp_path / "w", "--config.model.d_modl=64"), 2, "unknown config field", "d_model")
+
+
+def test_cli_workdir_is_a_file(tmp_path):
+  (tmp_path / "afile").write_text("")
+  _assert_clear(_shrunken_cli(tmp_path / "afile"), 4, "is a file")
+
+
+def test_cli_workdir_not_writable(tmp_path):
+  _assert_clear(_shrunken_cli("/proc/fp4jax_run"), 4, "cannot be written")
+
+
+def test_cli_data_missing(tmp_path):
+  _assert_clear(_shrunken_cli(tmp_path / "w", f"--config.data.sources={tmp_path / 'none.txt'}"), 3,
+                "none.txt", "does not exist")
+
+
+def test_cli_distributed_bad_process_id(tmp_path):
+  _assert_clear(_shrunken_cli(tmp_path / "w", "--num_processes=2", "--process_id=5",
+                              "--coordinator_address=127.0.0.1:1"), 8, "multi-process set-up failed")
+
+
+def test_cli_distributed_no_coordinator(tmp_path):
+  _assert_clear(_shrunken_cli(tmp_path / "w", "--num_processes=2", "--process_id=1",
+                              "--coordinator_address=127.0.0.1:9", "--distributed_timeout=2"), 8,
+                "no coordinator answered")
+
+
+def test_cli_diverged(tmp_path):
+  result = _shrunken_cli(tmp_path / "w", "--config.optim.lr=1e30", "--config.optim.warmup_steps=0",
+                         "--config.health.max_nonfinite_streak=2", "--config.eval.batches=0", steps=20)
+  _assert_clear(result, 9, "training diverged", "config.optim.lr")
+  assert os.path.exists(tmp_path / "w" / "error.log")
+
+
+def test_cli_debug_shows_the_traceback(tmp_path):
+  workdir = tmp_path / "w"
+  os.makedirs(workdir)
+  result = _shrunken_cli(workdir, f"--config.data.sources={tmp_path / 'none.txt'}", "--debug")
+  assert result.returncode == 3 and "Traceback" in result.stderr and "DataError" in result.stderr
+  log = (workdir / "error.log").read_text()
+  assert "Traceback" in log and "none.txt" in log
+
+
+# ------------------------------------------------------------------------------ resume and the records
+
+def test_resume_of_a_finished_run(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  config = _config(steps=2, **{"eval.batches": 1})
+  first = trainer.train_and_evaluate(config, workdir)
+  capsys.readouterr()
+  again = trainer.train_and_evaluate(config, workdir)
+  out = capsys.readouterr().out
+  assert "nothing to do" in out and "nan" not in out, out
+  assert again["steps_run"] == 0 and again["train_loss"] == first["train_loss"]
+  assert again["validation_loss"] == first["validation_loss"]
+  evals = [r["step"] for r in _records(workdir) if r["kind"] == "eval"]
+  assert evals == [2]
+
+
+def test_metrics_after_a_resume(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  trainer.train_and_evaluate(_config(steps=4, halt_after=2, **{"eval.batches": 1, "eval.every_steps": 1}), workdir)
+  capsys.readouterr()
+  trainer.train_and_evaluate(_config(steps=4, **{"eval.batches": 1, "eval.every_steps": 1}), workdir)
+  out = capsys.readouterr().out
+  assert "nan" not in out.lower(), out
+  records = _records(workdir)
+  assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+  assert [r["step"] for r in records if r["kind"] == "eval"] == [1, 2, 3, 4]  # each once
+  reporter = report_lib.Reporter(workdir, total_steps=4, tokens_per_step=1, log_every=1)
+  assert [s for s, _ in reporter.train_curve] == [1, 2, 3, 4]  # the curve of loss.png: both starts
+  reporter.close()
+  history = [json.loads(l) for l in open(os.path.join(workdir, workdir_lib.HISTORY_FILE), encoding="utf-8")]
+  assert [(h["event"], h["step"]) for h in history] == [("start", 0), ("resume", 2)]
+  assert history[1]["changes"] == {"halt_after": [2, 0]}
+
+
+def test_nonfinite_metrics_are_valid_json(tmp_path):
+  reporter = report_lib.Reporter(str(tmp_path), total_steps=2, tokens_per_step=8, log_every=1)
+  nan, inf = float("nan"), float("inf")
+  reporter.train_step(1, dict(loss=nan, grad_norm=inf, lr=0.1, nonfinite_total=1, nonfinite_streak=1), recipe="bf16")
+  reporter.evaluation(1, nan, None)
+  reporter.close()
+  train, evaluation = _records(str(tmp_path))
+  assert (train["loss"], train["last_loss"], train["grad_norm"], train["tokens_per_second"]) == (None,) * 4
+  assert train["lr"] == 0.1 and evaluation["loss"] is None
+
+
+def test_metrics_line_cut_short(tmp_path):
+  with open(tmp_path / "metrics.jsonl", "w", encoding="utf-8") as f:
+    f.write('{"kind": "train", "step": 1, "loss": 5.0, "last_loss": 5.0}\n{"kind": "train", "st')
+  reporter = report_lib.Reporter(str(tmp_path), total_steps=2, tokens_per_step=8, log_every=1)
+  assert reporter.train_curve == [(1, 5.0)] and reporter.last_train_loss == 5.0
+  assert reporter.close().endswith("loss.png")
+
+
+# ------------------------------------------------------------------------------------ checkpoint faults
+
+def test_corrupt_checkpoint_falls_back_exactly(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  path = _largest_array_file(workdir, 4)
+  data = bytearray(open(path, "rb").read())
+  for i in range(len(data) // 3, len(data) // 3 + 64):
+    data[i] ^= 0x5A
+  open(path, "wb").write(bytes(data))
+  _resume_falls_back(workdir, capsys, "corrupt")
+  _assert_same(_state(workdir, 6), _state(finished[1], 6))  # the steps after 2 redone, bit for bit
+
+
+def test_truncated_array_data_falls_back(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  path = _largest_array_file(workdir, 4)
+  os.truncate(path, os.path.getsize(path) // 2)
+  _resume_falls_back(workdir, capsys, "truncated")
+
+
+def test_truncated_metadata_is_not_blamed_on_the_config(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  path = os.path.join(workdir, "checkpoints", "4", "state", "_METADATA")
+  os.truncate(path, os.path.getsize(path) // 2)
+  out = _resume_falls_back(workdir, capsys, "truncated")
+  assert "another model" not in out and "incompatible" not in out
+
+
+def test_truncated_iterator_state_falls_back(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  path = os.path.join(workdir, "checkpoints", "4", "data", "metadata")
+  os.truncate(path, os.path.getsize(path) // 2)
+  _resume_falls_back(workdir, capsys, "truncated")
+
+
+def test_missing_state_item_falls_back(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "4", "state"))
+  _resume_falls_back(workdir, capsys, "truncated")
+
+
+def test_fallback_disabled(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  os.truncate(_largest_array_file(workdir, 4), 10)
+  with pytest.raises(errors.CheckpointError, match=r"checkpoints/4 is truncated.*fallback is False") as info:
+    trainer.train_and_evaluate(_config(steps=6, **{"checkpoint.fallback": False}), workdir)
+  assert info.value.exit_code == 5
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]  # nothing moved
+
+
+def test_every_checkpoint_unreadable(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  for step in (2, 4):
+    os.truncate(_largest_array_file(workdir, step), 10)
+  with pytest.raises(errors.CheckpointError, match=r"none of the checkpoints \[2, 4\]"):
+    trainer.train_and_evaluate(_config(steps=6), workdir)
+
+
+def test_incompatible_checkpoint(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  config = _config(steps=6, allow_config_change=True, **{"model.d_model": 48})
+  with pytest.raises(errors.CheckpointError, match="incompatible with this config") as info:
+    trainer.train_and_evaluate(config, workdir)
+  assert "differ in shape" in str(info.value) and "truncated" not in str(info.value)
+
+
+def test_changed_recipe_is_refused(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  with pytest.raises(errors.ConfigChangedError, match=r"recipe: 'bf16' -> 'nvfp4'") as info:
+    trainer.train_and_evaluate(_config(steps=6, recipe="nvfp4"), workdir)
+  assert info.value.exit_code == 6 and "--allow_config_change" in str(info.value)
+
+
+def test_changed_optimizer_and_data_are_refused(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  with pytest.raises(errors.ConfigChangedError) as info:
+    trainer.train_and_evaluate(_config(steps=6, **{"optim.lr": 1e-2, "data.seq_len": 16}), workdir)
+  assert "optim.lr: 0.003 -> 0.01" in str(info.value) and "data.seq_len: 32 -> 16" in str(info.value)
+  with open(os.path.join(workdir, workdir_lib.CONFIG_FILE), encoding="utf-8") as f:
+    assert json.load(f)["optim"]["lr"] == 0.003  # the refused config was not recorded
+
+
+def test_allowed_config_change_is_recorded(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  summary = trainer.train_and_evaluate(_config(steps=6, allow_config_change=True, **{"optim.lr": 1e-3}), workdir)
+  assert (summary["status"], summary["step"]) == ("done", 6)
+  assert "optim.lr: 0.003 -> 0.001" in capsys.readouterr().out
+  history = [json.loads(l) for l in open(os.path.join(workdir, workdir_lib.HISTORY_FILE), encoding="utf-8")]
+  assert history[-1]["changes"]["optim.lr"] == [0.003, 0.001] and history[-1]["step"] == 4
+  with open(os.path.join(workdir, workdir_lib.CONFIG_FILE), encoding="utf-8") as f:
+    assert json.load(f)["optim"]["lr"] == 0.001
+
+
+def test_failed_save_keeps_earlier_checkpoints(finished, tmp_path, monkeypatch):
+  workdir = _copy(finished, tmp_path)
+  real_save = ocp.JsonCheckpointHandler._save_fn  # pylint: disable=protected-access
+
+  def disk_full(self, item, directory):
+    if item.get("step") == 6:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real_save(self, item, directory)
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", disk_full)
+  with pytest.raises(errors.StorageError, match="writing checkpoint 6 .* No space left on device") as info:
+    trainer.train_and_evaluate(_config(steps=6), workdir)
+  assert info.value.exit_code == 7 and "[2, 4] are intact" in str(info.value)
+  names = os.listdir(os.path.join(workdir, "checkpoints"))
+  assert sorted(names) == ["2", "4"] and not any(TMP_SUFFIX in n for n in names)
+  monkeypatch.undo()
+  _assert_same(_state(workdir, 4), _state(finished[0], 4))
+  summary = trainer.train_and_evaluate(_config(steps=6), workdir)  # space is back: the rerun resumes from 4
+  assert (summary["status"], summary["steps_run"]) == ("done", 2)
+
+
+def test_full_disk(tmp_path):
+  """A real full file system: a 1 MiB tmpfs (needs root; skipped elsewhere)."""
+  mount = tmp_path / "small"
+  os.makedirs(mount)
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                         capture_output=True).returncode:
+    pytest.skip("mounting a small tmpfs needs root")
+  try:
+    result = _shrunken_cli(mount / "w", "--config.checkpoint.every_steps=1", "--config.eval.batches=0", steps=50)
+    _assert_clear(result, 7, "No space left on device")
+    steps = sorted(int(s) for s in os.listdir(mount / "w" / "checkpoints") if s.isdigit())
+    assert steps and not any(TMP_SUFFIX in n for n in os.listdir(mount / "w" / "checkpoints"))
+    for step in steps:  # every checkpoint left behind reads back
+      _state(str(mount / "w"), step)
+  finally:
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+# ------------------------------------------------------------------------------------------- init_from
+
+def test_init_from_takes_params_and_starts_fresh(finished, tmp_path):
+  source = finished[0]
+  config = _config(steps=2, init_from=source, **{"optim.lr": 1e-3})
+  run = run_lib.setup(config, str(tmp_path / "new"), model_fn=trainer.build_model)
+  try:
+    state, step = run_lib.init_or_restore(run)
+    state = jax.tree.map(np.asarray, state)
+  finally:
+    run.close()
+  saved = _state(source, 4)
+  assert step == 0 and int(state["step"]) == 0 and int(state["nonfinite_total"]) == 0
+  _assert_same(state["params"], saved["params"])
+  assert all(not x.any() for x in jax.tree.leaves(state["opt_state"]))  # fresh moments and counts
+  summary = trainer.train_and_evaluate(config, str(tmp_path / "trained"))
+  assert (summary["status"], summary["step"]) == ("done", 2)
+
+
+def test_init_from_bad_sources(finished, tmp_path):
+  with pytest.raises(errors.CheckpointError, match="no checkpoints directory"):
+    trainer.train_and_evaluate(_config(init_from=str(tmp_path / "nowhere")), str(tmp_path / "a"))
+  with pytest.raises(errors.CheckpointError, match="incompatible with this config"):
+    trainer.train_and_evaluate(_config(init_from=finished[0], **{"model.d_model": 48}), str(tmp_path / "b"))
