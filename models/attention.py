@@ -1,15 +1,20 @@
 """The attention block's mixer: causal grouped-query attention with a fused QKV projection.
 
-Scores and the value product run through ``jax.nn.dot_product_attention`` (float32 softmax) and are
-never quantized; only the ``qkv`` and ``out`` projections follow the precision policy.
+Scores and the value product are never quantized; only the ``qkv`` and ``out`` projections follow the
+precision policy. ``config.attention_impl`` picks the kernel: ``"chunked"`` (``chunked_attention`` below:
+flash-style online softmax over key blocks, memory O(L x block) instead of O(L x L), any backend),
+``"cudnn"`` / ``"xla"`` (``jax.nn.dot_product_attention`` with that implementation; XLA's holds the L x L
+scores), ``"auto"`` (cuDNN for training on a GPU in bf16/fp16 with head_dim <= 128, else chunked).
 The fused QKV weight is KV-group-major, ``D x (K, R + 2, P)``: each KV head's R query heads, its key
 and its value are contiguous, so query head h = k R + r uses KV head k, as GQA expects.
 
-Axis legend: B batch, L sequence (queries), S cached keys, D model width, H query heads,
-K KV heads, R query heads per KV head (H = K R), P head dim.
+Axis legend: B batch, L sequence (queries), S keys (the cache when decoding), D model width, H query heads,
+K KV heads, R query heads per KV head (H = K R), P head dim, Q key blocks, C key block length.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -53,27 +58,163 @@ class Attention(nn.Module):
       q_BxLxHxP = rope(q_BxLxHxP, positions_BxL, cfg.rope_theta)
       k_BxLxKxP = rope(k_BxLxKxP, positions_BxL, cfg.rope_theta)
 
-    attend = lambda q, k, v, **kw: jax.nn.dot_product_attention(
-        q, k, v, implementation=cfg.attention_impl, **kw)
+    impl = resolve_attention_impl(cfg, q_BxLxHxP.dtype)
     if not self.decode:
-      o_BxLxHxP = attend(q_BxLxHxP, k_BxLxKxP, v_BxLxKxP, is_causal=True)
+      o_BxLxHxP = attend(q_BxLxHxP, k_BxLxKxP, v_BxLxKxP, positions_BxL[0], impl=impl, block=cfg.attention_block)
     else:
       # At init the cache is created with the call's length as the maximum decode length.
       zeros = lambda: jnp.zeros((B, L, K, P), cfg.dtype)
       cached_key = self.variable("cache", "cached_key", zeros)
       cached_value = self.variable("cache", "cached_value", zeros)
       if not use_cache:
-        o_BxLxHxP = attend(q_BxLxHxP, k_BxLxKxP, v_BxLxKxP, is_causal=True)
+        o_BxLxHxP = attend(q_BxLxHxP, k_BxLxKxP, v_BxLxKxP, positions_BxL[0], impl=impl,
+                           block=cfg.attention_block)
       else:
-        S = cached_key.value.shape[1]
         k_BxSxKxP = lax.dynamic_update_slice(cached_key.value, k_BxLxKxP.astype(cfg.dtype), (0, start, 0, 0))
         v_BxSxKxP = lax.dynamic_update_slice(cached_value.value, v_BxLxKxP.astype(cfg.dtype), (0, start, 0, 0))
         cached_key.value, cached_value.value = k_BxSxKxP, v_BxSxKxP
         cache_index.value = start + L
-        visible_LxS = jnp.arange(S)[None, :] <= positions_BxL[0][:, None]
+        # Keys past the written part of the cache sit at positions > every query's: the causal mask hides them.
         o_BxLxHxP = attend(q_BxLxHxP, k_BxSxKxP.astype(q_BxLxHxP.dtype), v_BxSxKxP.astype(q_BxLxHxP.dtype),
-                           mask=visible_LxS[None, None])
+                           positions_BxL[0], impl="chunked" if impl == "cudnn" else impl,
+                           block=cfg.attention_block)
     o_BxLxHxP = nn.with_logical_constraint(
         o_BxLxHxP, ("activation_batch", "activation_seq", "activation_heads", "activation_head_dim"))
     return linear(self, "out", D, ("heads", "embed"), config=cfg, recipe=self.recipe,
                   std=residual_std(cfg))(o_BxLxHxP.reshape(B, L, H * P))
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+def resolve_attention_impl(config: ModelConfig, dtype) -> str:
+  """``config.attention_impl`` with ``"auto"`` decided: cuDNN's fused kernel where it applies (a GPU
+  backend, bf16/fp16, head_dim <= 128), else the chunked online-softmax attention."""
+  impl = config.attention_impl
+  if impl != "auto":
+    return impl
+  fits_cudnn = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+                and config.head_dim <= 128)
+  return "cudnn" if fits_cudnn else "chunked"
+
+
+def attend(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, *, impl: str, block: int):
+  """Causal GQA: query i (at position ``q_positions_L[i]``) sees keys 0..q_positions_L[i].
+
+  ``"cudnn"`` and ``"xla"`` need L == S (training, prefill from an empty cache) or take an explicit mask.
+  """
+  L, S = q_BxLxHxP.shape[1], k_BxSxKxP.shape[1]
+  if impl == "chunked":
+    return chunked_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, block=block)
+  if impl not in ("cudnn", "xla"):
+    raise ValueError(f"attention_impl={impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
+  if L == S:
+    return jax.nn.dot_product_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, is_causal=True, implementation=impl)
+  visible_LxS = jnp.arange(S)[None, :] <= q_positions_L[:, None]
+  return jax.nn.dot_product_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, mask=visible_LxS[None, None],
+                                      implementation=impl)
+
+
+def _key_blocks(t_BxSxKxP, block):
+  """``t_QxBxCxKxP``: the keys (or values) in blocks of C, S zero-padded to a multiple of C."""
+  B, S, K, P = t_BxSxKxP.shape
+  t_BxSxKxP = jnp.pad(t_BxSxKxP, [(0, 0), (0, -S % block), (0, 0), (0, 0)])
+  return jnp.moveaxis(t_BxSxKxP.reshape(B, -1, block, K, P), 1, 0)
+
+
+def _scores(q_BxLxKxRxP, k_BxCxKxP, q_positions_L, kv_start, S, scale):
+  """float32 scores of one key block, ``-inf`` where a key is in the future or past the end (padding)."""
+  C = k_BxCxKxP.shape[1]
+  s_BxKxRxLxC = jnp.einsum("blkrp,bckp->bkrlc", q_BxLxKxRxP, k_BxCxKxP, preferred_element_type=jnp.float32)
+  key_pos_C = kv_start + jnp.arange(C)
+  visible_LxC = (key_pos_C[None, :] <= q_positions_L[:, None]) & (key_pos_C < S)[None, :]
+  return jnp.where(visible_LxC, s_BxKxRxLxC * scale, -jnp.inf)
+
+
+def _attention_forward(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, block):
+  """(o_BxLxHxP, lse_BxKxRxL): one pass over the key blocks with a running max and sum per query."""
+  B, L, H, P = q_BxLxHxP.shape
+  S, K = k_BxSxKxP.shape[1:3]
+  R = H // K
+  scale = 1.0 / math.sqrt(P)
+  q_BxLxKxRxP = q_BxLxHxP.reshape(B, L, K, R, P)
+
+  def body(carry, inputs):
+    max_BxKxRxL, sum_BxKxRxL, acc_BxKxRxLxP = carry
+    j, k_BxCxKxP, v_BxCxKxP = inputs
+    s_BxKxRxLxC = _scores(q_BxLxKxRxP, k_BxCxKxP, q_positions_L, j * block, S, scale)
+    new_max = jnp.maximum(max_BxKxRxL, s_BxKxRxLxC.max(-1))
+    finite_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)   # rows with nothing visible yet
+    p_BxKxRxLxC = jnp.exp(s_BxKxRxLxC - finite_max[..., None])
+    rescale = jnp.exp(max_BxKxRxL - finite_max)
+    sum_BxKxRxL = sum_BxKxRxL * rescale + p_BxKxRxLxC.sum(-1)
+    acc_BxKxRxLxP = acc_BxKxRxLxP * rescale[..., None] + jnp.einsum(
+        "bkrlc,bckp->bkrlp", p_BxKxRxLxC.astype(v_BxCxKxP.dtype), v_BxCxKxP, preferred_element_type=jnp.float32)
+    return (new_max, sum_BxKxRxL, acc_BxKxRxLxP), None
+
+  init = (jnp.full((B, K, R, L), -jnp.inf, jnp.float32), jnp.zeros((B, K, R, L), jnp.float32),
+          jnp.zeros((B, K, R, L, P), jnp.float32))
+  blocks = (jnp.arange(-(-S // block)), _key_blocks(k_BxSxKxP, block), _key_blocks(v_BxSxKxP, block))
+  (max_BxKxRxL, sum_BxKxRxL, acc_BxKxRxLxP), _ = lax.scan(body, init, blocks)
+  o_BxKxRxLxP = acc_BxKxRxLxP / sum_BxKxRxL[..., None]
+  o_BxLxHxP = jnp.einsum("bkrlp->blkrp", o_BxKxRxLxP).reshape(B, L, H, P).astype(q_BxLxHxP.dtype)
+  return o_BxLxHxP, max_BxKxRxL + jnp.log(sum_BxKxRxL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, block):
+  return _attention_forward(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, block)[0]
+
+
+def _chunked_attention_fwd(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, block):
+  o_BxLxHxP, lse_BxKxRxL = _attention_forward(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, block)
+  return o_BxLxHxP, (q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, o_BxLxHxP, lse_BxKxRxL)
+
+
+def _chunked_attention_bwd(block, res, do_BxLxHxP):
+  """Per key block: recompute p = exp(s - lse), then dv = pᵀ do, ds = p (do vᵀ - rowsum(do o)),
+  dk = dsᵀ q, and dq += ds k (a float32 carry); GQA sums dk, dv over the R query heads of each KV head."""
+  q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, o_BxLxHxP, lse_BxKxRxL = res
+  B, L, H, P = q_BxLxHxP.shape
+  S, K = k_BxSxKxP.shape[1:3]
+  R = H // K
+  scale = 1.0 / math.sqrt(P)
+  q_BxLxKxRxP = q_BxLxHxP.reshape(B, L, K, R, P)
+  do_BxLxKxRxP = do_BxLxHxP.reshape(B, L, K, R, P)
+  delta_BxKxRxL = jnp.einsum("blkrp,blkrp->bkrl", do_BxLxKxRxP.astype(jnp.float32),
+                             o_BxLxHxP.reshape(B, L, K, R, P).astype(jnp.float32))
+
+  def body(dq_BxLxKxRxP, inputs):
+    j, k_BxCxKxP, v_BxCxKxP = inputs
+    s_BxKxRxLxC = _scores(q_BxLxKxRxP, k_BxCxKxP, q_positions_L, j * block, S, scale)
+    p_BxKxRxLxC = jnp.exp(s_BxKxRxLxC - lse_BxKxRxL[..., None])
+    dv_BxCxKxP = jnp.einsum("bkrlc,blkrp->bckp", p_BxKxRxLxC.astype(do_BxLxHxP.dtype), do_BxLxKxRxP,
+                            preferred_element_type=jnp.float32)
+    dp_BxKxRxLxC = jnp.einsum("blkrp,bckp->bkrlc", do_BxLxKxRxP, v_BxCxKxP, preferred_element_type=jnp.float32)
+    ds_BxKxRxLxC = (p_BxKxRxLxC * (dp_BxKxRxLxC - delta_BxKxRxL[..., None]) * scale).astype(q_BxLxHxP.dtype)
+    dq_BxLxKxRxP = dq_BxLxKxRxP + jnp.einsum("bkrlc,bckp->blkrp", ds_BxKxRxLxC, k_BxCxKxP,
+                                             preferred_element_type=jnp.float32)
+    dk_BxCxKxP = jnp.einsum("bkrlc,blkrp->bckp", ds_BxKxRxLxC, q_BxLxKxRxP, preferred_element_type=jnp.float32)
+    return dq_BxLxKxRxP, (dk_BxCxKxP.astype(k_BxSxKxP.dtype), dv_BxCxKxP.astype(v_BxSxKxP.dtype))
+
+  blocks = (jnp.arange(-(-S // block)), _key_blocks(k_BxSxKxP, block), _key_blocks(v_BxSxKxP, block))
+  dq_BxLxKxRxP, (dk_QxBxCxKxP, dv_QxBxCxKxP) = lax.scan(
+      body, jnp.zeros((B, L, K, R, P), jnp.float32), blocks)
+  unblock = lambda t_QxBxCxKxP: jnp.moveaxis(t_QxBxCxKxP, 0, 1).reshape(B, -1, K, P)[:, :S]
+  dq_BxLxHxP = dq_BxLxKxRxP.reshape(B, L, H, P).astype(q_BxLxHxP.dtype)
+  return dq_BxLxHxP, unblock(dk_QxBxCxKxP), unblock(dv_QxBxCxKxP), None
+
+
+_chunked_attention.defvjp(_chunked_attention_fwd, _chunked_attention_bwd)
+
+
+def chunked_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, *, block: int = 256):
+  """Causal grouped-query attention without an L x S score matrix: keys in blocks of ``block``, a
+  running (online) softmax in the forward pass, and a backward pass that recomputes each block's scores
+  from the saved per-query logsumexp. Key s is at position s; query i at ``q_positions_L[i]`` sees keys at
+  positions <= its own. Softmax in float32; the two products take the inputs' dtype (probabilities cast
+  to v's dtype, as ``jax.nn.dot_product_attention`` does) and accumulate in float32."""
+  H, K = q_BxLxHxP.shape[2], k_BxSxKxP.shape[2]
+  if H % K:
+    raise ValueError(f"query heads {H} must be a multiple of KV heads {K}")
+  block = min(block, k_BxSxKxP.shape[1])
+  return _chunked_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, jnp.asarray(q_positions_L, jnp.int32), block)

@@ -30,9 +30,11 @@ class ModelConfig:
   head_dim: int = 32
   rope: bool = False
   rope_theta: float = 10_000.0
-  # jax.nn.dot_product_attention(implementation=...): None is XLA (jax 0.10 does not pick cuDNN on
-  # its own); "cudnn" for the fused kernel on GPU (bf16/fp16, head_dim <= 128).
-  attention_impl: str | None = None
+  # "auto": cuDNN's fused kernel on a GPU in bf16/fp16 with head_dim <= 128, else "chunked" (online
+  # softmax over key blocks of attention_block, no L x L scores); "cudnn" / "xla" force
+  # jax.nn.dot_product_attention with that implementation (XLA's holds the L x L scores).
+  attention_impl: str = "auto"
+  attention_block: int = 256
   # Mamba-2 blocks ("M"): d_inner = expand * d_model, ssm_n_heads = d_inner // ssm_head_dim.
   n_groups: int = 1
   d_state: int = 16
@@ -53,6 +55,11 @@ class ModelConfig:
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
   remat: bool = False             # rematerialize each block in the backward pass
+  # lax.scan over repeated groups of blocks (models.lm.block_groups): fewer blocks to compile, but the
+  # parameter tree changes (a group's blocks get a leading repeat axis), so it is opt-in.
+  scan_blocks: bool = False
+  # Cross entropy (``LanguageModel(..., targets_BxL=...)``): vocabulary columns per chunk of logits.
+  loss_chunk: int = 8192
 
   def __post_init__(self):
     bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
@@ -71,6 +78,12 @@ class ModelConfig:
                          f"ssm_head_dim={self.ssm_head_dim}")
       if self.ssm_n_heads % self.n_groups:
         raise ValueError(f"ssm_n_heads={self.ssm_n_heads} must be a multiple of n_groups={self.n_groups}")
+    if self.attention_impl not in ("auto", "chunked", "cudnn", "xla"):
+      raise ValueError(f"attention_impl={self.attention_impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
+    if self.attention_block <= 0:
+      raise ValueError(f"attention_block={self.attention_block} must be > 0 (keys per block)")
+    if self.loss_chunk <= 0:
+      raise ValueError(f"loss_chunk={self.loss_chunk} must be > 0 (vocabulary columns per chunk of logits)")
     if self.bf16_first_blocks < 0 or self.bf16_last_blocks < 0:
       raise ValueError(f"{self.bf16_first_blocks=} and {self.bf16_last_blocks=} must be >= 0")
     for name in ("param_dtype", "dtype"):

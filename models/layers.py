@@ -4,6 +4,7 @@ Axis legend: B batch, L sequence, D model width, H heads, P head dim.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -61,3 +62,108 @@ def rope(x_BxLxHxP: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Ar
   rotated = jnp.concatenate([x1 * cos_BxLx1xP2 - x2 * sin_BxLx1xP2,
                              x2 * cos_BxLx1xP2 + x1 * sin_BxLx1xP2], axis=-1)
   return rotated.astype(x_BxLxHxP.dtype)
+
+
+# ----------------------------------------------------------------------- vocabulary-chunked cross entropy
+
+def _vocab_chunks(w_DxV: jax.Array, n_chunks: int) -> jax.Array:
+  """``w_QxDxVc``: chunk q holds the columns v = i Q + q (strided, so a vocab axis sharded over a mesh
+  axis stays sharded along Vc and every chunk has the same width). V is padded to a multiple of Q."""
+  D, V = w_DxV.shape
+  w_DxV = jnp.pad(w_DxV, [(0, 0), (0, -V % n_chunks)])
+  return jnp.moveaxis(w_DxV.reshape(D, -1, n_chunks), -1, 0)
+
+
+def _compute_chunk(w_DxVc, dtype):
+  """The chunk cast to the compute dtype where it lives (sharded like the weight), so a gather moves that."""
+  return nn.with_logical_constraint(w_DxVc.astype(dtype), ("embed", "vocab"))
+
+
+def _chunk_logits(x_BxLxD, w_DxVc, q, n_chunks, vocab):
+  """float32 logits of one vocabulary chunk (w already in x's dtype); padded columns (v >= vocab) are -inf."""
+  logits_BxLxVc = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxVc, preferred_element_type=jnp.float32)
+  if vocab % n_chunks:
+    column_Vc = jnp.arange(w_DxVc.shape[-1]) * n_chunks + q
+    logits_BxLxVc = jnp.where(column_Vc < vocab, logits_BxLxVc, -jnp.inf)
+  return logits_BxLxVc
+
+
+def _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks):
+  """(mean loss, logsumexp_BxL): an online logsumexp over the chunks, never more than one chunk of logits."""
+  B, L, _ = x_BxLxD.shape
+  V = w_DxV.shape[1]
+  w_QxDxVc = _vocab_chunks(w_DxV, n_chunks)
+  chunk_of_target_BxL, column_of_target_BxL = targets_BxL % n_chunks, targets_BxL // n_chunks
+
+  def body(carry, inputs):
+    max_BxL, sum_BxL, target_BxL = carry
+    q, w_DxVc = inputs
+    logits_BxLxVc = _chunk_logits(x_BxLxD, _compute_chunk(w_DxVc, x_BxLxD.dtype), q, n_chunks, V)
+    new_max_BxL = jnp.maximum(max_BxL, logits_BxLxVc.max(-1))
+    sum_BxL = sum_BxL * jnp.exp(max_BxL - new_max_BxL) + jnp.exp(logits_BxLxVc - new_max_BxL[..., None]).sum(-1)
+    picked_BxL = jnp.take_along_axis(logits_BxLxVc, column_of_target_BxL[..., None], axis=-1)[..., 0]
+    target_BxL = jnp.where(chunk_of_target_BxL == q, picked_BxL, target_BxL)
+    return (new_max_BxL, sum_BxL, target_BxL), None
+
+  zeros = jnp.zeros((B, L), jnp.float32)
+  init = (jnp.full((B, L), -jnp.inf, jnp.float32), zeros, zeros)
+  (max_BxL, sum_BxL, target_BxL), _ = jax.lax.scan(body, init, (jnp.arange(n_chunks), w_QxDxVc))
+  lse_BxL = max_BxL + jnp.log(sum_BxL)
+  return jnp.mean(lse_BxL - target_BxL), lse_BxL
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_ce(x_BxLxD, w_DxV, targets_BxL, n_chunks):
+  return _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks)[0]
+
+
+def _chunked_ce_fwd(x_BxLxD, w_DxV, targets_BxL, n_chunks):
+  loss, lse_BxL = _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks)
+  return loss, (x_BxLxD, w_DxV, targets_BxL, lse_BxL)
+
+
+def _chunked_ce_bwd(n_chunks, res, g):
+  """Per chunk: recompute the logits, d logits = (softmax - onehot) g / (B L), then dx += d wᵀ (float32
+  carry) and dw_chunk = xᵀ d, constrained to the weight's sharding so each chunk is reduced where it lives."""
+  x_BxLxD, w_DxV, targets_BxL, lse_BxL = res
+  B, L, D = x_BxLxD.shape
+  V = w_DxV.shape[1]
+  cdt = x_BxLxD.dtype
+  scale = g.astype(jnp.float32) / (B * L)
+  chunk_of_target_BxL, column_of_target_BxL = targets_BxL % n_chunks, targets_BxL // n_chunks
+
+  def body(dx_BxLxD, inputs):
+    q, w_DxVc = inputs
+    w_c_DxVc = _compute_chunk(w_DxVc, cdt)   # gathered once, for both GEMMs of the chunk
+    logits_BxLxVc = _chunk_logits(x_BxLxD, w_c_DxVc, q, n_chunks, V)
+    p_BxLxVc = jnp.exp(logits_BxLxVc - lse_BxL[..., None])
+    onehot_BxLxVc = ((jnp.arange(w_DxVc.shape[-1]) == column_of_target_BxL[..., None])
+                     & (chunk_of_target_BxL == q)[..., None])
+    d_BxLxVc = ((p_BxLxVc - onehot_BxLxVc) * scale).astype(cdt)
+    dx_BxLxD = dx_BxLxD + jnp.einsum("blv,dv->bld", d_BxLxVc, w_c_DxVc,
+                                     preferred_element_type=jnp.float32)
+    dw_DxVc = jnp.einsum("bld,blv->dv", x_BxLxD, d_BxLxVc, preferred_element_type=jnp.float32)
+    dw_DxVc = nn.with_logical_constraint(dw_DxVc.astype(w_DxV.dtype), ("embed", "vocab"))
+    return dx_BxLxD, dw_DxVc
+
+  w_QxDxVc = _vocab_chunks(w_DxV, n_chunks)
+  dx_BxLxD, dw_QxDxVc = jax.lax.scan(body, jnp.zeros((B, L, D), jnp.float32),
+                                     (jnp.arange(n_chunks), w_QxDxVc))
+  dw_DxV = jnp.moveaxis(dw_QxDxVc, 0, -1).reshape(D, -1)[:, :V]
+  return dx_BxLxD.astype(cdt), dw_DxV, None
+
+
+_chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
+
+
+def chunked_cross_entropy(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, *,
+                          chunk: int) -> jax.Array:
+  """Mean softmax cross entropy of ``logits = x · w`` (float32 accumulation) against integer targets,
+  without ever holding more than ``B x L x chunk`` logits: the vocabulary is split into
+  ``ceil(V / chunk)`` strided chunks, the forward pass keeps an online logsumexp, and the backward pass
+  recomputes each chunk's logits. The GEMMs run in ``x.dtype`` (w is cast per chunk); the gradient of w
+  comes back in w's dtype (float32 for the master weights), chunk by chunk."""
+  V = w_DxV.shape[1]
+  if chunk <= 0:
+    raise ValueError(f"{chunk=} must be > 0 (vocabulary columns per chunk)")
+  return _chunked_ce(x_BxLxD, w_DxV, targets_BxL.astype(jnp.int32), -(-V // chunk))

@@ -21,13 +21,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
+from flax import traverse_util
 
 from models.attention import Attention
 from models.config import ModelConfig
-from models.layers import RMSNorm
+from models.layers import RMSNorm, chunked_cross_entropy
 from models.mamba2 import Mamba2
 from models.mlp import MLP
+from models.policy import layer_precision
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP}
 _RESIDUAL = ("activation_batch", "activation_seq", "activation_embed")
@@ -49,30 +50,103 @@ class Block(nn.Module):
     return nn.with_logical_constraint(x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype), _RESIDUAL)
 
 
+class BlockGroup(nn.Module):
+  """Blocks ``start .. start + unit - 1`` as one scan step: ``__call__(x, _) -> (x, None)``. The blocks keep
+  the names (hence the precision policy) of the group's first repetition."""
+
+  config: ModelConfig
+  start: int
+  unit: int
+  recipe: Any = "bf16"
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, _) -> tuple[jax.Array, None]:
+    cfg = self.config
+    block_cls = nn.remat(Block) if cfg.remat else Block
+    for i in range(self.start, self.start + self.unit):
+      x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, self.decode, name=f"blocks_{i}")(x_BxLxD)
+    return x_BxLxD, None
+
+
+def block_groups(config: ModelConfig) -> list[tuple[int, int, int]]:
+  """``[(start, unit, repeats)]`` covering the blocks in order: ``repeats`` back-to-back copies of the
+  ``unit`` blocks from ``start``, equal in kind and in precision (bf16 or the recipe) block by block.
+  Greedy: the run that saves the most blocks, ``unit x (repeats - 1)``, then the same on what is left on
+  either side. The 12B pattern (bf16 first 2, last 8) gives (0, 2, 1), (2, 9, 5), (47, 2, 2), (51, 3, 1),
+  (54, 2, 4): 18 distinct blocks to compile instead of 62."""
+  signature = [(kind, config.is_bf16_block(i)) for i, kind in enumerate(config.pattern)]
+
+  def split(lo: int, hi: int) -> list[tuple[int, int, int]]:
+    best = (0, lo, hi - lo, 1)     # (blocks saved, start, unit, repeats)
+    for unit in range(1, (hi - lo) // 2 + 1):
+      for start in range(lo, hi - 2 * unit + 1):
+        repeats = 1
+        while (start + (repeats + 1) * unit <= hi and signature[start + repeats * unit:start + (repeats + 1) * unit]
+               == signature[start:start + unit]):
+          repeats += 1
+        if unit * (repeats - 1) > best[0]:
+          best = (unit * (repeats - 1), start, unit, repeats)
+    saved, start, unit, repeats = best
+    if not saved:
+      return [(lo, hi - lo, 1)] if hi > lo else []
+    return split(lo, start) + [(start, unit, repeats)] + split(start + unit * repeats, hi)
+
+  return split(0, config.n_blocks)
+
+
+class LMHead(nn.Module):
+  """The untied output projection ``kernel_DxV`` (float32 accumulation): logits, or with targets the mean
+  cross entropy computed vocabulary chunk by chunk (``config.loss_chunk`` columns; no B x L x V logits)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, targets_BxL: jax.Array | None = None) -> jax.Array:
+    cfg = self.config
+    kernel_DxV = self.param(
+        "kernel", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
+        (x_BxLxD.shape[-1], cfg.vocab_size), cfg.param_dtype)
+    x_BxLxD = x_BxLxD.astype(cfg.dtype)
+    if targets_BxL is not None:
+      return chunked_cross_entropy(x_BxLxD, kernel_DxV, targets_BxL, chunk=cfg.loss_chunk)
+    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, kernel_DxV.astype(cfg.dtype),
+                              preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits_BxLxV, ("activation_batch", "activation_seq", "activation_vocab"))
+
+
 class LanguageModel(nn.Module):
-  """``__call__(tokens_BxL int32, *, decode=False) -> logits_BxLxV float32``."""
+  """``__call__(tokens_BxL int32, *, decode=False) -> logits_BxLxV float32``; with ``targets_BxL`` the
+  mean next-token cross entropy instead (float32, nats), without materializing the logits."""
 
   config: ModelConfig
   recipe: Any = "bf16"   # an fp4jax.Recipe or a name for fp4jax.recipes.get
 
   @nn.compact
-  def __call__(self, tokens_BxL: jax.Array, *, decode: bool = False) -> jax.Array:
+  def __call__(self, tokens_BxL: jax.Array, *, decode: bool = False,
+               targets_BxL: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
     x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL).astype(cfg.dtype), _RESIDUAL)
     block_cls = nn.remat(Block) if cfg.remat else Block
-    for i, kind in enumerate(cfg.block_kinds):
-      x_BxLxD = block_cls(cfg, kind, self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
+    if not cfg.scan_blocks:
+      for i, kind in enumerate(cfg.block_kinds):
+        x_BxLxD = block_cls(cfg, kind, self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
+    else:
+      for start, unit, repeats in block_groups(cfg):
+        if repeats == 1:
+          for i in range(start, start + unit):
+            x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
+          continue
+        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0},
+                            split_rngs={"params": True, "fp4": True}, length=repeats,
+                            metadata_params={nn.PARTITION_NAME: None})
+        x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
+                               name=f"blocks_{start}_{repeats}x{unit}")(x_BxLxD, None)
     x_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x_BxLxD)
-    logits_BxLxV = nn.Dense(
-        cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
-        dot_general=functools.partial(lax.dot_general, preferred_element_type=jnp.float32),
-        name="lm_head")(x_BxLxD)
-    return nn.with_logical_constraint(logits_BxLxV.astype(jnp.float32),
-                                      ("activation_batch", "activation_seq", "activation_vocab"))
+    return LMHead(cfg, name="lm_head")(x_BxLxD, targets_BxL)
 
 
 def abstract_variables(model: LanguageModel, batch_size: int = 1, length: int = 1, *, decode=False):
@@ -92,3 +166,53 @@ def init_cache(model: LanguageModel, batch_size: int, max_len: int):
   """Zeroed decode cache (the "cache" collection) for sequences of up to ``max_len`` tokens."""
   abstract = abstract_variables(model, batch_size, max_len, decode=True)["cache"]
   return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
+
+
+@functools.lru_cache(maxsize=16)
+def _logical_axes(config: ModelConfig) -> dict[tuple[str, ...], tuple[str, ...]]:
+  """``{parameter path: logical axis names}`` (the parameter tree does not depend on the recipe)."""
+  boxed = abstract_variables(LanguageModel(config))["params"]
+  flat = traverse_util.flatten_dict(boxed, is_leaf=lambda _, v: isinstance(v, nn.Partitioned))
+  return {path: leaf.names for path, leaf in flat.items() if isinstance(leaf, nn.Partitioned)}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _shard_gradient(p, names):
+  """Identity on a parameter; its gradient is constrained to the parameter's own (sharded) layout the
+  moment it is complete, behind an optimization barrier. Without it the partitioner's all-reduce +
+  dynamic-slice keeps the whole reduced gradient alive until the optimizer consumes the slice (the
+  CPU compiler fuses the slice into the update), i.e. every layer's full float32 gradient at once."""
+  del names
+  return p
+
+
+def _shard_gradient_fwd(p, names):
+  del names
+  return p, None
+
+
+def _shard_gradient_bwd(names, _, g):
+  return (jax.lax.optimization_barrier(nn.with_logical_constraint(g, names)),)
+
+
+_shard_gradient.defvjp(_shard_gradient_fwd, _shard_gradient_bwd)
+
+
+def compute_params(model: LanguageModel, params):
+  """``params`` (float32 master weights) with the embedding and every bf16-policy linear kernel cast to
+  ``config.dtype`` where they live: the cast is constrained to the parameter's own logical sharding, so an
+  FSDP all-gather moves the compute dtype rather than float32, and the gradient comes back through the
+  cast in float32 as before (the GEMMs and their rounding are unchanged). Quantized layers keep their
+  float32 kernels (fp4jax quantizes the shard and gathers the codes); the LM head casts per vocabulary
+  chunk itself; norms, conv and SSM parameters stay float32. Every parameter's gradient is reduced to its
+  shard as soon as it is complete (``_shard_gradient``)."""
+  cfg = model.config
+  axes = _logical_axes(cfg)
+  flat = traverse_util.flatten_dict(nn.unbox(params))
+  for path, p in flat.items():
+    p = _shard_gradient(p, axes[path])
+    gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head"
+    if gemm_weight and p.dtype != cfg.dtype and layer_precision(cfg, model.recipe, path[:-1]) == "bf16":
+      p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
+    flat[path] = p
+  return traverse_util.unflatten_dict(flat)

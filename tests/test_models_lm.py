@@ -187,3 +187,55 @@ class TestLogicalAxes:
       assert specs["blocks_0"]["mixer"]["in_proj"]["kernel"] == jax.sharding.PartitionSpec("fsdp", "tensor")
       logits = jax.jit(model.apply)({"params": params}, tokens)
     np.testing.assert_allclose(logits, _parallel_logits(TINY), rtol=1e-6, atol=1e-6)
+
+
+class TestScanBlocks:
+
+  def test_groups_of_the_presets(self):
+    from models.lm import block_groups  # pylint: disable=g-import-not-at-top
+    assert block_groups(get_model_config("nemotron_h_12b")) == [(0, 2, 1), (2, 9, 5), (47, 2, 2), (51, 3, 1),
+                                                                 (54, 2, 4)]
+    assert block_groups(get_model_config("hybrid_8b")) == [(0, 11, 4), (44, 2, 4)]
+    for name in ("tiny", "small", "hybrid_8b", "nemotron_h_12b"):
+      config = get_model_config(name)
+      groups = block_groups(config)
+      assert [g[0] for g in groups] == list(np.cumsum([0] + [u * n for _, u, n in groups])[:-1])
+      assert sum(u * n for _, u, n in groups) == config.n_blocks
+      for start, unit, repeats in groups:   # every repeat matches the first in kind and precision
+        for r in range(repeats):
+          for j in range(unit):
+            i, first = start + r * unit + j, start + j
+            assert config.pattern[i] == config.pattern[first]
+            assert config.is_bf16_block(i) == config.is_bf16_block(first)
+
+  @staticmethod
+  def _stacked(config, params):
+    """The unscanned parameter tree rearranged into the scanned model's (repeats stacked on axis 0)."""
+    from models.lm import block_groups  # pylint: disable=g-import-not-at-top
+    out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
+    for start, unit, repeats in block_groups(config):
+      if repeats == 1:
+        out.update({f"blocks_{i}": params[f"blocks_{i}"] for i in range(start, start + unit)})
+        continue
+      out[f"blocks_{start}_{repeats}x{unit}"] = {
+          f"blocks_{start + j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                              *[params[f"blocks_{start + r * unit + j}"] for r in range(repeats)])
+          for j in range(unit)}
+    return out
+
+  @pytest.mark.parametrize("remat", [False, True])
+  def test_scan_matches_the_unrolled_model(self, remat):
+    config = TINY.replace(pattern="M*-M*-", bf16_last_blocks=0, remat=remat)
+    model, params, tokens = _setup(config, length=13)
+    params = nn.unbox(params)
+    scanned = LanguageModel(config.replace(scan_blocks=True))
+    stacked = self._stacked(config, params)
+    shapes = lambda tree: jax.tree.map(lambda x: x.shape, tree)
+    assert shapes(stacked) == shapes(nn.unbox(models.abstract_variables(scanned)["params"]))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    loss = lambda m: lambda p: m.apply({"params": p}, inputs, targets_BxL=targets)
+    value, grads = jax.jit(jax.value_and_grad(loss(model)))(params)
+    value_scan, grads_scan = jax.jit(jax.value_and_grad(loss(scanned)))(stacked)
+    np.testing.assert_allclose(value_scan, value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_scan,
+                 self._stacked(config, grads))

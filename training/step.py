@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models.lm import LanguageModel, compute_params
 from training import optim
 from training import sharding
 
@@ -19,8 +20,17 @@ from training import sharding
 
 def build_model(model_config, recipe) -> nn.Module:
   """The language model: ``apply({"params": p}, tokens_BxL, rngs={"fp4": key}) -> logits_BxLxV``."""
-  from models.lm import LanguageModel  # pylint: disable=g-import-not-at-top
   return LanguageModel(config=model_config, recipe=recipe)
+
+
+def model_loss(model, params, inputs_BxL, targets_BxL, key):
+  """Mean next-token cross entropy of ``model``. A ``LanguageModel`` computes it inside (vocabulary-chunked,
+  no B x L x V float32 logits) from ``compute_params`` (bf16 weights gathered in bf16); any other module
+  returns logits for ``cross_entropy``."""
+  if isinstance(model, LanguageModel):
+    return model.apply({"params": compute_params(model, params)}, inputs_BxL, targets_BxL=targets_BxL,
+                       rngs={"fp4": key})
+  return cross_entropy(model.apply({"params": params}, inputs_BxL, rngs={"fp4": key}), targets_BxL)
 
 
 # ------------------------------------------------------------------------------------- pure functions
@@ -49,8 +59,7 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn):
   key = jax.random.fold_in(state["rng"], state["step"])
 
   def loss_fn(params):
-    logits_BxLxV = model.apply({"params": params}, inputs_BxL, rngs={"fp4": key})
-    return cross_entropy(logits_BxLxV, targets_BxL)
+    return model_loss(model, params, inputs_BxL, targets_BxL, key)
 
   with jax.named_scope("forward_backward"):
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
@@ -76,8 +85,7 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn):
 
 def eval_step(params, tokens_BxW, *, model):
   """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key)."""
-  logits_BxLxV = model.apply({"params": params}, tokens_BxW[:, :-1], rngs={"fp4": jax.random.PRNGKey(0)})
-  return cross_entropy(logits_BxLxV, tokens_BxW[:, 1:])
+  return model_loss(model, params, tokens_BxW[:, :-1], tokens_BxW[:, 1:], jax.random.PRNGKey(0))
 
 
 def jit_train_step(model, tx, lr_fn, state_shardings, mesh):
