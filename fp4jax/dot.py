@@ -114,6 +114,7 @@ class _Residuals:
   w_dtype: Any
 
 
+@jax.named_scope("fprop")
 def _fprop(recipe, precision, out_dtype, x_MxK, w_KxN):
   """y and the fprop-quantized weight (None when fprop runs unquantized)."""
   fmt = recipe.fprop
@@ -140,7 +141,8 @@ def _qdot_fwd(recipe, precision, out_dtype, x_MxK, w_KxN, key):
     w_dgrad = q_wt                       # transposed in the backward pass: codes and scales only
   else:
     w_dgrad = quantize(w_KxN, d, axis=-1, tile=_weight_tile(d, recipe), **_quantize_kw(d, recipe))
-  x_wgrad = x_MxK if g == "bf16" else _wgrad_operand(x_MxK, g, recipe)
+  with jax.named_scope("wgrad"):
+    x_wgrad = x_MxK if g == "bf16" else _wgrad_operand(x_MxK, g, recipe)
   res = _Residuals(key if needs_key(recipe) else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype)
   return y_MxN, res
 
@@ -154,18 +156,20 @@ def _qdot_bwd(recipe, precision, out_dtype, res, dy_MxN):
     key_d, key_w = jax.random.split(res.key)   # independent streams for the two GEMMs
   d, g = recipe.dgrad, recipe.wgrad
   # Dgrad dx = dy · wᵀ.
-  if d == "bf16":
-    dx_MxK = _exact(dy_MxN, res.w_dgrad, ((1,), (1,)), precision)
-  else:
-    q_w = transpose_tiles(res.w_dgrad) if _shares_fprop_weight(recipe) else res.w_dgrad   # (K, N)
-    q_dy = quantize(dy_MxN, d, axis=-1, rounding=_rounding(d, recipe), key=key_d, **_quantize_kw(d, recipe))
-    dx_MxK = scaled_matmul(q_dy, q_w, out_dtype=jnp.float32)
+  with jax.named_scope("dgrad"):   # inside "fp4jax/dot" (the caller's scope)
+    if d == "bf16":
+      dx_MxK = _exact(dy_MxN, res.w_dgrad, ((1,), (1,)), precision)
+    else:
+      q_w = transpose_tiles(res.w_dgrad) if _shares_fprop_weight(recipe) else res.w_dgrad   # (K, N)
+      q_dy = quantize(dy_MxN, d, axis=-1, rounding=_rounding(d, recipe), key=key_d, **_quantize_kw(d, recipe))
+      dx_MxK = scaled_matmul(q_dy, q_w, out_dtype=jnp.float32)
   # Wgrad dw = xᵀ · dy, both operands along the tokens.
-  if g == "bf16":
-    dw_KxN = _exact(res.x_wgrad, dy_MxN, ((0,), (0,)), precision)
-  else:
-    q_dyt = _wgrad_operand(dy_MxN, g, recipe, _rounding(g, recipe), key_w)    # (N, M)
-    dw_KxN = scaled_matmul(res.x_wgrad, q_dyt, out_dtype=jnp.float32)
+  with jax.named_scope("wgrad"):
+    if g == "bf16":
+      dw_KxN = _exact(res.x_wgrad, dy_MxN, ((0,), (0,)), precision)
+    else:
+      q_dyt = _wgrad_operand(dy_MxN, g, recipe, _rounding(g, recipe), key_w)    # (N, M)
+      dw_KxN = scaled_matmul(res.x_wgrad, q_dyt, out_dtype=jnp.float32)
   return dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype), None
 
 
@@ -204,6 +208,7 @@ def _as_recipe(recipe) -> Recipe:
   return recipe
 
 
+@jax.named_scope("fp4jax/dot")   # names every op of the three GEMMs in XLA profiles
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
                 recipe, key=None, out_sharding=None):
   """``lax.dot_general`` with the three GEMMs of training quantized as ``recipe`` says (spec §6).
