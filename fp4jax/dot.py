@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats, recipes
+from fp4jax import formats, recipes, schemes
 from fp4jax.api import quantize, quantize_rht_transposed, scaled_matmul, transpose_tiles
 from fp4jax.recipes import Recipe
 
@@ -192,10 +192,14 @@ def _pad_to(a, axis, multiple):
 def _dot_2d(recipe, precision, out_dtype, x_MxK, w_KxN, key):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
-  align_m, align_k, align_n = _alignment(recipe)
+  beyond = schemes.uses_schemes(recipe)   # 4/6, Quartet II, TetraJet-v2: fp4jax.schemes
+  align_m, align_k, align_n = schemes.alignment(recipe) if beyond else _alignment(recipe)
   x_MxK = _pad_to(_pad_to(x_MxK, 0, align_m), 1, align_k)
   w_KxN = _pad_to(_pad_to(w_KxN, 0, align_k), 1, align_n)
-  y_MxN = _qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
+  if beyond:
+    y_MxN = schemes.qdot(recipe, out_dtype, x_MxK, w_KxN, key)
+  else:
+    y_MxN = _qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
   return y_MxN[:m, :n]
 
 

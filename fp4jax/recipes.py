@@ -15,7 +15,8 @@ weights are always 1x32 blocks); ``stochastic_grad`` and ``rht`` to the FP4 form
 to nearest and skip the RHT, as the paper's FP8 baseline does). ``fp4jax.dot`` implements the recipe.
 
 Presets and ablations are keywords: ``nvfp4(rht=False)``, ``nvfp4(stochastic_grad=False)``,
-``nvfp4(weight_2d=False)``. ``get(name)`` parses the names the training configs use (``NAMES``).
+``nvfp4(weight_2d=False)``. Beyond the paper (docs/RECIPES.md): ``nvfp4(four_over_six="all")`` (Four
+Over Six block scales), ``quartet2()`` (MS-EDEN backward), ``tetrajet2()`` (double-block scales). ``get(name)`` parses the names the training configs use (``NAMES``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from fp4jax import formats
+from fp4jax import formats, schemes
 
 GemmFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]   # a name of FORMATS
 FORMATS = formats.NAMES + ("bf16",)   # "bf16": the GEMM is not quantized
@@ -44,6 +45,14 @@ class Recipe:
   rht_seed: int | None = None     # None: the spec's fixed sign vector (size 16); else signs from this seed
   mxfp4_scale_rule: Literal["rceil", "floor"] = "rceil"
   out_dtype: Any = None           # None: the result dtype of the inputs (or preferred_element_type)
+  # The methods beyond the paper (fp4jax.schemes): "nvidia" is the paper's recipe above; "quartet2"
+  # (MS-EDEN backward with RHT-128) and "tetrajet2" (double-block scales, SR backward with RHT-16)
+  # replace its backward pass and ignore weight_2d/stochastic_grad/rht/rht_size.
+  scheme: Literal["nvidia", "quartet2", "tetrajet2"] = "nvidia"
+  four_over_six: Literal["off", "weights", "activations", "all"] = "off"   # 4/6 block scales, per role
+  four_over_six_metric: Literal["mse", "mae"] = "mse"
+  four_over_six_bound: int = 256  # E4M3 bound B of the tensor scale (6·B); 448 is plain NVFP4's
+  eden_group: int = 128           # Quartet II's EDEN correction per 128 values (16: per block)
   name: str = "custom"
 
   def __post_init__(self):
@@ -58,6 +67,7 @@ class Recipe:
       raise ValueError(f"Recipe.mxfp4_scale_rule={self.mxfp4_scale_rule!r}; use 'rceil' or 'floor'")
     if self.out_dtype is not None:
       object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+    schemes.check_recipe(self)
 
   @property
   def quantizes_anything(self) -> bool:
@@ -65,8 +75,10 @@ class Recipe:
 
   @property
   def needs_key(self) -> bool:
-    """Whether the backward pass draws random bits: stochastic rounding of dy in an FP4 GEMM."""
-    return self.stochastic_grad and any(f in formats.FP4 for f in (self.dgrad, self.wgrad))
+    """Whether the backward pass draws random bits: stochastic rounding of dy in an FP4 GEMM, or the
+    signs and roundings of Quartet II and TetraJet-v2."""
+    return schemes.needs_key(self) or (
+        self.stochastic_grad and any(f in formats.FP4 for f in (self.dgrad, self.wgrad)))
 
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)
@@ -99,6 +111,24 @@ def bf16(**overrides) -> Recipe:
   return Recipe(**{**base, **overrides})
 
 
+
+def quartet2(**overrides) -> Recipe:
+  """Quartet II: forward NVFP4 1x16 on x and w with 4/6 (MSE, B = 256; four_over_six="off" for the
+  paper sweeps' nearest rounding), backward MS-EDEN after RHT-128 with fresh signs per GEMM on the
+  forward-quantized x and w. Every linear layer in FP4."""
+  base = dict(scheme="quartet2", four_over_six="all", weight_2d=False, stochastic_grad=False, rht_size=128,
+              name="quartet2")
+  return Recipe(**{**base, **overrides})
+
+
+def tetrajet2(**overrides) -> Recipe:
+  """TetraJet-v2's linear layer: double-block NVFP4 (FP32 per 1x128, E4M3 per 1x16) forward with
+  nearest rounding, backward SR after RHT-16 with fresh signs per GEMM on all four operands, the
+  forward-quantized x and w re-quantized. OsciReset and OutControl are separate (fp4jax.osci_reset,
+  fp4jax.outcontrol): they need training state."""
+  base = dict(scheme="tetrajet2", weight_2d=False, stochastic_grad=True, rht_size=16, name="tetrajet2")
+  return Recipe(**{**base, **overrides})
+
 _NAMED = {
     "nvfp4": nvfp4,
     "mxfp4": mxfp4,
@@ -109,6 +139,14 @@ _NAMED = {
     "nvfp4_no_2d": lambda: nvfp4(weight_2d=False, name="nvfp4_no_2d"),
     # Precision switch variants (spec §6): forward in bf16, backward as the paper's recipe; or all bf16.
     "nvfp4_bf16_fprop": lambda: nvfp4(fprop="bf16", name="nvfp4_bf16_fprop"),
+    # Beyond the paper (fp4jax.schemes): Four Over Six, Quartet II, TetraJet-v2.
+    "nvfp4_4over6": lambda: nvfp4(four_over_six="all", name="nvfp4_4over6"),
+    "nvfp4_4over6_mae": lambda: nvfp4(four_over_six="all", four_over_six_metric="mae",
+                                      name="nvfp4_4over6_mae"),
+    "quartet2": quartet2,
+    "quartet2_4over6": lambda: quartet2(name="quartet2_4over6"),
+    "quartet2_rtn": lambda: quartet2(four_over_six="off", name="quartet2_rtn"),
+    "tetrajet2": tetrajet2,
 }
 NAMES = tuple(_NAMED)
 

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import e2m1, four_over_six as fos
+import fp4jax
+from fp4jax import e2m1, four_over_six as fos, recipes, schemes
 
 X8 = np.array([0, .1, -.2, .3, .5, -.7, 1, 1.3, -1.6, 2, 2.4, -3, 3.7, 4.4, -5.2, 6], np.float32)
 A2 = np.array([6, 5, 5, -5, 4.8, 4.6, 4.4, 2.5, 5.2, -5.4, 5.6, 5.8, 4.2, 3.9, 4.9, 5.1], np.float32)
@@ -223,3 +224,75 @@ def test_bad_options_say_what_to_do():
     fos.quantize(jnp.ones(16), metric="max")
   with pytest.raises(ValueError, match="multiple of 16"):
     fos.quantize(jnp.ones(24))
+
+
+# ---------------------------------------------------------------------------------------------------
+# In the quantized dot: nvfp4(four_over_six=...)
+# ---------------------------------------------------------------------------------------------------
+
+def _dot_and_grads(recipe, x, w, dy, key, qdot=None):
+  if qdot is None:
+    f = lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key)
+  else:
+    f = lambda x, w: qdot(recipe, jnp.float32, x, w, key)
+  y, vjp = jax.vjp(f, x, w)
+  return (y, *vjp(dy))
+
+
+def test_schemes_path_reproduces_the_paper_recipe_bit_for_bit():
+  """fp4jax.schemes' own NVFP4 operands (4/6 on no role) give exactly fp4jax.dot's paper recipe:
+  forward, dgrad and wgrad, with the same random bits: an independent check of both."""
+  x = jax.random.normal(jax.random.key(0), (64, 48))
+  w = jax.random.normal(jax.random.key(1), (48, 32)) * 0.2
+  dy = jax.random.normal(jax.random.key(2), (64, 32))
+  for recipe in (recipes.nvfp4(), recipes.nvfp4(weight_2d=False), recipes.nvfp4(rht=False)):
+    want = jax.jit(lambda *a: _dot_and_grads(recipe, *a))(x, w, dy, jax.random.key(3))
+    got = jax.jit(lambda *a: _dot_and_grads(recipe, *a, qdot=schemes.qdot))(x, w, dy, jax.random.key(3))
+    for a, b in zip(want, got):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("role", ["weights", "activations", "all"])
+def test_dot_with_four_over_six_forward(role):
+  recipe = recipes.nvfp4(four_over_six=role)
+  x = jax.random.normal(jax.random.key(0), (32, 64)) * 2
+  w = jax.random.normal(jax.random.key(1), (64, 48))
+  y = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe))(x, w)
+  qx = schemes.quantize_fos(x) if role != "weights" else schemes.quantize_nvfp4(x)
+  qw = schemes.quantize_fos(w.T, tiled=True) if role != "activations" else schemes.quantize_nvfp4(w.T, tiled=True)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(schemes.gemm(qx, qw)))
+  # The GEMM equals the float64 product of the dequantized operands up to float32 summation.
+  want = np.asarray(qx.dequantize(), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+  np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+  # Gradients flow; dgrad reads the same (transposed) weight tiles.
+  dx, dw = jax.grad(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=jax.random.key(2)).sum(), (0, 1))(x, w)
+  assert dx.shape == x.shape and dw.shape == w.shape and bool(jnp.all(jnp.isfinite(dw)))
+
+
+def test_four_over_six_lowers_operand_error_on_gaussian_data():
+  x = jax.random.normal(jax.random.key(4), (256, 256))
+  plain = float(jnp.mean((schemes.quantize_nvfp4(x).dequantize() - x) ** 2))
+  for metric in fos.METRICS:
+    err = float(jnp.mean((schemes.quantize_fos(x, metric=metric).dequantize() - x) ** 2))
+    assert err < plain
+
+
+def test_four_over_six_residuals_stay_fp4():
+  m, k, n = 64, 128, 96
+  res = schemes.residuals(recipes.nvfp4(four_over_six="all"), jnp.ones((m, k)), jnp.ones((k, n)), None)
+  # dgrad: the fprop weight tiles (N, K); wgrad: RHT(xᵀ) (K, M), both 4 bits per element + scales.
+  assert res.w_dgrad.tiled and res.w_dgrad.bound == 256 and res.x_wgrad.bound == 256
+  assert res.nbytes == (n * k // 2 + n * k // 256 + 4) + (k * m // 2 + k * m // 16 + 4)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: recipes.mxfp4(four_over_six="all"), "needs fprop='nvfp4'"),
+    (lambda: recipes.fp8(four_over_six="weights"), "needs fprop='nvfp4'"),
+    (lambda: recipes.nvfp4(four_over_six="some"), "four_over_six="),
+    (lambda: recipes.nvfp4(four_over_six="all", four_over_six_bound=300), "256"),
+    (lambda: recipes.nvfp4(four_over_six="all", four_over_six_metric="max"), "mae"),
+    (lambda: recipes.nvfp4(four_over_six="all", dgrad="mxfp4"), "dgrad"),
+])
+def test_bad_four_over_six_recipes_fail_at_construction(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
