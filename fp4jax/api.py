@@ -5,24 +5,87 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import e2m1, formats, hadamard, nvfp4, primitives
 from fp4jax.kernels.quantize_rht_t import rht_amax
-from fp4jax.qtensor import QTensor
+from fp4jax.qtensor import QTensor, validate
 from fp4jax.reference import (codes_of, dequantize_reference, quantize_reference,
                               scaled_matmul_reference)
 
 ROUNDINGS = ("nearest", "stochastic")
 
 
+def as_array(x, where: str, name: str = "x"):
+  """jnp.asarray(x), with a one-sentence TypeError for things that are not arrays."""
+  try:
+    return jnp.asarray(x)
+  except TypeError:
+    raise TypeError(f"{where}: {name} must be an array (jax.Array, numpy array or Python number); "
+                    f"got {type(x).__name__}") from None
+
+
+def as_float_dtype(dtype, where: str, name: str = "dtype"):
+  """jnp.dtype(dtype) of a floating type, else a one-sentence TypeError."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is None or not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{where}: {name}={dtype!r} is not a floating dtype; use e.g. jnp.float32 or "
+                    "jnp.bfloat16")
+  return dt
+
+
+def check_key(key, where: str):
+  """A single jax.random key: a typed key (jax.random.key) or a legacy uint32 key
+  (jax.random.PRNGKey); None passes. Anything else is a TypeError that says how to make one."""
+  if key is None:
+    return
+  how = "pass key=jax.random.key(seed) (or a legacy jax.random.PRNGKey(seed))"
+  dtype = getattr(key, "dtype", None)
+  if dtype is None or isinstance(key, (int, float, bool, np.generic)):
+    raise TypeError(f"{where}: key must be a jax.random key; got {type(key).__name__} {key!r}; {how}")
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"{where}: key must be one key; got an array of keys of shape {key.shape}. "
+                       "Pick one (keys[0]) or split per call yourself")
+    return
+  if dtype != jnp.uint32 or key.ndim != 1:
+    raise TypeError(f"{where}: key has dtype {dtype} and shape {tuple(key.shape)}; a jax.random key "
+                    f"is a typed key or a legacy uint32 key of shape (2,); {how}")
+
+
+def _check_amax_arg(amax, x):
+  """The user's nvfp4 tensor amax: a float scalar; when concrete, finite and > 0 (0 only for an
+  all-zero x). Under jit its value cannot be checked (see fp4jax.quantize)."""
+  amax = as_array(amax, "fp4jax.quantize", "amax")
+  if amax.size != 1 or not (jnp.issubdtype(amax.dtype, jnp.floating)
+                            or jnp.issubdtype(amax.dtype, jnp.integer)):
+    raise ValueError(f"fp4jax.quantize: amax= must be one real number (the tensor amax); got shape "
+                     f"{amax.shape} dtype {amax.dtype}")
+  if isinstance(amax, jax.core.Tracer):
+    return
+  value = float(np.asarray(amax, np.float32).reshape(()))
+  if not np.isfinite(value) or value < 0:
+    raise ValueError(f"fp4jax.quantize: amax={value} must be finite and > 0 (max|x| over the tensor, "
+                     "or a global amax across shards); pass amax=None to use max|x|")
+  if value == 0 and not isinstance(x, jax.core.Tracer) and bool(jnp.any(x != 0)):
+    raise ValueError("fp4jax.quantize: amax=0 with a nonzero input would dequantize every element to "
+                     "0; pass the tensor amax (>= max|x|), or amax=None to use max|x|")
+
+
 def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling):
-  if fmt not in formats.NAMES:
+  if not isinstance(fmt, str) or fmt not in formats.NAMES:
     raise ValueError(f"unknown format fmt={fmt!r}; use one of {formats.NAMES}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"fp4jax.quantize needs a floating-point input (float32, bfloat16 or float16); "
                     f"got dtype {x.dtype}. Cast it first, e.g. x.astype(jnp.float32)")
   if x.ndim == 0:
-    raise ValueError("fp4jax.quantize needs an array with at least one axis; got a scalar")
+    raise ValueError("fp4jax.quantize needs an array with at least one axis; got a scalar. "
+                     "Reshape it, e.g. x.reshape(1, 1), and pad to the block")
+  if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+    raise TypeError(f"axis={axis!r} must be an int")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis={axis} is out of range for an input of shape {x.shape}")
   axis = axis % x.ndim
@@ -35,12 +98,20 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
     if key is None and bits is None:
       raise ValueError("rounding='stochastic' needs random bits: pass key=jax.random.key(...) "
                        "(or bits=, uint8 of the input's shape)")
-    if bits is not None and tuple(bits.shape) != tuple(x.shape):
-      raise ValueError(f"bits has shape {bits.shape}; it must match the input's shape {x.shape}")
+    check_key(key, "fp4jax.quantize")
+    if bits is not None:
+      if not _is_array(bits) or not jnp.issubdtype(bits.dtype, jnp.unsignedinteger):
+        raise TypeError(f"bits= must be an unsigned integer array (uint8: 8 random bits per element); "
+                        f"got {getattr(bits, 'dtype', type(bits).__name__)}. Use "
+                        "jax.random.bits(key, x.shape, jnp.uint8)")
+      if tuple(bits.shape) != tuple(x.shape):
+        raise ValueError(f"bits has shape {bits.shape}; it must match the input's shape {x.shape}")
   elif bits is not None:
     raise ValueError("bits= is only used with rounding='stochastic'")
-  if amax is not None and fmt != "nvfp4":
-    raise ValueError(f"amax= is the NVFP4 tensor amax; fmt={fmt!r} has no tensor-level scale")
+  if amax is not None:
+    if fmt != "nvfp4":
+      raise ValueError(f"amax= is the NVFP4 tensor amax; fmt={fmt!r} has no tensor-level scale")
+    _check_amax_arg(amax, x)
   if scale_rule not in formats.SCALE_RULES:
     raise ValueError(f"scale_rule={scale_rule!r}; use 'rceil' (cuBLAS, the paper) or 'floor' (OCP)")
   if scaling not in ("block", "tensor"):
@@ -52,6 +123,9 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
       raise ValueError("scaling='tensor' and tile= exclude each other")
     return axis
   if tile is not None:
+    if (not isinstance(tile, (tuple, list)) or len(tile) != 2
+        or not all(isinstance(t, (int, np.integer)) for t in tile)):
+      raise TypeError(f"tile={tile!r} must be a pair of ints, e.g. tile={formats.TILE.get(fmt, (16, 16))}")
     tile = tuple(tile)
     if fmt not in formats.TILE:
       raise ValueError(f"fmt={fmt!r} has no 2D tiles; tile= is for "
@@ -76,6 +150,11 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
   return axis
 
 
+def _is_array(v) -> bool:
+  return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+@jax.named_scope("fp4jax/quantize")   # the op, its amax and layout work, named in profiles
 def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=None, amax=None,
              scale_rule="rceil", scaling="block", impl: str | None = None) -> QTensor:
   """Quantize ``x`` to ``fmt`` ("nvfp4" | "mxfp4" | "fp8").
@@ -86,18 +165,21 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     ``bits`` of the input's shape, for bit-exact comparisons). amax: the NVFP4 tensor amax to use
     instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
-    CPU), "xla" (the pure-JAX reference), or None = "pallas" where ``fp4jax.primitives.can_use_pallas``
-    (an FP4 format on a CUDA GPU), else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
+    CPU), "xla" (the pure-JAX reference), or None = the kernel only where
+    ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
     fp8 runs the reference directly.
   NaN: an NVFP4 tensor with a NaN has a NaN amax, so all its scales are NaN and it dequantizes to NaN;
-    an MXFP4 block with a NaN gets the NaN scale byte 0xFF; fp8 keeps NaN elements.
+    an MXFP4 block with a NaN gets the NaN scale byte 0xFF; fp8 stores NaN and ±inf as E4M3's NaN.
+  amax=: checked (finite, > 0; 0 only for an all-zero x) when its value is known; under jit it is
+    not, and a traced amax below max|x| saturates the larger elements at about ±amax.
+  A zero-size input gives a zero-size QTensor (nvfp4 amax 0). docs/NUMERICS.md has the arithmetic.
   """
-  x = jnp.asarray(x)
+  x = as_array(x, "fp4jax.quantize")
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling)
   impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
     bits = jax.random.bits(key, x.shape, jnp.uint8)
-  if fmt not in formats.KERNEL_FORMATS:
+  if fmt not in formats.KERNEL_FORMATS or x.size == 0:   # zero-size: no kernel launch
     return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
                               scale_rule=scale_rule, scaling=scaling)
   amax_g = None
@@ -119,16 +201,17 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
                  scale_rule if fmt == "mxfp4" else None)
 
 
+@jax.named_scope("fp4jax/dequantize")   # the op, its amax and layout work, named in profiles
 def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   """The values ``q`` represents, in the original shape, as ``dtype``.
 
   FP4 formats run as the ``fp4jax_dequantize`` primitive (both impls lower to the XLA reference,
   which fuses into its consumers); fp8 runs the reference directly.
   """
-  if not isinstance(q, QTensor):
-    raise TypeError(f"fp4jax.dequantize takes a QTensor from fp4jax.quantize; got {type(q).__name__}")
+  validate(q, "fp4jax.dequantize")
+  dtype = as_float_dtype(dtype, "fp4jax.dequantize")
   impl = primitives.resolve_impl(impl, q.fmt)
-  if q.fmt not in formats.KERNEL_FORMATS:
+  if q.fmt not in formats.KERNEL_FORMATS or q.data.size == 0:
     return dequantize_reference(q, dtype)
   nd = q.data.ndim
   axis = q.axis % nd
@@ -139,6 +222,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   return jnp.moveaxis(out, -1, src)
 
 
+@jax.named_scope("fp4jax/quantize_rht_t")   # the op, its amax and layout work, named in profiles
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
                             bits=None, scale_rule="rceil", impl: str | None = None) -> QTensor:
   """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
@@ -149,7 +233,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"); the tensor
   amax after the transform is a separate reduction before it. impl: as for ``quantize``.
   """
-  x = jnp.asarray(x)
+  x = as_array(x, "fp4jax.api.quantize_rht_transposed")
   if x.ndim != 2:
     raise ValueError(f"quantize_rht_transposed takes a 2-D (tokens, channels) input; got shape {x.shape}")
   if fmt == "fp8":
@@ -171,7 +255,10 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
 
 def check_operands(a: QTensor, b: QTensor):
   if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
-    raise TypeError("scaled_matmul takes two QTensors from fp4jax.quantize")
+    raise TypeError("scaled_matmul takes two QTensors from fp4jax.quantize; got "
+                    f"{type(a).__name__} and {type(b).__name__}")
+  validate(a, "fp4jax.scaled_matmul (lhs)", scalar_amax=True)
+  validate(b, "fp4jax.scaled_matmul (rhs)", scalar_amax=True)
   if a.fmt != b.fmt:
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
   if a.axis != -1 or b.axis != -1:
@@ -183,14 +270,16 @@ def check_operands(a: QTensor, b: QTensor):
     raise ValueError(f"contraction lengths differ: lhs K={a.shape[-1]}, rhs K={b.shape[-1]}")
 
 
+@jax.named_scope("fp4jax/scaled_matmul")   # the op, its amax and layout work, named in profiles
 def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None):
   """a (..., M, K) · b (N, K)ᵀ -> (..., M, N) in ``out_dtype``, from quantized operands.
 
   FP4 operands run as the ``fp4jax_scaled_matmul`` primitive. impl: "pallas" (the Pallas kernel;
-  interpreted on CPU), "xla" (the reference), or None = "pallas" where
-  ``fp4jax.primitives.can_use_pallas``, else "xla". fp8 operands run the reference.
+  interpreted on CPU), "xla" (the reference), or None = the kernel only where
+  ``fp4jax.primitives.VERIFIED_KERNELS`` says so (else the exact dequantize-then-bf16-GEMM). fp8 operands run the reference.
   """
   check_operands(a, b)
+  out_dtype = as_float_dtype(out_dtype, "fp4jax.scaled_matmul", "out_dtype")
   impl = primitives.resolve_impl(impl, a.fmt)
   if a.fmt not in formats.KERNEL_FORMATS:
     return scaled_matmul_reference(a, b, out_dtype)
@@ -204,6 +293,7 @@ def transpose_tiles(q: QTensor) -> QTensor:
   codes and scales (spec §2), so the dgrad GEMM reuses the fprop weight. The result is packed (nvfp4)
   along its last axis.
   """
+  validate(q, "fp4jax.transpose_tiles", scalar_amax=True)
   if q.tile is None or len(q.shape) != 2:
     raise ValueError("transpose_tiles needs a 2-D QTensor quantized with tile= (nvfp4 (16, 16) or "
                      "fp8 (128, 128))")

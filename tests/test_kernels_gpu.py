@@ -1,7 +1,8 @@
-"""The kernels compiled for a real GPU (Triton), against the reference — run by scripts/gpu_check.sh.
+"""The kernels compiled for a real GPU (Triton), against the reference, with pytest on a GPU machine.
 
 The same test classes as the interpreted CPU tests, with INTERPRET = False, plus the public API with
-impl=None (which must pick the kernels on a GPU) at training-like sizes. Skipped without a CUDA GPU.
+impl="pallas" at training-like sizes. Skipped without a CUDA GPU. ``scripts/gpu_check.py`` is the
+one-shot device check (no pytest needed); these tests are the finer-grained follow-up.
 """
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,11 @@ def _raw(a):
   return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a)
 
 
-def test_default_impl_is_pallas_on_gpu():
-  assert primitives.can_use_pallas("nvfp4") and primitives.resolve_impl(None, "nvfp4") == "pallas"
+def test_default_impl_follows_the_verified_table():
+  assert primitives.can_use_pallas("nvfp4")
+  for op in primitives.KERNEL_OPS:
+    verified = (op, "nvfp4") in primitives.VERIFIED_KERNELS
+    assert primitives.default_impl(op, "nvfp4") == ("pallas" if verified else "xla")
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1024)])
@@ -55,7 +59,7 @@ def test_api_large_bit_exact(shape, kw):
   fmt = kw.pop("fmt")
   bits = make_bits(shape) if kw.pop("rounding", None) else None
   extra = dict(rounding="stochastic", bits=bits) if bits is not None else {}
-  q = jax.jit(lambda x: fp4jax.quantize(x, fmt, **kw, **extra))(x)
+  q = jax.jit(lambda x: fp4jax.quantize(x, fmt, impl="pallas", **kw, **extra))(x)
   ref = jax.jit(lambda x: quantize_reference(x, fmt, bits=bits, **kw))(x)
   for a, b in ((q.data, ref.data), (q.scale, ref.scale)):
     np.testing.assert_array_equal(_raw(a), _raw(b))
@@ -64,7 +68,8 @@ def test_api_large_bit_exact(shape, kw):
 def test_api_rht_transposed_large_bit_exact():
   x = make_input((8192, 1024), jnp.bfloat16, seed=6)
   bits = make_bits((1024, 8192))
-  q = jax.jit(lambda x: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", bits=bits))(x)
+  q = jax.jit(lambda x: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", bits=bits,
+                                                 impl="pallas"))(x)
   ref = jax.jit(lambda x: quantize_reference(rht(x.T, axis=-1), "nvfp4", bits=bits))(x)
   for a, b in ((q.data, ref.data), (q.scale, ref.scale), (q.amax, ref.amax)):
     np.testing.assert_array_equal(_raw(a), _raw(b))
@@ -75,6 +80,6 @@ def test_api_scaled_matmul_large():
   w = make_input((4096, 4096), jnp.bfloat16, seed=8)
   a = fp4jax.quantize(x, "nvfp4")
   b = fp4jax.quantize(w, "nvfp4", tile=(16, 16))
-  got = jax.jit(lambda a, b: scaled_matmul(a, b, out_dtype=jnp.float32))(a, b)
+  got = jax.jit(lambda a, b: scaled_matmul(a, b, out_dtype=jnp.float32, impl="pallas"))(a, b)
   want = jax.jit(lambda a, b: scaled_matmul_reference(a, b, jnp.float32))(a, b)
   assert rel_err(got, want) <= 1e-6

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import _pallas_compat as plc
 from fp4jax import primitives
 from fp4jax.api import quantize_rht_transposed, scaled_matmul, transpose_tiles
 from fp4jax.reference import dequantize_reference, scaled_matmul_reference
@@ -65,12 +66,76 @@ def test_impl_switch_and_can_use_pallas():
   assert not primitives.can_use_pallas("fp8", platform="cuda")
   assert not primitives.can_use_pallas("nvfp4", platform="cpu")
   if jax.default_backend() == "cpu":
-    assert primitives.resolve_impl(None, "nvfp4") == "xla"
+    assert primitives.default_impl("scaled_matmul", "nvfp4") == "xla"
   assert primitives.resolve_impl("pallas", "mxfp4") == "pallas"
+  assert primitives.resolve_impl(None, "fp8") == "xla"
   with pytest.raises(ValueError, match="impl="):
     fp4jax.quantize(_x((16, 16)), "nvfp4", impl="triton")
   with pytest.raises(ValueError, match="no Pallas kernels for fmt='fp8'"):
     fp4jax.quantize(_x((16, 128)), "fp8", impl="pallas")
+
+
+def _impls_in_jaxpr(fn, *args):
+  """{primitive name: impl param} of the fp4jax primitives ``fn`` binds (traced afresh: a new lambda
+  each time, since jax caches traces per function)."""
+  return {str(e.primitive): e.params["impl"] for e in jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr.eqns
+          if str(e.primitive).startswith("fp4jax_")}
+
+
+def _every_op(x):
+  """One call of each kernel-backed op, impl=None."""
+  a = fp4jax.quantize(x, "nvfp4")
+  b = fp4jax.quantize(x, "nvfp4", tile=(16, 16))
+  r = quantize_rht_transposed(x, "nvfp4")
+  return a, b, r, scaled_matmul(a, b)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """The backend check says "a CUDA GPU with Triton" (nothing is compiled: make_jaxpr only traces)."""
+  monkeypatch.setattr(plc, "gpu_available", lambda: True)
+  monkeypatch.setattr(plc, "has_triton", lambda: True)
+  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
+
+
+def test_default_on_gpu_is_xla_until_a_kernel_is_verified(fake_gpu, monkeypatch):
+  x = _x((32, 64))
+  assert primitives.can_use_pallas("nvfp4")
+  assert primitives.VERIFIED_KERNELS == {}   # no device run has verified a kernel yet
+  assert set(_impls_in_jaxpr(_every_op, x).values()) == {"xla"}
+  for op in primitives.KERNEL_OPS:
+    assert primitives.default_impl(op, "nvfp4") == "xla"
+  evidence = primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3)
+  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_2d", "nvfp4"), evidence)
+  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("scaled_matmul", "nvfp4"), evidence)
+  impls = [e.params["impl"] for e in jax.make_jaxpr(lambda x: _every_op(x))(x).jaxpr.eqns
+           if str(e.primitive).startswith("fp4jax_")]
+  # quantize 1x16, quantize 16x16, rht_t, scaled_matmul, in binding order
+  assert impls == ["xla", "pallas", "xla", "pallas"]
+  assert primitives.default_impl("scaled_matmul", "mxfp4") == "xla"   # verified per format
+  assert primitives.default_impl("quantize_2d", "nvfp4", platform="cpu") == "xla"
+
+
+def test_default_impl_env_override(fake_gpu, monkeypatch):
+  x = _x((32, 64))
+  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "pallas")
+  assert set(_impls_in_jaxpr(_every_op, x).values()) == {"pallas"}
+  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
+                      primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
+  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "xla")
+  assert set(_impls_in_jaxpr(_every_op, x).values()) == {"xla"}
+  assert primitives.resolve_impl("pallas", "nvfp4") == "pallas"   # an explicit impl wins
+  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "triton")
+  with pytest.raises(ValueError, match="FP4JAX_DEFAULT_IMPL"):
+    fp4jax.quantize(x, "nvfp4")
+
+
+def test_default_on_cpu_is_xla(monkeypatch):
+  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.setattr(plc, "gpu_available", lambda: False)
+  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
+                      primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
+  assert set(_impls_in_jaxpr(_every_op, _x((32, 64))).values()) == {"xla"}
 
 
 CASES = [

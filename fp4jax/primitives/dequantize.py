@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from fp4jax import formats
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
+from fp4jax.primitives.impl import resolve_impl
+from fp4jax.primitives.quantize import variant
 from fp4jax.reference import dequantize_last_reference
 
 
@@ -39,9 +41,11 @@ dequantize_p = pair.define(pair.OpSpec(
     "dequantize", _abstract, _local, _shardings, _rule, batch_leading=lambda dims: (True,) * 3))
 
 
-def dequantize_last(data, scale, amax, *, fmt, tiled=False, dtype=jnp.float32, impl="xla"):
+def dequantize_last(data, scale, amax, *, fmt, tiled=False, dtype=jnp.float32, impl=None):
   """Values of codes packed along the last axis (1D blocks or 16x16 tiles), as ``dtype``."""
-  amax = jnp.zeros((), jnp.float32) if amax is None else jnp.asarray(amax, jnp.float32)
-  (out,) = dequantize_p.bind(data, scale, amax, fmt=fmt, tiled=bool(tiled),
-                             dtype=jnp.dtype(dtype), impl=impl)
+  impl = resolve_impl(impl, fmt) or "xla"    # both impls lower to the reference
+  with pair.scope(variant(fmt, tiled)):
+    amax = jnp.zeros((), jnp.float32) if amax is None else jnp.asarray(amax, jnp.float32)
+    (out,) = dequantize_p.bind(data, scale, amax, fmt=fmt, tiled=bool(tiled),
+                               dtype=jnp.dtype(dtype), impl=impl)
   return out

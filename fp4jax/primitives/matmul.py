@@ -14,6 +14,8 @@ from fp4jax import formats
 from fp4jax.kernels import scaled_matmul as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
+from fp4jax.primitives.impl import resolve_impl
+from fp4jax.primitives.quantize import variant
 from fp4jax.qtensor import QTensor, along_last
 from fp4jax.reference import scaled_matmul_reference, tensor_factor
 
@@ -67,11 +69,16 @@ scaled_matmul_p = pair.define(pair.OpSpec(
     partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}))
 
 
-def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl="xla"):
-  """a (..., M, K) · b (N, K)ᵀ from two FP4 QTensors quantized along K (validated by the caller)."""
-  zero = jnp.zeros((), jnp.float32)
-  a_amax = zero if a.amax is None else jnp.asarray(a.amax, jnp.float32)
-  b_amax = zero if b.amax is None else jnp.asarray(b.amax, jnp.float32)
-  return scaled_matmul_p.bind(a.data, a.scale, a_amax, b.data, b.scale, b_amax, fmt=a.fmt,
-                              a_tiled=a.tile is not None, b_tiled=b.tile is not None,
-                              out_dtype=jnp.dtype(out_dtype), impl=impl)
+def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None):
+  """a (..., M, K) · b (N, K)ᵀ from two FP4 QTensors quantized along K (validated by the caller).
+
+  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``)."""
+  impl = resolve_impl(impl, a.fmt, "scaled_matmul")
+  a_tiled, b_tiled = a.tile is not None, b.tile is not None
+  with pair.scope(f"{variant(a.fmt, a_tiled)}.{variant(b.fmt, b_tiled)}"):
+    zero = jnp.zeros((), jnp.float32)
+    a_amax = zero if a.amax is None else jnp.asarray(a.amax, jnp.float32)
+    b_amax = zero if b.amax is None else jnp.asarray(b.amax, jnp.float32)
+    return scaled_matmul_p.bind(a.data, a.scale, a_amax, b.data, b.scale, b_amax, fmt=a.fmt,
+                                a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=jnp.dtype(out_dtype),
+                                impl=impl)

@@ -8,6 +8,11 @@
                          kernels on CUDA with impl="pallas", the same kernels through the Pallas
                          interpreter on CPU, else the pure-JAX reference.
 Every op has the param ``impl``; the JVP runs ``local`` with impl="xla" on platform "other".
+
+Names in profiles: each op's wrapper binds under ``scope(...)`` (e.g. ``nvfp4_1x16``, inside the public
+op's ``fp4jax/quantize``), and every lowering of ``local`` runs under ``fp4jax_<op>_<impl>``, so each
+HLO instruction of the kernel or the XLA path carries an op_name with ``fp4jax``, even where
+custom_partitioning lowers the per-shard op on its own.
 """
 from __future__ import annotations
 
@@ -78,8 +83,14 @@ def define(spec: OpSpec) -> Primitive:
   return prim
 
 
+def scope(name: str):
+  """``jax.named_scope`` for one op's binding (the op's variant, e.g. "nvfp4_1x16_sr")."""
+  return jax.named_scope(name)
+
+
 def _local_outputs(spec, *args, **params):
-  outs = spec.local(*args, **params)
+  with jax.named_scope(f"fp4jax_{spec.name}_{params['impl']}"):
+    outs = spec.local(*args, **params)
   return outs if spec.multiple_results else outs[0]
 
 

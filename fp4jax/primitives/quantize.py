@@ -14,6 +14,7 @@ from fp4jax import formats
 from fp4jax.kernels import quantize_1d, quantize_2d
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
+from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_last_reference
 
 
@@ -58,11 +59,20 @@ quantize_p = pair.define(pair.OpSpec(
     "quantize", _abstract, _local, _shardings, _rule, batch_leading=lambda dims: (True,) * len(dims)))
 
 
-def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl="xla"):
+def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl=None):
   """(packed codes, scales) of x quantized along its last axis (1D blocks, or 16x16 tiles).
 
   amax: float32 of shape x.shape[:n] (ignored by MXFP4). bits: uint8 of x's shape or None.
+  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``).
   """
-  ops = (x, jnp.asarray(amax, jnp.float32)) + (() if bits is None else (bits.astype(jnp.uint8),))
-  data, scale = quantize_p.bind(*ops, fmt=fmt, tiled=bool(tiled), scale_rule=scale_rule, impl=impl)
+  impl = resolve_impl(impl, fmt, "quantize_2d" if tiled else "quantize_1d")
+  with pair.scope(variant(fmt, tiled, bits is not None)):
+    ops = (x, jnp.asarray(amax, jnp.float32)) + (() if bits is None else (bits.astype(jnp.uint8),))
+    data, scale = quantize_p.bind(*ops, fmt=fmt, tiled=bool(tiled), scale_rule=scale_rule, impl=impl)
   return data, scale
+
+
+def variant(fmt: str, tiled: bool, stochastic: bool = False) -> str:
+  """The op's name in profiles: "nvfp4_1x16", "nvfp4_16x16_sr", "mxfp4_1x32", ..."""
+  r, c = formats.TILE[fmt] if tiled else (1, formats.BLOCK[fmt])
+  return f"{fmt}_{r}x{c}" + ("_sr" if stochastic else "")

@@ -14,6 +14,7 @@ from fp4jax import formats
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
+from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_rht_t_reference
 
 
@@ -55,9 +56,14 @@ quantize_rht_t_p = pair.define(pair.OpSpec(
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale_rule="rceil",
-                   impl="xla"):
-  """(packed codes (C, T/2), scales (C, T/B)) of RHT(x)ᵀ quantized along T; x of shape (T, C)."""
-  ops = (x, jnp.asarray(amax, jnp.float32)) + (() if bits is None else (bits.astype(jnp.uint8),))
-  data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
-                                      scale_rule=scale_rule, impl=impl)
+                   impl=None):
+  """(packed codes (C, T/2), scales (C, T/B)) of RHT(x)ᵀ quantized along T; x of shape (T, C).
+
+  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``)."""
+  impl = resolve_impl(impl, fmt, "quantize_rht_t")
+  name = f"{fmt}_rht{rht_size}_t_1x{formats.BLOCK[fmt]}" + ("_sr" if bits is not None else "")
+  with pair.scope(name):
+    ops = (x, jnp.asarray(amax, jnp.float32)) + (() if bits is None else (bits.astype(jnp.uint8),))
+    data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
+                                        scale_rule=scale_rule, impl=impl)
   return data, scale
