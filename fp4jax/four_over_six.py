@@ -101,22 +101,29 @@ def _block_error(d_blk, metric, rows):
   return fold_sum_last(row_sums) if rows > 1 else row_sums[..., 0]
 
 
-def _candidate(x_blk, s_k, s_dec, amax_g, bound, metric, rows):
+def _candidate(x_blk, s_k, s_dec, amax_g, bound, metric, rows, bits):
   s_f32 = s_k.astype(jnp.float32)
   enc = jnp.minimum(div(1.0, s_f32 * s_dec), jnp.float32(FLT_MAX))
-  codes = e2m1.encode_rne(x_blk * enc[..., None])
+  scaled = x_blk * enc[..., None]
+  codes = e2m1.encode_rne(scaled) if bits is None else e2m1.encode_stochastic(scaled, bits)
   v = div((e2m1.decode(codes) * s_f32[..., None]) * amax_g, 6.0 * bound)
   return codes, _block_error(v - x_blk, metric, rows)
 
 
-def quantize_blocks(x_blk, amax_g, *, bound=DEFAULT_BOUND, metric=DEFAULT_METRIC, rows=1) -> Choice:
-  """4/6 of float32 blocks (..., NB, rows·16): rows = 1 for 1x16 blocks, 16 for 16x16 tiles."""
+def quantize_blocks(x_blk, amax_g, *, bound=DEFAULT_BOUND, metric=DEFAULT_METRIC, rows=1,
+                    bits=None) -> Choice:
+  """4/6 of float32 blocks (..., NB, rows·16): rows = 1 for 1x16 blocks, 16 for 16x16 tiles.
+
+  bits (uint8, shape of x_blk): stochastic rounding (§4) of both candidates with the same bits, the
+  choice made on the rounded candidates' errors (the 4/6 authors' gradient option). The choice then
+  depends on the random outcome, so the result is biased; not used by any fp4jax recipe.
+  """
   x_blk = x_blk.astype(jnp.float32)
   amax_g = jnp.asarray(amax_g, jnp.float32)
   s_dec = div(1.0, global_encode_scale(amax_g, bound))
   s4, s6 = candidate_scales(jnp.max(jnp.abs(x_blk), axis=-1), amax_g, bound)
-  codes4, err4 = _candidate(x_blk, s4, s_dec, amax_g, bound, metric, rows)
-  codes6, err6 = _candidate(x_blk, s6, s_dec, amax_g, bound, metric, rows)
+  codes4, err4 = _candidate(x_blk, s4, s_dec, amax_g, bound, metric, rows, bits)
+  codes6, err6 = _candidate(x_blk, s6, s_dec, amax_g, bound, metric, rows, bits)
   map4 = err4 < err6
   return Choice(jnp.where(map4[..., None], codes4, codes6), jnp.where(map4, s4, s6), map4, err4, err6)
 
