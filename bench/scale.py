@@ -39,14 +39,25 @@ def _mesh_aliases(argv) -> list[str]:
   return [f"--config.{a[2:]}" if a.startswith("--mesh.") else a for a in argv]
 
 
-DUMP_DIR = os.path.join(tempfile.gettempdir(), f"fp4jax_scale_dump_{os.getpid()}")
+# FP4JAX_SCALE_DUMP=dir keeps the dump (with XLA's buffer assignment: which buffers make up temp).
+KEEP_DUMP = bool(os.environ.get("FP4JAX_SCALE_DUMP"))
+DUMP_DIR = os.environ.get("FP4JAX_SCALE_DUMP") or os.path.join(tempfile.gettempdir(), f"fp4jax_scale_dump_{os.getpid()}")
 
 if __name__ == "__main__":
   sys.argv = _mesh_aliases(sys.argv)
   # The partitioned program is dumped once, right after SPMD partitioning: its collectives carry the
   # program's dtypes (the CPU backend later widens bf16 collectives to float32, which a GPU does not).
+  # Two CPU-backend passes that would make the simulation unlike a GPU, off unless --cpu_passes:
+  # - cse_barrier_expander drops the optimization barriers jax.checkpoint puts on the inputs of the
+  #   recomputation, after which CSE merges the recomputation with the forward pass: remat is undone
+  #   and every block's activations stay live (a 6-block toy: 832 MiB with or without checkpoint).
+  # - the concurrency-optimized scheduler trades memory for parallelism; a GPU schedules to a memory
+  #   limit, so the CPU's memory-minimizing scheduler is used instead.
+  cpu_passes = any(a in ("--cpu_passes", "--cpu_passes=true") for a in sys.argv)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={_early_devices(sys.argv)}"
+                             + f" --xla_cpu_enable_concurrency_optimized_scheduler={str(cpu_passes).lower()}"
+                             + ("" if cpu_passes else " --xla_disable_hlo_passes=cse_barrier_expander")
                              + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning"
                              + " --xla_dump_hlo_module_re=.*train_step.*").strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -73,6 +84,9 @@ from training import step as step_lib
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (read before JAX starts).")
 _BATCH = flags.DEFINE_integer("batch_per_device", 1, "Sequences per data-parallel rank (data x fsdp).")
+_CPU_PASSES = flags.DEFINE_boolean(
+    "cpu_passes", False, "Keep the CPU backend's barrier expansion (undoes remat) and concurrency-optimized "
+    "scheduler (read before JAX starts); by default both are off, closer to a GPU compile.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
 _HLO = flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to this file.")
 _PARTITIONED = flags.DEFINE_string("partitioned_hlo", None, "Also write the HLO after SPMD partitioning here.")
@@ -197,7 +211,8 @@ def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
   return dict(
       config=config.name, preset=config.model.preset, pattern=model_config.pattern,
       n_blocks=model_config.n_blocks, d_model=model_config.d_model, recipe=recipe.name,
-      remat=model_config.remat, params=int(n_params), devices=jax.device_count(), mesh=dict(mesh.shape),
+      remat=model_config.remat, scan_blocks=model_config.scan_blocks, params=int(n_params),
+      devices=jax.device_count(), mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
       batch_per_device=batch_per_device, seq_len=seq_len,
       argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
       alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
@@ -215,7 +230,8 @@ def _partitioned_hlo() -> str | None:
   if names:
     with open(os.path.join(DUMP_DIR, names[-1]), encoding="utf-8") as f:
       text = f.read()
-  shutil.rmtree(DUMP_DIR, ignore_errors=True)
+  if not KEEP_DUMP:
+    shutil.rmtree(DUMP_DIR, ignore_errors=True)
   return text
 
 
