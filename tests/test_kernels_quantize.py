@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp4jax import e2m1
 from fp4jax.kernels import _common as C
 from fp4jax.kernels import quantize_1d as K1
 from fp4jax.kernels import quantize_2d as K2
@@ -192,13 +193,35 @@ def test_e8m0_bytes_match_reference(rule):
                                 np.asarray(jnp.ldexp(jnp.float32(1), jnp.maximum(-e, -126))))
 
 
-def test_stochastic_encode_matches_reference():
-  from fp4jax import e2m1
-  rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.uniform(-6.5, 6.5, 1 << 16), jnp.float32)
-  bits = make_bits(x.shape)
-  np.testing.assert_array_equal(np.asarray(C.encode_stochastic(x, bits)),
-                                np.asarray(e2m1.encode_stochastic(x, bits)))
+def _e2m1_sweep():
+  """Every bfloat16 bit pattern as float32 (all binades, ±0, subnormals, ±inf, NaNs), 2^20 random float32
+  bit patterns, each E2M1 grid point and rounding threshold with both float32 neighbours, and a dense
+  grid over [-8, 8]."""
+  bf16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+  rnd = np.random.default_rng(0).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+  pts = np.array([0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8], np.float32)
+  near = np.concatenate([pts, np.nextafter(pts, np.float32(0)), np.nextafter(pts, np.float32(100))])
+  dense = np.linspace(0, 8, 1 << 17, dtype=np.float32)
+  return np.concatenate([bf16, rnd.view(np.float32), near, -near, dense, -dense]).astype(np.float32)
+
+
+def test_e2m1_bit_encode_rne_matches_reference():
+  v = jnp.asarray(_e2m1_sweep())
+  want = jax.jit(e2m1.encode_rne)(v).astype(jnp.int32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(C.encode_rne_bits)(v)), np.asarray(want))
+
+
+def test_e2m1_bit_encode_stochastic_matches_reference():
+  """Every 8-bit random value against each of 8192 inputs (grid points, thresholds and neighbours, a
+  dense grid, specials), and random bits for the rest of the sweep."""
+  v = _e2m1_sweep()
+  head = np.concatenate([v[-(1 << 18):][::64], v[:1 << 16][::16]])        # dense grid + bf16 patterns
+  x = jnp.asarray(np.repeat(head[:, None], 256, axis=1))
+  bits = jnp.asarray(np.broadcast_to(np.arange(256, dtype=np.uint8), x.shape))
+  x = jnp.concatenate([x.ravel(), jnp.asarray(v)])
+  bits = jnp.concatenate([bits.ravel(), make_bits(v.shape)])
+  want = jax.jit(e2m1.encode_stochastic)(x, bits).astype(jnp.int32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(C.encode_sr_bits)(x, bits)), np.asarray(want))
 
 
 @pytest.mark.parametrize("dim,pref,want", [(16, 32, (16, 16)), (304, 32, (16, 304)),

@@ -3,8 +3,9 @@
 Inside a Triton kernel there is no float8 type to cast through, no frexp/ldexp and no exact float32
 division, so the block scales are computed here from integer bit operations. Each function equals the
 reference in ``fp4jax.nvfp4`` / ``fp4jax.mxfp4`` / ``fp4jax.e2m1`` bit for bit on finite inputs (the
-tests check that on dense sweeps); the E2M1 encode/decode helpers of ``fp4jax.e2m1`` are used as they
-are. NaN: Triton's float min/max drop NaN where XLA's propagate it, so NaN inputs give
+tests check that on dense sweeps). The E2M1 encodes work on the float's exponent and mantissa bits
+(about a dozen ops per element, no chain of seven threshold comparisons) and equal ``fp4jax.e2m1`` on
+every float32, NaN and infinities included. NaN: Triton's float min/max drop NaN where XLA's propagate it, so NaN inputs give
 implementation-defined (but non-crashing) codes and scales in compiled kernels.
 
 Scales leave the kernels as raw bytes (uint8): E4M3 for NVFP4, E8M0 (biased exponent) for MXFP4.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import e2m1, nvfp4
+from fp4jax import nvfp4
 from fp4jax._pallas_compat import precise_div
 from fp4jax.scales import E4M3_MAX, FLT_MAX
 
@@ -121,29 +122,60 @@ def e8m0_value(byte):
 
 # ---------------------------------------------------------------- E2M1 elements
 
-def _sr_step(v):
-  return jnp.where(v < 2.0, jnp.float32(0.5), jnp.where(v < 4.0, jnp.float32(1.0), jnp.float32(2.0)))
+_ONE_BITS = 0x3F800000           # float32 1.0
+_TWO_POW_22 = 4194304.0          # x + 2^22 rounds x to a multiple of 0.5, ties to even (RNE adder)
 
 
-def _sr_inv_step(v):
-  return jnp.where(v < 2.0, jnp.float32(2.0), jnp.where(v < 4.0, jnp.float32(1.0), jnp.float32(0.5)))
+def _sign_code(xbits):
+  """8 for a set float32 sign bit (also for -0 and -NaN), else 0."""
+  return (xbits >> 28) & 8
 
 
-def encode_stochastic(x_f32, bits):
-  """``e2m1.encode_stochastic`` without a division: t / step(t) is t · (1/step(t)), both exact."""
+def encode_rne_bits(x_f32):
+  """E2M1 codes (int32) of float32 values, round to nearest even, from the float's bits.
+
+  Equals ``e2m1.encode_rne`` on every float32 (saturation at ±6, -0 for small negatives, NaN -> ±0).
+  |x| >= 1: rounding the 23-bit mantissa to 1 bit (ties to even, carry into the exponent) turns the
+  bits >> 22 into (biased exponent, mantissa bit) = code + 252. |x| < 1: the grid is 0, 0.5, 1, and
+  one RNE float add against 2^22 (ulp 0.5 there) rounds |x| to it, ties to even. About 12 integer
+  and float ops per element, no threshold chain.
+  """
+  xbits = lax.bitcast_convert_type(x_f32.astype(jnp.float32), jnp.int32)
+  mbits = xbits & 0x7FFFFFFF
+  mag = lax.bitcast_convert_type(mbits, jnp.float32)
+  normal = ((mbits + 0x1FFFFF + ((mbits >> 22) & 1)) >> 22) - 252
+  small = _f32_bits(mag + jnp.float32(_TWO_POW_22)) - _f32_bits(jnp.float32(_TWO_POW_22))
+  code = jnp.where(mbits < _ONE_BITS, small, jnp.minimum(normal, 7))
+  code = jnp.where(mbits > 0x7F800000, 0, code)                     # NaN -> ±0, as the reference
+  return code | _sign_code(xbits)
+
+
+def encode_sr_bits(x_f32, bits):
+  """E2M1 codes (int32) with stochastic rounding (8 random bits per element), from the float's bits.
+
+  Equals ``e2m1.encode_stochastic``: t = |x| + u·step(|x|) with u = bits/256 and step = 2^(e-1)
+  (0.5 below 1) taken from the exponent field; t computed as one float add like the reference. Then
+  the code is t truncated to one mantissa bit ((bits(t) >> 22) - 252) for t >= 1, else t >= 0.5.
+  The exact sum needs no FMA: u·step has at most 8 significant bits.
+  """
+  xbits = lax.bitcast_convert_type(x_f32.astype(jnp.float32), jnp.int32)
+  mbits = xbits & 0x7FFFFFFF
+  mag = lax.bitcast_convert_type(mbits, jnp.float32)
+  step = _f32_from_bits(jnp.maximum(mbits & 0x7F800000, _ONE_BITS) - 0x00800000)
   u = (bits.astype(jnp.int32) & 0xFF).astype(jnp.float32) * jnp.float32(1.0 / 256.0)
-  mag = jnp.abs(x_f32)
-  t = mag + u * _sr_step(mag)
-  q = jnp.minimum(jnp.floor(t * _sr_inv_step(t)) * _sr_step(t), jnp.float32(e2m1.MAX))
-  q = jnp.where(jnp.signbit(x_f32), -q, q)
-  return e2m1.encode_rne(q)
+  t = mag + u * step
+  tbits = _f32_bits(t)
+  code = jnp.where(tbits < _ONE_BITS, (t >= jnp.float32(0.5)).astype(jnp.int32),
+                   jnp.minimum((tbits >> 22) - 252, 7))
+  code = jnp.where(mbits > 0x7F800000, 0, code)
+  return code | _sign_code(xbits)
 
 
 def encode(scaled_f32, bits):
-  """E2M1 codes (uint8) of values already scaled into [-6, 6]; ``bits`` None = nearest even."""
+  """E2M1 codes (int32) of values scaled into [-6, 6]; ``bits`` None = nearest even, else stochastic."""
   if bits is None:
-    return e2m1.encode_rne(scaled_f32)
-  return encode_stochastic(scaled_f32, bits)
+    return encode_rne_bits(scaled_f32)
+  return encode_sr_bits(scaled_f32, bits)
 
 
 # ---------------------------------------------------------------- tiles

@@ -3,10 +3,11 @@
 Axis legend: R rows (all leading axes flattened), K the quantized axis, NB = K/B blocks of B elements
 (B = 16 nvfp4, 32 mxfp4), P = B/2 packed bytes per block.
 
-The kernel reads x viewed as (R, NB, P, 2) — a free reshape — so that one tile holds whole blocks and
-the two elements of every output byte sit in the last axis of size 2: block amax is a reduction over
-the last two axes, packing a reduction over the last one. Rounding to nearest even or stochastic with
-8 random bits per element (an input, so kernel and reference agree bit for bit).
+Each program loads a (rows, blocks·B) tile of x as contiguous rows (wide, vectorized loads; the tile's
+last axis is at least 128 elements), reshapes it in registers to (rows, blocks, B) for the block amax,
+encodes with the bit-arithmetic E2M1 encode of ``_common`` (RNE, or stochastic with 8 random bits per
+element, an input, so kernel and reference agree bit for bit), and packs code pairs from a
+(rows, blocks·P, 2) register view into a (rows, blocks·P) byte tile.
 The tensor amax (NVFP4) is computed before this pass (a separate reduction) and enters as per-row
 factors (S_enc/6, 1/S_enc) — one row of factors per amax when vmapped.
 """
@@ -28,7 +29,7 @@ from fp4jax.reference import quantize_last_reference
 @dataclasses.dataclass(frozen=True)
 class Quantize1dTiles:
   rows: int = 32           # rows per program (power of two, fitted to R)
-  blocks: int = 8          # blocks per program along K (power of two, fitted to NB)
+  blocks: int = 16         # blocks per program along K (power of two, fitted to NB)
   num_warps: int = 4
   num_stages: int = 2
 
@@ -41,17 +42,21 @@ def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
     x_ref, f_ref, bits_ref, q_ref, s_ref = refs
   else:
     (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
-  x_RxNxPx2 = x_ref[...].astype(jnp.float32)
-  amax_RxN = jnp.max(jnp.abs(x_RxNxPx2), axis=(2, 3))
+  b = formats.BLOCK[fmt]
+  x_RxK = x_ref[...].astype(jnp.float32)
+  r, k = x_RxK.shape
+  x_RxNxB = x_RxK.reshape(r, k // b, b)
+  amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
   if fmt == "nvfp4":
     s_enc6_Rx1 = f_ref[:, 0][:, None]       # ref reads, not register slices (Triton has no slice)
     s_dec_Rx1 = f_ref[:, 1][:, None]
     byte_RxN, enc_RxN = C.nvfp4_block_encode(amax_RxN, s_enc6_Rx1, s_dec_Rx1, interpret=interpret)
   else:
     byte_RxN, enc_RxN = C.e8m0_block_encode(amax_RxN, scale_rule)
-  scaled = jnp.clip(x_RxNxPx2 * enc_RxN[:, :, None, None], -6.0, 6.0)
-  bits = None if bits_ref is None else bits_ref[...]
-  q_ref[...] = C.pack_pairs(C.encode(scaled, bits))
+  scaled = jnp.clip(x_RxNxB * enc_RxN[:, :, None], -6.0, 6.0)
+  bits = None if bits_ref is None else bits_ref[...].reshape(r, k // b, b)
+  codes = C.encode(scaled, bits)
+  q_ref[...] = C.pack_pairs(codes.reshape(r, k // 2, 2))
   s_ref[...] = byte_RxN.astype(jnp.uint8)
 
 
@@ -62,25 +67,25 @@ def _quantize_1d_call(x_RxK, factors_Rx2, bits_RxK, *, fmt, scale_rule, tiles, i
   nb = k // b
   br, rp = C.fit(r, tiles.rows)
   bn, nbp = C.fit(nb, tiles.blocks)
-  view = lambda a: C.pad_axis(C.pad_axis(a.reshape(r, nb, b // 2, 2), 0, rp), 1, nbp)
-  ops = [view(x_RxK), C.pad_axis(factors_Rx2, 0, rp)]
-  in_specs = [plc.BlockSpec((br, bn, b // 2, 2), lambda i, j: (i, j, 0, 0)),
+  pad = lambda a: C.pad_axis(C.pad_axis(a, 0, rp), 1, nbp * b)
+  ops = [pad(x_RxK), C.pad_axis(factors_Rx2, 0, rp)]
+  in_specs = [plc.BlockSpec((br, bn * b), lambda i, j: (i, j)),
               plc.BlockSpec((br, 2), lambda i, j: (i, 0))]
   if bits_RxK is not None:
-    ops.append(view(bits_RxK))
-    in_specs.append(plc.BlockSpec((br, bn, b // 2, 2), lambda i, j: (i, j, 0, 0)))
+    ops.append(pad(bits_RxK))
+    in_specs.append(plc.BlockSpec((br, bn * b), lambda i, j: (i, j)))
   kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule,
                              stochastic=bits_RxK is not None, interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((rp, nbp, b // 2), jnp.uint8),
+      out_shape=(jax.ShapeDtypeStruct((rp, nbp * b // 2), jnp.uint8),
                  jax.ShapeDtypeStruct((rp, nbp), jnp.uint8)),
       grid=(rp // br, nbp // bn), in_specs=in_specs,
-      out_specs=(plc.BlockSpec((br, bn, b // 2), lambda i, j: (i, j, 0)),
+      out_specs=(plc.BlockSpec((br, bn * b // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((br, bn), lambda i, j: (i, j))),
       interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}",
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
-  return q[:r, :nb].reshape(r, k // 2), s[:r, :nb]
+  return q[:r, :k // 2], s[:r, :nb]
 
 
 def row_factors(amax, x_shape, fmt):

@@ -1,10 +1,11 @@
 """NVFP4 16x16 2D weight quantization (one E4M3 scale per 16x16 tile), one Pallas kernel.
 
 Axis legend: M, K the last two axes (leading axes flattened into the rows), G = rows/16 tile rows,
-NB = K/16 tile columns. The kernel reads x viewed as (G, 16, NB, 8, 2) — a free reshape — so a tile's
-amax is a reduction over axes (1, 3, 4) and the two elements of each output byte sit in the last axis.
-Codes are packed along K (the last axis); the packed-along-M layout is the transpose of the
-quantization of xᵀ (spec §2, 2D tiles are transpose-symmetric), done by the caller.
+NB = K/16 tile columns. Each program loads a (tile_rows·16, tile_cols·16) tile of x as contiguous rows
+(wide loads), reshapes it in registers to (G, 16, NB, 16) so a tile's amax is a reduction over axes
+(1, 3), encodes with the bit-arithmetic E2M1 encode and packs code pairs along K from a
+(rows, NB·8, 2) register view. Codes are packed along K (the last axis); the packed-along-M layout is
+the transpose of the quantization of xᵀ (spec §2, 2D tiles are transpose-symmetric), done by the caller.
 """
 from __future__ import annotations
 
@@ -39,14 +40,18 @@ def _quantize_2d_kernel(*refs, stochastic, interpret):
     x_ref, f_ref, bits_ref, q_ref, s_ref = refs
   else:
     (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
-  x_Gx16xNx8x2 = x_ref[...].astype(jnp.float32)
-  amax_GxN = jnp.max(jnp.abs(x_Gx16xNx8x2), axis=(1, 3, 4))
+  x_RxK = x_ref[...].astype(jnp.float32)
+  r, k = x_RxK.shape
+  g, nb = r // TILE, k // TILE
+  x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE)
+  amax_GxN = jnp.max(jnp.max(jnp.abs(x_Gx16xNx16), axis=3), axis=1)
   s_enc6_Gx1 = f_ref[:, 0][:, None]
   s_dec_Gx1 = f_ref[:, 1][:, None]
   byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
-  scaled = jnp.clip(x_Gx16xNx8x2 * enc_GxN[:, None, :, None, None], -6.0, 6.0)
-  bits = None if bits_ref is None else bits_ref[...]
-  q_ref[...] = C.pack_pairs(C.encode(scaled, bits))
+  scaled = jnp.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
+  bits = None if bits_ref is None else bits_ref[...].reshape(g, TILE, nb, TILE)
+  codes = C.encode(scaled, bits)
+  q_ref[...] = C.pack_pairs(codes.reshape(r, k // 2, 2))
   s_ref[...] = byte_GxN.astype(jnp.uint8)
 
 
@@ -56,25 +61,25 @@ def _quantize_2d_call(x_RxK, factors_Gx2, bits_RxK, *, tiles, interpret):
   g, nb = r // TILE, k // TILE
   bg, gp = C.fit(g, tiles.tile_rows)
   bn, nbp = C.fit(nb, tiles.tile_cols)
-  view = lambda a: C.pad_axis(C.pad_axis(a.reshape(g, TILE, nb, 8, 2), 0, gp), 2, nbp)
-  spec5 = plc.BlockSpec((bg, TILE, bn, 8, 2), lambda i, j: (i, 0, j, 0, 0))
-  ops = [view(x_RxK), C.pad_axis(factors_Gx2, 0, gp)]
-  in_specs = [spec5, plc.BlockSpec((bg, 2), lambda i, j: (i, 0))]
+  pad = lambda a: C.pad_axis(C.pad_axis(a, 0, gp * TILE), 1, nbp * TILE)
+  spec = plc.BlockSpec((bg * TILE, bn * TILE), lambda i, j: (i, j))
+  ops = [pad(x_RxK), C.pad_axis(factors_Gx2, 0, gp)]
+  in_specs = [spec, plc.BlockSpec((bg, 2), lambda i, j: (i, 0))]
   if bits_RxK is not None:
-    ops.append(view(bits_RxK))
-    in_specs.append(spec5)
+    ops.append(pad(bits_RxK))
+    in_specs.append(spec)
   kernel = functools.partial(_quantize_2d_kernel, stochastic=bits_RxK is not None,
                              interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((gp, TILE, nbp, 8), jnp.uint8),
+      out_shape=(jax.ShapeDtypeStruct((gp * TILE, nbp * TILE // 2), jnp.uint8),
                  jax.ShapeDtypeStruct((gp, nbp), jnp.uint8)),
       grid=(gp // bg, nbp // bn), in_specs=in_specs,
-      out_specs=(plc.BlockSpec((bg, TILE, bn, 8), lambda i, j: (i, 0, j, 0)),
+      out_specs=(plc.BlockSpec((bg * TILE, bn * TILE // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((bg, bn), lambda i, j: (i, j))),
       interpret=interpret, name="fp4jax_quantize_nvfp4_16x16",
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
-  return q[:g, :, :nb].reshape(r, k // 2), s[:g, :nb]
+  return q[:r, :k // 2], s[:g, :nb]
 
 
 def tile_row_factors(amax, x_shape):
