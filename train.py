@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -197,6 +198,22 @@ class _LogTail(io.TextIOBase):
 _LOG_TAIL = _LogTail()
 
 
+def _quiet_background_errors() -> None:
+  """An exception in a background thread (TensorBoard's writer, orbax) or at exit: one line on stderr, the
+  traceback to the log (error.log on failure)."""
+  def thread_hook(args):
+    _LOG_TAIL.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+    name = args.thread.name if args.thread is not None else "?"
+    print(f"warning: background thread {name} failed: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr)
+
+  def unraisable_hook(unraisable):
+    _LOG_TAIL.write("".join(traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
+                                                       unraisable.exc_traceback)))
+
+  threading.excepthook = thread_hook
+  sys.unraisablehook = unraisable_hook
+
+
 def _error_log(workdir: str) -> str:
   """Where the traceback goes: <workdir>/error.log when that directory can be written, else a temp file."""
   if os.path.isdir(workdir) and os.access(workdir, os.W_OK):
@@ -220,6 +237,8 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present and not _DEBUG.value:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     logging.get_absl_handler().python_handler.stream = _LOG_TAIL  # warnings and errors: to error.log on failure
+  if not _DEBUG.value:
+    _quiet_background_errors()
   config = _load_config()
   workdir = _WORKDIR.value or os.path.join("runs", config.name)
   import training  # pylint: disable=g-import-not-at-top  (after jax.distributed: see _initialize_distributed)

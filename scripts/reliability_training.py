@@ -1,0 +1,94 @@
+"""The training pipeline's fault matrix: runs tests/test_train_reliability.py and prints the table (case ->
+verdict) with counts; ``--write`` also puts it into the "Training pipeline" section of docs/RELIABILITY.md.
+
+  python scripts/reliability_training.py            # about 4 minutes on 2 CPU cores
+  python scripts/reliability_training.py --write -n 2
+
+A case whose test passes has the verdict its test asserts (a clear error with its exit code, or the exactly
+specified result); a failing test is listed as FAILED with its first error line.
+"""
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_FILE = os.path.join("tests", "test_train_reliability.py")
+DOC = os.path.join(ROOT, "docs", "RELIABILITY.md")
+BEGIN, END = "<!-- training-matrix:begin -->", "<!-- training-matrix:end -->"
+
+
+def run_tests(workers: int) -> dict[str, tuple[str, str]]:
+  """{test name: (outcome "passed" | "failed" | "skipped", detail)} from one pytest run."""
+  with tempfile.TemporaryDirectory() as tmp:
+    report = os.path.join(tmp, "report.xml")
+    command = [sys.executable, "-m", "pytest", "-q", TEST_FILE, f"--junitxml={report}"]
+    if workers > 1:
+      command += ["-n", str(workers)]
+    subprocess.run(command, cwd=ROOT, check=False)
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+      name = case.get("name").split("[")[0]
+      problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+      if problem is not None:
+        outcomes[name] = ("failed", (problem.get("message") or "").splitlines()[0][:120] if problem.get("message") else "")
+      elif case.find("skipped") is not None:
+        outcomes[name] = ("skipped", case.find("skipped").get("message") or "")
+      else:
+        outcomes[name] = ("passed", "")
+  return outcomes
+
+
+def load_cases() -> dict[str, tuple[str, str, int | None]]:
+  """CASES of the test file, read without importing it (no JAX start-up)."""
+  with open(os.path.join(ROOT, TEST_FILE), encoding="utf-8") as f:
+    source = f.read()
+  block = source[source.index("CASES = {"):source.index("\n}\n")]
+  cases = {}
+  for name, text, verdict, code in re.findall(r'"(test_\w+)": \("(.*?)", (CLEAR|CORRECT), (\d+|None)\)', block):
+    cases[name] = (text, "clear error" if verdict == "CLEAR" else "correct result", None if code == "None" else int(code))
+  return cases
+
+
+def table(cases, outcomes) -> str:
+  counts = {"clear error": 0, "correct result": 0, "skipped": 0, "FAILED": 0}
+  rows = ["| # | case | verdict | exit code | test |", "|---|---|---|---|---|"]
+  for i, (name, (text, verdict, code)) in enumerate(cases.items(), 1):
+    outcome, detail = outcomes.get(name, ("failed", "not run"))
+    shown = verdict if outcome == "passed" else ("skipped: " + detail if outcome == "skipped" else f"FAILED: {detail}")
+    counts[verdict if outcome == "passed" else "skipped" if outcome == "skipped" else "FAILED"] += 1
+    rows.append(f"| {i} | {text} | {shown} | {'' if code is None else code} | `{name}` |")
+  head = (f"{len(cases)} cases: {counts['clear error']} clear errors, {counts['correct result']} correct results, "
+          f"{counts['skipped']} skipped, {counts['FAILED']} failed; 0 silently wrong and 0 raw tracebacks unless "
+          "a case failed. Run on "
+          f"{datetime.date.today().isoformat()}, {platform.machine()} {platform.system()}, "
+          f"`python scripts/reliability_training.py`.")
+  return head + "\n\n" + "\n".join(rows)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--write", action="store_true", help="replace the matrix in docs/RELIABILITY.md")
+  parser.add_argument("-n", type=int, default=1, help="pytest-xdist workers")
+  args = parser.parse_args()
+  cases = load_cases()
+  text = table(cases, run_tests(args.n))
+  print(text)
+  if args.write:
+    with open(DOC, encoding="utf-8") as f:
+      doc = f.read()
+    if BEGIN not in doc or END not in doc:
+      raise SystemExit(f"{DOC} has no {BEGIN} ... {END} markers to replace")
+    doc = doc[:doc.index(BEGIN) + len(BEGIN)] + "\n" + text + "\n" + doc[doc.index(END):]
+    with open(DOC, "w", encoding="utf-8") as f:
+      f.write(doc)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
