@@ -38,6 +38,7 @@ from ml_collections import config_flags
 import training
 from models import count_params
 from training import config as config_lib
+from training import report as report_lib
 from training import sharding
 
 # Each variant is a set of overrides (dotted config paths) of the study's base training config.
@@ -108,17 +109,9 @@ def run_config(config, variant: str, seed: int):
 # ------------------------------------------------------------------------------------------- running
 
 def read_metrics(workdir: str) -> dict[str, list[dict]]:
-  """``metrics.jsonl`` records by kind; a step logged twice (after a resume) keeps its last record."""
-  by_kind: dict[str, dict[int, dict]] = {}
-  path = os.path.join(workdir, "metrics.jsonl")
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        line = line.strip()
-        if line:
-          rec = json.loads(line)
-          by_kind.setdefault(rec.get("kind", "?"), {})[int(rec["step"])] = rec
-  return {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_kind.items()}
+  """``metrics.jsonl`` records by kind, in step order; a step logged twice (after a resume) keeps its last record."""
+  by_kind = report_lib.read_records(os.path.join(workdir, "metrics.jsonl"))
+  return {kind: [records[s] for s in sorted(records)] for kind, records in by_kind.items()}
 
 
 def _count_params(run) -> int:
@@ -195,7 +188,7 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _eval_curve(workdir: str) -> dict[int, float]:
-  return {int(r["step"]): float(r["loss"]) for r in read_metrics(workdir).get("eval", [])}
+  return {int(r["step"]): float(r["loss"]) for r in read_metrics(workdir).get("eval", []) if r["loss"] is not None}
 
 
 def collect(config, runs_dir: str) -> dict:
