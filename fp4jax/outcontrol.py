@@ -8,15 +8,22 @@ For one linear layer y = x·w (x_MxK, w_KxN; K the input channels):
    is FP4.
 3. Forward: y = DBQ(x[:, C4]) · DBQ(w[C4, :]) + MXFP8(x[:, C8]) · MXFP8(w[C8, :]), one float32 sum;
    the FP4 blocks (16, 128) run over the gathered C4 channels in their descending-norm order.
+4. Backward (``dot``): dgrad in FP4 for all channels: ŵ assembled from the dequantized FP8 and FP4
+   parts, RHT-16 along N with fresh signs of it and of dy, SR DBQ; wgrad of the C4 rows as TetraJet-v2's
+   (RHT-16 along tokens of x̂4 and dy, SR DBQ), of the C8 rows in MXFP8 along tokens without RHT from
+   the forward's dequantized FP8 activations x̂8 and dy.
 k8 = min(⌊K/128⌋·128, ⌈⌊K·ratio⌋/128⌉·128): a multiple of 128 and at least 128 once K·ratio >= 1.
 The plan (``perm``, ``k8``) is plain data: it lives in the train state and the checkpoint.
 Axis legend: M tokens, K input channels, N output features.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from fp4jax import dbq, mxfp8
+from fp4jax import dbq, eden, mxfp8
 
 DEFAULT_RATIO = 0.1
 
@@ -66,3 +73,99 @@ def split_fprop(x_MxK, w_KxN, perm_K, n_fp8: int):
   if n_fp8:
     y = y + mxfp8.gemm(mxfp8.quantize(x_g[:, :n_fp8]), mxfp8.quantize(w_g[:n_fp8].T))
   return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# The OutControl linear layer as a custom_vjp (TetraJet-v2 with a fixed channel split)
+# ---------------------------------------------------------------------------------------------------
+
+def _pad_axis(a, axis, multiple):
+  extra = -a.shape[axis] % multiple
+  if not extra:
+    return a
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(a, widths)
+
+
+def _forward(x_MxK, w_KxN, perm_K, n_fp8):
+  x_g = jnp.take(x_MxK.astype(jnp.float32), perm_K, axis=1)
+  w_g = jnp.take(w_KxN.astype(jnp.float32), perm_K, axis=0)
+  y = jnp.zeros((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
+  q4x = q4w = q8x = q8w = None
+  if n_fp8 < x_MxK.shape[1]:
+    q4x = dbq.quantize(_pad_axis(x_g[:, n_fp8:], 1, dbq.OUTER))
+    q4w = dbq.quantize(_pad_axis(w_g[n_fp8:].T, 1, dbq.OUTER))            # (N, K4)
+    y = dbq.gemm(q4x, q4w)
+  if n_fp8:
+    q8x, q8w = mxfp8.quantize(x_g[:, :n_fp8]), mxfp8.quantize(w_g[:n_fp8].T)   # (M, k8), (N, k8)
+    y = y + mxfp8.gemm(q8x, q8w)
+  return y, (q4x, q4w, q8x, q8w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dot(x_MxK, w_KxN, perm_K, n_fp8, key):
+  del key
+  return _forward(x_MxK, w_KxN, perm_K, n_fp8)[0]
+
+
+def _dot_fwd(x_MxK, w_KxN, perm_K, n_fp8, key):
+  y, quantized = _forward(x_MxK, w_KxN, perm_K, n_fp8)
+  dtypes = (jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_KxN.dtype))   # residuals must be arrays
+  return y, (quantized, perm_K, key, dtypes)
+
+
+def _scatter(t_g, perm_K, axis):
+  """Inverse of the gather by perm along ``axis``."""
+  inv = jnp.argsort(perm_K)
+  return jnp.take(t_g, inv, axis=axis)
+
+
+def _dot_bwd(n_fp8, res, dy_MxN):
+  (q4x, q4w, q8x, q8w), perm_K, key, (x_like, w_like) = res
+  x_dtype, w_dtype = x_like.dtype, w_like.dtype
+  k_in = perm_K.shape[0]
+  dy = dy_MxN.astype(jnp.float32)
+  key_d, key_w = jax.random.split(key)
+  # Dgrad: the whole gathered ŵ (N, K) in FP4 after RHT-16 along N.
+  parts = ([mxfp8.dequantize(q8w)] if n_fp8 else []) + ([dbq.dequantize(q4w)] if q4w is not None else [])
+  wt_hat = jnp.concatenate(parts, axis=1)[:, :k_in]
+  k_sign, k_a, k_b = jax.random.split(key_d, 3)
+  s = eden.random_signs(k_sign, 16)
+  dy_rot, w_rot = eden.rht(dy, s), eden.rht(wt_hat.T, s)                   # (M, N), (K, N)
+  q_dy = dbq.quantize(dy_rot, bits=jax.random.bits(k_a, dy_rot.shape, jnp.uint8))
+  q_w = dbq.quantize(w_rot, bits=jax.random.bits(k_b, w_rot.shape, jnp.uint8))
+  dx_g = dbq.gemm(q_dy, q_w)
+  # Wgrad, C8 rows: MXFP8 along tokens, no RHT, from the forward's FP8 activations; C4 rows:
+  # TetraJet-v2's operands along tokens.
+  k_sign, k_a, k_b = jax.random.split(key_w, 3)
+  s = eden.random_signs(k_sign, 16)
+  parts = []
+  if n_fp8:
+    parts.append(mxfp8.gemm(mxfp8.quantize(mxfp8.dequantize(q8x).T), mxfp8.quantize(dy.T)))
+  if q4x is not None:
+    x4t = eden.rht(dbq.dequantize(q4x).T, s)                                # (K4, M)
+    dyt = eden.rht(dy.T, s)                                                 # (N, M)
+    parts.append(dbq.gemm(dbq.quantize(x4t, bits=jax.random.bits(k_a, x4t.shape, jnp.uint8)),
+                          dbq.quantize(dyt, bits=jax.random.bits(k_b, dyt.shape, jnp.uint8))))
+  dw_g = jnp.concatenate(parts, axis=0)[:k_in]
+  dx = _scatter(dx_g, perm_K, 1)
+  dw = _scatter(dw_g, perm_K, 0)
+  perm_ct = jnp.zeros(perm_K.shape, jax.dtypes.float0)
+  return dx.astype(x_dtype), dw.astype(w_dtype), perm_ct, None
+
+
+_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def dot(x_MxK, w_KxN, perm_K, n_fp8: int, *, key):
+  """y = x·w as TetraJet-v2's linear layer with OutControl: the first ``n_fp8`` channels of ``perm``
+  in MXFP8, the rest in DBQ NVFP4 (see the module docstring for the backward pass). Pads M to 128
+  and N to 128; ``key`` gives the backward pass's signs and stochastic rounding."""
+  m, n = x_MxK.shape[0], w_KxN.shape[1]
+  if n_fp8 % mxfp8.BLOCK or not 0 <= n_fp8 <= x_MxK.shape[1]:
+    raise ValueError(f"n_fp8={n_fp8} must be a multiple of 32 between 0 and K={x_MxK.shape[1]}; "
+                     "use k8(K, ratio)")
+  x_p = _pad_axis(x_MxK, 0, dbq.OUTER)
+  w_p = _pad_axis(w_KxN, 1, dbq.OUTER)
+  return _dot(x_p, w_p, perm_K.astype(jnp.int32), n_fp8, key)[:m, :n]
