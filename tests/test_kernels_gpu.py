@@ -17,7 +17,7 @@ from fp4jax.hadamard import rht
 from fp4jax.reference import quantize_reference, scaled_matmul_reference
 from test_kernels_quantize import (_Quantize1dCases, _Quantize2dCases, _QuantizeRhtTCases,
                                    make_bits, make_input)
-from test_kernels_scaled_matmul import _ScaledMatmulCases, rel_err
+from test_kernels_scaled_matmul import _ScaledMatmulCases, _ScaledMatmulExactCases, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not plc.gpu_available(), reason="needs a CUDA GPU")]
@@ -36,6 +36,10 @@ class TestQuantizeRhtTGpu(_QuantizeRhtTCases):
 
 
 class TestScaledMatmulGpu(_ScaledMatmulCases):
+  INTERPRET = False
+
+
+class TestScaledMatmulExactGpu(_ScaledMatmulExactCases):
   INTERPRET = False
 
 

@@ -1,7 +1,11 @@
-"""Scaled matmul kernel against dequantize-then-jnp.dot in float32 (relative error <= 1e-6).
+"""Scaled matmul kernels (dequantize-to-bf16 pass, bf16 GEMM) against the reference.
 
-The class runs the kernel in the Pallas interpreter (INTERPRET = True); tests/test_kernels_gpu.py
-subclasses it with INTERPRET = False.
+The dequantize kernel is compared bit for bit (``==``) with the reference's e2m1 · scale in bf16 over
+every code and every scale byte. The GEMM sums exact bf16 products in float32 in its own order, so
+it equals the reference bit for bit where every partial sum is exact (operands whose scales are 0.5 or
+1: all products are multiples of 2^-4 below 2^24 · 2^-4 in sum), and within relative error 1e-6 of
+dequantize-then-jnp.dot in float32 on general operands. The classes run the kernels in the Pallas
+interpreter (INTERPRET = True); tests/test_kernels_gpu.py subclasses them with INTERPRET = False.
 """
 import jax
 import jax.numpy as jnp
@@ -9,8 +13,10 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import formats
 from fp4jax.kernels import scaled_matmul as KM
-from fp4jax.reference import scaled_matmul_reference, tensor_factor
+from fp4jax.qtensor import QTensor
+from fp4jax.reference import _scaled_codes_bf16, scaled_matmul_reference, tensor_factor
 
 REL_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2 ** -8}   # bf16 output: one rounding of the result
 TILE = (16, 16)
@@ -73,5 +79,62 @@ class _ScaledMatmulCases:
     assert rel_err(got, ref) <= REL_TOL[out_dtype]
 
 
+def exact_operand(shape, fmt, tile, seed):
+  """A QTensor with random codes and scales 0.5 or 1 (E4M3 0x30/0x38, E8M0 126/127): every partial
+  sum of a GEMM of two of them is exact in float32 for K <= 2^13, whatever the order."""
+  rng = np.random.default_rng(seed)
+  r, k = shape
+  data = jnp.asarray(rng.integers(0, 256, (r, k // 2)), jnp.uint8)
+  s_shape = (r // tile[0], k // tile[1]) if tile else (r, k // formats.BLOCK[fmt])
+  choices = np.array([0x30, 0x38] if fmt == "nvfp4" else [126, 127], np.uint8)
+  scale = jax.lax.bitcast_convert_type(jnp.asarray(rng.choice(choices, s_shape)),
+                                       formats.SCALE_DTYPE[fmt])
+  amax = jnp.float32(rng.uniform(1, 100)) if fmt == "nvfp4" else None
+  return QTensor(data, scale, amax, fmt, -1, None if tile else formats.BLOCK[fmt], tile,
+                 jnp.dtype(jnp.float32), "rceil" if fmt == "mxfp4" else None)
+
+
+class _ScaledMatmulExactCases:
+  INTERPRET = True
+
+  @pytest.mark.parametrize("fmt,a_tile,b_tile,m,n,k", [
+      ("nvfp4", None, TILE, 48, 80, 1024), ("nvfp4", TILE, None, 304, 16, 64),
+      ("nvfp4", None, None, 16, 272, 256), ("mxfp4", None, None, 32, 48, 512)])
+  def test_equals_reference_bit_for_bit(self, fmt, a_tile, b_tile, m, n, k):
+    a = exact_operand((m, k), fmt, a_tile, 0)
+    b = exact_operand((n, k), fmt, b_tile, 1)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+      got = KM.scaled_matmul(a.data, _bytes(a.scale), b.data, _bytes(b.scale), tensor_factor(a, b),
+                             fmt=fmt, a_tiled=a_tile is not None, b_tiled=b_tile is not None,
+                             out_dtype=out_dtype, interpret=self.INTERPRET)
+      want = scaled_matmul_reference(a, b, out_dtype)
+      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                    np.asarray(want.astype(jnp.float32)))
+
+  @pytest.mark.parametrize("fmt,tile", [("nvfp4", None), ("nvfp4", TILE), ("mxfp4", None)])
+  def test_dequantize_kernel_every_code_and_scale(self, fmt, tile):
+    """All 256 code bytes against all 256 scale bytes (NaN scales included), == the reference."""
+    r, k = (256, 512) if tile is None else (256, 4096)
+    data = jnp.tile(jnp.arange(256, dtype=jnp.uint8), (r, k // 512))
+    n_scales = r * k // (256 if tile else formats.BLOCK[fmt])
+    s_bytes = jnp.tile(jnp.arange(256, dtype=jnp.uint8), n_scales // 256)
+    s_shape = (r // 16, k // 16) if tile else (r, k // formats.BLOCK[fmt])
+    scale = jax.lax.bitcast_convert_type(s_bytes.reshape(s_shape), formats.SCALE_DTYPE[fmt])
+    q = QTensor(data, scale, jnp.float32(1.0) if fmt == "nvfp4" else None, fmt, -1,
+                None if tile else formats.BLOCK[fmt], tile, jnp.dtype(jnp.float32),
+                "rceil" if fmt == "mxfp4" else None)
+    got = KM.dequantize_bf16(data, _bytes(scale), fmt=fmt, tiled=tile is not None,
+                             interpret=self.INTERPRET)
+    want = _scaled_codes_bf16(q)
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
+
+
 class TestScaledMatmulInterpret(_ScaledMatmulCases):
+  INTERPRET = True
+
+
+class TestScaledMatmulExactInterpret(_ScaledMatmulExactCases):
   INTERPRET = True

@@ -124,6 +124,7 @@ def e8m0_value(byte):
 
 _ONE_BITS = 0x3F800000           # float32 1.0
 _TWO_POW_22 = 4194304.0          # x + 2^22 rounds x to a multiple of 0.5, ties to even (RNE adder)
+_TWO_POW_22_BITS = 0x4A800000    # its float32 bits (a literal: Triton cannot bitcast a constant)
 
 
 def _sign_code(xbits):
@@ -144,7 +145,7 @@ def encode_rne_bits(x_f32):
   mbits = xbits & 0x7FFFFFFF
   mag = lax.bitcast_convert_type(mbits, jnp.float32)
   normal = ((mbits + 0x1FFFFF + ((mbits >> 22) & 1)) >> 22) - 252
-  small = _f32_bits(mag + jnp.float32(_TWO_POW_22)) - _f32_bits(jnp.float32(_TWO_POW_22))
+  small = _f32_bits(mag + jnp.float32(_TWO_POW_22)) - _TWO_POW_22_BITS
   code = jnp.where(mbits < _ONE_BITS, small, jnp.minimum(normal, 7))
   code = jnp.where(mbits > 0x7F800000, 0, code)                     # NaN -> ±0, as the reference
   return code | _sign_code(xbits)
@@ -169,6 +170,17 @@ def encode_sr_bits(x_f32, bits):
                    jnp.minimum((tbits >> 22) - 252, 7))
   code = jnp.where(mbits > 0x7F800000, 0, code)
   return code | _sign_code(xbits)
+
+
+def e2m1_value(codes):
+  """float32 values of E2M1 codes (int32/uint8, low nibble), built from bits: the sign, then for
+  magnitude codes >= 2 the 2-bit exponent and 1-bit mantissa shifted into place (+ bias 126), codes
+  0 and 1 (0 and 0.5) by one select. Equals ``e2m1.decode``."""
+  c = codes.astype(jnp.int32)
+  mag = c & 7
+  normal = (mag << 22) + 0x3F000000
+  small = jnp.where(mag == 1, 0x3F000000, 0)
+  return _f32_from_bits(jnp.where(mag < 2, small, normal) | ((c & 8) << 28))
 
 
 def encode(scaled_f32, bits):

@@ -1,15 +1,19 @@
-"""Scaled matmul of two FP4 operands: out (M, N) = factor · sum_k a[m, k] · b[n, k], one Pallas kernel.
+"""Scaled matmul of two FP4 operands: out (M, N) = factor · sum_k a[m, k] · b[n, k], two Pallas kernels.
 
 Axis legend: M rows of a (leading axes flattened), N rows of b, K the contraction axis (the quantized
 and packed axis of both), B the block (16 nvfp4, 32 mxfp4).
 
-Packed codes and scale bytes go in; each program owns a (bm, bn) output tile and walks K in steps of
-bk: unpack a (bm, bk/2) byte tile into (bm, bk) codes, decode them and multiply by their block scales
-(1x16 / 1x32 blocks, or 16x16 tiles for 2D-quantized weights) — the product is exact in bfloat16 —
-then a bf16 x bf16 dot with float32 accumulation (tensor cores on GPU). The tensor factor
-(amax_a · amax_b / (6·6·448·448) for NVFP4, 1 for MXFP4) multiplies the float32 accumulator once at
-the end; the result is cast to the output dtype. This is the exact emulation of an FP4 tensor-core
-GEMM on hardware without FP4 units (spec §2), up to the order of the float32 sums.
+Design (Hopper has no FP4 tensor cores; the products e2m1 · block scale are exact in bfloat16):
+  1. ``_dequantize_kernel`` reads each operand's packed codes and scale bytes once and writes
+     e2m1(code) · block scale as bfloat16 (exact; no tensor factor) — every element is decoded exactly
+     once, by bit operations, in a memory-bound pass (0.56 bytes in, 2 bytes out per element), not in
+     the K loop of the GEMM where it would compete with the MMA for issue slots.
+  2. ``_gemm_kernel``: a bf16 x bf16 GEMM with float32 accumulation on (bm, bn) tiles with wide N tiles
+     (tensor cores on GPU); the tensor factor (amax_a · amax_b / (6·6·448·448) for NVFP4, 1 for MXFP4)
+     multiplies the float32 accumulator once, then the cast to the output dtype.
+The XLA composition (``fp4jax.reference.scaled_matmul_reference``: dequantize to bf16, one
+``dot_general``, cuBLAS on GPU) is the same computation and the baseline this pair must beat
+(``scripts/gpu_check.py``); they differ only in the order of the float32 sums.
 """
 from __future__ import annotations
 
@@ -18,10 +22,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import e2m1, formats, reference
+from fp4jax import formats, reference
 from fp4jax.kernels import _common as C
 
 TILE = formats.NVFP4.tile[0]   # side of the square 2D tiles (nvfp4 is the kernel format with tiles)
@@ -30,55 +33,98 @@ _MIN_DOT = 16                  # tl.dot needs every dimension >= 16
 
 @dataclasses.dataclass(frozen=True)
 class ScaledMatmulTiles:
-  bm: int = 128
-  bn: int = 128
-  bk: int = 128            # elements of K per step (a multiple of the block)
+  bm: int = 128            # GEMM output rows per program
+  bn: int = 256            # GEMM output columns per program (wide: fewer re-reads of a)
+  bk: int = 64             # elements of K per GEMM step (a multiple of the block)
   num_warps: int = 8
   num_stages: int = 3
+  dq_rows: int = 32        # dequantize pass: rows per program
+  dq_cols: int = 512       # dequantize pass: elements of K per program
 
 
 DEFAULT_TILES = ScaledMatmulTiles()
 
 
-def _dequant_tile_bf16(packed_RxK2, scale_bytes, *, fmt, tiled):
+def _dequantize_kernel(p_ref, s_ref, o_ref, *, fmt, tiled):
   """bf16 (R, K) tile of e2m1(code) · block scale (exact) from packed codes and scale bytes."""
-  r, k2 = packed_RxK2.shape
+  p = p_ref[...].astype(jnp.int32)
+  r, k2 = p.shape
   k = 2 * k2
-  p = packed_RxK2.astype(jnp.int32)
   codes = jnp.stack([p & 0xF, (p >> 4) & 0xF], axis=-1).reshape(r, k)
-  vals = e2m1.decode(codes)
-  s = C.e4m3_value(scale_bytes) if fmt == "nvfp4" else C.e8m0_value(scale_bytes)
+  vals = C.e2m1_value(codes)
+  s = s_ref[...]
+  s = C.e4m3_value(s) if fmt == "nvfp4" else C.e8m0_value(s)
   if tiled:
     g, nb = s.shape
     s_full = jnp.broadcast_to(s[:, None, :, None], (g, TILE, nb, TILE)).reshape(r, k)
   else:
     nb = s.shape[1]
-    b = k // nb
-    s_full = jnp.broadcast_to(s[:, :, None], (r, nb, b)).reshape(r, k)
-  return (vals * s_full).astype(jnp.bfloat16)
+    s_full = jnp.broadcast_to(s[:, :, None], (r, nb, k // nb)).reshape(r, k)
+  o_ref[...] = (vals * s_full).astype(jnp.bfloat16)
 
 
-def _scaled_matmul_kernel(a_ref, as_ref, b_ref, bs_ref, f_ref, o_ref, *, fmt, a_tiled, b_tiled,
-                          bk, nk):
-  bm, bn = o_ref.shape
+def _pow2_divisor(dim: int, pref: int, unit: int) -> int:
+  """The largest unit·2^i <= max(pref, unit) that divides ``dim`` (a multiple of ``unit``)."""
+  d = unit
+  while d * 2 <= pref and dim % (d * 2) == 0:
+    d *= 2
+  return d
+
+
+def _dequantize_call(data, scale, *, fmt, tiled, rows, cols, tiles, interpret):
+  """bf16 (rows, cols) of packed codes (R, K/2) and scale bytes, zero-padded to (rows, cols)."""
+  r, k2 = data.shape
   blk = formats.BLOCK[fmt]
+  r_unit, c_unit = (TILE, TILE) if tiled else (1, blk)
+  data = C.pad_axis(C.pad_axis(data, 0, rows), 1, cols // 2)
+  scale = C.pad_axis(C.pad_axis(scale, 0, rows // r_unit), 1, cols // c_unit)
+  br = _pow2_divisor(rows, tiles.dq_rows, r_unit)
+  bc = _pow2_divisor(cols, tiles.dq_cols, c_unit)
+  return plc.pallas_call(
+      functools.partial(_dequantize_kernel, fmt=fmt, tiled=tiled),
+      out_shape=jax.ShapeDtypeStruct((rows, cols), jnp.bfloat16),
+      grid=(rows // br, cols // bc),
+      in_specs=[plc.BlockSpec((br, bc // 2), lambda i, j: (i, j)),
+                plc.BlockSpec((br // r_unit, bc // c_unit), lambda i, j: (i, j))],
+      out_specs=plc.BlockSpec((br, bc), lambda i, j: (i, j)),
+      interpret=interpret, name=f"fp4jax_dequantize_bf16_{fmt}_{'16x16' if tiled else f'1x{blk}'}",
+      num_warps=4, num_stages=2)(data, scale)
 
-  def scale_cols(tiled):
-    return bk // TILE if tiled else bk // blk
+
+def _gemm_kernel(a_ref, b_ref, f_ref, o_ref, *, bk, nk):
+  bm, bn = o_ref.shape
 
   def body(step, acc):
-    kp = plc.multiple_of(step * (bk // 2), bk // 2)
-    a_p = a_ref[:, plc.ds(kp, bk // 2)]
-    b_p = b_ref[:, plc.ds(kp, bk // 2)]
-    ca, cb = scale_cols(a_tiled), scale_cols(b_tiled)
-    a_s = as_ref[:, plc.ds(plc.multiple_of(step * ca, ca), ca)]
-    b_s = bs_ref[:, plc.ds(plc.multiple_of(step * cb, cb), cb)]
-    a_bf16 = _dequant_tile_bf16(a_p, a_s, fmt=fmt, tiled=a_tiled)
-    b_bf16 = _dequant_tile_bf16(b_p, b_s, fmt=fmt, tiled=b_tiled)
-    return acc + plc.dot_nt_f32(a_bf16, b_bf16)
+    k0 = plc.multiple_of(step * bk, bk)
+    return acc + plc.dot_nt_f32(a_ref[:, plc.ds(k0, bk)], b_ref[:, plc.ds(k0, bk)])
 
-  acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
   o_ref[...] = (acc * f_ref[0]).astype(o_ref.dtype)
+
+
+def _gemm_call(a_bf16, b_bf16, factor_1, *, bm, bn, bk, out_dtype, tiles, interpret):
+  """out (M, N) = factor · a (M, K) · b (N, K)ᵀ, all of M, N, K multiples of their tiles."""
+  mp, kp = a_bf16.shape
+  np_ = b_bf16.shape[0]
+  return plc.pallas_call(
+      functools.partial(_gemm_kernel, bk=bk, nk=kp // bk),
+      out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+      grid=(mp // bm, np_ // bn),
+      in_specs=[plc.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                plc.BlockSpec((bn, kp), lambda i, j: (j, 0)),
+                plc.BlockSpec((1,), lambda i, j: (0,))],
+      out_specs=plc.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      interpret=interpret, name="fp4jax_gemm_bf16_f32acc",
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(a_bf16, b_bf16, factor_1)
+
+
+def _fit_min(dim: int, pref: int) -> tuple[int, int]:
+  """``C.fit`` with a block of at least _MIN_DOT (padding up when the dimension is small)."""
+  b, padded = C.fit(dim, pref)
+  if b < _MIN_DOT:
+    b = _MIN_DOT
+    padded = -(-dim // b) * b
+  return b, padded
 
 
 def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_1, *, fmt, a_tiled, b_tiled,
@@ -88,39 +134,27 @@ def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_1, *, fmt, a_ti
   n = b_data.shape[0]
   k = 2 * k2
   blk = formats.BLOCK[fmt]
-  unit = TILE if (a_tiled or b_tiled) else blk       # K granularity that keeps scales aligned
-  unit = max(unit, blk)
-  ku, kup = C.fit(k // unit, max(1, tiles.bk // unit))
+  unit = max(TILE if (a_tiled or b_tiled) else blk, blk)   # K granularity that keeps scales aligned
+  ku, kup = C.fit(k // unit, max(1, tiles.bk // unit))      # bk >= unit >= 16
   bk, kp = ku * unit, kup * unit
-  bm, mp = C.fit(m, tiles.bm)
-  bn, np_ = C.fit(n, tiles.bn)
-  if bm < _MIN_DOT or bn < _MIN_DOT or bk < _MIN_DOT:
-    bm, mp = max(bm, _MIN_DOT), -(-m // max(bm, _MIN_DOT)) * max(bm, _MIN_DOT)
-    bn, np_ = max(bn, _MIN_DOT), -(-n // max(bn, _MIN_DOT)) * max(bn, _MIN_DOT)
-  a_rows = (lambda v: v // TILE) if a_tiled else (lambda v: v)
-  b_rows = (lambda v: v // TILE) if b_tiled else (lambda v: v)
-  a_cols = (lambda v: v // TILE) if a_tiled else (lambda v: v // blk)
-  b_cols = (lambda v: v // TILE) if b_tiled else (lambda v: v // blk)
-  a_data = C.pad_axis(C.pad_axis(a_data, 0, mp), 1, kp // 2)
-  b_data = C.pad_axis(C.pad_axis(b_data, 0, np_), 1, kp // 2)
-  a_scale = C.pad_axis(C.pad_axis(a_scale, 0, a_rows(mp)), 1, a_cols(kp))
-  b_scale = C.pad_axis(C.pad_axis(b_scale, 0, b_rows(np_)), 1, b_cols(kp))
-  kernel = functools.partial(_scaled_matmul_kernel, fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled,
-                             bk=bk, nk=kp // bk)
-  out = plc.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-      grid=(mp // bm, np_ // bn),
-      in_specs=[plc.BlockSpec((bm, kp // 2), lambda i, j: (i, 0)),
-                plc.BlockSpec((a_rows(bm), a_cols(kp)), lambda i, j: (i, 0)),
-                plc.BlockSpec((bn, kp // 2), lambda i, j: (j, 0)),
-                plc.BlockSpec((b_rows(bn), b_cols(kp)), lambda i, j: (j, 0)),
-                plc.BlockSpec((1,), lambda i, j: (0,))],
-      out_specs=plc.BlockSpec((bm, bn), lambda i, j: (i, j)),
-      interpret=interpret, name=f"fp4jax_scaled_matmul_{fmt}",
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(
-          a_data, a_scale, b_data, b_scale, factor_1)
+  bm, mp = _fit_min(m, tiles.bm)
+  bn, np_ = _fit_min(n, tiles.bn)
+  dq = functools.partial(_dequantize_call, fmt=fmt, cols=kp, tiles=tiles, interpret=interpret)
+  a_bf16 = dq(a_data, a_scale, tiled=a_tiled, rows=mp)
+  b_bf16 = dq(b_data, b_scale, tiled=b_tiled, rows=np_)
+  out = _gemm_call(a_bf16, b_bf16, factor_1, bm=bm, bn=bn, bk=bk, out_dtype=out_dtype, tiles=tiles,
+                   interpret=interpret)
   return out[:m, :n]
+
+
+def dequantize_bf16(data, scale, *, fmt="nvfp4", tiled=False, tiles=DEFAULT_TILES, interpret=False):
+  """e2m1(code) · block scale as bf16 (R, K) (exact, no tensor factor) with the dequantize kernel.
+
+  data (R, K/2) packed codes, scale (R, K/B) scale bytes, or (R/16, K/16) with ``tiled``.
+  """
+  r, k2 = data.shape
+  return _dequantize_call(data, scale, fmt=fmt, tiled=tiled, rows=r, cols=2 * k2, tiles=tiles,
+                          interpret=interpret)
 
 
 def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_tiled=False,
