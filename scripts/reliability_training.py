@@ -27,7 +27,8 @@ def run_tests(workers: int) -> dict[str, tuple[str, str]]:
   """{test name: (outcome "passed" | "failed" | "skipped", detail)} from one pytest run."""
   with tempfile.TemporaryDirectory() as tmp:
     report = os.path.join(tmp, "report.xml")
-    command = [sys.executable, "-m", "pytest", "-q", TEST_FILE, f"--junitxml={report}"]
+    command = [sys.executable, "-m", "pytest", "-q", TEST_FILE, f"--junitxml={report}", "--durations=5",
+               "-m", "not gpu"]  # slow cases too
     if workers > 1:
       command += ["-n", str(workers)]
     subprocess.run(command, cwd=ROOT, check=False)

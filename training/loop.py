@@ -20,7 +20,7 @@ from training import data as data_lib
 from training import sharding
 from training.errors import TrainingDiverged
 from training.run import Run
-from training.step import eval_step, train_step
+from training.step import eval_step, jit_train_step
 
 
 class _StopRequest:
@@ -61,9 +61,7 @@ class Loop:
     models = {run.recipe.name: run.model}
     if run.late_model is not None:
       models[run.late_recipe.name] = run.late_model
-    self._train = {name: jax.jit(functools.partial(train_step, model=m, tx=run.tx, lr_fn=run.lr_fn),
-                                 in_shardings=(run.state_shardings, batch_sh),
-                                 out_shardings=(run.state_shardings, repl), donate_argnums=(0,))
+    self._train = {name: jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh)
                    for name, m in models.items()}
     self._eval = {name: jax.jit(functools.partial(eval_step, model=m),
                                 in_shardings=(run.state_shardings["params"], batch_sh), out_shardings=repl)

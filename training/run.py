@@ -121,13 +121,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
       if shapes(late_params) != shapes(abstract["params"]):
         raise ConfigError(f"recipes {recipe.name} and {late_recipe.name} give different parameter trees; "
                           "the precision switch needs the same parameters")
-  repl = sharding.replicated(mesh)
-  param_sh = sharding.logical_shardings(abstract["params"], mesh)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract["opt_state"], param_sh,
-                                 transform_non_params=lambda _: repl)
-  state_sh = dict(step=repl, params=param_sh, opt_state=opt_sh, rng=repl, nonfinite_total=repl,
-                  nonfinite_streak=repl)
-  abstract = dict(abstract, params=nn.unbox(abstract["params"]))
+  abstract, state_sh = sharding.train_state_shardings(abstract, tx, mesh)
 
   # 3. The work directory, its records, checkpoints and the data iterators.
   workdir = workdir_lib.prepare(workdir, pindex)
