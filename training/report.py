@@ -67,18 +67,16 @@ class Reporter:
     self._skip_interval = True
     self._rate_steps = 0           # steps and seconds after the first (compiling) step, for tokens/s
     self._rate_seconds = 0.0
-    self.train_curve: list[tuple[int, float]] = []
-    self.eval_curve: list[tuple[int, float]] = []
-    self._last_train_record = None
     self._jsonl = self._tb = None
     self._closed = False
+    # Earlier starts of this run (every process reads them, so that all agree on what is left to do).
+    path = os.path.join(workdir, "metrics.jsonl")
+    earlier = read_records(path)
+    self.train_curve = [(s, r["loss"]) for s, r in sorted(earlier.get("train", {}).items())]
+    self.eval_curve = [(s, r["loss"]) for s, r in sorted(earlier.get("eval", {}).items())]
+    self._last_train_record = max(earlier.get("train", {}).items(), default=(None, None))[1]
     if primary:
       os.makedirs(workdir, exist_ok=True)
-      path = os.path.join(workdir, "metrics.jsonl")
-      earlier = read_records(path)  # of earlier starts of this run: the curves cover the whole run
-      self.train_curve = [(s, r["loss"]) for s, r in sorted(earlier.get("train", {}).items())]
-      self.eval_curve = [(s, r["loss"]) for s, r in sorted(earlier.get("eval", {}).items())]
-      self._last_train_record = max(earlier.get("train", {}).items(), default=(None, None))[1]
       self._jsonl = open(path, "a", encoding="utf-8")
       self._png = os.path.join(workdir, "loss.png")
       try:

@@ -96,17 +96,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
     raise ConfigError(f"config.batch_size={config.batch_size} must be a multiple of data * fsdp = {batch_ways} "
                       f"and of the {nproc} processes")
   seq_len = config.data.seq_len
-  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
-  train_split, val_split, data_summary = data_lib.load_splits(config.data, tokenizer)
-  if tokenizer.vocab_size > model_config.vocab_size:
-    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but config.model.vocab_size is "
-                      f"{model_config.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
-  data_lib.check_vocab(train_split, model_config.vocab_size)
-  evaluate = config.eval.batches > 0 and config.data.validation_fraction > 0
-  if evaluate and val_split.num_windows == 0:
-    raise ConfigError(f"the validation split has {val_split.num_tokens} tokens, fewer than seq_len + 1 = "
-                      f"{seq_len + 1}; raise config.data.validation_fraction, lower seq_len, or set "
-                      "config.eval.batches=0")
+  train_split, val_split, data_summary, evaluate = _load_data(config, model_config)
 
   # 2. Models, optimizer, shardings.
   model = model_fn(model_config, recipe)
@@ -124,22 +114,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
   abstract, state_sh = sharding.train_state_shardings(abstract, tx, mesh)
 
   # 3. The work directory, its records, checkpoints and the data iterators.
-  workdir = workdir_lib.prepare(workdir, pindex)
-  checkpoints = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                                     async_save=config.checkpoint.async_save)
-  try:
-    latest = checkpoints.latest_step()
-    before = workdir_lib.last_config(workdir)
-    guarded = workdir_lib.check_resume(workdir, config, latest) if latest is not None else {}
-    reporter = report_lib.Reporter(workdir, total_steps=config.steps, tokens_per_step=config.batch_size * seq_len,
-                                   log_every=config.log_every, primary=pindex == 0)
-  except BaseException:
-    checkpoints.close()
-    raise
-  if pindex == 0:
-    changes = workdir_lib.config_changes(before, config) if before is not None else {}
-    workdir_lib.record_config(workdir, config, step=latest or 0, event="resume" if latest else "start",
-                              changes=changes)
+  workdir, checkpoints, reporter, guarded = _open_workdir(config, workdir, pindex)
   say = reporter.message
   say(f"fp4jax train: {config.name}  model {config.model.preset} ({model_config.n_blocks} blocks "
       f"'{model_config.pattern}', d_model {model_config.d_model})  recipe {recipe.name}"
@@ -161,6 +136,45 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
              abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
              tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
              process_count=nproc)
+
+
+def _load_data(config, model_config):
+  """(train split, validation split, summary, whether to evaluate); DataError/ConfigError when they do not fit."""
+  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+  train_split, val_split, summary = data_lib.load_splits(config.data, tokenizer)
+  if tokenizer.vocab_size > model_config.vocab_size:
+    raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but config.model.vocab_size is "
+                      f"{model_config.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
+  data_lib.check_vocab(train_split, model_config.vocab_size)
+  evaluate = config.eval.batches > 0 and config.data.validation_fraction > 0
+  if evaluate and val_split.num_windows == 0:
+    raise ConfigError(f"the validation split has {val_split.num_tokens} tokens, fewer than seq_len + 1 = "
+                      f"{config.data.seq_len + 1}; raise config.data.validation_fraction, lower seq_len, or set "
+                      "config.eval.batches=0")
+  return train_split, val_split, summary, evaluate
+
+
+def _open_workdir(config, workdir: str, process_index: int):
+  """(absolute workdir, checkpoints, reporter, allowed config changes): checks the directory can be written
+  and that a resume keeps the run's config, then records this start in config.json / config_history.jsonl."""
+  workdir = workdir_lib.prepare(workdir, process_index)
+  checkpoints = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                                     async_save=config.checkpoint.async_save)
+  try:
+    latest = checkpoints.latest_step()
+    before = workdir_lib.last_config(workdir)
+    guarded = workdir_lib.check_resume(workdir, config, latest) if latest is not None else {}
+    reporter = report_lib.Reporter(workdir, total_steps=config.steps,
+                                   tokens_per_step=config.batch_size * config.data.seq_len,
+                                   log_every=config.log_every, primary=process_index == 0)
+  except BaseException:
+    checkpoints.close()
+    raise
+  if process_index == 0:
+    changes = workdir_lib.config_changes(before, config) if before is not None else {}
+    workdir_lib.record_config(workdir, config, step=latest or 0, event="resume" if latest else "start",
+                              changes=changes)
+  return workdir, checkpoints, reporter, guarded
 
 
 # ------------------------------------------------------------------------------------- the first state
