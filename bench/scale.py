@@ -12,10 +12,14 @@ size compiles. The global batch is ``--batch_per_device`` x (data x fsdp) sequen
 ``--mesh.<axis>=k`` is short for ``--config.mesh.<axis>=k``; any ``--config.<field>=<value>`` override works.
 
 Printed (and written by ``--json``): per-device argument / output / alias / temp bytes from XLA's memory
-analysis of the compiled executable; every collective of the compiled (partitioned, optimized) HLO by kind
-and dtype, with its count and output bytes per device, and ops inside loop bodies counted once (they run
-once per iteration); lower and compile seconds. The CPU compiler's buffer assignment approximates a GPU's;
-the program (and its collectives) is the same but for backend passes, e.g. the GPU's reduce-scatter creation.
+analysis of the compiled executable; wall and CPU seconds of lowering and compiling (CPU seconds are less
+sensitive to other jobs on a shared machine); the collectives by kind and dtype with their count and output
+bytes per device, once as the program has them right after SPMD partitioning and once as compiled for the
+CPU, where ops in a loop body also count times the loop's trip count (MiB/step). ``all-reduce+slice`` is an
+all-reduce whose result each device slices to its shard: a reduce-scatter on GPU, which the CPU compiler
+does not form. The CPU compiler's buffer assignment approximates a GPU's; ``--cpu_passes`` below says which
+CPU-only passes are switched off so that it does. FP4JAX_SCALE_DUMP=dir keeps XLA's dump (buffer
+assignment, live ranges at the peak) in dir.
 """
 from __future__ import annotations
 
@@ -193,11 +197,11 @@ def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
                                    sharding=sharding.batch_sharding(mesh))
   step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh)
   with sharding.mesh_context(mesh):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = step_fn.lower(state_in, tokens_in)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
   mem = compiled.memory_analysis()
   hlo = compiled.as_text()
   if hlo_path:
@@ -216,7 +220,8 @@ def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
       batch_per_device=batch_per_device, seq_len=seq_len,
       argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
       alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
-      lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+      lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), lower_cpu_s=round(c1 - c0, 2),
+      compile_cpu_s=round(c2 - c1, 2),
       collectives=collectives(partitioned) if partitioned else None, compiled_collectives=collectives(hlo))
 
 
@@ -241,7 +246,8 @@ def report(r: dict) -> str:
            f"devices {r['devices']} mesh {r['mesh']}, {r['batch_per_device']} x {r['seq_len']} tokens per rank",
            f"per device: arguments {r['argument_bytes'] / GiB:.3f} GiB, outputs {r['output_bytes'] / GiB:.3f} GiB "
            f"(aliased {r['alias_bytes'] / GiB:.3f}), temp {r['temp_bytes'] / GiB:.3f} GiB",
-           f"lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
+           f"lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s (CPU time of this process, all threads: "
+           f"lower {r['lower_cpu_s']:.1f} s, compile {r['compile_cpu_s']:.1f} s)",
            "collectives per device (ops in the HLO; loop: inside a loop body, MiB/step x its trip count):"]
   tables = [("partitioned program (the program's dtypes)", r["collectives"]),
             ("compiled for CPU (bf16 collectives widened to f32; all-reduce + dynamic-slice where a GPU "

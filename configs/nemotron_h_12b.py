@@ -8,6 +8,13 @@ blocks rematerialized. Point the data at your pre-tokenized corpus (vocabulary 1
 
 `steps` is the paper's 10T tokens (10e12 / (736 * 8192)); lower it (and keep the schedule's shape) for
 shorter runs. The paper's precision switch (--config.precision_switch.fraction=0.18) is off by default.
+
+Memory and communication per device, compiled ahead of time for a simulated mesh (docs/PERF.md, scale):
+
+  python bench/scale.py --config configs/nemotron_h_12b.py --devices 64 --config.model.scan_blocks=True
+
+``--config.model.scan_blocks=True`` scans the repeated block groups (18 distinct blocks to compile instead
+of 62; a different parameter tree, so it is not the default here).
 """
 from configs import base
 
