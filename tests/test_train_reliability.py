@@ -380,6 +380,7 @@ def test_failed_save_keeps_earlier_checkpoints(finished, tmp_path, monkeypatch):
   _assert_same(_state(workdir, 4), _state(finished[0], 4))  # the one a rerun resumes from, intact
 
 
+@pytest.mark.slow  # ~30 s: 50 steps until a 1 MiB file system is full
 def test_full_disk(tmp_path):
   """A real full file system: a 1 MiB tmpfs (needs root; skipped elsewhere)."""
   mount = tmp_path / "small"
