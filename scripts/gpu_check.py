@@ -1,0 +1,563 @@
+"""One-shot device check of fp4jax's GPU path: compile, exactness on the device, speed, a train step.
+
+  python scripts/gpu_check.py               # on a CUDA GPU; refuses to run without one
+  python scripts/gpu_check.py --rehearse    # the same flow on CPU (interpreted kernels, tiny shapes)
+
+Needs only jax and numpy (plus flax and optax for the train-step rows; no pytest, grain or
+jax-triton). For every kernel and every XLA composition it
+  1. compiles it (an error is reported in its row and the check goes on),
+  2. checks it bit for bit on the device: a kernel against the XLA path, an XLA path against the
+     same reference run on the host CPU (the scaled matmuls on operands whose float32 sums are exact
+     in any order; at the timing size they are compared by relative error),
+  3. times it against the yardsticks: a copy of the input (quantize GB/s) and a bf16 GEMM (TFLOP/s),
+then times one train step of the small config in bf16 and in nvfp4 (default impl, then every kernel
+forced). Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
+$OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
+bandwidth (nvfp4 1x16 RNE, bf16 8192x8192), emulated NVFP4 GEMM >= 0.90 of bf16 at 8192^3, small nvfp4
+step <= 1.25x the bf16 step. The last lines say which kernels a run justifies adding to
+``fp4jax.primitives.VERIFIED_KERNELS`` (exact and faster than the XLA path).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import fp4jax  # noqa: E402  (needs ROOT on the path when run as a script)
+from fp4jax import formats, primitives  # noqa: E402
+from fp4jax.hadamard import rht  # noqa: E402
+from fp4jax.qtensor import QTensor  # noqa: E402
+from fp4jax.reference import scaled_matmul_reference  # noqa: E402
+
+TARGETS = {"quantize_bw": 0.70, "gemm": 0.90, "step": 1.25}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  quantize: int            # square bf16 input of the quantize rows
+  gemm: int                # M = N = K of the GEMM rows
+  check_quantize: tuple    # shape compared with the CPU reference (XLA rows)
+  check_gemm: tuple        # (M, N, K) of the exactly-summable GEMM check
+  iters: int               # calls per timed run (3 runs, median)
+  step_config: str         # model preset of the train-step rows
+  step_overrides: tuple    # (field, value) pairs applied to the preset
+  step_batch: int
+  step_seq: int
+  step_iters: int
+
+
+DEVICE_SIZES = Sizes(8192, 8192, (1024, 2048), (1024, 1024, 4096), 20, "small", (), 32, 256, 10)
+# Rehearsal: the tiny model cut to one attention and one MLP block (compile time is what costs on CPU).
+REHEARSE_SIZES = Sizes(256, 256, (64, 128), (64, 64, 256), 1, "tiny", (("pattern", "*-"), ("bf16_last_blocks", 0)),
+                       2, 32, 2)
+
+
+# ------------------------------------------------------------------------------------------ rows
+
+@dataclasses.dataclass
+class Row:
+  section: str             # "yardstick" | "quantize" | "matmul" | "train"
+  name: str
+  impl: str                # "xla" | "pallas" | "-"
+  shape: str
+  status: str = "ok"       # ok | MISMATCH | ERROR | skipped
+  exact: str = "-"         # how exactness was checked and the verdict
+  ms: float | None = None
+  rate: float | None = None
+  unit: str = ""
+  ratio: float | None = None   # against the yardstick (or the bf16 step)
+  target: str = ""
+  error: str = ""
+  at_s: float = 0.0        # seconds since the start when the row finished
+
+
+class Report:
+  def __init__(self, out_dir, sizes, rehearse, budget_s):
+    self.rows: list[Row] = []
+    self.out_dir, self.sizes, self.rehearse = out_dir, sizes, rehearse
+    self.start = time.perf_counter()
+    self.budget_s = budget_s
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def add(self, row: Row) -> Row:
+    row.at_s = round(self.elapsed(), 1)
+    self.rows.append(row)
+    print(_format_row(row), flush=True)
+    return row
+
+
+def _format_row(r: Row) -> str:
+  f = lambda v, fmt: "-" if v is None else format(v, fmt)
+  text = (f"{r.section:9s} {r.name:34s} {r.impl:6s} {r.shape:12s} {r.status:8s} {r.exact:24s} "
+          f"{f(r.ms, '9.3f')} ms {f(r.rate, '9.2f')} {r.unit:7s} {f(r.ratio, '6.2f')} {r.at_s:5.0f}s {r.target}")
+  if r.error:
+    text += f"\n          ! {r.error}"
+  return text
+
+
+HEADER = (f"{'section':9s} {'op':34s} {'impl':6s} {'shape':12s} {'status':8s} {'exact':24s} "
+          f"{'time':>12s} {'rate':>9s} {'unit':7s} {'ratio':>6s} {'at':>6s} target")
+
+
+def _run_row(report: Report, row: Row, work):
+  """Runs ``work(row)`` (fills exact/ms/rate/ratio); an exception marks the row ERROR and moves on."""
+  if report.elapsed() > report.budget_s:
+    row.status, row.error = "skipped", f"time budget of {report.budget_s:.0f} s spent"
+    return report.add(row)
+  try:
+    work(row)
+  except Exception as e:  # pylint: disable=broad-except
+    row.status = "ERROR"
+    row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    row.error += "\n" + "".join(traceback.format_exception(e))[-1500:] if report.rehearse else ""
+  return report.add(row)
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def _time(fn, *args, iters: int) -> float:
+  """Median seconds per call of a compiled ``fn`` over 3 runs of ``iters`` calls (after a warm-up)."""
+  jax.block_until_ready(fn(*args))
+  runs = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    runs.append((time.perf_counter() - t0) / iters)
+  return statistics.median(runs)
+
+
+def _nbytes(tree) -> int:
+  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def _raw(a):
+  a = np.asarray(a)
+  return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def _same_bits(got, want) -> bool:
+  return all(g.shape == w.shape and np.array_equal(_raw(g).view(np.uint8), _raw(w).view(np.uint8))
+             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def _on_cpu(fn, *args):
+  """``fn`` compiled for and run on the host CPU (the reference of the XLA rows)."""
+  cpu = jax.devices("cpu")[0]
+  args = jax.device_put(args, cpu)
+  with jax.default_device(cpu):
+    return jax.device_get(jax.jit(fn)(*args))
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+def _input(shape, seed=0):
+  """bf16 values over many binades, with E2M1 ties after scaling (like the kernel tests)."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp(rng.uniform(-4, 4, shape))
+  x.reshape(-1, shape[-1])[0, :16] = [0, .25, -.75, 1.25, 1.75, -2.5, 3.5, 5, 6, -6, .5, 1, 2, 3, 4, -1.5]
+  return jnp.asarray(x.astype(np.float32), jnp.bfloat16)
+
+
+def _exact_operand(rows, k, fmt, tiled, seed):
+  """QTensor of random codes with scales 0.5 or 1: every float32 partial sum of a GEMM of two of them
+  is exact (products are multiples of 2^-4, |sum| <= 36·K), so any summation order gives the same bits."""
+  rng = np.random.default_rng(seed)
+  data = jnp.asarray(rng.integers(0, 256, (rows, k // 2)), jnp.uint8)
+  tile = formats.TILE[fmt] if tiled else None
+  s_shape = (rows // tile[0], k // tile[1]) if tiled else (rows, k // formats.BLOCK[fmt])
+  choices = np.array([0x30, 0x38] if fmt == "nvfp4" else [126, 127], np.uint8)
+  scale = jax.lax.bitcast_convert_type(jnp.asarray(rng.choice(choices, s_shape)),
+                                       formats.SCALE_DTYPE[fmt])
+  amax = jnp.float32(rng.uniform(1, 100)) if fmt == "nvfp4" else None
+  return QTensor(data, scale, amax, fmt, -1, None if tiled else formats.BLOCK[fmt], tile,
+                 jnp.dtype(jnp.float32), "rceil" if fmt == "mxfp4" else None)
+
+
+# ------------------------------------------------------------------------------------------ quantize
+
+QUANTIZE_OPS = {   # name -> (kernel op, fmt, tiled, stochastic, rht)
+    "quantize nvfp4_1x16": ("quantize_1d", "nvfp4", False, False, False),
+    "quantize nvfp4_1x16_sr": ("quantize_1d", "nvfp4", False, True, False),
+    "quantize nvfp4_16x16": ("quantize_2d", "nvfp4", True, False, False),
+    "quantize mxfp4_1x32": ("quantize_1d", "mxfp4", False, False, False),
+    "quantize_rht_t nvfp4_rht16_1x16_sr": ("quantize_rht_t", "nvfp4", False, True, True),
+}
+
+
+def _quantize_fn(name, impl):
+  """(x, amax, bits) -> (codes, scales): the per-pass primitive (tensor amax given, as in training)."""
+  _, fmt, tiled, stochastic, use_rht = QUANTIZE_OPS[name]
+
+  def fn(x, amax, bits):
+    bits = bits if stochastic else None
+    if use_rht:
+      return primitives.quantize_rht_t(x, amax, None if bits is None else bits.T, fmt=fmt, impl=impl)
+    return primitives.quantize_last(x, amax, bits, fmt=fmt, tiled=tiled, impl=impl)
+  return jax.jit(fn)
+
+
+def _quantize_args(x, name):
+  _, fmt, _, _, use_rht = QUANTIZE_OPS[name]
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(rht(xf.T, axis=-1) if use_rht else xf)) if fmt == "nvfp4" else jnp.float32(0)
+  bits = jax.random.bits(jax.random.key(1), x.shape, jnp.uint8)
+  return x, amax, bits
+
+
+def quantize_rows(report: Report, impl: str, copy_bw: float, xla_outputs: dict):
+  s = report.sizes
+  x = _input((s.quantize, s.quantize))
+  x_check = _input(s.check_quantize, seed=2)
+  for name in QUANTIZE_OPS:
+    row = Row("quantize", name, impl, f"{s.quantize}x{s.quantize}")
+    if name == "quantize nvfp4_1x16":
+      row.target = f"ratio >= {TARGETS['quantize_bw']:.2f} of copy bw"
+
+    def work(row, name=name):
+      fn = _quantize_fn(name, impl)
+      args = _quantize_args(x, name)
+      fn.lower(*args).compile()               # a compile error lands in this row
+      out = fn(*args)
+      if impl == "xla":
+        xla_outputs[name] = out
+        check = _quantize_args(x_check, name)
+        exact = _same_bits(jax.device_get(fn(*check)), _on_cpu(_quantize_fn(name, "xla"), *check))
+        row.exact = f"vs CPU ref {s.check_quantize[0]}x{s.check_quantize[1]}: {'==' if exact else '!='}"
+      else:
+        exact = _same_bits(out, xla_outputs[name]) if name in xla_outputs else False
+        row.exact = "vs XLA on device: " + ("==" if exact else "!=" if name in xla_outputs else "no XLA row")
+      if not exact:
+        row.status = "MISMATCH"
+      t = _time(fn, *args, iters=s.iters)
+      moved = _nbytes(x) + _nbytes(out) + (_nbytes(args[2]) if QUANTIZE_OPS[name][3] else 0)
+      row.ms, row.rate, row.unit, row.ratio = t * 1e3, moved / t / 1e9, "GB/s", moved / t / copy_bw
+    _run_row(report, row, work)
+
+
+# ------------------------------------------------------------------------------------------ matmul
+
+MATMUL_OPS = {   # name -> (fmt, a tiled, b tiled)
+    "scaled_matmul nvfp4 1x16.16x16": ("nvfp4", False, True),     # fprop / dgrad
+    "scaled_matmul nvfp4 1x16.1x16": ("nvfp4", False, False),     # wgrad
+    "scaled_matmul mxfp4 1x32.1x32": ("mxfp4", False, False),
+}
+
+
+def _matmul_fn(impl):
+  return jax.jit(lambda a, b: fp4jax.api.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl))
+
+
+def matmul_rows(report: Report, impl: str, bf16_tflops: float, xla_outputs: dict):
+  s = report.sizes
+  n = s.gemm
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
+  cm, cn, ck = s.check_gemm
+  for name, (fmt, a_tiled, b_tiled) in MATMUL_OPS.items():
+    row = Row("matmul", name, impl, f"{n}^3")
+    if name == "scaled_matmul nvfp4 1x16.16x16":
+      row.target = f"ratio >= {TARGETS['gemm']:.2f} of bf16"
+
+    def work(row, name=name, fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled):
+      quant = jax.jit(lambda v, tiled: fp4jax.quantize(v, fmt, tile=formats.TILE[fmt] if tiled else None,
+                                                       impl="xla"), static_argnums=1)
+      a, b = quant(x, a_tiled), quant(w, b_tiled)
+      fn = _matmul_fn(impl)
+      fn.lower(a, b).compile()
+      out = fn(a, b)
+      ea = _exact_operand(cm, ck, fmt, a_tiled, 3)
+      eb = _exact_operand(cn, ck, fmt, b_tiled, 4)
+      got = jax.device_get(fn(ea, eb))
+      want = (_on_cpu(lambda a, b: scaled_matmul_reference(a, b, jnp.bfloat16), ea, eb) if impl == "xla"
+              else jax.device_get(_matmul_fn("xla")(ea, eb)))
+      exact = _same_bits(got, want)
+      verdict = ("==" if exact else "!=") + (" CPU ref" if impl == "xla" else " XLA")
+      if impl == "pallas" and name in xla_outputs:
+        ref = np.asarray(xla_outputs[name], np.float32)
+        err = np.linalg.norm(np.asarray(out, np.float32) - ref) / max(np.linalg.norm(ref), 1e-30)
+        verdict += f", rel {err:.1e}"
+        exact = exact and err <= 2 ** -8       # bf16 output: at most one rounding apart
+      if impl == "xla":
+        xla_outputs[name] = out
+      row.exact = f"{cm}x{cn}x{ck}: {verdict}"
+      if not exact:
+        row.status = "MISMATCH"
+      t = _time(fn, a, b, iters=max(1, s.iters // 2))
+      tflops = 2.0 * n ** 3 / t / 1e12
+      row.ms, row.rate, row.unit, row.ratio = t * 1e3, tflops, "TFLOP/s", tflops / bf16_tflops
+    _run_row(report, row, work)
+
+
+# ------------------------------------------------------------------------------------------ yardsticks
+
+def yardstick_rows(report: Report):
+  s = report.sizes
+  out = {}
+  x = _input((s.quantize, s.quantize))
+
+  def copy(row):
+    fn = jax.jit(lambda v: -v)
+    t = _time(fn, x, iters=s.iters)
+    out["copy_bw"] = 2 * _nbytes(x) / t
+    row.ms, row.rate, row.unit, row.ratio = t * 1e3, out["copy_bw"] / 1e9, "GB/s", 1.0
+
+  n = s.gemm
+  rng = np.random.default_rng(1)
+  a = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
+
+  def gemm(row):
+    fn = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                  preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t = _time(fn, a, b, iters=max(1, s.iters // 2))
+    out["bf16_tflops"] = 2.0 * n ** 3 / t / 1e12
+    row.ms, row.rate, row.unit, row.ratio = t * 1e3, out["bf16_tflops"], "TFLOP/s", 1.0
+
+  _run_row(report, Row("yardstick", "copy (-x), bf16", "xla", f"{s.quantize}x{s.quantize}"), copy)
+  _run_row(report, Row("yardstick", "bf16 GEMM, f32 accumulate", "xla", f"{n}^3"), gemm)
+  return out.get("copy_bw", float("nan")), out.get("bf16_tflops", float("nan"))
+
+
+# ------------------------------------------------------------------------------------------ train step
+
+def _import_training():
+  """(training.step, models). ``training/__init__`` imports the data pipeline (grain), which the device
+  image may lack; the step needs only step/optim/sharding/config, so when that import fails the
+  package is entered without its __init__."""
+  try:
+    step = importlib.import_module("training.step")
+  except ImportError as e:
+    print(f"# note: `import training` failed ({e}); importing training.step without training/__init__",
+          flush=True)
+    for name in [m for m in sys.modules if m == "training" or m.startswith("training.")]:
+      del sys.modules[name]
+    pkg = types.ModuleType("training")
+    pkg.__path__ = [os.path.join(ROOT, "training")]
+    sys.modules["training"] = pkg
+    step = importlib.import_module("training.step")
+  return step, importlib.import_module("models")
+
+
+def _train_step_fn(report: Report, recipe: str, force_kernels: bool):
+  """(compiled step, state, tokens, tokens per step) of the small (or rehearsal) model."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top  (optional: only these rows need flax)
+  import optax  # pylint: disable=g-import-not-at-top
+  s = report.sizes
+  step_lib, models = _import_training()
+  model_config = models.get_model_config(s.step_config, **dict(s.step_overrides))
+  model = step_lib.build_model(model_config, fp4jax.recipes.get(recipe))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1))
+  lr_fn = optax.constant_schedule(1e-3)
+  state = jax.jit(lambda: (lambda st: dict(st, params=nn.unbox(st["params"])))(
+      step_lib.init_state(model, tx, 0, s.step_seq)))()
+  tokens = jax.random.randint(jax.random.key(1), (s.step_batch, s.step_seq + 1), 0,
+                              model_config.vocab_size, jnp.int32)
+  fn = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, lr_fn=lr_fn))
+  saved = os.environ.get(primitives.DEFAULT_IMPL_ENV)
+  if force_kernels:        # impl=None is resolved while tracing: force the kernels for this compile only
+    os.environ[primitives.DEFAULT_IMPL_ENV] = "pallas"
+  try:
+    compiled = fn.lower(state, tokens).compile()
+  finally:
+    if saved is None:
+      os.environ.pop(primitives.DEFAULT_IMPL_ENV, None)
+    else:
+      os.environ[primitives.DEFAULT_IMPL_ENV] = saved
+  return compiled, state, tokens, s.step_batch * s.step_seq
+
+
+def train_rows(report: Report):
+  s = report.sizes
+  times = {}
+  shape = f"{s.step_config}{'*' if s.step_overrides else ''} {s.step_batch}x{s.step_seq}"
+  for label, recipe, force in (("train step bf16", "bf16", False), ("train step nvfp4", "nvfp4", False),
+                               ("train step nvfp4, kernels forced", "nvfp4", True)):
+    row = Row("train", label, "pallas" if force else "default", shape)
+    if label == "train step nvfp4":
+      row.target = f"ratio <= {TARGETS['step']:.2f} of bf16"
+
+    def work(row, label=label, recipe=recipe, force=force):
+      compiled, state, tokens, n_tokens = _train_step_fn(report, recipe, force)
+      state, metrics = compiled(state, tokens)
+      loss = float(metrics["loss"])
+      row.exact = f"loss {loss:.4f}" + ("" if np.isfinite(loss) else " NOT FINITE")
+      if not np.isfinite(loss):
+        row.status = "MISMATCH"
+      runs = []
+      for _ in range(s.step_iters):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, tokens)
+        jax.block_until_ready(metrics)
+        runs.append(time.perf_counter() - t0)
+      t = statistics.median(runs)
+      times[label] = t
+      row.ms, row.rate, row.unit = t * 1e3, n_tokens / t / 1e3, "ktok/s"
+      if "train step bf16" in times:
+        row.ratio = t / times["train step bf16"]
+    _run_row(report, row, work)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def verdicts(rows):
+  """Target lines and the VERIFIED_KERNELS candidates (kernel exact and faster than its XLA row)."""
+  by = {(r.name, r.impl): r for r in rows}
+  lines = []
+  q = by.get(("quantize nvfp4_1x16", "xla"))
+  for impl in ("xla", "pallas"):
+    r = by.get(("quantize nvfp4_1x16", impl))
+    if r and r.ratio is not None:
+      lines.append(f"target quantize nvfp4 1x16 ({impl}): {r.ratio:.2f} of copy bandwidth "
+                   f"(target >= {TARGETS['quantize_bw']:.2f}) -> {'met' if r.ratio >= TARGETS['quantize_bw'] else 'NOT met'}")
+    r = by.get(("scaled_matmul nvfp4 1x16.16x16", impl))
+    if r and r.ratio is not None:
+      lines.append(f"target emulated NVFP4 GEMM ({impl}): {r.ratio:.2f} of bf16 "
+                   f"(target >= {TARGETS['gemm']:.2f}) -> {'met' if r.ratio >= TARGETS['gemm'] else 'NOT met'}")
+  r = by.get(("train step nvfp4", "default"))
+  if r and r.ratio is not None:
+    lines.append(f"target small nvfp4 step: {r.ratio:.2f}x the bf16 step (target <= {TARGETS['step']:.2f}) "
+                 f"-> {'met' if r.ratio <= TARGETS['step'] else 'NOT met'}")
+  del q
+  candidates = []
+  ops = {**{n: (op, fmt) for n, (op, fmt, *_) in QUANTIZE_OPS.items()},
+         **{n: ("scaled_matmul", fmt) for n, (fmt, *_) in MATMUL_OPS.items()}}
+  for name, (op, fmt) in ops.items():
+    k, x = by.get((name, "pallas")), by.get((name, "xla"))
+    if k and x and k.status == "ok" and x.status == "ok" and k.ms and x.ms:
+      speedup = x.ms / k.ms
+      lines.append(f"kernel {name}: exact, {speedup:.2f}x the XLA path")
+      if speedup > 1.0:
+        candidates.append((op, fmt, name, speedup))
+    elif k:
+      lines.append(f"kernel {name}: {k.status}" + (f" ({k.error.splitlines()[0]})" if k.error else ""))
+  return lines, candidates
+
+
+def write_report(report: Report, env: dict):
+  lines, candidates = verdicts(report.rows)
+  today = datetime.date.today().isoformat()
+  evidence = []
+  seen = set()
+  for op, fmt, name, speedup in candidates:
+    if (op, fmt) in seen:       # quantize_1d nvfp4 appears twice (RNE, SR): the slower speedup counts
+      continue
+    speeds = [c[3] for c in candidates if (c[0], c[1]) == (op, fmt)]
+    n_rows = sum(1 for n, (o, f, *_) in QUANTIZE_OPS.items() if (o, f) == (op, fmt)) if op != "scaled_matmul" \
+        else sum(1 for n, (f, *_) in MATMUL_OPS.items() if f == fmt)
+    if len(speeds) < n_rows:    # every variant of the op must be exact and faster
+      continue
+    seen.add((op, fmt))
+    evidence.append(f'    ("{op}", "{fmt}"): Evidence("{today}", "{env["device"]}", "{env["jax"]}", '
+                    f'{min(speeds):.2f}),')
+  print("\n" + "\n".join(lines), flush=True)
+  if report.rehearse:
+    print("# rehearsal on CPU: interpreted kernels, tiny shapes; the times and ratios say nothing about a GPU")
+  elif evidence:
+    print("# VERIFIED_KERNELS entries this run justifies (fp4jax/primitives/impl.py):\n" + "\n".join(evidence))
+  else:
+    print("# no kernel was both exact and faster than its XLA path: VERIFIED_KERNELS stays empty")
+  data = dict(env=env, sizes=dataclasses.asdict(report.sizes), rehearse=report.rehearse,
+              elapsed_s=report.elapsed(), targets=TARGETS, rows=[dataclasses.asdict(r) for r in report.rows],
+              verdicts=lines, verified_kernels_candidates=evidence)
+  os.makedirs(report.out_dir, exist_ok=True)
+  with open(os.path.join(report.out_dir, "gpu_check.json"), "w") as f:
+    json.dump(data, f, indent=1)
+  fmt = lambda v, spec: "" if v is None else format(v, spec)
+  md = [f"# fp4jax gpu_check {'(CPU rehearsal) ' if report.rehearse else ''}— {env['time']}", "",
+        f"{env['device']} ({env['backend']}), jax {env['jax']}, jaxlib {env['jaxlib']}, "
+        f"python {env['python']}, {report.elapsed():.0f} s", "",
+        "| section | op | impl | shape | status | exact | ms | rate | unit | ratio | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in report.rows:
+    md.append(f"| {r.section} | {r.name} | {r.impl} | {r.shape} | {r.status} | {r.exact} | "
+              f"{fmt(r.ms, '.3f')} | {fmt(r.rate, '.2f')} | {r.unit} | {fmt(r.ratio, '.2f')} | {r.target} |")
+  md += ["", *[f"- {line}" for line in lines]]
+  if evidence:
+    md += ["", "VERIFIED_KERNELS candidates:", "```", *evidence, "```"]
+  errors = [r for r in report.rows if r.error]
+  if errors:
+    md += ["", "Errors:", ""] + [f"- {r.name} ({r.impl}): {r.error.splitlines()[0]}" for r in errors]
+  with open(os.path.join(report.out_dir, "gpu_check.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+  print(f"# report: {os.path.join(report.out_dir, 'gpu_check.json')} and gpu_check.md", flush=True)
+
+
+def _environment():
+  dev = jax.devices()[0]
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  return dict(time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              device=getattr(dev, "device_kind", dev.platform), backend=jax.default_backend(),
+              devices=len(jax.devices()), jax=jax.__version__, jaxlib=jaxlib.__version__,
+              python=platform.python_version(), triton=fp4jax._pallas_compat.has_triton(),  # pylint: disable=protected-access
+              default_impl_env=os.environ.get(primitives.DEFAULT_IMPL_ENV, ""),
+              verified_kernels={f"{k[0]}/{k[1]}": dataclasses.asdict(v)
+                                for k, v in primitives.VERIFIED_KERNELS.items()})
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--rehearse", action="store_true",
+                      help="run the identical flow on CPU: interpreted kernels, tiny shapes (< 2 minutes)")
+  parser.add_argument("--out", default=None, help="report directory (default: $OUT, else a new temp dir)")
+  parser.add_argument("--budget_s", type=float, default=None,
+                      help="rows starting after this many seconds are skipped (default 270 on a GPU, "
+                      "none in a rehearsal, which must exercise every row)")
+  args = parser.parse_args(argv)
+  gpu = jax.default_backend() == "gpu" and any(d.platform == "gpu" for d in jax.devices())
+  if not gpu and not args.rehearse:
+    print("\n" + "=" * 78 + "\ngpu_check: jax sees NO GPU "
+          f"(backend {jax.default_backend()!r}, devices {jax.devices()}).\n"
+          "This check must run on a CUDA GPU: install a CUDA jax (pip install -e '.[gpu-cuda12]' or\n"
+          "'.[gpu-cuda13]', see docs/KERNELS.md) and check `python -c \"import jax; print(jax.devices())\"`.\n"
+          "To rehearse the flow on CPU, run: python scripts/gpu_check.py --rehearse\n" + "=" * 78,
+          file=sys.stderr, flush=True)
+    return 2
+  if args.rehearse and gpu:
+    print("# --rehearse on a GPU machine: the rows run on the GPU with rehearsal sizes", flush=True)
+  sizes = REHEARSE_SIZES if args.rehearse else DEVICE_SIZES
+  out_dir = args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="fp4jax_gpu_check_")
+  budget = args.budget_s if args.budget_s is not None else (float("inf") if args.rehearse else 270.0)
+  report = Report(out_dir, sizes, args.rehearse, budget)
+  env = _environment()
+  print(f"# fp4jax gpu_check{' --rehearse' if args.rehearse else ''}: {env['device']} x{env['devices']}, "
+        f"jax {env['jax']}, Triton backend {'yes' if env['triton'] else 'NO'}, "
+        f"VERIFIED_KERNELS {sorted(env['verified_kernels']) or 'empty'}", flush=True)
+  print(HEADER, flush=True)
+  copy_bw, bf16_tflops = yardstick_rows(report)
+  xla_quantize, xla_matmul = {}, {}
+  quantize_rows(report, "xla", copy_bw, xla_quantize)       # XLA rows first: the baseline and the fallback
+  matmul_rows(report, "xla", bf16_tflops, xla_matmul)
+  quantize_rows(report, "pallas", copy_bw, xla_quantize)
+  matmul_rows(report, "pallas", bf16_tflops, xla_matmul)
+  train_rows(report)
+  write_report(report, env)
+  failed = [r for r in report.rows if r.status in ("ERROR", "MISMATCH")]
+  print(f"# {len(report.rows)} rows, {len(failed)} failed, {report.elapsed():.0f} s", flush=True)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

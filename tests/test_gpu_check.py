@@ -1,0 +1,62 @@
+"""scripts/gpu_check.py: the CPU rehearsal runs every row of the device flow, with only jax/numpy/flax/optax.
+
+The rehearsal runs in a subprocess in which pytest, grain, jax-triton, ml_collections, tensorboardX and
+matplotlib cannot be imported (the device image has none of them), so the first device run cannot die
+on an import or a Python error. It takes about 45 s of CPU time (2-3 minutes on a loaded 2-core VM).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+BLOCKED = ("pytest", "grain", "jax_triton", "ml_collections", "tensorboardX", "matplotlib")
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _run(args, timeout):
+  code = ("import runpy, sys\n"
+          f"for name in {BLOCKED!r}:\n"
+          "  sys.modules[name] = None   # import raises ImportError, as on the device image\n"
+          f"sys.argv = [{SCRIPT!r}] + {list(args)!r}\n"
+          f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("OUT", None)
+  env.pop("FP4JAX_DEFAULT_IMPL", None)
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the refusal on a machine without a GPU")
+def test_refuses_without_a_gpu():
+  proc = _run([], timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "NO GPU" in proc.stderr and "--rehearse" in proc.stderr
+  assert "section" not in proc.stdout     # not a single row ran
+
+
+def test_rehearsal_runs_every_row(tmp_path):
+  proc = _run(["--rehearse", "--out", str(tmp_path)], timeout=900)
+  assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+  report = json.loads((tmp_path / "gpu_check.json").read_text())
+  rows = report["rows"]
+  assert report["rehearse"] and not [r for r in rows if r["status"] != "ok"]
+  keys = [(r["section"], r["name"], r["impl"]) for r in rows]
+  assert [k[0] for k in keys] == (["yardstick"] * 2 + ["quantize"] * 5 + ["matmul"] * 3
+                                  + ["quantize"] * 5 + ["matmul"] * 3 + ["train"] * 3)
+  assert [k[2] for k in keys[2:10]] == ["xla"] * 8 and [k[2] for k in keys[10:18]] == ["pallas"] * 8
+  for r in rows[2:18]:                     # every kernel and XLA composition checked bit for bit
+    assert "==" in r["exact"] and r["ms"] > 0, r
+  assert [r["name"] for r in rows[18:]] == ["train step bf16", "train step nvfp4",
+                                            "train step nvfp4, kernels forced"]
+  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[18:])
+  assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
+  assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
+  assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked
+  printed = [line.split()[1:3] for line in proc.stdout.splitlines()
+             if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "train")]
+  assert len(printed) == len(rows)         # each row printed as it finished
