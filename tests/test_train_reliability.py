@@ -13,12 +13,16 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 from configs import shrunken
+from models import LanguageModel
+from tools import runs
+from training import config as config_lib
 from training import errors
 from training import report as report_lib
 from training import run as run_lib
@@ -66,6 +70,8 @@ CASES = {
     "test_full_disk": ("work directory on a full file system (tmpfs; root only)", CLEAR, 7),
     "test_init_from_takes_params_and_starts_fresh": ("config.init_from = a run's work directory", CORRECT, 0),
     "test_init_from_bad_sources": ("config.init_from: missing / other model", CLEAR, 5),
+    "test_init_from_an_imported_run": ("config.init_from = a run written by tools.runs.write_run (importers)",
+                                       CORRECT, 0),
 }
 
 
@@ -401,20 +407,35 @@ def test_full_disk(tmp_path):
 
 # ------------------------------------------------------------------------------------------- init_from
 
+def _first_state(config, workdir):
+  run = run_lib.setup(config, workdir, model_fn=trainer.build_model)
+  try:
+    state, step = run_lib.init_or_restore(run)
+    return jax.tree.map(np.asarray, state), step
+  finally:
+    run.close()
+
+
 def test_init_from_takes_params_and_starts_fresh(finished, tmp_path):
   source = finished[0]
   config = _config(steps=2, init_from=source, **{"optim.lr": 1e-3})
-  run = run_lib.setup(config, str(tmp_path / "new"), model_fn=trainer.build_model)
-  try:
-    state, step = run_lib.init_or_restore(run)
-    state = jax.tree.map(np.asarray, state)
-  finally:
-    run.close()
-  saved = _state(source, 4)
+  state, step = _first_state(config, str(tmp_path / "new"))
   assert step == 0 and int(state["step"]) == 0 and int(state["nonfinite_total"]) == 0
-  _assert_same(state["params"], saved["params"])
+  _assert_same(state["params"], _state(source, 4)["params"])
   assert all(not x.any() for x in jax.tree.leaves(state["opt_state"]))  # fresh moments and counts
   summary = trainer.train_and_evaluate(config, str(tmp_path / "trained"))
+  assert (summary["status"], summary["step"]) == ("done", 2)
+
+
+def test_init_from_an_imported_run(tmp_path):
+  config = _config(steps=2)
+  model_config = config_lib.resolve_model_config(config.model)
+  params = jax.jit(LanguageModel(model_config).init)(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
+  imported = str(tmp_path / "imported")
+  runs.write_run(imported, runs.training_config(model_config, base=config), params)
+  state, _ = _first_state(_config(steps=2, init_from=imported), str(tmp_path / "new"))
+  _assert_same(state["params"], jax.tree.map(np.asarray, flax.linen.unbox(params)))
+  summary = trainer.train_and_evaluate(_config(steps=2, init_from=imported), str(tmp_path / "trained"))
   assert (summary["status"], summary["step"]) == ("done", 2)
 
 
