@@ -64,7 +64,7 @@ class Sizes:
   step_iters: int
 
 
-DEVICE_SIZES = Sizes(8192, 8192, (1024, 2048), (1024, 1024, 4096), 20, "small", (), 32, 256, 10)
+DEVICE_SIZES = Sizes(8192, 8192, (1024, 2048), (512, 512, 4096), 20, "small", (), 32, 256, 10)
 # Rehearsal: the tiny model cut to one attention and one MLP block (compile time is what costs on CPU).
 REHEARSE_SIZES = Sizes(256, 256, (64, 128), (64, 64, 256), 1, "tiny", (("pattern", "*-"), ("bf16_last_blocks", 0)),
                        2, 32, 2)
