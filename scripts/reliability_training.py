@@ -51,7 +51,7 @@ def load_cases() -> dict[str, tuple[str, str, int | None]]:
     source = f.read()
   block = source[source.index("CASES = {"):source.index("\n}\n")]
   cases = {}
-  for name, text, verdict, code in re.findall(r'"(test_\w+)": \("(.*?)", (CLEAR|CORRECT), (\d+|None)\)', block):
+  for name, text, verdict, code in re.findall(r'"(test_\w+)": \("(.*?)",\s*(CLEAR|CORRECT), (\d+|None)\)', block):
     cases[name] = (text, "clear error" if verdict == "CLEAR" else "correct result", None if code == "None" else int(code))
   return cases
 
