@@ -27,13 +27,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
 import fp4jax
 from models import LanguageModel, init_cache
 from tools.runs import Run, RunError, load_run
 from training import data as data_lib
-from training.step import cross_entropy
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -132,22 +132,26 @@ def greedy_full_forward(model: LanguageModel, params, prompt: np.ndarray, max_to
 def evaluate(model: LanguageModel, params, tokens: np.ndarray, *, seq_len: int, batch_size: int = 8):
   """(mean next-token loss in nats, number of predicted tokens) over non-overlapping windows of
   ``seq_len + 1`` tokens (the trainer's validation windows); a shorter tail is one last, shorter window."""
-  window = seq_len + 1
   if len(tokens) < 2:
     raise ValueError(f"the evaluation text has {len(tokens)} token(s); it needs at least 2")
-  starts = list(range(0, max(len(tokens) - 1, 1), seq_len))
-  loss_fn = jax.jit(lambda p, w: cross_entropy(model.apply({"params": p}, w[:, :-1]), w[:, 1:]) * (w.shape[1] - 1))
+
+  @jax.jit
+  def summed_loss(params, window_BxW):   # nats, summed over every predicted token of the batch
+    logits_BxLxV = model.apply({"params": params}, window_BxW[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, window_BxW[:, 1:]).sum()
+
+  window = seq_len + 1
+  full = list(range(0, len(tokens) - window + 1, seq_len))   # starts of the whole windows
   total, count = 0.0, 0
-  full = [s for s in starts if s + window <= len(tokens)]
   for i in range(0, len(full), batch_size):
-    batch = np.stack([tokens[s:s + window] for s in full[i:i + batch_size]]).astype(np.int32)
-    total += float(loss_fn(params, jnp.asarray(batch))) * batch.shape[0]
-    count += batch.shape[0] * seq_len
-  covered = (full[-1] + seq_len) if full else 0
+    batch_BxW = np.stack([tokens[s:s + window] for s in full[i:i + batch_size]]).astype(np.int32)
+    total += float(summed_loss(params, jnp.asarray(batch_BxW)))
+    count += batch_BxW.shape[0] * seq_len
+  covered = full[-1] + seq_len if full else 0                # tokens[covered] is the last one used as input
   if covered < len(tokens) - 1:
-    tail = tokens[covered:].astype(np.int32)[None]
-    total += float(loss_fn(params, jnp.asarray(tail)))
-    count += tail.shape[1] - 1
+    tail_1xT = tokens[covered:].astype(np.int32)[None]
+    total += float(summed_loss(params, jnp.asarray(tail_1xT)))
+    count += tail_1xT.shape[1] - 1
   return total / count, count
 
 
