@@ -253,6 +253,27 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
                  scale_rule if fmt == "mxfp4" else None)
 
 
+def check_dot_inputs(lhs, rhs, dimension_numbers, preferred_element_type, key, quantized: bool):
+  """lhs, rhs as arrays, after the checks ``fp4jax.dot_general`` needs: arrays (floating when
+  ``quantized``), dimension numbers that fit them, a floating output dtype, and a valid key."""
+  where = "fp4jax.dot_general"
+  lhs, rhs = as_array(lhs, where, "lhs"), as_array(rhs, where, "rhs")
+  if quantized:
+    for name, v in (("lhs", lhs), ("rhs", rhs)):
+      if not jnp.issubdtype(v.dtype, jnp.floating):
+        raise TypeError(f"{where}: {name} has dtype {v.dtype}; a quantized recipe needs floating "
+                        f"inputs (float32, bfloat16, float16). Cast it, e.g. {name}.astype(jnp.float32)")
+    if preferred_element_type is not None:
+      as_float_dtype(preferred_element_type, where, "preferred_element_type")
+  try:
+    jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), lhs, rhs)
+  except (TypeError, ValueError) as e:   # keep lax's exception type (TypeError for shapes)
+    raise type(e)(f"{where}: dimension_numbers={dimension_numbers!r} do not fit lhs of shape "
+                  f"{lhs.shape} and rhs of shape {rhs.shape} ({e})") from None
+  check_key(key, where)
+  return lhs, rhs
+
+
 def check_operands(a: QTensor, b: QTensor):
   if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
     raise TypeError("scaled_matmul takes two QTensors from fp4jax.quantize; got "

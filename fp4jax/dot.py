@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import formats, recipes, schemes
-from fp4jax.api import quantize, quantize_rht_transposed, scaled_matmul, transpose_tiles
+from fp4jax.api import (check_dot_inputs, quantize, quantize_rht_transposed, scaled_matmul,
+                        transpose_tiles)
 from fp4jax.recipes import Recipe
 
 _BLOCK = {**formats.BLOCK, "bf16": 1}
@@ -228,7 +229,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   A recipe that quantizes nothing is exactly ``lax.dot_general`` (values and gradients).
   """
   recipe = _as_recipe(recipe)
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  lhs, rhs = check_dot_inputs(lhs, rhs, dimension_numbers, preferred_element_type, key,
+                              recipe.quantizes_anything)
   if preferred_element_type is None and recipe.out_dtype is not None:
     preferred_element_type = recipe.out_dtype
   sharding_kw = {} if out_sharding is None else {"out_sharding": out_sharding}

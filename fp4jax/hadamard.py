@@ -67,6 +67,11 @@ def rht(x, *, axis: int = -1, size: int = DEFAULT_SIZE, seed: int | None = None)
   operands are transformed; no inverse is applied.
   """
   _check_size(size)
+  x = jnp.asarray(x)
+  if x.ndim == 0 or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"fp4jax.rht: axis={axis!r} is not an axis of an input of shape {x.shape}")
+  if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+    raise TypeError(f"fp4jax.rht: seed={seed!r} must be an int or None (the default signs)")
   axis = axis % x.ndim
   length = x.shape[axis]
   if length % size:

@@ -65,8 +65,17 @@ class Recipe:
       raise ValueError(f"Recipe.rht_size={size!r} must be a power of two between 2 and 256")
     if self.mxfp4_scale_rule not in formats.SCALE_RULES:
       raise ValueError(f"Recipe.mxfp4_scale_rule={self.mxfp4_scale_rule!r}; use 'rceil' or 'floor'")
+    for switch in ("weight_2d", "stochastic_grad", "rht"):
+      if not isinstance(getattr(self, switch), bool):
+        raise TypeError(f"Recipe.{switch}={getattr(self, switch)!r} must be True or False")
+    if self.rht_seed is not None and (isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int)):
+      raise TypeError(f"Recipe.rht_seed={self.rht_seed!r} must be an int or None (the spec's signs)")
     if self.out_dtype is not None:
-      object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+      try:
+        object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+      except TypeError:
+        raise TypeError(f"Recipe.out_dtype={self.out_dtype!r} is not a dtype; use None, jnp.float32 "
+                        "or jnp.bfloat16") from None
     schemes.check_recipe(self)
 
   @property

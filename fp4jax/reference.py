@@ -140,10 +140,42 @@ def _scaled_codes_bf16(q: QTensor):
 
 
 def tensor_factor(a: QTensor, b: QTensor):
-  """The float32 factor applied after accumulation (1 for MXFP4 and FP8)."""
+  """The float32 factor applied after accumulation (1 for MXFP4 and FP8), as the spec computes it."""
   if a.fmt == "nvfp4":
-    return (a.amax * b.amax) * _INV_6_6_448_448
+    factor = (a.amax * b.amax) * _INV_6_6_448_448
+    return jnp.where((a.amax < 0) | (b.amax < 0), jnp.float32(jnp.nan), factor)   # wrong amax: NaN
   return jnp.float32(1.0)
+
+
+def _pow2(e):
+  return jnp.ldexp(jnp.float32(1.0), e)
+
+
+def apply_tensor_factor(acc, a: QTensor, b: QTensor):
+  """acc · ``tensor_factor(a, b)``, without spurious overflow or underflow of the factor.
+
+  The spec's (amax_a · amax_b) · f32(1/(6·6·448·448)) overflows when amax_a · amax_b > FLT_MAX (e.g.
+  both ~1e20) although most outputs are finite, and goes subnormal (flushed to 0 on CPU) below 2^-100.
+  There the amaxes are split as m · 2^e (frexp) and the result is (acc · ((m_a · m_b) · f32(1/...)))
+  · 2^(e_a + e_b), the power of two applied last in three exact parts: the spec's value, computed
+  with an unbounded exponent range. Elsewhere (and for zero, inf or NaN amaxes) exactly the spec's.
+  """
+  if a.fmt != "nvfp4":
+    return acc
+  amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
+  nan = jnp.float32(jnp.nan)
+  amax_a, amax_b = jnp.where(amax_a < 0, nan, amax_a), jnp.where(amax_b < 0, nan, amax_b)
+  prod = amax_a * amax_b
+  finite = jnp.isfinite(amax_a) & jnp.isfinite(amax_b) & (amax_a > 0) & (amax_b > 0)
+  keep = ~finite | (jnp.isfinite(prod) & (prod >= jnp.float32(2.0 ** -100)))
+  m_a, e_a = jnp.frexp(amax_a)
+  m_b, e_b = jnp.frexp(amax_b)
+  e = jnp.where(keep, 0, e_a.astype(jnp.int32) + e_b.astype(jnp.int32))
+  factor = (jnp.where(keep, amax_a, m_a) * jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
+  out = acc * factor
+  e1 = e // 3
+  e2 = (e - e1) // 2
+  return ((out * _pow2(e1)) * _pow2(e2)) * _pow2(e - e1 - e2)
 
 
 def _contract_last(a, b, preferred):
@@ -156,6 +188,6 @@ def scaled_matmul_reference(a: QTensor, b: QTensor, out_dtype=jnp.float32):
   """a (..., M, K) · b (N, K)ᵀ -> (..., M, N): the oracle of ``fp4jax.api.scaled_matmul``."""
   if formats.TABLE[a.fmt].packed:
     acc = _contract_last(_scaled_codes_bf16(a), _scaled_codes_bf16(b), jnp.float32)
-    return (acc * tensor_factor(a, b)).astype(out_dtype)
+    return apply_tensor_factor(acc, a, b).astype(out_dtype)
   acc = _contract_last(dequantize_reference(a), dequantize_reference(b), jnp.float32)
   return acc.astype(out_dtype)
