@@ -4,7 +4,7 @@
     python scripts/reliability_matrix.py --write      # also put the table into docs/RELIABILITY.md
     python scripts/reliability_matrix.py --training   # then scripts/reliability_training.py (pipeline)
 
-About 5 minutes on 2 CPU cores (the x64 cases run once in a subprocess with jax_enable_x64).
+About 2 minutes on 2 CPU cores (the x64 cases run once in a subprocess with jax_enable_x64).
 
 Verdicts: "clear error" (the expected exception type with its one-line message), "correct result"
 (an exactly specified result that checks), "silently wrong" (a result where an error was expected,
