@@ -32,6 +32,20 @@ def make_input(shape, dtype, seed=0):
   return jnp.asarray(x.reshape(shape), dtype)
 
 
+def bf16_sweep(lo_exp, hi_exp, shuffle=False, subnormals=True):
+  """Every finite bfloat16 value of the binades 2^lo_exp..2^hi_exp (both signs, every tie), with the
+  subnormals if asked, as a (R, 256) float32 array padded with zeros; in bit order (neighbouring values
+  share a block) or shuffled."""
+  bits = np.arange(1 << 16, dtype=np.uint32)
+  exp = (bits >> 7) & 0xFF
+  keep = ((exp >= 127 + lo_exp) & (exp <= 127 + hi_exp) & (exp != 0xFF)) | ((exp == 0) & subnormals)
+  v = (bits[keep] << 16).view(np.float32)
+  if shuffle:
+    v = np.random.default_rng(7).permutation(v)
+  v = np.concatenate([v, np.zeros(-v.size % 4096, np.float32)])
+  return jnp.asarray(v.reshape(-1, 256))
+
+
 def make_bits(shape, seed=1):
   return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape), jnp.uint8)
 
@@ -63,6 +77,20 @@ class _Quantize1dCases:
   @pytest.mark.parametrize("shape,dtype,stochastic", MXFP4_CASES)
   def test_mxfp4_matches_reference(self, shape, dtype, stochastic):
     self._check("mxfp4", shape, dtype, stochastic)
+
+  @pytest.mark.parametrize("fmt,lo,hi,shuffle,stochastic", [
+      ("mxfp4", -120, 127, False, False), ("mxfp4", -120, 127, True, True),
+      ("nvfp4", -14, 8, False, False), ("nvfp4", -14, 8, True, True),
+      ("nvfp4", -90, -66, True, False)])     # tensor amax below 2^-64: the 2^64 rescaling
+  def test_dense_sweep_of_bf16_values(self, fmt, lo, hi, shuffle, stochastic):
+    """Every finite bf16 value of the binades one NVFP4 tensor amax spans (nvfp4, with subnormals), or
+    down to 2^-120 (mxfp4: block amaxes near float32's subnormal range are flushed by CPU XLA, see
+    KERNELS.md), == the reference."""
+    x = bf16_sweep(lo, hi, shuffle, subnormals=fmt == "nvfp4")
+    amax = jnp.max(jnp.abs(x))
+    bits = make_bits(x.shape) if stochastic else None
+    got = K1.quantize_1d(x, amax, bits, fmt=fmt, interpret=self.INTERPRET)
+    assert_bits_equal(got, K1.quantize_1d_reference(x, amax, bits, fmt=fmt))
 
   def test_mxfp4_floor_rule(self):
     self._check("mxfp4", (64, 256), jnp.float32, False, scale_rule="floor")
@@ -101,6 +129,15 @@ class _Quantize2dCases:
   def test_sweep(self, shape, dtype, stochastic):
     self._check(shape, dtype, stochastic)
 
+  @pytest.mark.parametrize("shuffle,stochastic", [(False, False), (True, True)])
+  @pytest.mark.parametrize("lo,hi", [(-14, 8), (-90, -66)])
+  def test_dense_sweep_of_bf16_values(self, shuffle, stochastic, lo, hi):
+    x = bf16_sweep(lo, hi, shuffle)
+    amax = jnp.max(jnp.abs(x))
+    bits = make_bits(x.shape) if stochastic else None
+    assert_bits_equal(K2.quantize_2d(x, amax, bits, interpret=self.INTERPRET),
+                      K2.quantize_2d_reference(x, amax, bits))
+
   def _check(self, shape, dtype, stochastic):
     x = make_input(shape, dtype)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
@@ -132,6 +169,17 @@ class _QuantizeRhtTCases:
   @pytest.mark.parametrize("rht_size,seed", [(32, None), (64, 7), (8, None)])
   def test_other_rht_sizes(self, rht_size, seed):
     self._check("nvfp4", (128, 64), jnp.float32, False, rht_size=rht_size, rht_seed=seed)
+
+  @pytest.mark.parametrize("fmt,lo,hi,stochastic", [("nvfp4", -14, 8, True), ("nvfp4", -90, -66, False),
+                                                   ("mxfp4", -120, 127, True)])
+  def test_dense_sweep_of_bf16_values(self, fmt, lo, hi, stochastic):
+    """Every finite bf16 value of those binades, shuffled, as (T, C) (the RHT of the largest overflows
+    to inf for mxfp4: inf blocks), == the reference."""
+    x = bf16_sweep(lo, hi, shuffle=True, subnormals=fmt == "nvfp4")
+    amax = KR.rht_amax(x)
+    bits = make_bits(x.shape[::-1]) if stochastic else None
+    got = KR.quantize_rht_t(x, amax, bits, fmt=fmt, interpret=self.INTERPRET)
+    assert_bits_equal(got, KR.quantize_rht_t_reference(x, amax, bits, fmt=fmt))
 
   def _check(self, fmt, shape, dtype, stochastic, rht_size=16, rht_seed=None):
     x = make_input(shape, dtype)
@@ -187,7 +235,8 @@ def test_e8m0_bytes_match_reference(rule):
   v = v[v > 1e-36]   # float32 subnormal block amaxes: CPU XLA flushes them (see KERNELS.md)
   e = e8m0_exponent(v, rule)
   want = jax.lax.bitcast_convert_type(e8m0_from_exponent(e, v), jnp.uint8).astype(jnp.int32)
-  byte, inv = jax.jit(lambda a: C.e8m0_block_encode(a, rule))(v)
+  byte, inv, exp = jax.jit(lambda a: C.e8m0_block_encode(a, rule))(v)
+  np.testing.assert_array_equal(np.asarray(exp), np.asarray(e))
   np.testing.assert_array_equal(np.asarray(byte), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(inv),
                                 np.asarray(jnp.ldexp(jnp.float32(1), jnp.maximum(-e, -126))))

@@ -81,15 +81,28 @@ def nvfp4_block_encode(amax_b, s_enc6, s_dec, *, interpret):
 
 
 def nvfp4_tensor_params(amax_g):
-  """(S_enc · f32(1/6), 1 / S_enc) of tensor amaxes (any shape), in XLA outside the kernels."""
-  s_enc = nvfp4.global_encode_scale(amax_g)
-  return s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc
+  """(S_enc · f32(1/6), 1 / S_enc, p) of tensor amaxes (any shape), in XLA outside the kernels.
+
+  p = ``nvfp4.encode_shift(amax_g)`` (2^64 for a tensor amax below 2^-64, else 1): the kernel
+  multiplies x by p, and S_enc is that of amax_g · p, as ``nvfp4.quantize_blocks`` does.
+  """
+  p = nvfp4.encode_shift(amax_g)
+  s_enc = nvfp4.global_encode_scale(jnp.asarray(amax_g, jnp.float32) * p)
+  return s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc, p
+
+
+def nvfp4_factor_columns(amax_g):
+  """The per-tensor factors as the last axis of 4 (S_enc/6, 1/S_enc, p, 0): Triton blocks need a
+  power-of-two width."""
+  s_enc6, s_dec, p = nvfp4_tensor_params(amax_g)
+  return jnp.stack([s_enc6, s_dec, p, jnp.zeros_like(p)], axis=-1)
 
 
 # ---------------------------------------------------------------- E8M0 (MXFP4 block scales)
 
 def e8m0_block_encode(amax_b, rule: str):
-  """E8M0 scale bytes (int32) and the exact float32 factors 2^-exp of MXFP4 blocks (spec §3)."""
+  """E8M0 scale bytes (int32), the exact float32 factors 2^-exp (2^-126 for exp 127) and the
+  exponents (int32) of MXFP4 blocks (spec §3)."""
   bits = _f32_bits(amax_b)
   if rule == "floor":
     exp = ((bits >> 23) & 0xFF) - 127 - 2
@@ -109,7 +122,18 @@ def e8m0_block_encode(amax_b, rule: str):
   exp = jnp.where(amax_b == jnp.float32(jnp.inf), 127, exp)
   byte = jnp.where(amax_b != amax_b, 0xFF, exp + 127)
   inv = _f32_from_bits((jnp.maximum(-exp, -126) + 127) << 23)
-  return byte, inv
+  return byte, inv, exp
+
+
+def mxfp4_scaled(x_f32, inv, exp):
+  """x / 2^exp clipped like ``mxfp4.quantize_blocks``: (x · inv) · 2^min(126 - exp, 0), then clipped
+  to ±6, or to ±3 (exp 126) and ±1.5 (exp 127), the largest codes whose values stay finite; ±inf
+  elements keep ±6. ``inv`` and ``exp`` broadcast against x."""
+  rest = jnp.where(exp >= 127, jnp.float32(0.5), jnp.float32(1.0))
+  limit = jnp.where(exp >= 127, jnp.float32(1.5), jnp.where(exp == 126, jnp.float32(3.0),
+                                                             jnp.float32(6.0)))
+  limit = jnp.where(jnp.abs(x_f32) == jnp.float32(jnp.inf), jnp.float32(6.0), limit)
+  return jnp.clip((x_f32 * inv) * rest, -limit, limit)
 
 
 def e8m0_value(byte):

@@ -9,7 +9,8 @@ encodes with the bit-arithmetic E2M1 encode of ``_common`` (RNE, or stochastic w
 element, an input, so kernel and reference agree bit for bit), and packs code pairs from a
 (rows, blocks·P, 2) register view into a (rows, blocks·P) byte tile.
 The tensor amax (NVFP4) is computed before this pass (a separate reduction) and enters as per-row
-factors (S_enc/6, 1/S_enc) — one row of factors per amax when vmapped.
+factors (S_enc/6, 1/S_enc, p) — one row of factors per amax when vmapped; p = 2^64 rescales a
+tensor whose amax is below 2^-64, as the reference does.
 """
 from __future__ import annotations
 
@@ -46,21 +47,24 @@ def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
   x_RxK = x_ref[...].astype(jnp.float32)
   r, k = x_RxK.shape
   x_RxNxB = x_RxK.reshape(r, k // b, b)
-  amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
   if fmt == "nvfp4":
     s_enc6_Rx1 = f_ref[:, 0][:, None]       # ref reads, not register slices (Triton has no slice)
     s_dec_Rx1 = f_ref[:, 1][:, None]
+    x_RxNxB = x_RxNxB * f_ref[:, 2][:, None, None]     # p: 2^64 for a tensor amax below 2^-64
+    amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
     byte_RxN, enc_RxN = C.nvfp4_block_encode(amax_RxN, s_enc6_Rx1, s_dec_Rx1, interpret=interpret)
+    scaled = jnp.clip(x_RxNxB * enc_RxN[:, :, None], -6.0, 6.0)
   else:
-    byte_RxN, enc_RxN = C.e8m0_block_encode(amax_RxN, scale_rule)
-  scaled = jnp.clip(x_RxNxB * enc_RxN[:, :, None], -6.0, 6.0)
+    amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
+    byte_RxN, inv_RxN, exp_RxN = C.e8m0_block_encode(amax_RxN, scale_rule)
+    scaled = C.mxfp4_scaled(x_RxNxB, inv_RxN[:, :, None], exp_RxN[:, :, None])
   bits = None if bits_ref is None else bits_ref[...].reshape(r, k // b, b)
   codes = C.encode(scaled, bits)
   q_ref[...] = C.pack_pairs(codes.reshape(r, k // 2, 2))
   s_ref[...] = byte_RxN.astype(jnp.uint8)
 
 
-def _quantize_1d_call(x_RxK, factors_Rx2, bits_RxK, *, fmt, scale_rule, tiles, interpret):
+def _quantize_1d_call(x_RxK, factors_Rx4, bits_RxK, *, fmt, scale_rule, tiles, interpret):
   """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles."""
   r, k = x_RxK.shape
   b = formats.BLOCK[fmt]
@@ -68,9 +72,9 @@ def _quantize_1d_call(x_RxK, factors_Rx2, bits_RxK, *, fmt, scale_rule, tiles, i
   br, rp = C.fit(r, tiles.rows)
   bn, nbp = C.fit(nb, tiles.blocks)
   pad = lambda a: C.pad_axis(C.pad_axis(a, 0, rp), 1, nbp * b)
-  ops = [pad(x_RxK), C.pad_axis(factors_Rx2, 0, rp)]
+  ops = [pad(x_RxK), C.pad_axis(factors_Rx4, 0, rp)]
   in_specs = [plc.BlockSpec((br, bn * b), lambda i, j: (i, j)),
-              plc.BlockSpec((br, 2), lambda i, j: (i, 0))]
+              plc.BlockSpec((br, 4), lambda i, j: (i, 0))]
   if bits_RxK is not None:
     ops.append(pad(bits_RxK))
     in_specs.append(plc.BlockSpec((br, bn * b), lambda i, j: (i, j)))
@@ -89,17 +93,16 @@ def _quantize_1d_call(x_RxK, factors_Rx2, bits_RxK, *, fmt, scale_rule, tiles, i
 
 
 def row_factors(amax, x_shape, fmt):
-  """Per-row (S_enc/6, 1/S_enc) float32 (R, 2) for an amax of shape x_shape[:amax.ndim]."""
+  """Per-row (S_enc/6, 1/S_enc, p, 0) float32 (R, 4) for an amax of shape x_shape[:amax.ndim]."""
   r = 1
   for d in x_shape[:-1]:
     r *= d
   if fmt != "nvfp4":
-    return jnp.zeros((r, 2), jnp.float32)
-  s_enc6, s_dec = C.nvfp4_tensor_params(amax)
-  f = jnp.stack([s_enc6, s_dec], axis=-1)                       # amax.shape + (2,)
-  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(x_shape) - 1 - amax.ndim) + (2,)),
-                       tuple(x_shape[:-1]) + (2,))
-  return f.reshape(r, 2)
+    return jnp.zeros((r, 4), jnp.float32)
+  f = C.nvfp4_factor_columns(amax)                              # amax.shape + (4,)
+  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(x_shape) - 1 - amax.ndim) + (4,)),
+                       tuple(x_shape[:-1]) + (4,))
+  return f.reshape(r, 4)
 
 
 def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TILES,

@@ -43,7 +43,7 @@ def _quantize_2d_kernel(*refs, stochastic, interpret):
   x_RxK = x_ref[...].astype(jnp.float32)
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
-  x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE)
+  x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE) * f_ref[:, 2][:, None, None, None]   # p (2^64 or 1)
   amax_GxN = jnp.max(jnp.max(jnp.abs(x_Gx16xNx16), axis=3), axis=1)
   s_enc6_Gx1 = f_ref[:, 0][:, None]
   s_dec_Gx1 = f_ref[:, 1][:, None]
@@ -55,7 +55,7 @@ def _quantize_2d_kernel(*refs, stochastic, interpret):
   s_ref[...] = byte_GxN.astype(jnp.uint8)
 
 
-def _quantize_2d_call(x_RxK, factors_Gx2, bits_RxK, *, tiles, interpret):
+def _quantize_2d_call(x_RxK, factors_Gx4, bits_RxK, *, tiles, interpret):
   """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8."""
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
@@ -63,8 +63,8 @@ def _quantize_2d_call(x_RxK, factors_Gx2, bits_RxK, *, tiles, interpret):
   bn, nbp = C.fit(nb, tiles.tile_cols)
   pad = lambda a: C.pad_axis(C.pad_axis(a, 0, gp * TILE), 1, nbp * TILE)
   spec = plc.BlockSpec((bg * TILE, bn * TILE), lambda i, j: (i, j))
-  ops = [pad(x_RxK), C.pad_axis(factors_Gx2, 0, gp)]
-  in_specs = [spec, plc.BlockSpec((bg, 2), lambda i, j: (i, 0))]
+  ops = [pad(x_RxK), C.pad_axis(factors_Gx4, 0, gp)]
+  in_specs = [spec, plc.BlockSpec((bg, 4), lambda i, j: (i, 0))]
   if bits_RxK is not None:
     ops.append(pad(bits_RxK))
     in_specs.append(spec)
@@ -83,12 +83,11 @@ def _quantize_2d_call(x_RxK, factors_Gx2, bits_RxK, *, tiles, interpret):
 
 
 def tile_row_factors(amax, x_shape):
-  """Per-tile-row (S_enc/6, 1/S_enc) float32 (G, 2) for an amax of shape x_shape[:amax.ndim]."""
-  s_enc6, s_dec = C.nvfp4_tensor_params(amax)
-  f = jnp.stack([s_enc6, s_dec], axis=-1)
+  """Per-tile-row (S_enc/6, 1/S_enc, p, 0) float32 (G, 4) for an amax of shape x_shape[:amax.ndim]."""
+  f = C.nvfp4_factor_columns(amax)
   lead = tuple(x_shape[:-2]) + (x_shape[-2] // TILE,)
-  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(lead) - amax.ndim) + (2,)), lead + (2,))
-  return f.reshape(-1, 2)
+  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(lead) - amax.ndim) + (4,)), lead + (4,))
+  return f.reshape(-1, 4)
 
 
 def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):

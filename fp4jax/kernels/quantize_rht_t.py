@@ -68,26 +68,31 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
     y += _butterfly(rows[c0:c0 + n], signs, scale)
   s_enc6 = f_ref[0]
   s_dec = f_ref[1]
+  if fmt == "nvfp4":
+    p = f_ref[2]                          # 2^64 for a tensor amax below 2^-64, else 1 (exact)
+    y = [r * p for r in y]
   # 2. Quantize each block of B rows; 3. pack 8 codes per int32 word, transpose, store.
   for j in range(L // b):
     blk = y[j * b:(j + 1) * b]
     amax = functools.reduce(jnp.maximum, [jnp.abs(r) for r in blk])
     if fmt == "nvfp4":
       byte, enc = C.nvfp4_block_encode(amax, s_enc6, s_dec, interpret=interpret)
+      scaled = lambda v, enc=enc: jnp.clip(v * enc, -6.0, 6.0)
     else:
-      byte, enc = C.e8m0_block_encode(amax, scale_rule)
+      byte, inv, exp = C.e8m0_block_encode(amax, scale_rule)
+      scaled = lambda v, inv=inv, exp=exp: C.mxfp4_scaled(v, inv, exp)
     s_ref[:, :, j] = byte.astype(jnp.uint8).T
     for w in range(b // 8):
       word = None
       for e in range(8):
         i = j * b + w * 8 + e
         bits = None if bits_ref is None else bits_ref[:, :, i].T
-        code = C.encode(jnp.clip(y[i] * enc, -6.0, 6.0), bits).astype(jnp.int32)
+        code = C.encode(scaled(y[i]), bits).astype(jnp.int32)
         word = code if word is None else word | (code << (4 * e))
       w_ref[:, :, (j * b + w * 8) // 8] = word.T
 
 
-def _quantize_rht_t_call(x_TxC, factors_2, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
+def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
   """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T."""
   t, c = x_TxC.shape
   b = formats.BLOCK[fmt]
@@ -96,9 +101,9 @@ def _quantize_rht_t_call(x_TxC, factors_2, bits_CxT, *, fmt, scale_rule, signs, 
   bu, up = C.fit(u, tiles.chunks)
   bc, cp = C.fit(c, tiles.cols)
   x_v = C.pad_axis(C.pad_axis(x_TxC.reshape(u, L, c), 0, up), 2, cp)
-  ops = [x_v, factors_2]
+  ops = [x_v, factors_4]
   in_specs = [plc.BlockSpec((bu, L, bc), lambda i, j: (i, 0, j)),
-              plc.BlockSpec((2,), lambda i, j: (0,))]
+              plc.BlockSpec((4,), lambda i, j: (0,))]
   if bits_CxT is not None:
     ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
     in_specs.append(plc.BlockSpec((bc, bu, L), lambda i, j: (j, i, 0)))
@@ -136,10 +141,9 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
     raise ValueError(f"token axis T={t} must be a multiple of {L} (rht_size={rht_size}, block "
                      f"{formats.BLOCK[fmt]}); pad it")
   if fmt == "nvfp4":
-    s_enc6, s_dec = C.nvfp4_tensor_params(jnp.asarray(amax, jnp.float32))
-    factors = jnp.stack([s_enc6, s_dec])
+    factors = C.nvfp4_factor_columns(jnp.asarray(amax, jnp.float32))
   else:
-    factors = jnp.zeros((2,), jnp.float32)
+    factors = jnp.zeros((4,), jnp.float32)
   signs = hadamard.signs(rht_size, rht_seed)
   return _quantize_rht_t_call(x, factors, bits, fmt=fmt, scale_rule=scale_rule, signs=signs,
                               tiles=tiles, interpret=interpret)
