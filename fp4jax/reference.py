@@ -151,6 +151,26 @@ def _pow2(e):
   return jnp.ldexp(jnp.float32(1.0), e)
 
 
+def tensor_factor_parts(a: QTensor, b: QTensor):
+  """float32 (4,): the factor and three exact powers of two that ``apply_tensor_factor`` multiplies
+  acc by, in that order (for the Pallas GEMM's epilogue, which applies them to its accumulator)."""
+  if a.fmt != "nvfp4":
+    return jnp.array([1.0, 1.0, 1.0, 1.0], jnp.float32)
+  amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
+  nan = jnp.float32(jnp.nan)
+  amax_a, amax_b = jnp.where(amax_a < 0, nan, amax_a), jnp.where(amax_b < 0, nan, amax_b)
+  prod = amax_a * amax_b
+  finite = jnp.isfinite(amax_a) & jnp.isfinite(amax_b) & (amax_a > 0) & (amax_b > 0)
+  keep = ~finite | (jnp.isfinite(prod) & (prod >= jnp.float32(2.0 ** -100)))
+  m_a, e_a = jnp.frexp(amax_a)
+  m_b, e_b = jnp.frexp(amax_b)
+  e = jnp.where(keep, 0, e_a.astype(jnp.int32) + e_b.astype(jnp.int32))
+  factor = (jnp.where(keep, amax_a, m_a) * jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
+  e1 = e // 3
+  e2 = (e - e1) // 2
+  return jnp.stack([factor, _pow2(e1), _pow2(e2), _pow2(e - e1 - e2)])
+
+
 def apply_tensor_factor(acc, a: QTensor, b: QTensor):
   """acc · ``tensor_factor(a, b)``, without spurious overflow or underflow of the factor.
 
@@ -162,20 +182,8 @@ def apply_tensor_factor(acc, a: QTensor, b: QTensor):
   """
   if a.fmt != "nvfp4":
     return acc
-  amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
-  nan = jnp.float32(jnp.nan)
-  amax_a, amax_b = jnp.where(amax_a < 0, nan, amax_a), jnp.where(amax_b < 0, nan, amax_b)
-  prod = amax_a * amax_b
-  finite = jnp.isfinite(amax_a) & jnp.isfinite(amax_b) & (amax_a > 0) & (amax_b > 0)
-  keep = ~finite | (jnp.isfinite(prod) & (prod >= jnp.float32(2.0 ** -100)))
-  m_a, e_a = jnp.frexp(amax_a)
-  m_b, e_b = jnp.frexp(amax_b)
-  e = jnp.where(keep, 0, e_a.astype(jnp.int32) + e_b.astype(jnp.int32))
-  factor = (jnp.where(keep, amax_a, m_a) * jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
-  out = acc * factor
-  e1 = e // 3
-  e2 = (e - e1) // 2
-  return ((out * _pow2(e1)) * _pow2(e2)) * _pow2(e - e1 - e2)
+  f = tensor_factor_parts(a, b)
+  return ((acc * f[0]) * f[1]) * f[2] * f[3]
 
 
 def _contract_last(a, b, preferred):

@@ -7,6 +7,8 @@ it equals the reference bit for bit where every partial sum is exact (operands w
 dequantize-then-jnp.dot in float32 on general operands. The classes run the kernels in the Pallas
 interpreter (INTERPRET = True); tests/test_kernels_gpu.py subclasses them with INTERPRET = False.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,8 @@ import fp4jax
 from fp4jax import formats
 from fp4jax.kernels import scaled_matmul as KM
 from fp4jax.qtensor import QTensor
-from fp4jax.reference import _scaled_codes_bf16, scaled_matmul_reference, tensor_factor
+from fp4jax.reference import (_scaled_codes_bf16, scaled_matmul_reference, tensor_factor,
+                              tensor_factor_parts)
 
 REL_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2 ** -8}   # bf16 output: one rounding of the result
 TILE = (16, 16)
@@ -130,6 +133,20 @@ class _ScaledMatmulExactCases:
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
+
+
+def test_extreme_amaxes_follow_the_reference():
+  """amax products beyond float32 (the reference's power-of-two rescaling) give the same bits."""
+  a = exact_operand((32, 256), "nvfp4", None, 0)
+  b = exact_operand((16, 256), "nvfp4", TILE, 1)
+  for amax_a, amax_b in ((1e20, 3e19), (1e-30, 2e-25), (5.0, 7.0)):
+    qa = dataclasses.replace(a, amax=jnp.float32(amax_a))
+    qb = dataclasses.replace(b, amax=jnp.float32(amax_b))
+    got = KM.scaled_matmul(qa.data, _bytes(qa.scale), qb.data, _bytes(qb.scale),
+                           tensor_factor_parts(qa, qb), fmt="nvfp4", b_tiled=True, interpret=True)
+    want = scaled_matmul_reference(qa, qb, jnp.float32)
+    assert np.isfinite(np.asarray(want)).all()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 class TestScaledMatmulInterpret(_ScaledMatmulCases):

@@ -9,8 +9,10 @@ Design (Hopper has no FP4 tensor cores; the products e2m1 · block scale are exa
      once, by bit operations, in a memory-bound pass (0.56 bytes in, 2 bytes out per element), not in
      the K loop of the GEMM where it would compete with the MMA for issue slots.
   2. ``_gemm_kernel``: a bf16 x bf16 GEMM with float32 accumulation on (bm, bn) tiles with wide N tiles
-     (tensor cores on GPU); the tensor factor (amax_a · amax_b / (6·6·448·448) for NVFP4, 1 for MXFP4)
-     multiplies the float32 accumulator once, then the cast to the output dtype.
+     (tensor cores on GPU); the tensor factor (amax_a · amax_b / (6·6·448·448) for NVFP4, 1 for MXFP4,
+     with three exact powers of two where the reference rescales extreme amaxes:
+     ``reference.tensor_factor_parts``) multiplies the float32 accumulator in the reference's order,
+     then the cast to the output dtype.
 The XLA composition (``fp4jax.reference.scaled_matmul_reference``: dequantize to bf16, one
 ``dot_general``, cuBLAS on GPU) is the same computation and the baseline this pair must beat
 (``scripts/gpu_check.py``); they differ only in the order of the float32 sums.
@@ -99,11 +101,11 @@ def _gemm_kernel(a_ref, b_ref, f_ref, o_ref, *, bk, nk):
     return acc + plc.dot_nt_f32(a_ref[:, plc.ds(k0, bk)], b_ref[:, plc.ds(k0, bk)])
 
   acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-  o_ref[...] = (acc * f_ref[0]).astype(o_ref.dtype)
+  o_ref[...] = (((acc * f_ref[0]) * f_ref[1]) * f_ref[2] * f_ref[3]).astype(o_ref.dtype)
 
 
-def _gemm_call(a_bf16, b_bf16, factor_1, *, bm, bn, bk, out_dtype, tiles, interpret):
-  """out (M, N) = factor · a (M, K) · b (N, K)ᵀ, all of M, N, K multiples of their tiles."""
+def _gemm_call(a_bf16, b_bf16, factor_4, *, bm, bn, bk, out_dtype, tiles, interpret):
+  """out (M, N) = a (M, K) · b (N, K)ᵀ times the 4 factors in turn, M, N, K multiples of their tiles."""
   mp, kp = a_bf16.shape
   np_ = b_bf16.shape[0]
   return plc.pallas_call(
@@ -112,10 +114,10 @@ def _gemm_call(a_bf16, b_bf16, factor_1, *, bm, bn, bk, out_dtype, tiles, interp
       grid=(mp // bm, np_ // bn),
       in_specs=[plc.BlockSpec((bm, kp), lambda i, j: (i, 0)),
                 plc.BlockSpec((bn, kp), lambda i, j: (j, 0)),
-                plc.BlockSpec((1,), lambda i, j: (0,))],
+                plc.BlockSpec((4,), lambda i, j: (0,))],
       out_specs=plc.BlockSpec((bm, bn), lambda i, j: (i, j)),
       interpret=interpret, name="fp4jax_gemm_bf16_f32acc",
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(a_bf16, b_bf16, factor_1)
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(a_bf16, b_bf16, factor_4)
 
 
 def _fit_min(dim: int, pref: int) -> tuple[int, int]:
@@ -127,7 +129,7 @@ def _fit_min(dim: int, pref: int) -> tuple[int, int]:
   return b, padded
 
 
-def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_1, *, fmt, a_tiled, b_tiled,
+def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_4, *, fmt, a_tiled, b_tiled,
                         out_dtype, tiles, interpret):
   """out (M, N) from a (M, K/2), b (N, K/2) packed codes and their scale bytes."""
   m, k2 = a_data.shape
@@ -142,7 +144,7 @@ def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_1, *, fmt, a_ti
   dq = functools.partial(_dequantize_call, fmt=fmt, cols=kp, tiles=tiles, interpret=interpret)
   a_bf16 = dq(a_data, a_scale, tiled=a_tiled, rows=mp)
   b_bf16 = dq(b_data, b_scale, tiled=b_tiled, rows=np_)
-  out = _gemm_call(a_bf16, b_bf16, factor_1, bm=bm, bn=bn, bk=bk, out_dtype=out_dtype, tiles=tiles,
+  out = _gemm_call(a_bf16, b_bf16, factor_4, bm=bm, bn=bn, bk=bk, out_dtype=out_dtype, tiles=tiles,
                    interpret=interpret)
   return out[:m, :n]
 
@@ -162,13 +164,16 @@ def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_ti
   """a (..., M, K) · b (N, K)ᵀ from packed codes and scale bytes (uint8), times ``factor``.
 
   a_data (..., M, K/2), a_scale (..., M, K/B) or (..., M/16, K/16) with ``a_tiled``; b likewise
-  without leading axes. factor: float32 scalar (the NVFP4 tensor factor; 1 for MXFP4).
+  without leading axes. factor: float32 scalar (the NVFP4 tensor factor; 1 for MXFP4), or the four
+  parts of ``reference.tensor_factor_parts`` (factor, then three powers of two, applied in turn).
   """
+  factor = jnp.asarray(factor, jnp.float32).reshape(-1)
+  if factor.shape == (1,):
+    factor = jnp.concatenate([factor, jnp.ones((3,), jnp.float32)])
   *lead, m, k2 = a_data.shape
   a2 = a_data.reshape(-1, k2)
   as2 = a_scale.reshape(-1, a_scale.shape[-1])
-  out = _scaled_matmul_call(a2, as2, b_data, b_scale,
-                            jnp.asarray(factor, jnp.float32).reshape(1), fmt=fmt,
+  out = _scaled_matmul_call(a2, as2, b_data, b_scale, factor, fmt=fmt,
                             a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype, tiles=tiles,
                             interpret=interpret)
   return out.reshape(*lead, m, b_data.shape[0])

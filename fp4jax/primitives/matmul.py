@@ -17,7 +17,7 @@ from fp4jax.primitives import sharding as shd
 from fp4jax.primitives.impl import resolve_impl
 from fp4jax.primitives.quantize import variant
 from fp4jax.qtensor import QTensor, along_last
-from fp4jax.reference import scaled_matmul_reference, tensor_factor
+from fp4jax.reference import scaled_matmul_reference, tensor_factor_parts
 
 
 def _abstract(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled,
@@ -34,7 +34,7 @@ def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_
   a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
   b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
   if impl == "pallas" and platform in ("cuda", "cpu"):
-    out = kernel.scaled_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor(a, b),
+    out = kernel.scaled_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
                                fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
                                interpret=platform != "cuda")
   else:
