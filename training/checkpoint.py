@@ -51,7 +51,8 @@ class CheckpointReadError(CheckpointError, ValueError):
 class Checkpoints:
   """A thin wrapper over ``ocp.CheckpointManager`` with the two items ``state`` and ``data``."""
 
-  def __init__(self, directory: str, *, keep: int, async_save: bool = True, create: bool = True):
+  def __init__(self, directory: str, *, keep: int | None, async_save: bool = True, create: bool = True):
+    """``keep``: how many of the latest checkpoints a save leaves (None: all, for reading another run's)."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                            create=create)
     self.directory = os.path.abspath(directory)

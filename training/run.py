@@ -251,7 +251,7 @@ def _init_from(run: Run, source: str) -> dict:
   if not os.path.isdir(directory):
     raise CheckpointError(f"config.init_from={source!r}: no checkpoints directory {directory}; give the work "
                           "directory of a run (it holds checkpoints/<step>)")
-  checkpoints = ckpt_lib.Checkpoints(directory, keep=1, async_save=False, create=False)
+  checkpoints = ckpt_lib.Checkpoints(directory, keep=None, async_save=False, create=False)
   try:
     steps = checkpoints.steps()
     if not steps:
