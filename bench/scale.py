@@ -267,7 +267,11 @@ def main(argv):
   if jax.device_count() != _DEVICES.value:
     raise SystemExit(f"JAX sees {jax.device_count()} devices, not --devices={_DEVICES.value}; run bench/scale.py "
                      "as a script (it sets XLA_FLAGS before JAX starts)")
-  result = measure(_CONFIG.value, _BATCH.value, _HLO.value, _PARTITIONED.value)
+  try:
+    result = measure(_CONFIG.value, _BATCH.value, _HLO.value, _PARTITIONED.value)
+  finally:   # a failed compile leaves XLA's dump behind
+    if not KEEP_DUMP:
+      shutil.rmtree(DUMP_DIR, ignore_errors=True)
   print(report(result))
   if _JSON.value:
     with open(_JSON.value, "w", encoding="utf-8") as f:
