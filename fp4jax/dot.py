@@ -198,7 +198,7 @@ def _dot_2d(recipe, precision, out_dtype, x_MxK, w_KxN, key):
   x_MxK = _pad_to(_pad_to(x_MxK, 0, align_m), 1, align_k)
   w_KxN = _pad_to(_pad_to(w_KxN, 0, align_k), 1, align_n)
   if beyond:
-    y_MxN = schemes.qdot(recipe, out_dtype, x_MxK, w_KxN, key)
+    y_MxN = schemes.qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
   else:
     y_MxN = _qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
   return y_MxN[:m, :n]

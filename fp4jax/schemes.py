@@ -246,20 +246,25 @@ class Residuals:
     return sum(int(a.size) * a.dtype.itemsize for a in leaves)
 
 
-def _fprop(recipe, out_dtype, x_MxK, w_KxN):
+def _exact(a, b, dims, precision):
+  return lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _fprop(recipe, precision, out_dtype, x_MxK, w_KxN):
   if recipe.fprop == "bf16":
-    y = lax.dot_general(x_MxK, w_KxN, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    y = _exact(x_MxK, w_KxN, ((1,), (0,)), precision)
     return y.astype(out_dtype), None, None
   q_x = _forward_operand(recipe, x_MxK, "activations")
   q_wt = _forward_operand(recipe, w_KxN.T, "weights")
   return gemm(q_x, q_wt).astype(out_dtype), q_x, q_wt
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def qdot(recipe, out_dtype, x_MxK, w_KxN, key):
-  """y = x·w quantized as ``recipe`` says (aligned operands, see ``alignment``)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key):
+  """y = x·w quantized as ``recipe`` says (aligned operands, see ``alignment``); ``precision`` applies
+  to the GEMMs that run in bf16."""
   del key
-  return _fprop(recipe, out_dtype, x_MxK, w_KxN)[0]
+  return _fprop(recipe, precision, out_dtype, x_MxK, w_KxN)[0]
 
 
 def _wgrad_rht(t_TxC, recipe):
@@ -270,8 +275,8 @@ def _wgrad_rht(t_TxC, recipe):
   return t_CxT
 
 
-def _qdot_fwd(recipe, out_dtype, x_MxK, w_KxN, key):
-  y, q_x, q_wt = _fprop(recipe, out_dtype, x_MxK, w_KxN)
+def _qdot_fwd(recipe, precision, out_dtype, x_MxK, w_KxN, key):
+  y, q_x, q_wt = _fprop(recipe, precision, out_dtype, x_MxK, w_KxN)
   x_res = w_res = w_dgrad = x_wgrad = None
   if recipe.scheme == "nvidia":
     if recipe.dgrad == "bf16":
@@ -300,19 +305,19 @@ def _forward_values(t):
   return t.dequantize() if isinstance(t, Operand) else t.astype(jnp.float32)
 
 
-def _bwd_nvidia(recipe, res, dy_MxN):
+def _bwd_nvidia(recipe, precision, res, dy_MxN):
   key_d = key_w = None
-  if recipe.stochastic_grad:
+  if recipe.needs_key:          # stochastic rounding of dy in an FP4 dgrad or wgrad
     _require_key(recipe, res)
     key_d, key_w = jax.random.split(res.key)
   if recipe.dgrad == "bf16":
-    dx = lax.dot_general(dy_MxN, res.w_dgrad, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dx = _exact(dy_MxN, res.w_dgrad, ((1,), (1,)), precision)
   else:
     q_w = res.w_dgrad.transpose_tiles() if res.w_dgrad.tiled else res.w_dgrad      # (K, N)
     q_dy = quantize_nvfp4(dy_MxN, bits=None if key_d is None else _bits(key_d, dy_MxN.shape))
     dx = gemm(q_dy, q_w)
   if recipe.wgrad == "bf16":
-    dw = lax.dot_general(res.x_wgrad, dy_MxN, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = _exact(res.x_wgrad, dy_MxN, ((0,), (0,)), precision)
   else:
     dyt = _wgrad_rht(dy_MxN, recipe)                                               # (N, M)
     q_dyt = quantize_nvfp4(dyt, bits=None if key_w is None else _bits(key_w, dyt.shape))
@@ -320,8 +325,9 @@ def _bwd_nvidia(recipe, res, dy_MxN):
   return dx, dw
 
 
-def _bwd_quartet2(recipe, res, dy_MxN):
+def _bwd_quartet2(recipe, precision, res, dy_MxN):
   """Both backward GEMMs: RHT-128 (fresh signs per GEMM) of both operands, then MS-EDEN."""
+  del precision   # no GEMM of the backward pass runs unquantized
   _require_key(recipe, res)
   key_d, key_w = jax.random.split(res.key)
   x_hat, wt_hat = _forward_values(res.x), _forward_values(res.w)                  # (M, K), (N, K)
@@ -341,8 +347,9 @@ def _bwd_quartet2(recipe, res, dy_MxN):
   return dx, gemm(q_xt, q_dyt)
 
 
-def _bwd_tetrajet2(recipe, res, dy_MxN):
+def _bwd_tetrajet2(recipe, precision, res, dy_MxN):
   """Both backward GEMMs: RHT-16 (fresh signs per GEMM) of both operands, then DBQ with SR."""
+  del precision
   _require_key(recipe, res)
   key_d, key_w = jax.random.split(res.key)
   x_hat, wt_hat = _forward_values(res.x), _forward_values(res.w)
@@ -356,10 +363,10 @@ def _bwd_tetrajet2(recipe, res, dy_MxN):
   return dx, dw
 
 
-def _qdot_bwd(recipe, out_dtype, res, dy_MxN):
+def _qdot_bwd(recipe, precision, out_dtype, res, dy_MxN):
   del out_dtype
   bwd = {"nvidia": _bwd_nvidia, "quartet2": _bwd_quartet2, "tetrajet2": _bwd_tetrajet2}[recipe.scheme]
-  dx, dw = bwd(recipe, res, dy_MxN)
+  dx, dw = bwd(recipe, precision, res, dy_MxN)
   return dx.astype(res.x_dtype), dw.astype(res.w_dtype), None
 
 
@@ -368,4 +375,4 @@ qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 def residuals(recipe, x_MxK, w_KxN, key) -> Residuals:
   """What the forward pass saves for the backward pass (for byte counts and tests)."""
-  return _qdot_fwd(recipe, x_MxK.dtype, x_MxK, w_KxN, key)[1]
+  return _qdot_fwd(recipe, None, x_MxK.dtype, x_MxK, w_KxN, key)[1]
