@@ -18,14 +18,15 @@ input, up to float32's range: a value 1 ulp above FLT_MAX (amax_g = FLT_MAX) is 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax import e2m1
 from fp4jax.scales import FLT_MAX, e4m3_rne_satfinite
 
-_ONE_SIXTH = jnp.float32(1.0 / 6.0)
-_INV_2688 = jnp.float32(1.0 / 2688.0)   # 1 / (6 · 448)
+_ONE_SIXTH = np.float32(1.0 / 6.0)
+_INV_2688 = np.float32(1.0 / 2688.0)   # 1 / (6 · 448)
 _SHIFT = 64                             # |exponent| of the power-of-two rescaling of far-out tensors
-_FLT_MAX = jnp.float32(FLT_MAX)
+_FLT_MAX = np.float32(FLT_MAX)
 
 
 def _in_range(amax_g):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fp4jax import e2m1, formats, fp8, hadamard, mxfp4, nvfp4
@@ -23,7 +24,7 @@ from fp4jax.layout import Layout, pack_along, unpack_along
 from fp4jax.qtensor import QTensor, along_last
 from fp4jax.scales import e8m0_to_f32
 
-_INV_6_6_448_448 = jnp.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
+_INV_6_6_448_448 = np.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
 
 
 # ------------------------------------------------------------------------------ quantize / dequantize
