@@ -15,10 +15,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fp4jax import formats
 from training.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
+_TILE = formats.TILE["nvfp4"][0]   # 16: a shard of a matrix holds whole NVFP4 tiles
 
 # The one rules table: each logical axis name the model uses -> mesh axes (None: replicated).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -111,12 +113,19 @@ def batch_sharding(mesh) -> NamedSharding:
 
 
 def _fit(spec: P, shape, mesh) -> P:
-  """Drops mesh axes from dimensions they do not divide (tiny models on big meshes stay valid)."""
+  """Drops mesh axes from dimensions they do not cut into whole 16-element units.
+
+  Matrices (rank >= 2) are sharded only where every shard holds whole multiples of 16 along the
+  dimension, so NVFP4's 1x16 blocks and 16x16 weight tiles never straddle a shard boundary and each
+  shard quantizes locally; vectors only need divisibility. Tiny models on big meshes stay valid (the
+  axes that do not fit are replicated).
+  """
+  unit = _TILE if len(shape) >= 2 else 1
   fitted = []
   for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     size = math.prod(mesh.shape[n] for n in names)
-    fitted.append(axes if names and dim % size == 0 else None)
+    fitted.append(axes if names and dim % (size * unit) == 0 else None)
   return P(*fitted)
 
 
