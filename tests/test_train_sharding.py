@@ -7,7 +7,7 @@ from training import sharding
 
 
 def _mesh(**axes):
-  return types.SimpleNamespace(shape=dict(data=1, fsdp=1, tensor=1, **axes))
+  return types.SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1, **axes})
 
 
 def test_matrix_dims_shard_only_into_whole_tiles():
