@@ -52,7 +52,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nvfp4_no_2d": {"recipe": "nvfp4_no_2d"},
     "nvfp4_all_fp4": {"recipe": "nvfp4", "model.bf16_first_blocks": 0, "model.bf16_last_blocks": 0},
     "nvfp4_switch": {"recipe": "nvfp4", "precision_switch.mode": "fwd"},  # fraction from study.switch_fraction
+    "nvfp4_4over6": {"recipe": "nvfp4_4over6"},
+    "quartet2_rtn": {"recipe": "quartet2_rtn"},
+    "quartet2": {"recipe": "quartet2"},
+    "tetrajet2": {"recipe": "tetrajet2"},
 }
+# The newer methods with every linear layer in FP4, the setting of their published comparisons.
+for _name in ("nvfp4_4over6", "quartet2_rtn", "quartet2", "tetrajet2"):
+  VARIANTS[f"{_name}_all_fp4"] = {**VARIANTS[_name], "model.bf16_first_blocks": 0, "model.bf16_last_blocks": 0}
 
 DESCRIPTIONS = {
     "bf16": "no quantization (the reference)",
@@ -64,7 +71,13 @@ DESCRIPTIONS = {
     "nvfp4_no_2d": "nvfp4, 1x16 weight blocks (dgrad requantizes W)",
     "nvfp4_all_fp4": "nvfp4, every linear layer in FP4 (no bf16 blocks)",
     "nvfp4_switch": "nvfp4, forward in bf16 for the last steps",
+    "nvfp4_4over6": "nvfp4 + Four Over Six (MSE, bound 256) on weights and activations",
+    "quartet2_rtn": "Quartet II: 1x16 RTN forward, MS-EDEN backward after RHT-128 on both backward GEMMs",
+    "quartet2": "Quartet II with a Four Over Six forward",
+    "tetrajet2": "TetraJet-v2: double-block scales, SR backward after RHT-16 on both backward GEMMs",
 }
+DESCRIPTIONS.update({f"{n}_all_fp4": f"{DESCRIPTIONS[n]}; every linear layer in FP4"
+                     for n in ("nvfp4_4over6", "quartet2_rtn", "quartet2", "tetrajet2")})
 
 RESULT_FILE = "study_result.json"
 
