@@ -241,7 +241,8 @@ def layout(c: ModelConfig) -> tuple[list[Linear], list[Tensor]]:
 def check_exportable(c: ModelConfig) -> None:
   if getattr(c, "scan_blocks", False):
     raise ConversionError("scan_blocks=True stacks the blocks' parameters; the conversion reads the per-block "
-                          "tree (blocks_<i>), so use a model with scan_blocks=False")
+                          "tree (blocks_<i>): convert with models.lm.unscanned_params and scan_blocks=False "
+                          "(python -m tools.hf export does this)")
   if c.rope:
     raise ConversionError("rope=True: Nemotron-H attention has no position encoding; only rope=False models "
                           "export")

@@ -95,6 +95,36 @@ def block_groups(config: ModelConfig) -> list[tuple[int, int, int]]:
   return split(0, config.n_blocks)
 
 
+def scanned_params(params: dict, config: ModelConfig) -> dict:
+  """The per-block parameter tree (``blocks_<i>``) rearranged into the ``scan_blocks=True`` model's: each
+  repeated group ``blocks_<start>_<repeats>x<unit>`` holds its first repetition's block names with the
+  repetitions stacked on axis 0. Works on arrays and on ShapeDtypeStructs' shapes alike (via jnp.stack)."""
+  out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
+  for start, unit, repeats in block_groups(config):
+    if repeats == 1:
+      out.update({f"blocks_{i}": params[f"blocks_{i}"] for i in range(start, start + unit)})
+      continue
+    out[f"blocks_{start}_{repeats}x{unit}"] = {
+        f"blocks_{start + j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                            *[params[f"blocks_{start + r * unit + j}"] for r in range(repeats)])
+        for j in range(unit)}
+  return out
+
+
+def unscanned_params(params: dict, config: ModelConfig) -> dict:
+  """The inverse of ``scanned_params``: a ``scan_blocks=True`` tree back to one ``blocks_<i>`` per block."""
+  out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
+  for start, unit, repeats in block_groups(config):
+    if repeats == 1:
+      out.update({f"blocks_{i}": params[f"blocks_{i}"] for i in range(start, start + unit)})
+      continue
+    group = params[f"blocks_{start}_{repeats}x{unit}"]
+    for r in range(repeats):
+      for j in range(unit):
+        out[f"blocks_{start + r * unit + j}"] = jax.tree.map(lambda x, r=r: x[r], group[f"blocks_{start + j}"])
+  return out
+
+
 class LMHead(nn.Module):
   """The untied output projection ``kernel_DxV`` (float32 accumulation): logits, or with targets the mean
   cross entropy computed vocabulary chunk by chunk (``config.loss_chunk`` columns; no B x L x V logits)."""

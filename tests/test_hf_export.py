@@ -16,6 +16,7 @@ import pytest
 import fp4jax
 import sample
 from models import LanguageModel, ModelConfig, hf
+from models.lm import scanned_params
 from tools import hf as hf_cli
 from tools import runs
 
@@ -204,6 +205,22 @@ def test_export_import_round_trip_is_exact(run_dir, tmp_path, capsys):
   assert after.config.recipe == before.config.recipe and after.config.data.tokenizer == "byte"
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                before.params, after.params)
+
+
+def test_export_of_a_scanned_run_equals_the_per_block_export(tmp_path, capsys):
+  config = CONFIG.replace(pattern="M*-M*-", bf16_last_blocks=0)
+  _, params = _params(config)
+  stacked = scanned_params(params, config)
+  assert set(stacked) != set(params)   # the scanned run really stores stacked groups
+  runs.write_run(str(tmp_path / "a"), runs.training_config(config, name="a"), params)
+  runs.write_run(str(tmp_path / "b"), runs.training_config(config.replace(scan_blocks=True), name="b"), stacked)
+  for name in ("a", "b"):
+    assert hf_cli.main(["export", "--workdir", str(tmp_path / name), "--out", str(tmp_path / f"hf_{name}")]) == 0
+  capsys.readouterr()
+  per_block, scanned = hf.load_hf_tensors(str(tmp_path / "hf_a")), hf.load_hf_tensors(str(tmp_path / "hf_b"))
+  assert sorted(per_block) == sorted(scanned)
+  for name, tensor in per_block.items():
+    np.testing.assert_array_equal(scanned[name], tensor)
 
 
 def test_sharded_weights_round_trip(tmp_path):

@@ -211,17 +211,16 @@ class TestScanBlocks:
   @staticmethod
   def _stacked(config, params):
     """The unscanned parameter tree rearranged into the scanned model's (repeats stacked on axis 0)."""
-    from models.lm import block_groups  # pylint: disable=g-import-not-at-top
-    out = {k: v for k, v in params.items() if not k.startswith("blocks_")}
-    for start, unit, repeats in block_groups(config):
-      if repeats == 1:
-        out.update({f"blocks_{i}": params[f"blocks_{i}"] for i in range(start, start + unit)})
-        continue
-      out[f"blocks_{start}_{repeats}x{unit}"] = {
-          f"blocks_{start + j}": jax.tree.map(lambda *xs: jnp.stack(xs),
-                                              *[params[f"blocks_{start + r * unit + j}"] for r in range(repeats)])
-          for j in range(unit)}
-    return out
+    return models.lm.scanned_params(params, config)
+
+  def test_unscanned_params_inverts_scanned_params(self):
+    config = TINY.replace(pattern="M*-M*-M-", bf16_last_blocks=0)
+    params = nn.unbox(_setup(config, length=5)[1])
+    stacked = models.lm.scanned_params(params, config)
+    assert set(stacked) != set(params)   # at least one group is stacked
+    back = models.lm.unscanned_params(stacked, config)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    jax.tree.map(np.testing.assert_array_equal, back, params)
 
   @pytest.mark.parametrize("remat", [False, True])
   def test_scan_matches_the_unrolled_model(self, remat):

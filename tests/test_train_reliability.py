@@ -21,6 +21,7 @@ import pytest
 
 from configs import shrunken
 from models import LanguageModel
+from models.lm import scanned_params
 from tools import runs
 from training import config as config_lib
 from training import errors
@@ -69,6 +70,8 @@ CASES = {
     "test_failed_save_keeps_earlier_checkpoints": ("checkpoint write fails (ENOSPC)", CLEAR, 7),
     "test_full_disk": ("work directory on a full file system (tmpfs; root only)", CLEAR, 7),
     "test_init_from_takes_params_and_starts_fresh": ("config.init_from = a run's work directory", CORRECT, 0),
+    "test_init_from_a_per_block_run_into_a_scanned_model": (
+        "config.init_from = a per-block run, this run scan_blocks=True", CORRECT, 0),
     "test_init_from_bad_sources": ("config.init_from: missing / other model", CLEAR, 5),
     "test_init_from_an_imported_run": ("config.init_from = a run written by tools.runs.write_run (importers)",
                                        CORRECT, 0),
@@ -437,6 +440,21 @@ def test_init_from_an_imported_run(tmp_path):
   _assert_same(state["params"], jax.tree.map(np.asarray, flax.linen.unbox(params)))
   summary = trainer.train_and_evaluate(_config(steps=2, init_from=imported), str(tmp_path / "trained"))
   assert (summary["status"], summary["step"]) == ("done", 2)
+
+
+def test_init_from_a_per_block_run_into_a_scanned_model(tmp_path):
+  """An imported (per-block) checkpoint initializes a scan_blocks=True run: the blocks are stacked on restore."""
+  layout = {"model.pattern": "M*-M*-M*-"}
+  config = _config(steps=2, **layout)
+  model_config = config_lib.resolve_model_config(config.model)
+  params = jax.jit(LanguageModel(model_config).init)(jax.random.key(7), np.zeros((1, 8), np.int32))["params"]
+  imported = str(tmp_path / "imported")
+  runs.write_run(imported, runs.training_config(model_config, base=config), params)
+  scanned = _config(steps=2, init_from=imported, **layout, **{"model.scan_blocks": True})
+  state, _ = _first_state(scanned, str(tmp_path / "new"))
+  expected = scanned_params(jax.tree.map(np.asarray, flax.linen.unbox(params)), model_config)
+  assert set(expected) != set(flax.linen.unbox(params))   # the layouts differ: a group was stacked
+  _assert_same(state["params"], expected)
 
 
 def test_init_from_bad_sources(finished, tmp_path):

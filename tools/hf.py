@@ -29,6 +29,7 @@ from absl import logging
 
 import fp4jax
 from models import LanguageModel, abstract_variables, hf
+from models.lm import unscanned_params
 from tools import runs
 from training import data as data_lib
 
@@ -107,7 +108,9 @@ def _calibration_tokens(run: runs.Run, calib_file: str | None, n_tokens: int) ->
 
 def export(args) -> int:
   run = runs.load_run(args.workdir, args.step)
-  c = run.model_config
+  c, params = run.model_config, run.params
+  if c.scan_blocks:   # transformers' layout has one tensor per block: unstack the scanned groups
+    c, params = c.replace(scan_blocks=False), unscanned_params(params, c)
   tokenizer = data_lib.make_tokenizer(run.config.data.tokenizer)
   os.makedirs(args.out, exist_ok=True)
   extra = {"recipe": run.config.recipe, "step": run.step, "tokenizer": run.config.data.tokenizer,
@@ -120,8 +123,8 @@ def export(args) -> int:
                                f"{recipe.name!r}: nothing to write in NVFP4")
     tokens = _calibration_tokens(run, args.calib_file, args.calib_tokens)
     # Eager (no remat): the calibration reads concrete activations.
-    amax = hf.calibration_amax(LanguageModel(c.replace(remat=False), recipe=recipe), run.params, tokens, paths)
-    tensors, excluded = hf.to_hf_nvfp4(run.params, c, recipe, input_amax=amax)
+    amax = hf.calibration_amax(LanguageModel(c.replace(remat=False), recipe=recipe), params, tokens, paths)
+    tensors, excluded = hf.to_hf_nvfp4(params, c, recipe, input_amax=amax)
     config = hf.to_hf_config(c, dtype="bfloat16", eos_token_id=tokenizer.eos_id, extra=extra)
     hf_quant, config["quantization_config"] = hf.nvfp4_quant_configs(excluded, producer_version=fp4jax.__version__)
     with open(os.path.join(args.out, "hf_quant_config.json"), "w", encoding="utf-8") as f:
@@ -130,7 +133,7 @@ def export(args) -> int:
             f"input_scale from {tokens.size} calibration tokens")
   else:
     dtype = np.float32 if args.format == "float32" else ml_dtypes.bfloat16
-    tensors = hf.to_hf(run.params, c, dtype)
+    tensors = hf.to_hf(params, c, dtype)
     config = hf.to_hf_config(c, dtype=args.format, eos_token_id=tokenizer.eos_id, extra=extra)
     note = f"every tensor in {args.format}"
   files = hf.save_hf_tensors(args.out, tensors, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))

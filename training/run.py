@@ -27,6 +27,7 @@ import optax
 from jax.experimental import multihost_utils
 
 import fp4jax
+from models.lm import scanned_params, unscanned_params
 from training import checkpoint as ckpt_lib
 from training import config as config_lib
 from training import data as data_lib
@@ -260,7 +261,9 @@ def _init_from(run: Run, source: str) -> dict:
     try:
       params = checkpoints.restore_params(steps[-1], target)
     except ckpt_lib.CheckpointReadError as e:
-      raise CheckpointError(f"config.init_from: {e}; give a run whose model matches config.model") from e
+      params = _restore_other_layout(run, checkpoints, steps[-1])
+      if params is None:
+        raise CheckpointError(f"config.init_from: {e}; give a run whose model matches config.model") from e
   finally:
     checkpoints.close()
   rest_sh = {k: v for k, v in run.state_shardings.items() if k != "params"}
@@ -269,6 +272,28 @@ def _init_from(run: Run, source: str) -> dict:
                    out_shardings=rest_sh)()
   run.say(f"initialized the params from {directory}/{steps[-1]} (optimizer state fresh, step 0)")
   return dict(rest, params=params)
+
+
+def _restore_other_layout(run: Run, checkpoints, step: int):
+  """Params stored in the other ``scan_blocks`` layout (e.g. an imported per-block checkpoint for a scanned
+  run), restored with that layout's shardings and rearranged into this run's; None when they fit neither."""
+  cfg = getattr(run.model, "config", None)
+  if not hasattr(cfg, "scan_blocks"):
+    return None
+  other = run.model.clone(config=cfg.replace(scan_blocks=not cfg.scan_blocks))
+  with sharding.mesh_context(run.mesh):
+    boxed = jax.eval_shape(functools.partial(init_state, other, run.tx, run.config.seed, run.config.data.seq_len))
+  abstract, shardings = sharding.train_state_shardings(boxed, run.tx, run.mesh)
+  try:
+    params = checkpoints.restore_params(step, ckpt_lib.abstract_like(abstract["params"], shardings["params"]))
+  except ckpt_lib.CheckpointReadError:
+    return None
+  convert = scanned_params if cfg.scan_blocks else unscanned_params
+  with sharding.mesh_context(run.mesh):
+    params = jax.jit(lambda p: convert(p, cfg), out_shardings=run.state_shardings["params"])(params)
+  run.say(f"init_from: the checkpoint's blocks are {'unstacked' if cfg.scan_blocks else 'stacked'}; "
+          f"rearranged for scan_blocks={cfg.scan_blocks}")
+  return params
 
 
 def _unboxed(state):
