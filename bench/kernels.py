@@ -15,8 +15,8 @@ train step, the VERIFIED_KERNELS candidates); this table is the sweep over sizes
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,29 +26,15 @@ import fp4jax
 from fp4jax import primitives
 from fp4jax.api import quantize_rht_transposed, scaled_matmul
 
-
-def _time(fn, *args, iters: int) -> float:
-  """Median seconds per call of a jitted ``fn`` (after a warm-up call)."""
-  jax.block_until_ready(fn(*args))
-  runs = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    runs.append((time.perf_counter() - t0) / iters)
-  return statistics.median(runs)
-
-
-def _nbytes(tree) -> int:
-  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.timing import median_seconds, nbytes  # noqa: E402  (the repository root on the path when run as a script)
 
 
 def quantize_rows(n: int, impls, iters: int):
   x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.bfloat16)
   copy = jax.jit(lambda x: -x)
-  t_copy = _time(copy, x, iters=iters)
-  copy_bw = 2 * _nbytes(x) / t_copy
+  t_copy = median_seconds(copy, x, iters=iters)
+  copy_bw = 2 * nbytes(x) / t_copy
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
   bits = jax.random.bits(jax.random.key(0), x.shape, jnp.uint8)
   ops = {
@@ -64,10 +50,10 @@ def quantize_rows(n: int, impls, iters: int):
   for name, op in ops.items():
     for impl in impls:
       fn = jax.jit(lambda x, op=op, impl=impl: op(x, impl))
-      t = _time(fn, x, iters=iters)
-      moved = _nbytes(x) + _nbytes(jax.eval_shape(fn, x))
+      t = median_seconds(fn, x, iters=iters)
+      moved = nbytes(x) + nbytes(jax.eval_shape(fn, x))
       if "SR" in name:
-        moved += _nbytes(bits)
+        moved += nbytes(bits)
       bw = moved / t
       rows.append((f"quantize {name}", impl, f"{n}x{n}", t, bw / 1e9, "GB/s", bw / copy_bw))
   return rows
@@ -78,7 +64,7 @@ def matmul_rows(n: int, impls, iters: int):
   x = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
   flops = 2.0 * n ** 3
-  t_ref = _time(jax.jit(lambda x, w: jnp.dot(x, w.T)), x, w, iters=iters)
+  t_ref = median_seconds(jax.jit(lambda x, w: jnp.dot(x, w.T)), x, w, iters=iters)
   ref_tflops = flops / t_ref / 1e12
   rows = [("bf16 jnp.dot", "xla", f"{n}^3", t_ref, ref_tflops, "TFLOP/s", 1.0)]
   for fmt, w_tile in (("nvfp4", (16, 16)), ("mxfp4", None)):
@@ -86,7 +72,7 @@ def matmul_rows(n: int, impls, iters: int):
     b = fp4jax.quantize(w, fmt, tile=w_tile, impl="xla")
     for impl in impls:
       fn = jax.jit(lambda a, b, impl=impl: scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl))
-      t = _time(fn, a, b, iters=iters)
+      t = median_seconds(fn, a, b, iters=iters)
       tf = flops / t / 1e12
       rows.append((f"scaled_matmul {fmt}", impl, f"{n}^3", t, tf, "TFLOP/s", tf / ref_tflops))
   return rows

@@ -34,6 +34,7 @@ from jax import lax
 from fp4jax import formats, recipes, schemes
 from fp4jax.api import (check_dot_inputs, quantize, quantize_rht_transposed, scaled_matmul,
                         transpose_tiles)
+from fp4jax.layout import pad_to_multiple
 from fp4jax.recipes import Recipe
 
 _BLOCK = {**formats.BLOCK, "bf16": 1}
@@ -181,22 +182,13 @@ _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-def _pad_to(a, axis, multiple):
-  extra = -a.shape[axis] % multiple
-  if not extra:
-    return a
-  widths = [(0, 0)] * a.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(a, widths)
-
-
 def _dot_2d(recipe, precision, out_dtype, x_MxK, w_KxN, key):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   beyond = schemes.uses_schemes(recipe)   # 4/6, Quartet II, TetraJet-v2: fp4jax.schemes
   align_m, align_k, align_n = schemes.alignment(recipe) if beyond else _alignment(recipe)
-  x_MxK = _pad_to(_pad_to(x_MxK, 0, align_m), 1, align_k)
-  w_KxN = _pad_to(_pad_to(w_KxN, 0, align_k), 1, align_n)
+  x_MxK = pad_to_multiple(pad_to_multiple(x_MxK, 0, align_m), 1, align_k)
+  w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
   if beyond:
     y_MxN = schemes.qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
   else:

@@ -69,3 +69,13 @@ def pack_along(codes, axis):
 
 def unpack_along(packed, axis):
   return jnp.moveaxis(e2m1.unpack(jnp.moveaxis(packed, axis, -1)), -1, axis)
+
+
+def pad_to_multiple(a, axis: int, multiple: int):
+  """``a`` zero-padded at the end of ``axis`` to a length that is a multiple of ``multiple`` (no copy if it is)."""
+  extra = -a.shape[axis] % multiple
+  if not extra:
+    return a
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(a, widths)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import dbq, eden, mxfp8
+from fp4jax.layout import pad_to_multiple
 
 DEFAULT_RATIO = 0.1
 
@@ -53,11 +54,6 @@ def calibration_finalize(acc_K):
   return jnp.argsort(-acc_K, stable=True).astype(jnp.int32)
 
 
-def _pad_last(a, multiple):
-  extra = -a.shape[-1] % multiple
-  return a if not extra else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])
-
-
 def split_fprop(x_MxK, w_KxN, perm_K, n_fp8: int):
   """y (M, N) float32 of the OutControl forward GEMM; n_fp8 = k8(K, ratio), static.
 
@@ -68,7 +64,8 @@ def split_fprop(x_MxK, w_KxN, perm_K, n_fp8: int):
   w_g = jnp.take(w_KxN.astype(jnp.float32), perm_K, axis=0)
   y = jnp.zeros((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
   if n_fp8 < x_MxK.shape[1]:
-    x4, w4 = _pad_last(x_g[:, n_fp8:], dbq.OUTER), _pad_last(w_g[n_fp8:].T, dbq.OUTER)
+    x4 = pad_to_multiple(x_g[:, n_fp8:], -1, dbq.OUTER)
+    w4 = pad_to_multiple(w_g[n_fp8:].T, -1, dbq.OUTER)
     y = dbq.gemm(dbq.quantize(x4), dbq.quantize(w4))
   if n_fp8:
     y = y + mxfp8.gemm(mxfp8.quantize(x_g[:, :n_fp8]), mxfp8.quantize(w_g[:n_fp8].T))
@@ -79,23 +76,14 @@ def split_fprop(x_MxK, w_KxN, perm_K, n_fp8: int):
 # The OutControl linear layer as a custom_vjp (TetraJet-v2 with a fixed channel split)
 # ---------------------------------------------------------------------------------------------------
 
-def _pad_axis(a, axis, multiple):
-  extra = -a.shape[axis] % multiple
-  if not extra:
-    return a
-  widths = [(0, 0)] * a.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(a, widths)
-
-
 def _forward(x_MxK, w_KxN, perm_K, n_fp8):
   x_g = jnp.take(x_MxK.astype(jnp.float32), perm_K, axis=1)
   w_g = jnp.take(w_KxN.astype(jnp.float32), perm_K, axis=0)
   y = jnp.zeros((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
   q4x = q4w = q8x = q8w = None
   if n_fp8 < x_MxK.shape[1]:
-    q4x = dbq.quantize(_pad_axis(x_g[:, n_fp8:], 1, dbq.OUTER))
-    q4w = dbq.quantize(_pad_axis(w_g[n_fp8:].T, 1, dbq.OUTER))            # (N, K4)
+    q4x = dbq.quantize(pad_to_multiple(x_g[:, n_fp8:], 1, dbq.OUTER))
+    q4w = dbq.quantize(pad_to_multiple(w_g[n_fp8:].T, 1, dbq.OUTER))            # (N, K4)
     y = dbq.gemm(q4x, q4w)
   if n_fp8:
     q8x, q8w = mxfp8.quantize(x_g[:, :n_fp8]), mxfp8.quantize(w_g[:n_fp8].T)   # (M, k8), (N, k8)
@@ -166,6 +154,6 @@ def dot(x_MxK, w_KxN, perm_K, n_fp8: int, *, key):
   if n_fp8 % mxfp8.BLOCK or not 0 <= n_fp8 <= x_MxK.shape[1]:
     raise ValueError(f"n_fp8={n_fp8} must be a multiple of 32 between 0 and K={x_MxK.shape[1]}; "
                      "use k8(K, ratio)")
-  x_p = _pad_axis(x_MxK, 0, dbq.OUTER)
-  w_p = _pad_axis(w_KxN, 1, dbq.OUTER)
+  x_p = pad_to_multiple(x_MxK, 0, dbq.OUTER)
+  w_p = pad_to_multiple(w_KxN, 1, dbq.OUTER)
   return _dot(x_p, w_p, perm_K.astype(jnp.int32), n_fp8, key)[:m, :n]

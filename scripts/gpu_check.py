@@ -46,6 +46,7 @@ from fp4jax import formats, primitives  # noqa: E402
 from fp4jax.hadamard import rht  # noqa: E402
 from fp4jax.qtensor import QTensor  # noqa: E402
 from fp4jax.reference import scaled_matmul_reference  # noqa: E402
+from bench.timing import median_seconds, nbytes  # noqa: E402
 
 TARGETS = {"quantize_bw": 0.70, "gemm": 0.90, "step": 1.25}
 
@@ -134,23 +135,6 @@ def _run_row(report: Report, row: Row, work):
 
 
 # ------------------------------------------------------------------------------------------ timing
-
-def _time(fn, *args, iters: int) -> float:
-  """Median seconds per call of a compiled ``fn`` over 3 runs of ``iters`` calls (after a warm-up)."""
-  jax.block_until_ready(fn(*args))
-  runs = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    runs.append((time.perf_counter() - t0) / iters)
-  return statistics.median(runs)
-
-
-def _nbytes(tree) -> int:
-  return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(tree))
-
 
 def _raw(a):
   a = np.asarray(a)
@@ -250,8 +234,8 @@ def quantize_rows(report: Report, impl: str, copy_bw: float, xla_outputs: dict):
         row.exact = "vs XLA on device: " + ("==" if exact else "!=" if name in xla_outputs else "no XLA row")
       if not exact:
         row.status = "MISMATCH"
-      t = _time(fn, *args, iters=s.iters)
-      moved = _nbytes(x) + _nbytes(out) + (_nbytes(args[2]) if QUANTIZE_OPS[name][3] else 0)
+      t = median_seconds(fn, *args, iters=s.iters)
+      moved = nbytes(x) + nbytes(out) + (nbytes(args[2]) if QUANTIZE_OPS[name][3] else 0)
       row.ms, row.rate, row.unit, row.ratio = t * 1e3, moved / t / 1e9, "GB/s", moved / t / copy_bw
     _run_row(report, row, work)
 
@@ -305,7 +289,7 @@ def matmul_rows(report: Report, impl: str, bf16_tflops: float, xla_outputs: dict
       row.exact = f"{cm}x{cn}x{ck}: {verdict}"
       if not exact:
         row.status = "MISMATCH"
-      t = _time(fn, a, b, iters=max(1, s.iters // 2))
+      t = median_seconds(fn, a, b, iters=max(1, s.iters // 2))
       tflops = 2.0 * n ** 3 / t / 1e12
       row.ms, row.rate, row.unit, row.ratio = t * 1e3, tflops, "TFLOP/s", tflops / bf16_tflops
     _run_row(report, row, work)
@@ -320,8 +304,8 @@ def yardstick_rows(report: Report):
 
   def copy(row):
     fn = jax.jit(lambda v: -v)
-    t = _time(fn, x, iters=s.iters)
-    out["copy_bw"] = 2 * _nbytes(x) / t
+    t = median_seconds(fn, x, iters=s.iters)
+    out["copy_bw"] = 2 * nbytes(x) / t
     row.ms, row.rate, row.unit, row.ratio = t * 1e3, out["copy_bw"] / 1e9, "GB/s", 1.0
 
   n = s.gemm
@@ -332,7 +316,7 @@ def yardstick_rows(report: Report):
   def gemm(row):
     fn = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                                   preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t = _time(fn, a, b, iters=max(1, s.iters // 2))
+    t = median_seconds(fn, a, b, iters=max(1, s.iters // 2))
     out["bf16_tflops"] = 2.0 * n ** 3 / t / 1e12
     row.ms, row.rate, row.unit, row.ratio = t * 1e3, out["bf16_tflops"], "TFLOP/s", 1.0
 
