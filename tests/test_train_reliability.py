@@ -70,8 +70,8 @@ CASES = {
     "test_failed_save_keeps_earlier_checkpoints": ("checkpoint write fails (ENOSPC)", CLEAR, 7),
     "test_full_disk": ("work directory on a full file system (tmpfs; root only)", CLEAR, 7),
     "test_init_from_takes_params_and_starts_fresh": ("config.init_from = a run's work directory", CORRECT, 0),
-    "test_init_from_a_per_block_run_into_a_scanned_model": (
-        "config.init_from = a per-block run, this run scan_blocks=True", CORRECT, 0),
+    "test_init_from_a_per_block_run_into_a_scanned_model": ("config.init_from = a per-block run, scan_blocks=True",
+                                                            CORRECT, 0),
     "test_init_from_bad_sources": ("config.init_from: missing / other model", CLEAR, 5),
     "test_init_from_an_imported_run": ("config.init_from = a run written by tools.runs.write_run (importers)",
                                        CORRECT, 0),
