@@ -14,6 +14,8 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
                     optimizer, step 0); ignored when the work directory has checkpoints of its own
   allow_config_change  let a resume change the recipe, model, optimizer, data, seed, batch or steps
   checkpoint.fallback  restore the newest intact checkpoint when the latest cannot be read (else stop)
+  osci_reset        TetraJet-v2's OsciReset after each update: enabled "auto" (on for tetrajet2 recipes) /
+                    "on" / "off"; threshold, detect_steps, and period / start as fractions of ``steps``
 """
 import dataclasses
 
@@ -100,6 +102,13 @@ def get_config() -> config_dict.ConfigDict:
   c.precision_switch = config_dict.ConfigDict()
   c.precision_switch.fraction = 0.0
   c.precision_switch.mode = "fwd"
+
+  c.osci_reset = config_dict.ConfigDict()
+  c.osci_reset.enabled = "auto"     # "auto": on for the tetrajet2 recipes; "on"; "off"
+  c.osci_reset.threshold = 8.0      # reset where D_Q / D_FP >= threshold
+  c.osci_reset.detect_steps = 50    # N: tracking steps after each snapshot
+  c.osci_reset.period_fraction = 0.012  # P = max(round(0.012 * steps), N + 2)
+  c.osci_reset.start_fraction = 0.65    # S = int(0.65 * steps): no snapshot before it
 
   c.health = config_dict.ConfigDict()
   c.health.max_nonfinite_streak = 10

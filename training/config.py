@@ -12,6 +12,7 @@ from typing import Any
 from ml_collections import config_dict
 
 import fp4jax
+from fp4jax import osci_reset
 from models import presets
 from training.errors import ConfigError
 
@@ -58,6 +59,48 @@ def resolve_recipes(config) -> tuple[fp4jax.Recipe, fp4jax.Recipe | None, int]:
   return recipe, late, start
 
 
+_ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
+
+
+def resolve_osci_reset(config, recipe: fp4jax.Recipe) -> osci_reset.OsciResetConfig | None:
+  """TetraJet-v2's OsciReset for this run (``config.osci_reset``), or None when it is off.
+
+  ``enabled``: "auto" (on for the TetraJet-v2 recipes, ``recipe.scheme == "tetrajet2"``), "on" or "off".
+  Period P = max(round(period_fraction * steps), detect_steps + 2), start S = int(start_fraction * steps).
+  """
+  section = config.get("osci_reset")
+  if section is None:
+    return None
+  enabled = str(section.enabled).strip().lower()
+  if enabled not in ("auto",) + _ON + _OFF:
+    raise ConfigError(f"config.osci_reset.enabled={section.enabled!r}; use 'auto' (on for the tetrajet2 "
+                      "recipes), 'on' or 'off'")
+  if enabled in _OFF or (enabled == "auto" and recipe.scheme != "tetrajet2"):
+    return None
+  if enabled in _ON and not recipe.quantizes_anything:
+    raise ConfigError(f"config.osci_reset.enabled={section.enabled!r} but recipe {recipe.name} quantizes no "
+                      "linear layer, so there are no FP4 weights to reset; set it to 'auto' or 'off'")
+  checks = [
+      (isinstance(section.detect_steps, int) and section.detect_steps >= 1,
+       f"config.osci_reset.detect_steps={section.detect_steps} must be an integer >= 1 (TetraJet-v2: 50)"),
+      (section.threshold > 0, f"config.osci_reset.threshold={section.threshold} must be > 0 (TetraJet-v2: 8)"),
+      (0.0 < section.period_fraction <= 1.0,
+       f"config.osci_reset.period_fraction={section.period_fraction} must be in (0, 1] (proposed: 0.012, "
+       "a period of about 1.2% of the steps)"),
+      (0.0 <= section.start_fraction < 1.0,
+       f"config.osci_reset.start_fraction={section.start_fraction} must be in [0, 1) (proposed: 0.65)"),
+  ]
+  for ok, msg in checks:
+    if not ok:
+      raise ConfigError(msg)
+  try:
+    return osci_reset.OsciResetConfig.for_run(
+        config.steps, period_fraction=section.period_fraction, start_fraction=section.start_fraction,
+        detect_steps=section.detect_steps, threshold=float(section.threshold), axis=-2)
+  except ValueError as e:
+    raise ConfigError(f"config.osci_reset: {e}") from None
+
+
 def validate(config) -> None:
   """Checks that need neither data nor devices; raises ConfigError naming the field and the fix."""
   def need(ok, msg):
@@ -85,7 +128,8 @@ def validate(config) -> None:
   for step in config.profile_steps:
     need(isinstance(step, int) and 0 <= step < config.steps,
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")
-  resolve_recipes(config)
+  recipe, _, _ = resolve_recipes(config)
+  resolve_osci_reset(config, recipe)
   resolve_model_config(config.model)
 
 

@@ -61,7 +61,7 @@ class Loop:
     models = {run.recipe.name: run.model}
     if run.late_model is not None:
       models[run.late_recipe.name] = run.late_model
-    self._train = {name: jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh)
+    self._train = {name: jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh, run.osci)
                    for name, m in models.items()}
     self._eval = {name: jax.jit(functools.partial(eval_step, model=m),
                                 in_shardings=(run.state_shardings["params"], batch_sh), out_shardings=repl)

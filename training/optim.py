@@ -2,12 +2,22 @@
 learning-rate schedules: warmup-stable-decay (the paper's), cosine, constant.
 
 Master weights, gradients and optimizer moments are fp32 (``fp32_params`` casts the initialized tree).
+
+``OsciReset``: TetraJet-v2's oscillation reset as the trainer runs it, after ``optax.apply_updates``, on the
+linear kernels the precision policy quantizes; its state is the train state's ``osci_reset`` entry.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
+
+from fp4jax import osci_reset
+from models import layer_precision
 
 
 def schedule(optim_config, total_steps: int) -> optax.Schedule:
@@ -57,3 +67,39 @@ def global_norm(tree) -> jax.Array:
 def fp32_params(params):
   """Master weights are fp32 whatever the model's param_dtype: floating leaves are cast."""
   return jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class OsciReset:
+  """``fp4jax.osci_reset`` on the FP4 kernels of ``recipe`` under the model's precision policy.
+
+  Tracked: every ``kernel`` of a linear layer that ``models.layer_precision`` puts in the recipe (the
+  quantized ``nn.Dense`` kernels, ``in_features x out_features``, stacked on a leading axis when blocks
+  are scanned); Q(w) runs along the input-feature axis (-2), as the forward GEMM quantizes the weight.
+  The state is a nested dict holding ``osci_reset.LeafState`` only at those kernels' paths.
+  """
+  config: osci_reset.OsciResetConfig
+  model_config: Any
+  recipe: Any
+
+  def tracked(self, params) -> list[tuple[str, ...]]:
+    """The paths (name tuples) of the tracked kernels in ``params`` (plain, unboxed)."""
+    return [path for path, leaf in traverse_util.flatten_dict(params).items()
+            if path[-1] == "kernel" and len(leaf.shape) >= 2
+            and layer_precision(self.model_config, self.recipe, path[:-1]) != "bf16"]
+
+  def init(self, params) -> dict:
+    """The zero state: an ``osci_reset.LeafState`` of zeros at each tracked kernel's path, nothing else."""
+    flat = traverse_util.flatten_dict(params)
+    subset = traverse_util.unflatten_dict({path: flat[path] for path in self.tracked(params)})
+    return osci_reset.init(subset, None)
+
+  def apply(self, params, state, step):
+    """(params, state) after OsciReset of the optimizer step ``step`` (0-based, the one just applied): the
+    pure ``osci_reset.update`` on the tracked kernels, every other leaf returned as it came."""
+    flat = traverse_util.flatten_dict(params)
+    paths = self.tracked(params)
+    subset = traverse_util.unflatten_dict({path: flat[path] for path in paths})
+    new_subset, new_state = osci_reset.update(subset, state, step, self.config)
+    flat.update(traverse_util.flatten_dict(new_subset))
+    return traverse_util.unflatten_dict(flat), new_state

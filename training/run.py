@@ -54,6 +54,7 @@ class Run:
   switch_step: int                   # the first step of late_model
   tx: optax.GradientTransformation
   lr_fn: Callable[[Any], Any]
+  osci: optim.OsciReset | None       # TetraJet-v2's OsciReset after each update (config.osci_reset), or None
   init_fn: Callable[[], dict]        # a fresh state, params boxed with logical axis names
   abstract_state: dict               # ShapeDtypeStructs of the state, params unboxed
   state_shardings: dict
@@ -103,7 +104,9 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
   model = model_fn(model_config, recipe)
   late_model = model_fn(model_config, late_recipe) if late_recipe else None
   tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
-  init_fn = functools.partial(init_state, model, tx, config.seed, seq_len)
+  osci_config = config_lib.resolve_osci_reset(config, recipe)
+  osci = optim.OsciReset(osci_config, model_config, recipe) if osci_config is not None else None
+  init_fn = functools.partial(init_state, model, tx, config.seed, seq_len, osci)
   with sharding.mesh_context(mesh):
     abstract = jax.eval_shape(init_fn)
     if late_model is not None:
@@ -133,7 +136,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
                                        seed=config.seed, process_index=pindex, process_count=nproc)
                  if evaluate else [])
   return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
-             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, init_fn=init_fn,
+             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, init_fn=init_fn,
              abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
              tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
              process_count=nproc)

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fp4jax import formats
@@ -163,7 +164,8 @@ def train_state_shardings(abstract_state, tx, mesh):
 
   ``abstract_state``: ``jax.eval_shape`` of ``init_state`` traced under ``mesh_context(mesh)`` (params still
   boxed with logical axis names). Parameters and the optimizer moments that mirror them follow the rules
-  table; every other leaf (step, rng, counters, optimizer counts) is replicated.
+  table, as does OsciReset's state (``osci_reset``, per tracked kernel three arrays of its shape); every
+  other leaf (step, rng, counters, optimizer counts) is replicated.
   """
   repl = replicated(mesh)
   param_sh = logical_shardings(abstract_state["params"], mesh)
@@ -171,4 +173,9 @@ def train_state_shardings(abstract_state, tx, mesh):
                                  transform_non_params=lambda _: repl)
   state_sh = dict(step=repl, params=param_sh, opt_state=opt_sh, rng=repl, nonfinite_total=repl,
                   nonfinite_streak=repl)
+  if "osci_reset" in abstract_state:
+    flat_sh = traverse_util.flatten_dict(param_sh)
+    state_sh["osci_reset"] = traverse_util.unflatten_dict(
+        {path: jax.tree.map(lambda _, s=flat_sh[path]: s, leaf_state)
+         for path, leaf_state in traverse_util.flatten_dict(abstract_state["osci_reset"]).items()})
   return dict(abstract_state, params=nn.unbox(abstract_state["params"])), state_sh

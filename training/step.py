@@ -35,16 +35,20 @@ def model_loss(model, params, inputs_BxL, targets_BxL, key):
 
 # ------------------------------------------------------------------------------------- pure functions
 
-def init_state(model, tx, seed: int, seq_len: int):
-  """The train state: fp32 params (boxed with logical axis names), optimizer state, step, RNG, health."""
+def init_state(model, tx, seed: int, seq_len: int, osci: optim.OsciReset | None = None):
+  """The train state: fp32 params (boxed with logical axis names), optimizer state, step, RNG, health; with
+  ``osci``, OsciReset's state as ``osci_reset``."""
   root = jax.random.PRNGKey(seed)
   k_params, k_fp4, k_train = jax.random.split(root, 3)
   tokens_1xL = jnp.zeros((1, seq_len), jnp.int32)
   params = model.init({"params": k_params, "fp4": k_fp4}, tokens_1xL)["params"]
   params = jax.tree.map(lambda p: p.replace_boxed(optim.fp32_params(p.unbox())) if isinstance(p, nn.Partitioned)
                         else optim.fp32_params(p), params, is_leaf=lambda p: isinstance(p, nn.Partitioned))
-  return dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(nn.unbox(params)), rng=k_train,
-              nonfinite_total=jnp.zeros((), jnp.int32), nonfinite_streak=jnp.zeros((), jnp.int32))
+  state = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(nn.unbox(params)), rng=k_train,
+               nonfinite_total=jnp.zeros((), jnp.int32), nonfinite_streak=jnp.zeros((), jnp.int32))
+  if osci is not None:
+    state["osci_reset"] = osci.init(nn.unbox(params))
+  return state
 
 
 def cross_entropy(logits_BxLxV, targets_BxL):
@@ -53,8 +57,10 @@ def cross_entropy(logits_BxLxV, targets_BxL):
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
-def train_step(state, tokens_BxW, *, model, tx, lr_fn):
-  """One AdamW step; a step whose loss or gradient norm is non-finite leaves params and moments untouched."""
+def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | None = None):
+  """One AdamW step, then OsciReset (with ``osci``) on the updated params, as the step of index "steps
+  applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
+  state untouched."""
   inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
   key = jax.random.fold_in(state["rng"], state["step"])
 
@@ -70,6 +76,9 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn):
     params = optax.apply_updates(state["params"], updates)
   keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
   applied = state["step"] - state["nonfinite_total"]
+  if osci is not None:
+    with jax.named_scope("osci_reset"):
+      params, osci_state = osci.apply(params, state["osci_reset"], applied)
   new_state = dict(
       step=state["step"] + 1,
       params=keep(params, state["params"]),
@@ -78,6 +87,8 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn):
       nonfinite_total=state["nonfinite_total"] + (~ok).astype(jnp.int32),
       nonfinite_streak=jnp.where(ok, 0, state["nonfinite_streak"] + 1),
   )
+  if osci is not None:
+    new_state["osci_reset"] = keep(osci_state, state["osci_reset"])
   metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
                  nonfinite_streak=new_state["nonfinite_streak"])
   return new_state, metrics
@@ -88,12 +99,12 @@ def eval_step(params, tokens_BxW, *, model):
   return model_loss(model, params, tokens_BxW[:, :-1], tokens_BxW[:, 1:], jax.random.PRNGKey(0))
 
 
-def jit_train_step(model, tx, lr_fn, state_shardings, mesh):
+def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve.
   """
-  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn)
+  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci)
   return jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
