@@ -7,6 +7,7 @@ import os
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
@@ -157,3 +158,25 @@ def test_resume_inside_the_detection_window_is_bit_exact(tmp_path):
   p_off, p_low = _saved(off, 10)[0]["params"], _saved(low, 10)[0]["params"]
   assert "osci_reset" not in _saved(off, 10)[0]
   assert any(np.any(x != y) for x, y in zip(jax.tree.leaves(p_off), jax.tree.leaves(p_low)))
+
+
+def test_scanned_blocks_track_the_stacked_kernels_along_their_input_axis():
+  """With scan_blocks the repeated blocks' kernels are stacked (R, K, N); their state has that shape and
+  every (r, n) column is quantized along K, as the unstacked kernels are."""
+  config = _config(**{"model.pattern": "M*-M*-", "model.scan_blocks": True})
+  model_config = config_lib.resolve_model_config(config.model)
+  recipe = fp4jax.recipes.get(config.recipe)
+  osci = optim.OsciReset(config_lib.resolve_osci_reset(config, recipe), model_config, recipe)
+  params = nn.unbox(jax.eval_shape(lambda: trainer.init_state(
+      trainer.build_model(model_config, recipe), optax.identity(), 0, 8, osci))["params"])
+  tracked = osci.tracked(params)
+  assert len(tracked) == 6 and all(len(params_at(params, p).shape) == 3 for p in tracked)
+  w = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 8))
+  q = jax.jit(osci_reset.quantized_weight, static_argnums=1)
+  np.testing.assert_array_equal(np.asarray(q(w, -2))[1], np.asarray(q(w[1], 0)))
+
+
+def params_at(tree, path):
+  for name in path:
+    tree = tree[name]
+  return tree
