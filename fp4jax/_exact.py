@@ -3,13 +3,14 @@
 Two rewrites break the "one rounding per written operation" contract of the recipes' arithmetic:
 - XLA turns ``A / broadcast(B)`` (a tensor divided by a scalar or by per-block values, constant or
   not) into ``A * broadcast(1/B)``: two roundings instead of one.
+- XLA rewrites ``(A / B) / C`` into ``A / (B * C)``: one rounding where two are written.
 - LLVM (XLA CPU and GPU) and Triton may contract ``a*b + c`` into one fused multiply-add, so the
   product is not rounded before the add. (XLA CPU does: a plain ``x*x + y`` differs from numpy.)
 ``lax.optimization_barrier`` does not stop either on XLA CPU (the barrier is expanded away before
 fusion). What does: passing the operand through its bit pattern ANDed with a mask the compiler cannot
 evaluate, ``-1 - isnan(a)``, which is all ones unless ``a`` is NaN (then it clears the lowest mantissa
-bit of a NaN, which stays NaN). The divisor is then no longer a broadcast, and the add's operand is
-no longer a multiply, so neither rewrite applies; the values are unchanged.
+bit of a NaN, which stays NaN). The divisor is then no longer a broadcast, a dividend is no longer a
+division, and the add's operand is no longer a multiply, so no rewrite applies; the values are unchanged.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def div(a, b):
   b = jnp.asarray(b, jnp.float32)
   shape = jnp.broadcast_shapes(a.shape, b.shape)
   a = jnp.broadcast_to(a, shape)
-  return a / _opaque(jnp.broadcast_to(b, shape), a)
+  return _opaque(a, a) / _opaque(jnp.broadcast_to(b, shape), a)
 
 
 def product(a, b):

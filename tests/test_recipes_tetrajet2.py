@@ -8,7 +8,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import fp4jax
-from fp4jax import dbq, eden, mxfp8, osci_reset, outcontrol, recipes, schemes
+from fp4jax import _exact, dbq, eden, mxfp8, osci_reset, outcontrol, recipes, schemes
 
 X8 = np.array([0, .1, -.2, .3, .5, -.7, 1, 1.3, -1.6, 2, 2.4, -3, 3.7, 4.4, -5.2, 6], np.float32)
 F = np.float32
@@ -355,3 +355,16 @@ def test_outcontrol_dot_forward_backward():
     assert rel(mixed[i], exact[i]) < rel(fp4[i], exact[i])
   with pytest.raises(ValueError, match="multiple of 32"):
     outcontrol.dot(x, w, perm, 100, key=jax.random.key(0))
+
+
+def test_outer_scale_is_two_roundings_under_jit():
+  """os = (amax / 448) / 6 as written: jitted, XLA would merge the two divisions into amax / 2688."""
+  x_rows = (np.random.default_rng(0).standard_normal((148, 128)) * 3).astype(np.float32)
+  amax = np.abs(x_rows).max(-1)
+  want = (amax / np.float32(448.0)) / np.float32(6.0)
+  assert (amax / np.float32(2688.0) != want).any()   # the merged form differs on this input
+  got = jax.jit(lambda m: _exact.div(_exact.div(m, 448.0), 6.0))(amax)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+  jitted, eager = jax.jit(dbq.quantize)(x_rows), dbq.quantize(x_rows)
+  for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
