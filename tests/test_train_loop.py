@@ -11,12 +11,12 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from configs import shrunken
 from training import sharding
 from training import trainer
+from saved_checkpoints import saved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)  # reruns of one program compile once
@@ -25,16 +25,6 @@ sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)  # reruns of one
 def _records(workdir, kind):
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     return [r for r in map(json.loads, f) if r["kind"] == kind]
-
-
-def _saved(workdir, step):
-  """The state and data items of checkpoint ``step``, as numpy."""
-  path = os.path.join(workdir, "checkpoints", str(step))
-  with ocp.StandardCheckpointer() as checkpointer:
-    state = checkpointer.restore(os.path.join(path, "state"))
-  with open(os.path.join(path, "data", "metadata"), encoding="utf-8") as f:
-    data_state = json.load(f)
-  return jax.tree.map(np.asarray, state), data_state
 
 
 def test_tiny_trains_end_to_end_and_loss_falls(tmp_path):
@@ -80,7 +70,7 @@ def test_resume_is_bit_exact_across_the_precision_switch(tmp_path):
   second = trainer.train_and_evaluate(shrunken.shrunken_config(steps=6, **overrides), split)
   assert (second["status"], second["step"]) == ("done", 6)
   for step in (3, 6):
-    (a, data_a), (b, data_b) = _saved(straight, step), _saved(split, step)
+    (a, data_a), (b, data_b) = saved(straight, step), saved(split, step)
     assert data_a == data_b
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -96,7 +86,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     trainer.train_and_evaluate(config, workdir)
   assert "config.optim.lr" in str(info.value)
   steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")))
-  state, _ = _saved(workdir, steps[-1])
+  state, _ = saved(workdir, steps[-1])
   # Metrics arrive one step behind, so the run stops after the step that follows the third bad one.
   assert int(state["nonfinite_total"]) >= 3 and int(state["nonfinite_streak"]) >= 3
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state["params"]))  # bad updates never applied

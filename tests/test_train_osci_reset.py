@@ -1,14 +1,11 @@
 """OsciReset in the trainer (config.osci_reset): the step applies fp4jax.osci_reset.update to exactly the
 kernels the precision policy quantizes, its state is checkpointed and a resumed run is bit-exact, and bad
 config values are ConfigErrors."""
-import json
-import os
 
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
 
@@ -21,6 +18,7 @@ from training import optim
 from training import sharding
 from training import trainer
 from training.errors import ConfigError
+from saved_checkpoints import saved
 
 sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)
 
@@ -124,15 +122,6 @@ def test_the_step_resets_exactly_what_the_pure_update_resets():
     np.testing.assert_array_equal(w[changed], q[changed])
 
 
-def _saved(workdir, step):
-  path = os.path.join(workdir, "checkpoints", str(step))
-  with ocp.StandardCheckpointer() as checkpointer:
-    state = checkpointer.restore(os.path.join(path, "state"))
-  with open(os.path.join(path, "data", "metadata"), encoding="utf-8") as f:
-    data_state = json.load(f)
-  return jax.tree.map(np.asarray, state), data_state
-
-
 def test_resume_inside_the_detection_window_is_bit_exact(tmp_path):
   """10 steps straight vs 6 + restart + 4; after 6 steps the window of the snapshot at step 4 is open."""
   straight = str(tmp_path / "straight")
@@ -142,10 +131,10 @@ def test_resume_inside_the_detection_window_is_bit_exact(tmp_path):
   assert (first["status"], first["step"]) == ("halted", 6)
   second = trainer.train_and_evaluate(_config(), split)
   assert (second["status"], second["step"]) == ("done", 10)
-  mid, _ = _saved(split, 6)
+  mid, _ = saved(split, 6)
   assert any(np.any(x > 0) for x in jax.tree.leaves(mid["osci_reset"]))  # the window's state is in it
   for step in (6, 10):
-    (a, data_a), (b, data_b) = _saved(straight, step), _saved(split, step)
+    (a, data_a), (b, data_b) = saved(straight, step), saved(split, step)
     assert data_a == data_b
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -155,8 +144,8 @@ def test_resume_inside_the_detection_window_is_bit_exact(tmp_path):
   trainer.train_and_evaluate(_config(**{"osci_reset.enabled": "off", "osci_reset.threshold": 1.0}), off)
   low = str(tmp_path / "low")
   trainer.train_and_evaluate(_config(**{"osci_reset.threshold": 1.0}), low)
-  p_off, p_low = _saved(off, 10)[0]["params"], _saved(low, 10)[0]["params"]
-  assert "osci_reset" not in _saved(off, 10)[0]
+  p_off, p_low = saved(off, 10)[0]["params"], saved(low, 10)[0]["params"]
+  assert "osci_reset" not in saved(off, 10)[0]
   assert any(np.any(x != y) for x, y in zip(jax.tree.leaves(p_off), jax.tree.leaves(p_low)))
 
 
