@@ -45,6 +45,7 @@ def get_config():
   c.study = config_dict.ConfigDict()
   c.study.seeds = (0, 1)
   c.study.variants = "all"          # or e.g. "bf16,nvfp4,mxfp4"
+  c.study.reference = ""            # the paired baseline; "": nvfp4, or nvfp4_all_fp4 without it
   c.study.runs_dir = "runs/study_cpu"
   c.study.switch_fraction = 0.18    # nvfp4_switch: the last 18% of the steps with a bf16 forward pass
   c.study.compilation_cache = True  # the second seed reuses the first seed's compiled steps

@@ -41,6 +41,7 @@ def get_config():
   c.study = config_dict.ConfigDict()
   c.study.seeds = (0, 1, 2)
   c.study.variants = "all"
+  c.study.reference = ""            # the paired baseline; "": nvfp4, or nvfp4_all_fp4 without it
   c.study.runs_dir = "runs/study_gpu"
   c.study.switch_fraction = 0.18
   c.study.compilation_cache = True

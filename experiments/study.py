@@ -105,6 +105,19 @@ def study_variants(config) -> list[str]:
   return ["bf16"] + [v for v in names if v != "bf16"]
 
 
+def reference_variant(config) -> str | None:
+  """The variant every other one is compared with, paired by seed: ``config.study.reference`` if set, else
+  nvfp4 (the paper's recipe) or, in a study without it, nvfp4_all_fp4; None if the study has neither."""
+  variants = study_variants(config)
+  wanted = config.study.get("reference")
+  if wanted:
+    if wanted not in variants:
+      raise ValueError(f"config.study.reference={wanted!r} is not among the study's variants {variants}; "
+                       "add it to config.study.variants or choose one of them")
+    return wanted
+  return next((v for v in ("nvfp4", "nvfp4_all_fp4") if v in variants), None)
+
+
 def run_config(config, variant: str, seed: int):
   """The training config of one run: the study config without its ``study`` section, plus the variant."""
   run = copy.deepcopy(config)
@@ -244,13 +257,14 @@ def collect(config, runs_dir: str) -> dict:
                    statuses=sorted({results[(v, s)]["status"] for s in done}),
                    nonfinite_steps=sum(int(results[(v, s)].get("nonfinite_steps") or 0) for s in done),
                    gap_curve=curve)
-  # Ablations against the full recipe, paired by seed: gap(variant) - gap(nvfp4) in percentage points.
-  if "nvfp4" in rows:
-    ref = rows["nvfp4"]["gap_percent"]
+  # Ablations against the full recipe, paired by seed: gap(variant) - gap(reference) in percentage points.
+  reference = reference_variant(config)
+  if reference is not None:
+    ref = rows[reference]["gap_percent"]
     for v, r in rows.items():
       diffs = {k: g - ref[k] for k, g in r["gap_percent"].items() if k in ref}
-      r["vs_nvfp4_pp"] = diffs
-      r["vs_nvfp4_mean"], r["vs_nvfp4_std"] = _mean_std(list(diffs.values()))
+      r["vs_reference_pp"] = diffs
+      r["vs_reference_mean"], r["vs_reference_std"] = _mean_std(list(diffs.values()))
   # Seed noise: how far the bf16 runs of different seeds land from each other (relative to their mean).
   bf16 = [results[("bf16", s)]["validation_loss"] for s in seeds if ("bf16", s) in results]
   noise = 100.0 * float(np.std(bf16, ddof=1) / np.mean(bf16)) if len(bf16) > 1 else float("nan")
@@ -262,7 +276,7 @@ def collect(config, runs_dir: str) -> dict:
       params=n_params, tokens_per_run=tokens, tokens_per_param=tokens / n_params,
       steps=int(config.steps), batch_size=int(config.batch_size), seq_len=int(config.data.seq_len),
       switch_fraction=float(config.study.switch_fraction), switch_tokens=switch_step * tokens_per_step,
-      bf16_seed_std_percent=noise,
+      bf16_seed_std_percent=noise, reference=reference,
       model=_model_summary(base_run),
       hardware=dict(machine=platform.machine(), processor=_cpu_name(), cpus=os.cpu_count(),
                     platform=jax.devices()[0].platform, device=str(jax.devices()[0].device_kind),
@@ -297,6 +311,7 @@ def _pm(mean: float, std: float, fmt: str) -> str:
 
 def render_markdown(s: dict) -> str:
   m, hw = s["model"], s["hardware"]
+  ref = s.get("reference") or "nvfp4"
   lines = [
       f"# Recipe study `{s['name']}`",
       "",
@@ -309,13 +324,13 @@ def render_markdown(s: dict) -> str:
       f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
       "",
       "Gap = (validation loss - bf16 validation loss) / bf16 validation loss, paired by seed; "
-      "vs nvfp4 = gap - gap of nvfp4 with the same seed, in percentage points (per seed in brackets): the "
+      f"vs {ref} = gap - gap of {ref} with the same seed, in percentage points (per seed in brackets): the "
       "seeds move all variants together, so this paired difference is the sharper test of an ablation; "
       "± is the sample standard deviation over seeds. tokens/s excludes compilation; wall time is per run "
       "and includes compilation and evaluation. Both depend on what else the machine runs: on shared cores "
       "they are not comparable between variants (bench/run.py measures nvfp4 vs bf16 back to back).",
       "",
-      "| variant | what | final validation loss | gap to bf16 (%) | per seed (%) | vs nvfp4 (pp) | tokens/s | wall / run |",
+      f"| variant | what | final validation loss | gap to bf16 (%) | per seed (%) | vs {ref} (pp) | tokens/s | wall / run |",
       "|---|---|---|---|---|---|---|---|",
   ]
   for v in s["variants"]:
@@ -326,9 +341,9 @@ def render_markdown(s: dict) -> str:
     status = "" if r["statuses"] == ["done"] else f" ({', '.join(r['statuses'])})"
     per_seed = ", ".join(f"{r['gap_percent'][k]:+.2f}" for k in sorted(r["gap_percent"]))
     gap = "0 (reference)" if v == "bf16" else _pm(r["gap_mean"], r["gap_std"], "+.2f")
-    vs = "" if v in ("bf16", "nvfp4") or not r.get("vs_nvfp4_pp") else (
-        _pm(r["vs_nvfp4_mean"], r["vs_nvfp4_std"], "+.2f") + " (" +
-        ", ".join(f"{r['vs_nvfp4_pp'][k]:+.2f}" for k in sorted(r["vs_nvfp4_pp"])) + ")")
+    vs = "" if v in ("bf16", s.get("reference")) or not r.get("vs_reference_pp") else (
+        _pm(r["vs_reference_mean"], r["vs_reference_std"], "+.2f") + " (" +
+        ", ".join(f"{r['vs_reference_pp'][k]:+.2f}" for k in sorted(r["vs_reference_pp"])) + ")")
     lines.append(f"| {v}{status} | {r['description']} | {_pm(r['loss_mean'], r['loss_std'], '.4f')} | {gap} | "
                  f"{'' if v == 'bf16' else per_seed} | {vs} | {r['tokens_per_second']:,.0f} | "
                  f"{r['wall_seconds'] / 60:.1f} min |")

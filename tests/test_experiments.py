@@ -37,6 +37,21 @@ def test_run_config_applies_variant_overrides():
     study.study_variants(c)
 
 
+def test_reference_variant_defaults_to_the_paper_recipe_in_the_study():
+  c = micro_study_config()
+  c.study.variants = "bf16,mxfp4,nvfp4"
+  assert study.reference_variant(c) == "nvfp4"
+  c.study.variants = "bf16,quartet2_all_fp4,nvfp4_all_fp4"
+  assert study.reference_variant(c) == "nvfp4_all_fp4"
+  c.study.variants = "bf16,mxfp4"
+  assert study.reference_variant(c) is None
+  c.study.reference = "mxfp4"
+  assert study.reference_variant(c) == "mxfp4"
+  c.study.reference = "fp8"
+  with pytest.raises(ValueError, match="config.study.reference='fp8' is not among"):
+    study.reference_variant(c)
+
+
 def test_micro_study_writes_summary_and_skips_finished_runs(tmp_path):
   c = micro_study_config()
   out, runs = str(tmp_path / "results"), str(tmp_path / "runs")
