@@ -170,7 +170,7 @@ class LanguageModel(nn.Module):
           for i in range(start, start + unit):
             x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
           continue
-        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0},
+        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0, "outcontrol": 0},
                             split_rngs={"params": True, "fp4": True}, length=repeats,
                             metadata_params={nn.PARTITION_NAME: None})
         x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
