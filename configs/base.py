@@ -16,12 +16,20 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   checkpoint.fallback  restore the newest intact checkpoint when the latest cannot be read (else stop)
   osci_reset        TetraJet-v2's OsciReset after each update: enabled "auto" (on for tetrajet2 recipes) /
                     "on" / "off"; threshold, detect_steps, and period / start as fractions of ``steps``
+  outcontrol        TetraJet-v2's OutControl (recipe tetrajet2 only; off by default): the input channels with
+                    the largest activation norms, ``ratio`` of them (rounded up to 128s), run in MXFP8 from
+                    step ``record_start_step + record_steps`` on, chosen from the norms summed over the
+                    ``record_steps`` steps before. A mixed-precision method: the study's "every linear layer
+                    in FP4" comparisons (and the published table they sit next to) leave it off
 """
 import dataclasses
 
 from ml_collections import config_dict
 
 from models import ModelConfig
+
+# ModelConfig fields the trainer sets from other sections (outcontrol_ratio from config.outcontrol).
+TRAINER_MODEL_FIELDS = ("outcontrol_ratio",)
 
 
 def model_section(preset: str, **overrides) -> config_dict.ConfigDict:
@@ -34,6 +42,8 @@ def model_section(preset: str, **overrides) -> config_dict.ConfigDict:
   section.preset = preset
   defaults = ModelConfig()
   for field in dataclasses.fields(defaults):
+    if field.name in TRAINER_MODEL_FIELDS:
+      continue
     value = getattr(defaults, field.name)
     if value is None:  # an Optional field: its annotation names the type
       annotation = str(field.type)
@@ -109,6 +119,14 @@ def get_config() -> config_dict.ConfigDict:
   c.osci_reset.detect_steps = 50    # N: tracking steps after each snapshot
   c.osci_reset.period_fraction = 0.012  # P = max(round(0.012 * steps), N + 2)
   c.osci_reset.start_fraction = 0.65    # S = int(0.65 * steps): no snapshot before it
+
+  # Off by default: OutControl keeps >= 10% of every quantized layer's input channels in MXFP8, so it is not
+  # "every linear layer in FP4"; --config.outcontrol.enabled=True turns it on (recipe tetrajet2 only).
+  c.outcontrol = config_dict.ConfigDict()
+  c.outcontrol.enabled = False
+  c.outcontrol.ratio = 0.1              # k8 = min(floor(K/128)*128, ceil(floor(K*ratio)/128)*128) channels
+  c.outcontrol.record_start_step = 500  # the first step that accumulates the channel norms
+  c.outcontrol.record_steps = 50        # steps in the window; the split is on from start + record_steps
 
   c.health = config_dict.ConfigDict()
   c.health.max_nonfinite_streak = 10

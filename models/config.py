@@ -54,6 +54,10 @@ class ModelConfig:
   # Precision policy: these blocks keep every linear layer in bf16 whatever the recipe says.
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
+  # TetraJet-v2 OutControl: once calibrated, this fraction of the input channels of every FP4 layer of a
+  # tetrajet2 recipe (rounded up to 128s, models.policy.outcontrol_fp8_channels) runs in MXFP8; 0: off. Set
+  # by the trainer from config.outcontrol (it is not a config.model field).
+  outcontrol_ratio: float = 0.0
   remat: bool = False             # rematerialize each block in the backward pass
   # lax.scan over repeated groups of blocks (models.lm.block_groups): fewer blocks to compile, but the
   # parameter tree changes (a group's blocks get a leading repeat axis), so it is opt-in.
@@ -86,6 +90,8 @@ class ModelConfig:
       raise ValueError(f"loss_chunk={self.loss_chunk} must be > 0 (vocabulary columns per chunk of logits)")
     if self.bf16_first_blocks < 0 or self.bf16_last_blocks < 0:
       raise ValueError(f"{self.bf16_first_blocks=} and {self.bf16_last_blocks=} must be >= 0")
+    if not 0.0 <= self.outcontrol_ratio <= 1.0:
+      raise ValueError(f"outcontrol_ratio={self.outcontrol_ratio} must be in [0, 1] (TetraJet-v2: 0.1; 0: off)")
     for name in ("param_dtype", "dtype"):
       object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
 

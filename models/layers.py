@@ -1,6 +1,8 @@
-"""Small shared pieces: RMSNorm, the policy-aware linear layer, rotary embeddings.
+"""Small shared pieces: RMSNorm, the policy-aware linear layer (with TetraJet-v2's OutControl), rotary
+embeddings, the vocabulary-chunked cross entropy.
 
-Axis legend: B batch, L sequence, D model width, H heads, P head dim.
+Axis legend: B batch, L sequence, D model width, H heads, P head dim, M tokens, K input channels, N output
+features.
 """
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fp4jax import outcontrol
 from models import policy
 from models.config import ModelConfig
+
+OUTCONTROL = "outcontrol"   # the variable collection of OutControl's per-layer state
 
 
 class RMSNorm(nn.Module):
@@ -40,16 +45,62 @@ def residual_std(config: ModelConfig) -> float:
 
 def linear(parent: nn.Module, name: str, features: int, kernel_axes: Sequence[str], *,
            config: ModelConfig, recipe: Any, std: float | None = None) -> nn.Dense:
-  """A bias-free ``nn.Dense`` child of ``parent`` whose dot_general the precision policy picks.
+  """A bias-free ``nn.Dense`` child of ``parent`` whose dot_general the precision policy picks; an
+  ``OutControlDense`` where the policy gives the layer an OutControl ratio (``config.outcontrol_ratio``).
 
   Call inside ``parent``'s compact method; the policy sees the layer's full module path.
   """
-  return nn.Dense(
+  path = (*parent.path, name)
+  ratio = policy.outcontrol_ratio(config, recipe, path)
+  cls = functools.partial(OutControlDense, outcontrol_ratio=ratio) if ratio else nn.Dense
+  return cls(
       features, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
       kernel_init=nn.with_logical_partitioning(
           nn.initializers.normal(config.init_std if std is None else std), tuple(kernel_axes)),
-      dot_general_cls=policy.dot_general_cls(config, recipe, (*parent.path, name)),
+      dot_general_cls=policy.dot_general_cls(config, recipe, path),
       name=name)
+
+
+class OutControlDense(nn.Dense):
+  """``nn.Dense`` with TetraJet-v2's OutControl: after calibration, the k8 input channels with the largest
+  activation norms run in MXFP8, the rest in NVFP4 (``fp4jax.outcontrol``).
+
+  State, in the ``"outcontrol"`` collection, only where k8 = ``outcontrol.k8(K, outcontrol_ratio)`` > 0:
+  ``acc`` (K,) float32, the accumulated channel norms, and ``perm`` (K,) int32, the channels by descending
+  ``acc`` (created by ``init``: zeros and 0..K-1). What the caller passes picks the phase (static):
+    no "outcontrol" collection     exactly ``nn.Dense`` (the recipe's quantized dot): before the window
+    "outcontrol" mutable           the same forward, plus ``acc += ‖x[:, c]‖₂`` over this call's tokens (the
+                                   global batch under jit) and ``perm = argsort(-acc)``: the window
+    "outcontrol" immutable         ``outcontrol.dot`` with ``perm`` and n_fp8 = k8: after the window
+  The kernel, its path and its initialization are ``nn.Dense``'s, so the parameter tree does not change.
+  """
+  outcontrol_ratio: float = outcontrol.DEFAULT_RATIO
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    k_in = inputs.shape[-1]
+    n_fp8 = outcontrol.k8(k_in, self.outcontrol_ratio)
+    if not n_fp8:
+      return super().__call__(inputs)
+    if self.is_initializing():
+      self.variable(OUTCONTROL, "acc", outcontrol.calibration_init, k_in)
+      self.variable(OUTCONTROL, "perm", lambda: jnp.arange(k_in, dtype=jnp.int32))
+      return super().__call__(inputs)
+    if not self.has_variable(OUTCONTROL, "perm"):
+      return super().__call__(inputs)
+    dtype = self.dtype or inputs.dtype
+    if self.is_mutable_collection(OUTCONTROL):
+      acc = self.variable(OUTCONTROL, "acc", outcontrol.calibration_init, k_in)
+      perm = self.variable(OUTCONTROL, "perm", lambda: jnp.arange(k_in, dtype=jnp.int32))
+      acc.value = outcontrol.calibration_accumulate(acc.value, inputs.astype(dtype))
+      perm.value = outcontrol.calibration_finalize(acc.value)
+      return super().__call__(inputs)
+    kernel_KxN = self.param("kernel", self.kernel_init, (k_in, self.features), self.param_dtype)
+    x_xK, kernel_KxN, _ = self.promote_dtype(inputs, kernel_KxN, None, dtype=self.dtype)
+    perm_K = self.get_variable(OUTCONTROL, "perm")
+    key = self.make_rng("fp4") if self.has_rng("fp4") else jax.random.PRNGKey(0)  # the backward's bits only
+    y_MxN = outcontrol.dot(x_xK.reshape(-1, k_in), kernel_KxN, perm_K, n_fp8, key=key)
+    return y_MxN.reshape(*inputs.shape[:-1], self.features).astype(x_xK.dtype)
 
 
 def rope(x_BxLxHxP: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:

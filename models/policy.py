@@ -5,6 +5,8 @@ runs the recipe unless block i is one of the config's first ``bf16_first_blocks`
 ``bf16_last_blocks``; everything else (embedding, LM head, norms, SSM scan and its parameters,
 attention score/value products) is never a quantized dot. ``dot_general_cls`` turns the decision
 into the ``dot_general_cls`` of ``nn.Dense``; it is the only place that imports ``fp4jax.flax``.
+``outcontrol_ratio`` says which layers TetraJet-v2's OutControl applies to (``config.outcontrol_ratio > 0``
+and a quantized layer of a tetrajet2 recipe) and with what ratio.
 
 A leaf of ``models``: it imports only ``models.config`` (and fp4jax's public API); the report that
 lists every layer's decision, ``describe_linear_layers``, builds the model and lives in ``models.report``.
@@ -58,3 +60,12 @@ def dot_general_cls(config: ModelConfig, recipe: Recipe | str, path: str | Seque
   from fp4jax.flax import Fp4DotGeneral  # pylint: disable=g-import-not-at-top  (only quantized runs need it)
   return functools.partial(Fp4DotGeneral, recipe=recipe)
 
+
+def outcontrol_ratio(config: ModelConfig, recipe: Recipe | str, path: str | Sequence[str]) -> float:
+  """The OutControl ratio of the linear layer at ``path``: ``config.outcontrol_ratio`` for a layer that runs
+  a tetrajet2 recipe's quantized dot, else 0.0 (no OutControl). The layer then puts
+  ``fp4jax.outcontrol.k8(in_features, ratio)`` input channels in MXFP8 (a multiple of 128; 0 below 128)."""
+  recipe = recipes.get(recipe)
+  if not config.outcontrol_ratio or recipe.scheme != "tetrajet2" or layer_precision(config, recipe, path) == "bf16":
+    return 0.0
+  return config.outcontrol_ratio

@@ -14,6 +14,7 @@ from ml_collections import config_dict
 import fp4jax
 from fp4jax import osci_reset
 from models import presets
+from training import optim
 from training.errors import ConfigError
 
 
@@ -101,6 +102,48 @@ def resolve_osci_reset(config, recipe: fp4jax.Recipe) -> osci_reset.OsciResetCon
     raise ConfigError(f"config.osci_reset: {e}") from None
 
 
+def resolve_outcontrol(config, recipe: fp4jax.Recipe) -> optim.OutControl | None:
+  """TetraJet-v2's OutControl for this run (``config.outcontrol``), or None when it is off (the default).
+
+  On only with a tetrajet2 recipe; the calibration window [record_start_step, record_start_step +
+  record_steps) must end before the last step (and before a precision switch), so that the split is used.
+  """
+  section = config.get("outcontrol")
+  if section is None or section.enabled is False:
+    return None
+  if section.enabled is not True:
+    raise ConfigError(f"config.outcontrol.enabled={section.enabled!r}; use True or False")
+  if recipe.scheme != "tetrajet2":
+    raise ConfigError(f"config.outcontrol.enabled=True needs a TetraJet-v2 recipe, but config.recipe="
+                      f"{recipe.name!r} (scheme {recipe.scheme!r}); set --config.recipe=tetrajet2, or "
+                      "--config.outcontrol.enabled=False")
+  start, window = section.record_start_step, section.record_steps
+  checks = [
+      (0.0 < section.ratio <= 1.0,
+       f"config.outcontrol.ratio={section.ratio} must be in (0, 1] (TetraJet-v2: 0.1)"),
+      (isinstance(start, int) and start >= 0,
+       f"config.outcontrol.record_start_step={start} must be an integer >= 0 (proposed: 500)"),
+      (isinstance(window, int) and window >= 1,
+       f"config.outcontrol.record_steps={window} must be an integer >= 1 (proposed: 50)"),
+  ]
+  for ok, msg in checks:
+    if not ok:
+      raise ConfigError(msg)
+  if start + window >= config.steps:
+    fix = (f"--config.outcontrol.record_start_step to at most {config.steps - window - 1}" if window < config.steps
+           else f"--config.outcontrol.record_steps below {config.steps}")
+    raise ConfigError(f"config.outcontrol: the calibration window (steps {start}..{start + window - 1}) must end "
+                      f"before the last step (config.steps={config.steps}), or the MXFP8 split is never used; set "
+                      f"{fix}, or raise config.steps")
+  _, late, switch_step = resolve_recipes(config)
+  if late is not None and start + window >= switch_step:
+    raise ConfigError(
+        f"config.outcontrol: the calibration window ends at step {start + window} but the precision switch "
+        f"starts at step {switch_step} (its steps run without OutControl); set --config.outcontrol."
+        f"record_start_step below {switch_step - window}, or lower config.precision_switch.fraction")
+  return optim.OutControl(ratio=float(section.ratio), record_start=start, record_steps=window)
+
+
 def validate(config) -> None:
   """Checks that need neither data nor devices; raises ConfigError naming the field and the fix."""
   def need(ok, msg):
@@ -130,6 +173,7 @@ def validate(config) -> None:
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")
   recipe, _, _ = resolve_recipes(config)
   resolve_osci_reset(config, recipe)
+  resolve_outcontrol(config, recipe)
   resolve_model_config(config.model)
 
 

@@ -1,9 +1,9 @@
 """The loop of a run: ``Loop(run, state, step).run()`` trains to ``config.steps`` (or ``halt_after``).
 
 One jitted, donated train step per batch (a second one, from the same params, for the precision switch's
-last steps); the metrics of a step are read on the host one step later, so the host never waits for the
-device; validation, checkpoints and profiling on schedule; SIGTERM/SIGINT save a checkpoint and stop.
-The loop object owns what changes while it runs: the state, the step count, the metrics not yet read, the
+last steps; with OutControl one per phase, picked by the step like the recipe); the metrics of a step are
+read on the host one step later, so the host never waits for the device; validation, checkpoints and
+profiling on schedule; SIGTERM/SIGINT save a checkpoint and stop. The loop object owns what changes while it runs: the state, the step count, the metrics not yet read, the
 latest read ones, and the start of the current non-finite streak.
 """
 from __future__ import annotations
@@ -19,8 +19,9 @@ import numpy as np
 from training import data as data_lib
 from training import sharding
 from training.errors import TrainingDiverged
+from training.optim import ON, PLAIN, RECORD
 from training.run import Run
-from training.step import eval_step, jit_train_step
+from training.step import eval_step, eval_step_outcontrol, jit_train_step
 
 
 class _StopRequest:
@@ -61,19 +62,26 @@ class Loop:
     models = {run.recipe.name: run.model}
     if run.late_model is not None:
       models[run.late_recipe.name] = run.late_model
-    self._train = {name: jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh, run.osci)
-                   for name, m in models.items()}
+    phases = (PLAIN,) if run.outcontrol is None else (PLAIN, RECORD, ON)
+    self._train = {(name, phase): jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh, run.osci, phase)
+                   for name, m in models.items() for phase in phases}  # jit compiles on first use only
     self._eval = {name: jax.jit(functools.partial(eval_step, model=m),
                                 in_shardings=(run.state_shardings["params"], batch_sh), out_shardings=repl)
                   for name, m in models.items()}
+    if run.outcontrol is not None:
+      self._eval_outcontrol = jax.jit(functools.partial(eval_step_outcontrol, model=run.model),
+                                      in_shardings=(run.state_shardings["params"],
+                                                    run.state_shardings["outcontrol"], batch_sh),
+                                      out_shardings=repl)
 
   # One step, its metrics, evaluation, checkpoint ----------------------------------------------------
 
   def train_step(self) -> None:
     tokens = sharding.host_batch_to_global(next(self.run.train_iter), self.run.mesh)
     name = self.run.recipe_at(self.step).name
+    phase = self.run.outcontrol_phase_at(self.step)
     with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
-      self.state, metrics = self._train[name](self.state, tokens)
+      self.state, metrics = self._train[name, phase](self.state, tokens)
     self.step += 1
     self.read_metrics()  # the previous step's: it is done by now
     self.pending = (self.step, metrics)
@@ -105,8 +113,12 @@ class Loop:
 
   def evaluate(self) -> None:
     run = self.run
-    fn = self._eval[run.recipe_at(max(self.step - 1, 0)).name]
-    losses = [fn(self.state["params"], sharding.host_batch_to_global(b, run.mesh)) for b in run.val_batches]
+    last = max(self.step - 1, 0)
+    if run.outcontrol_phase_at(last) == ON:   # the split the last step trained with
+      fn = functools.partial(self._eval_outcontrol, self.state["params"], self.state["outcontrol"])
+    else:
+      fn = functools.partial(self._eval[run.recipe_at(last).name], self.state["params"])
+    losses = [fn(sharding.host_batch_to_global(b, run.mesh)) for b in run.val_batches]
     loss = float(np.mean([sharding.to_host(l) for l in losses]))
     bpb = data_lib.bits_per_byte(loss, run.tokens_per_byte)
     run.reporter.evaluation(self.step, loss, bpb)
@@ -144,6 +156,11 @@ class Loop:
             run.say(f"profile of steps {profile[0]}..{profile[-1]} written to {profile_dir}")
           if run.late_recipe is not None and step == run.switch_step:
             run.say(f"step {step}: precision switch to {run.late_recipe.name}")
+            reporter.mark_start(step)
+          if run.outcontrol is not None and step in (run.outcontrol.record_start, run.outcontrol.on_step):
+            what = ("records the channel norms" if step == run.outcontrol.record_start
+                    else "calibrated: the top-norm channels run in MXFP8")
+            run.say(f"step {step}: OutControl {what}")
             reporter.mark_start(step)
           stop_now = step % signal_check_every == 0 and sharding.any_process(stop.signal_name is not None)
           eval_due = evaluate and config.eval.every_steps and step % config.eval.every_steps == 0 and step < end

@@ -5,6 +5,10 @@ Master weights, gradients and optimizer moments are fp32 (``fp32_params`` casts 
 
 ``OsciReset``: TetraJet-v2's oscillation reset as the trainer runs it, after ``optax.apply_updates``, on the
 linear kernels the precision policy quantizes; its state is the train state's ``osci_reset`` entry.
+
+``OutControl``: TetraJet-v2's OutControl schedule, the phase of each step (plain, record, on); its state is
+the model's ``"outcontrol"`` variable collection (``models.layers.OutControlDense``), the train state's
+``outcontrol`` entry.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from fp4jax import osci_reset
+from fp4jax import osci_reset, outcontrol
 from models import layer_precision
 
 
@@ -94,12 +98,76 @@ class OsciReset:
     subset = traverse_util.unflatten_dict({path: flat[path] for path in self.tracked(params)})
     return osci_reset.init(subset, None)
 
-  def apply(self, params, state, step):
+  def apply(self, params, state, step, outcontrol_state=None):
     """(params, state) after OsciReset of the optimizer step ``step`` (0-based, the one just applied): the
-    pure ``osci_reset.update`` on the tracked kernels, every other leaf returned as it came."""
+    pure ``osci_reset.update`` on the tracked kernels, every other leaf returned as it came.
+
+    ``outcontrol_state``: OutControl's calibrated state (the "on" phase). A kernel with an OutControl ``perm``
+    is tracked in its gathered channel order, so Q(w) forms its blocks over the FP4 channels as the forward
+    GEMM does (k8 is a multiple of 128: no block mixes FP8 and FP4 channels); its k8 MXFP8 channels are
+    never reset and their state stays zero. The state stays in the kernel's own channel order.
+    """
     flat = traverse_util.flatten_dict(params)
     paths = self.tracked(params)
-    subset = traverse_util.unflatten_dict({path: flat[path] for path in paths})
-    new_subset, new_state = osci_reset.update(subset, state, step, self.config)
+    flat_outcontrol = traverse_util.flatten_dict(outcontrol_state) if outcontrol_state is not None else {}
+    perms = {path[:-1]: perm for path, perm in flat_outcontrol.items() if path[-1] == "perm"}
+    plain = [path for path in paths if path[:-1] not in perms]
+    flat_state = traverse_util.flatten_dict(state)
+    subset = traverse_util.unflatten_dict({path: flat[path] for path in plain})
+    sub_state = traverse_util.unflatten_dict({path: flat_state[path] for path in plain})
+    new_subset, new_sub_state = osci_reset.update(subset, sub_state, step, self.config)
     flat.update(traverse_util.flatten_dict(new_subset))
-    return traverse_util.unflatten_dict(flat), new_state
+    flat_state.update(traverse_util.flatten_dict(new_sub_state))
+    for path in paths:
+      if path[:-1] in perms:
+        flat[path], flat_state[path] = self._update_gathered(flat[path], flat_state[path], perms[path[:-1]], step)
+    return traverse_util.unflatten_dict(flat), traverse_util.unflatten_dict(flat_state)
+
+  def _update_gathered(self, w_xKxN, leaf_state, perm_xK, step):
+    """``osci_reset.update`` of one OutControl kernel on its rows gathered by ``perm`` (FP8 rows first)."""
+    k_in = w_xKxN.shape[-2]
+    n_fp8 = outcontrol.k8(k_in, self.model_config.outcontrol_ratio)
+    order, inverse = perm_xK[..., :, None], jnp.argsort(perm_xK, axis=-1)[..., :, None]
+    fp4_rows = (jnp.arange(k_in) >= n_fp8)[:, None]
+    cfg = self.config
+    step = jnp.asarray(step, jnp.int32)
+    in_window = (step >= cfg.start) & (step % cfg.period <= cfg.detect_steps + 1)
+
+    def work(args):
+      w, st = args
+      gather = lambda t: jnp.take_along_axis(t, order, axis=-2)
+      scatter = lambda t: jnp.take_along_axis(t, inverse, axis=-2)
+      w_g = gather(w)
+      new_w_g, new_st_g = osci_reset.update(w_g, osci_reset.LeafState(*map(gather, st)), step, cfg)
+      new_w_g = jnp.where(fp4_rows, new_w_g, w_g)
+      new_st_g = osci_reset.LeafState(*(jnp.where(fp4_rows, x, jnp.zeros_like(x)) for x in new_st_g))
+      return scatter(new_w_g), osci_reset.LeafState(*map(scatter, new_st_g))
+
+    return jax.lax.cond(in_window, work, lambda args: args, (w_xKxN, leaf_state))
+
+
+PLAIN, RECORD, ON = "plain", "record", "on"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutControl:
+  """TetraJet-v2's OutControl schedule: the phase of the step of index ``step`` (0-based).
+
+  ``plain`` before ``record_start`` (the recipe's forward, bit for bit as without OutControl); ``record`` for
+  the ``record_steps`` steps from there (the same forward, plus the channel norms accumulated and the
+  permutation re-sorted, so it is final after the last of them); ``on`` from ``on_step`` to the end (the
+  k8 top-norm channels of each layer in MXFP8). ``ratio`` is the model's ``outcontrol_ratio``.
+  """
+  ratio: float
+  record_start: int
+  record_steps: int
+
+  @property
+  def on_step(self) -> int:
+    """The first step with the channel split."""
+    return self.record_start + self.record_steps
+
+  def phase_at(self, step: int) -> str:
+    if step < self.record_start:
+      return PLAIN
+    return RECORD if step < self.on_step else ON

@@ -24,9 +24,11 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import optax
+from flax import traverse_util
 from jax.experimental import multihost_utils
 
 import fp4jax
+from fp4jax.outcontrol import k8 as outcontrol_k8
 from models.lm import scanned_params, unscanned_params
 from training import checkpoint as ckpt_lib
 from training import config as config_lib
@@ -55,6 +57,7 @@ class Run:
   tx: optax.GradientTransformation
   lr_fn: Callable[[Any], Any]
   osci: optim.OsciReset | None       # TetraJet-v2's OsciReset after each update (config.osci_reset), or None
+  outcontrol: optim.OutControl | None  # TetraJet-v2's OutControl schedule (config.outcontrol), or None
   init_fn: Callable[[], dict]        # a fresh state, params boxed with logical axis names
   abstract_state: dict               # ShapeDtypeStructs of the state, params unboxed
   state_shardings: dict
@@ -72,6 +75,13 @@ class Run:
   def recipe_at(self, step: int) -> fp4jax.Recipe:
     """The recipe of the step that starts at ``step`` (0-based)."""
     return self.late_recipe if self.late_recipe is not None and step >= self.switch_step else self.recipe
+
+  def outcontrol_phase_at(self, step: int) -> str:
+    """OutControl's phase of the step that starts at ``step``: "plain" without OutControl and during the
+    precision switch (its recipe runs without the split), else ``optim.OutControl.phase_at``."""
+    if self.outcontrol is None or (self.late_recipe is not None and step >= self.switch_step):
+      return optim.PLAIN
+    return self.outcontrol.phase_at(step)
 
   def say(self, text: str) -> None:
     self.reporter.message(text)
@@ -91,6 +101,8 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
   config_lib.validate(config)
   model_config = config_lib.resolve_model_config(config.model)
   recipe, late_recipe, switch_step = config_lib.resolve_recipes(config)
+  outcontrol = config_lib.resolve_outcontrol(config, recipe)
+  model_config = model_config.replace(outcontrol_ratio=outcontrol.ratio if outcontrol else 0.0)
   mesh = sharding.make_mesh(config.mesh)
   nproc, pindex = jax.process_count(), jax.process_index()
   batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -116,6 +128,12 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
         raise ConfigError(f"recipes {recipe.name} and {late_recipe.name} give different parameter trees; "
                           "the precision switch needs the same parameters")
   abstract, state_sh = sharding.train_state_shardings(abstract, tx, mesh)
+  if outcontrol is not None:
+    if "outcontrol" not in abstract:
+      raise ConfigError("config.outcontrol.enabled=True, but no quantized linear layer of this model has enough "
+                        f"input channels for an MXFP8 part (k8 = 0 below 128 channels, or K * ratio < 1 with "
+                        f"ratio={outcontrol.ratio}); widen the model (d_model, mlp_dim >= 128) or turn it off")
+    state_sh["outcontrol"] = jax.tree.map(lambda _: sharding.replicated(mesh), abstract["outcontrol"])
 
   # 3. The work directory, its records, checkpoints and the data iterators.
   workdir, checkpoints, reporter, guarded = _open_workdir(config, workdir, pindex)
@@ -123,6 +141,10 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
   say(f"fp4jax train: {config.name}  model {config.model.preset} ({model_config.n_blocks} blocks "
       f"'{model_config.pattern}', d_model {model_config.d_model})  recipe {recipe.name}"
       + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
+  if outcontrol is not None:
+    say(f"OutControl: channel norms recorded in steps {outcontrol.record_start}..{outcontrol.on_step - 1}, "
+        f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
+        f"{outcontrol.on_step}")
   say(f"data: {data_lib.describe(data_summary)}")
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
       f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
@@ -136,10 +158,22 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
                                        seed=config.seed, process_index=pindex, process_count=nproc)
                  if evaluate else [])
   return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
-             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, init_fn=init_fn,
+             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol=outcontrol,
+             init_fn=init_fn,
              abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
              tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
              process_count=nproc)
+
+
+def _outcontrol_summary(abstract_outcontrol, ratio: float) -> str:
+  """"k8 of K input channels" for each OutControl layer (stacked layers counted once per repetition)."""
+  counts = {}
+  for path, leaf in traverse_util.flatten_dict(abstract_outcontrol).items():
+    if path[-1] == "perm":
+      k_in = leaf.shape[-1]
+      key = f"{outcontrol_k8(k_in, ratio)} of {k_in}"
+      counts[key] = counts.get(key, 0) + math.prod(leaf.shape[:-1])
+  return ", ".join(f"{n} layer(s) {key}" for key, n in sorted(counts.items())) + " input channels"
 
 
 def _load_data(config, model_config):

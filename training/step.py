@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models.layers import OUTCONTROL
 from models.lm import LanguageModel, compute_params
 from training import optim
 from training import sharding
@@ -33,21 +34,38 @@ def model_loss(model, params, inputs_BxL, targets_BxL, key):
   return cross_entropy(model.apply({"params": params}, inputs_BxL, rngs={"fp4": key}), targets_BxL)
 
 
+def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool):
+  """(loss, OutControl state after the call) of ``model`` with its ``"outcontrol"`` collection: with
+  ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
+  the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came)."""
+  is_lm = isinstance(model, LanguageModel)
+  variables = {"params": compute_params(model, params) if is_lm else params, OUTCONTROL: outcontrol}
+  kwargs = dict(targets_BxL=targets_BxL) if is_lm else {}
+  out = model.apply(variables, inputs_BxL, rngs={"fp4": key}, mutable=[OUTCONTROL] if record else False,
+                    **kwargs)
+  out, outcontrol = (out[0], out[1][OUTCONTROL]) if record else (out, outcontrol)
+  return (out if is_lm else cross_entropy(out, targets_BxL)), outcontrol
+
+
 # ------------------------------------------------------------------------------------- pure functions
 
 def init_state(model, tx, seed: int, seq_len: int, osci: optim.OsciReset | None = None):
   """The train state: fp32 params (boxed with logical axis names), optimizer state, step, RNG, health; with
-  ``osci``, OsciReset's state as ``osci_reset``."""
+  ``osci``, OsciReset's state as ``osci_reset``; for a model with OutControl layers (``outcontrol_ratio``),
+  their ``"outcontrol"`` collection as ``outcontrol``."""
   root = jax.random.PRNGKey(seed)
   k_params, k_fp4, k_train = jax.random.split(root, 3)
   tokens_1xL = jnp.zeros((1, seq_len), jnp.int32)
-  params = model.init({"params": k_params, "fp4": k_fp4}, tokens_1xL)["params"]
+  variables = model.init({"params": k_params, "fp4": k_fp4}, tokens_1xL)
+  params = variables["params"]
   params = jax.tree.map(lambda p: p.replace_boxed(optim.fp32_params(p.unbox())) if isinstance(p, nn.Partitioned)
                         else optim.fp32_params(p), params, is_leaf=lambda p: isinstance(p, nn.Partitioned))
   state = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(nn.unbox(params)), rng=k_train,
                nonfinite_total=jnp.zeros((), jnp.int32), nonfinite_streak=jnp.zeros((), jnp.int32))
   if osci is not None:
     state["osci_reset"] = osci.init(nn.unbox(params))
+  if OUTCONTROL in variables:
+    state["outcontrol"] = variables[OUTCONTROL]
   return state
 
 
@@ -57,18 +75,29 @@ def cross_entropy(logits_BxLxV, targets_BxL):
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
-def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | None = None):
+def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
+               outcontrol_phase: str = optim.PLAIN):
   """One AdamW step, then OsciReset (with ``osci``) on the updated params, as the step of index "steps
   applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
-  state untouched."""
+  and OutControl's state untouched. ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain"
+  runs the recipe's forward (the OutControl state, if any, passes through), "record" also accumulates the
+  channel norms, "on" runs the calibrated channel split."""
   inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
   key = jax.random.fold_in(state["rng"], state["step"])
 
   def loss_fn(params):
     return model_loss(model, params, inputs_BxL, targets_BxL, key)
 
+  def outcontrol_loss_fn(params):
+    return model_loss_outcontrol(model, params, state["outcontrol"], inputs_BxL, targets_BxL, key,
+                                 record=outcontrol_phase == optim.RECORD)
+
   with jax.named_scope("forward_backward"):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    if outcontrol_phase == optim.PLAIN:
+      loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+      outcontrol = state.get("outcontrol")
+    else:
+      (loss, outcontrol), grads = jax.value_and_grad(outcontrol_loss_fn, has_aux=True)(state["params"])
   grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   with jax.named_scope("optimizer"):
@@ -78,7 +107,8 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   applied = state["step"] - state["nonfinite_total"]
   if osci is not None:
     with jax.named_scope("osci_reset"):
-      params, osci_state = osci.apply(params, state["osci_reset"], applied)
+      perms = state["outcontrol"] if outcontrol_phase == optim.ON else None
+      params, osci_state = osci.apply(params, state["osci_reset"], applied, outcontrol_state=perms)
   new_state = dict(
       step=state["step"] + 1,
       params=keep(params, state["params"]),
@@ -89,6 +119,8 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   )
   if osci is not None:
     new_state["osci_reset"] = keep(osci_state, state["osci_reset"])
+  if outcontrol is not None:
+    new_state["outcontrol"] = keep(outcontrol, state["outcontrol"])
   metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
                  nonfinite_streak=new_state["nonfinite_streak"])
   return new_state, metrics
@@ -99,12 +131,19 @@ def eval_step(params, tokens_BxW, *, model):
   return model_loss(model, params, tokens_BxW[:, :-1], tokens_BxW[:, 1:], jax.random.PRNGKey(0))
 
 
-def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None):
+def eval_step_outcontrol(params, outcontrol, tokens_BxW, *, model):
+  """``eval_step`` with OutControl's calibrated channel split (after the window)."""
+  return model_loss_outcontrol(model, params, outcontrol, tokens_BxW[:, :-1], tokens_BxW[:, 1:],
+                               jax.random.PRNGKey(0), record=False)[0]
+
+
+def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,
+                   outcontrol_phase: str = optim.PLAIN):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve.
   """
-  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci)
+  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase)
   return jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
