@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import e2m1, formats, hadamard, nvfp4, primitives
+from fp4jax import e2m1, formats, hadamard, nvfp4, primitives, random_bits
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
 from fp4jax.reference import (codes_of, dequantize_reference, quantize_reference,
@@ -178,7 +178,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling)
   impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
-    bits = jax.random.bits(key, x.shape, jnp.uint8)
+    bits = random_bits.bits(key, x.shape, jnp.uint8)
   if fmt not in formats.KERNEL_FORMATS or x.size == 0:   # zero-size: no kernel launch
     return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
                               scale_rule=scale_rule, scaling=scaling)
@@ -243,7 +243,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   _validate(x.T, fmt, -1, None, rounding, key, bits, None, scale_rule, "block")
   impl = primitives.resolve_impl(impl, fmt)
   if rounding == "stochastic" and bits is None:
-    bits = jax.random.bits(key, x.T.shape, jnp.uint8)
+    bits = random_bits.bits(key, x.T.shape, jnp.uint8)
   hadamard.signs(rht_size, rht_seed)   # validates rht_size
   amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed) if fmt == "nvfp4" else None
   data, scale = primitives.quantize_rht_t(

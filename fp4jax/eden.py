@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4jax import e2m1
+from fp4jax import e2m1, random_bits
 from fp4jax._exact import div, product
 from fp4jax.hadamard import fwht_last
 from fp4jax.scales import e4m3_rne_satfinite
@@ -57,7 +57,7 @@ class Eden(NamedTuple):
 
 def random_signs(key, size: int = RHT_SIZE):
   """±1 float32 (size,) from ``size`` random bits (one per sign) of ``jax.random.bits``."""
-  bits = jax.random.bits(key, (size,), jnp.uint8) & 1
+  bits = random_bits.bits(key, (size,), jnp.uint8) & 1
   return jnp.float32(1.0) - jnp.float32(2.0) * bits.astype(jnp.float32)
 
 
@@ -158,4 +158,4 @@ def dequantize(codes, scale, s_dec):
 
 def scale_bits(key, shape):
   """The random bits of ``quantize``: one uint16 per 16-block of a (..., L) tensor."""
-  return jax.random.bits(key, (*shape[:-1], shape[-1] // BLOCK), jnp.uint16)
+  return random_bits.bits(key, (*shape[:-1], shape[-1] // BLOCK), jnp.uint16)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import dbq, e2m1, eden, four_over_six as fos, hadamard, nvfp4
+from fp4jax import dbq, e2m1, eden, four_over_six as fos, hadamard, nvfp4, random_bits
 
 SCHEMES = ("nvidia", "quartet2", "tetrajet2")
 _PLAIN_BOUND = 448
@@ -128,7 +128,7 @@ def quantize_eden(y_RxC, key, *, group=128) -> Operand:
 
 def quantize_dbq(x_RxC, *, key=None) -> Operand:
   """Double-block NVFP4 (§11.2) along C; stochastic rounding with 8 bits per element from ``key``."""
-  bits = None if key is None else jax.random.bits(key, x_RxC.shape, jnp.uint8)
+  bits = None if key is None else random_bits.bits(key, x_RxC.shape, jnp.uint8)
   q = dbq.quantize(x_RxC.astype(jnp.float32), bits=bits)
   return Operand(e2m1.pack(q.codes), q.scale, q.outer, "dbq")
 
@@ -163,7 +163,7 @@ def alignment(recipe):
 
 
 def _bits(key, shape):
-  return jax.random.bits(key, shape, jnp.uint8)
+  return random_bits.bits(key, shape, jnp.uint8)
 
 
 MISSING_KEY_MESSAGE = (

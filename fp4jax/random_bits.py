@@ -1,0 +1,129 @@
+"""``bits(key, shape, dtype)``: the same bits as ``jax.random.bits(key, shape, dtype)``, drawn so that XLA cannot
+hoist or share their counters.
+
+``jax.random.bits`` with threefry (and ``jax_threefry_partitionable``, JAX's default) hashes the pair
+``(key, counter)`` where the counter of element ``i`` is its row-major index as a 64-bit number in two uint32
+arrays (high, low). The counters depend on the shape only, so XLA treats them as constants: it hoists them out
+of while loops (a scanned model's backward pass) and merges those of equal shape, and then keeps two uint32
+arrays per element of every stochastically rounded operand live for the whole backward pass (for the 12B
+model, 6.8 GiB per device; docs/PERF.md). Here the counters are built from iotas plus a zero that XLA cannot
+see is zero (``key ^ optimization_barrier(key)``): every counter depends on its key, so it is computed next to
+its use, inside the loop, where XLA fuses it with the hash.
+
+The arithmetic is threefry's own (``jax.extend.random.threefry2x32_p``, the primitive ``jax.random.bits``
+binds) on the same counters, so the bits are identical (tests/test_random_bits.py checks shapes, dtypes, jit,
+vmap and scan). Whenever that cannot be guaranteed (another PRNG implementation, a 64-bit width,
+``jax_threefry_partitionable=False``, a zero-size or symbolic shape, a JAX without the primitive) ``bits``
+returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+try:   # the primitive jax.random.bits binds for threefry keys; JAX's extension API
+  from jax.extend.random import threefry2x32_p as _THREEFRY2X32_P
+except ImportError:   # pragma: no cover - older/newer JAX without it: jax.random.bits everywhere
+  _THREEFRY2X32_P = None
+
+_U32 = jnp.uint32
+_WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, np.dtype(np.uint32): 32}
+
+
+def bits(key, shape, dtype=jnp.uint32):
+  """Uniform random bits of ``shape`` and unsigned ``dtype`` (uint8, uint16, uint32), equal to
+  ``jax.random.bits(key, shape, dtype)`` bit for bit. ``key``: one typed key (``jax.random.key``) or a legacy
+  uint32 key (``jax.random.PRNGKey``)."""
+  shape = tuple(shape)
+  key_data = _threefry_key_data(key)
+  if key_data is None or not _tied_form_applies(shape, dtype):
+    return jax.random.bits(key, shape, dtype)
+  k1, k2 = key_data[0], key_data[1]
+  counts_hi, counts_lo = _counters(shape, _opaque_zero(k1, k2))
+  bits1, bits2 = _THREEFRY2X32_P.bind(k1, k2, counts_hi, counts_lo)
+  mixed = bits1 ^ bits2
+  return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
+
+
+def _threefry_key_data(key):
+  """The key's two uint32 words when ``jax.random.bits`` would hash with threefry2x32, else None."""
+  if _THREEFRY2X32_P is None or not jax.config.jax_threefry_partitionable:
+    return None
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != () or str(jax.random.key_impl(key)) != "threefry2x32":
+      return None
+    return jax.random.key_data(key)
+  # A legacy raw key is read with the default implementation, as jax.random.bits does.
+  if key.dtype != jnp.uint32 or key.shape != (2,) or str(jax.config.jax_default_prng_impl) != "threefry2x32":
+    return None
+  return key
+
+
+def _tied_form_applies(shape, dtype) -> bool:
+  if np.dtype(dtype) not in _WIDTHS or not shape:
+    return False
+  if not all(isinstance(d, (int, np.integer)) for d in shape):
+    return False
+  return 0 < math.prod(shape) < 2 ** 64 and max(shape) < 2 ** 32
+
+
+def _opaque_zero(k1, k2):
+  """uint32 zero computed from the key through an optimization barrier: XLA cannot fold it (nor anything
+  built from it) into a constant, so it cannot hoist the counters out of a loop over keys."""
+  b1, b2 = lax.optimization_barrier((k1, k2))
+  return (b1 ^ k1) | (b2 ^ k2)
+
+
+def _counters(shape, zero):
+  """(high, low) uint32 words of the row-major index of every element of ``shape``: what
+  ``jax.random.bits`` hashes, each dimension's iota offset by the opaque ``zero``. The sum of index x stride
+  runs in 64 bits on uint32 pairs (no x64 mode needed); each per-dimension iota keeps the SPMD partitioner's
+  sharding of the counters (as JAX's own lowering does)."""
+  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+  hi = lo = None
+  for d, stride in enumerate(strides):
+    if shape[d] == 1:
+      continue
+    i = lax.broadcasted_iota(_U32, shape, d) + zero
+    term = _mul_u32_by_const(i, stride)
+    hi, lo = term if lo is None else _add_u64((hi, lo), term)
+  if lo is None:   # every dimension is 1: the single counter 0
+    lo = jnp.broadcast_to(zero, shape)
+    hi = lo
+  return hi, lo
+
+
+def _mul_u32_by_const(i, c: int):
+  """(high, low) of the 64-bit product ``i * c`` for uint32 ``i`` and a Python int ``0 <= c < 2**64``
+  (here the product is an element index, below 2**64, so the high word never wraps)."""
+  c_hi, c_lo = c >> 32, c & 0xFFFFFFFF
+  if c_lo == 1:
+    lo, hi = i, jnp.zeros_like(i)
+  elif c_lo < 2 ** 16 and c_hi == 0:
+    # i < 2**32 and c_lo < 2**16: the 48-bit product from 16-bit halves of i.
+    p_low = (i & _U32(0xFFFF)) * _U32(c_lo)
+    p_high = (i >> _U32(16)) * _U32(c_lo)
+    mid = (p_low >> _U32(16)) + (p_high & _U32(0xFFFF))
+    lo = (p_low & _U32(0xFFFF)) | (mid << _U32(16))
+    hi = (p_high >> _U32(16)) + (mid >> _U32(16))
+  else:
+    i_lo16, i_hi16 = i & _U32(0xFFFF), i >> _U32(16)
+    c_lo16, c_hi16 = _U32(c_lo & 0xFFFF), _U32(c_lo >> 16)
+    p0, p1, p2, p3 = i_lo16 * c_lo16, i_lo16 * c_hi16, i_hi16 * c_lo16, i_hi16 * c_hi16
+    mid = (p0 >> _U32(16)) + (p1 & _U32(0xFFFF)) + (p2 & _U32(0xFFFF))
+    lo = (p0 & _U32(0xFFFF)) | (mid << _U32(16))
+    hi = p3 + (p1 >> _U32(16)) + (p2 >> _U32(16)) + (mid >> _U32(16))
+  if c_hi:
+    hi = hi + i * _U32(c_hi)
+  return hi, lo
+
+
+def _add_u64(a, b):
+  (a_hi, a_lo), (b_hi, b_lo) = a, b
+  lo = a_lo + b_lo
+  carry = (lo < a_lo).astype(_U32)
+  return a_hi + b_hi + carry, lo

@@ -1,0 +1,118 @@
+"""fp4jax.random_bits.bits == jax.random.bits bit for bit (the running recipe studies depend on it), and its
+counters stay inside a loop over keys where jax.random.bits's are hoisted out."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import random_bits
+
+SHAPES = [(7,), (1,), (3, 5), (1, 1), (2, 3, 4), (16, 1, 33), (5, 1, 2, 3), (30, 70001), (64, 48, 80),
+          (1, 4096, 16), (131, 1031, 3)]
+DTYPES = [jnp.uint8, jnp.uint16, jnp.uint32]
+
+
+def _keys():
+  return [jax.random.key(3), jax.random.PRNGKey(5), jax.random.fold_in(jax.random.key(11), 7)]
+
+
+def _assert_same(a, b):
+  assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equal_to_jax_random_bits_eager_and_jit(shape, dtype):
+  for key in _keys():
+    ref = jax.random.bits(key, shape, dtype)
+    _assert_same(random_bits.bits(key, shape, dtype), ref)
+    _assert_same(jax.jit(lambda k: random_bits.bits(k, shape, dtype))(key), ref)
+
+
+def test_partitionable_threefry_is_what_is_compared():
+  # The equality above is for JAX's default, jax_threefry_partitionable=True (the configuration in use).
+  assert jax.config.jax_threefry_partitionable
+  assert str(jax.random.key_impl(jax.random.key(0))) == "threefry2x32"
+
+
+def test_equal_under_vmap_and_scan_over_keys():
+  keys = jax.random.split(jax.random.key(1), 5)
+  for dtype in DTYPES:
+    ref = jax.vmap(lambda k: jax.random.bits(k, (33, 48), dtype))(keys)
+    _assert_same(jax.jit(jax.vmap(lambda k: random_bits.bits(k, (33, 48), dtype)))(keys), ref)
+
+    def step(f):
+      return lambda c, k: (c, f(k, (17, 64), dtype))
+    ref = jax.lax.scan(step(jax.random.bits), 0, keys)[1]
+    _assert_same(jax.jit(lambda ks: jax.lax.scan(step(random_bits.bits), 0, ks)[1])(keys), ref)
+
+
+def test_large_index_arithmetic_matches_python_ints():
+  # Counters of arrays with more than 2**32 elements (the partitioned global shapes of a large model) need
+  # the 64-bit index arithmetic; check it on random uint32 operands against exact Python integers.
+  rng = np.random.default_rng(0)
+  i = rng.integers(0, 2 ** 32, size=4096, dtype=np.uint64)
+  i[:4] = [0, 1, 2 ** 32 - 1, 2 ** 31]
+  for c in [1, 3, 2 ** 16 - 1, 2 ** 16, 12345, 2 ** 32 - 1, 2 ** 32, 2 ** 32 + 1, 22688 * 8192, 2 ** 40 + 12345]:
+    keep = i * np.uint64(c) < np.uint64(2 ** 64 - 1) if c < 2 ** 32 else i < np.uint64(2 ** 64 // c)
+    iv = i[keep]
+    hi, lo = random_bits._mul_u32_by_const(jnp.asarray(iv, jnp.uint32), c)
+    want = [int(v) * c for v in iv]
+    got = [(int(h) << 32) | int(l_) for h, l_ in zip(np.asarray(hi), np.asarray(lo))]
+    assert got == want, c
+  a = rng.integers(0, 2 ** 63, size=1024, dtype=np.uint64)
+  b = rng.integers(0, 2 ** 63, size=1024, dtype=np.uint64)
+  split = lambda v: (jnp.asarray(v >> np.uint64(32), jnp.uint32), jnp.asarray(v & np.uint64(0xFFFFFFFF), jnp.uint32))
+  hi, lo = random_bits._add_u64(split(a), split(b))
+  got = (np.asarray(hi).astype(np.uint64) << np.uint64(32)) | np.asarray(lo).astype(np.uint64)
+  np.testing.assert_array_equal(got, a + b)
+
+
+def test_counters_are_the_row_major_index():
+  shape = (3, 1, 70000, 5)
+  hi, lo = random_bits._counters(shape, jnp.uint32(0))
+  np.testing.assert_array_equal(np.asarray(lo), np.arange(np.prod(shape), dtype=np.uint32).reshape(shape))
+  assert not np.asarray(hi).any()
+
+
+def test_counters_of_an_array_beyond_two_to_the_32_elements():
+  # The global (unpartitioned) shape of the 12B model's in_proj operand at 64 x 8192 tokens: 1.2e10 elements.
+  # Only a corner is computed (XLA fuses the slice into the iotas), checked against exact Python integers.
+  shape = (524288, 22688)
+  corner = jax.jit(lambda z: [c[-3:, -5:] for c in random_bits._counters(shape, z)])(jnp.uint32(0))
+  want = np.array([[r * shape[1] + c for c in range(shape[1] - 5, shape[1])]
+                   for r in range(shape[0] - 3, shape[0])], dtype=np.uint64)
+  np.testing.assert_array_equal(np.asarray(corner[0]), (want >> np.uint64(32)).astype(np.uint32))
+  np.testing.assert_array_equal(np.asarray(corner[1]), (want & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+
+
+def test_falls_back_to_jax_random_bits_where_the_form_does_not_apply():
+  key = jax.random.key(2)
+  _assert_same(random_bits.bits(key, (), jnp.uint8), jax.random.bits(key, (), jnp.uint8))
+  _assert_same(random_bits.bits(key, (0, 4), jnp.uint16), jax.random.bits(key, (0, 4), jnp.uint16))
+  _assert_same(random_bits.bits(key, (3, 4), jnp.uint64 if jax.config.jax_enable_x64 else jnp.uint32),
+               jax.random.bits(key, (3, 4), jnp.uint64 if jax.config.jax_enable_x64 else jnp.uint32))
+  rbg = jax.random.key(2, impl="rbg")
+  _assert_same(random_bits.bits(rbg, (8, 16), jnp.uint8), jax.random.bits(rbg, (8, 16), jnp.uint8))
+  with jax.threefry_partitionable(False):
+    _assert_same(random_bits.bits(key, (8, 16), jnp.uint8), jax.random.bits(key, (8, 16), jnp.uint8))
+
+
+def test_counters_stay_in_the_loop():
+  # A scan over keys drawing bits of one shape: jax.random.bits's counters are loop invariant, XLA hoists them
+  # and keeps two uint32 arrays of the shape live through the loop; the tied counters are not hoisted.
+  shape = (1024, 2048)
+  counter_bytes = 2 * 4 * shape[0] * shape[1]
+
+  def temp_bytes(draw):
+    def body(c, k):
+      return c + jnp.sum(draw(k, shape, jnp.uint8).astype(jnp.uint32)), None
+    fn = jax.jit(lambda keys: jax.lax.scan(body, jnp.uint32(0), keys)[0])
+    keys = jax.random.split(jax.random.key(0), 3)
+    return fn.lower(keys).compile().memory_analysis().temp_size_in_bytes, fn(keys)
+
+  temp_jax, total_jax = temp_bytes(jax.random.bits)
+  temp_tied, total_tied = temp_bytes(random_bits.bits)
+  assert int(total_jax) == int(total_tied)
+  assert temp_tied <= temp_jax - counter_bytes, (temp_tied, temp_jax)
