@@ -19,7 +19,8 @@ CPU, where ops in a loop body also count times the loop's trip count (MiB/step).
 all-reduce whose result each device slices to its shard: a reduce-scatter on GPU, which the CPU compiler
 does not form. The CPU compiler's buffer assignment approximates a GPU's; ``--cpu_passes`` below says which
 CPU-only passes are switched off so that it does. FP4JAX_SCALE_DUMP=dir keeps XLA's dump (buffer
-assignment, live ranges at the peak) in dir.
+assignment, live ranges at the peak) in dir, and then also prints the buffers live at the memory peak summed
+by block (``peak_breakdown``: each block's backward pass and its remat recomputation apart).
 """
 from __future__ import annotations
 
@@ -179,6 +180,78 @@ def collectives(hlo_text: str) -> list[dict]:
           for (k, d, loop), (c, b, t) in sorted(rows.items())]
 
 
+_LEAF = re.compile(r"── (.+?) \(\d[\d.]*%, total: [\d ]+ bytes, current: ([\d ]+) bytes")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_OPERAND = re.compile(r"\(\S*? ?%([\w.\-]+)")
+_BLOCK = re.compile(r"(rematted_computation/)?(blocks_\d+)/")
+
+
+def _op_names(hlo_text: str):
+  """``name -> op_name`` for the instructions of compiled HLO text: an instruction's own metadata, else its
+  fused computation's last op_name, else (a copy, a get-tuple-element) its first operand's."""
+  comps = _computations(hlo_text)
+  last_in_comp = {c: next((m.group(1) for m in map(_OP_NAME.search, reversed(lines)) if m), None)
+                  for c, lines in comps.items()}
+  lines = {}
+  for body in comps.values():
+    for line in body:
+      d = _DEFINITION.match(line)
+      if d:
+        lines[d.group(1)] = d.group(2)
+
+  def resolve(name, depth=0):
+    line = lines.get(name)
+    if line is None or depth > 4:
+      return name
+    for pattern, get in ((_OP_NAME, lambda m: m.group(1)), (_CALLS, lambda m: last_in_comp.get(m.group(1))),
+                         (_OPERAND, lambda m: resolve(m.group(1), depth + 1))):
+      m = pattern.search(line)
+      if m and get(m):
+        return get(m)
+    return name
+  return resolve
+
+
+def peak_breakdown(live_range_text: str, hlo_text: str) -> list[tuple[str, int]]:
+  """The buffers live at XLA's memory peak (the "Stack trace breakdown for peak usage" tree of the dump's
+  ``*-live-range.txt``), summed by what they belong to, read from the op_name of the instruction that defines
+  each buffer and of the tree nodes above it: ``arguments``; ``stochastic-rounding bits`` (threefry and its
+  counters); ``blocks_<i>`` (that block's backward pass) or ``blocks_<i> recomputed`` (its remat
+  recomputation); ``saved inputs of scanned blocks`` (the forward scan's stacked outputs); ``other``.
+  ``[(label, bytes)]``, largest first."""
+  start = live_range_text.find("Stack trace breakdown for peak usage")
+  if start < 0:
+    return []
+  op_name = _op_names(hlo_text)
+  totals, path = collections.Counter(), []
+  for line in live_range_text[start:].splitlines()[1:]:
+    leaf = _LEAF.search(line)
+    if not leaf:
+      continue
+    depth = line.index("── ") // 4 - 1   # the tree's root line (the entry computation) has no "── "
+    name, live = leaf.group(1), int(leaf.group(2).replace(" ", ""))
+    full = name if "/" in name else op_name(name)
+    del path[depth:]
+    path.append(full)
+    if not live:
+      continue
+    context = "\n".join(path)
+    block = _BLOCK.search(full)
+    if name.startswith(("state", "tokens")):
+      totals["arguments"] += live
+    elif re.search(r"random_bits|threefry|iota_2x32|quantize(_rht_t)?/while", context):
+      totals["stochastic-rounding bits"] += live
+    elif block:
+      totals[block.group(2) + (" recomputed" if block.group(1) else "")] += live
+    elif re.search(r"jvp\(LanguageModel\)/while(\{\d+\})?$", full):
+      totals["saved inputs of scanned blocks"] += live
+    else:
+      totals["other"] += live
+  return totals.most_common()
+
+
 def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
             partitioned_path: str | None = None) -> dict:
   """Lowers and compiles the train step of ``config`` on the current devices; returns the numbers."""
@@ -240,6 +313,21 @@ def _partitioned_hlo() -> str | None:
   return text
 
 
+def _print_peak():
+  """The live buffers at the peak by block (FP4JAX_SCALE_DUMP kept the dump)."""
+  names = sorted(os.listdir(DUMP_DIR))
+  live = [n for n in names if "train_step" in n and n.endswith("cpu_after_optimizations-live-range.txt")]
+  hlo = [n for n in names if "train_step" in n and n.endswith("cpu_after_optimizations.txt")]
+  if not (live and hlo):
+    return
+  with open(os.path.join(DUMP_DIR, live[-1]), encoding="utf-8") as f_live, \
+       open(os.path.join(DUMP_DIR, hlo[-1]), encoding="utf-8") as f_hlo:
+    rows = peak_breakdown(f_live.read(), f_hlo.read())
+  print(f"live at the peak (XLA's buffer assignment, {sum(b for _, b in rows) / GiB:.2f} GiB; by op_name):")
+  for label, nbytes in rows:
+    print(f"  {nbytes / GiB:8.2f} GiB  {label}")
+
+
 def report(r: dict) -> str:
   lines = [f"{r['config']}: {r['preset']} '{r['pattern']}' ({r['n_blocks']} blocks, d_model {r['d_model']}, "
            f"{r['params'] / 1e9:.3f}B params), recipe {r['recipe']}, remat {r['remat']}",
@@ -273,6 +361,8 @@ def main(argv):
     if not KEEP_DUMP:
       shutil.rmtree(DUMP_DIR, ignore_errors=True)
   print(report(result))
+  if KEEP_DUMP:
+    _print_peak()
   if _JSON.value:
     with open(_JSON.value, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)

@@ -1,4 +1,5 @@
 """bench/scale.py: the train step compiled ahead of time on 8 simulated devices, and its HLO collective count."""
+import functools
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "scale.py")
 
 
+@functools.cache   # once per process: the module defines absl flags
 def _load_scale():
   spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
   module = importlib.util.module_from_spec(spec)
@@ -82,3 +84,38 @@ def test_tiny_nvfp4_on_8_devices(tmp_path):
   result, _ = _run(tmp_path)
   assert result["recipe"] == "nvfp4" and result["n_blocks"] == 6
   assert any(c["kind"] == "all-gather" and c["dtype"] == "u8" for c in result["collectives"])  # FP4 codes
+
+
+LIVE_RANGE = """\
+HloLiveRange (max 10):
+  Stack trace breakdown for peak usage: 1000 bytes
+    main.1_spmd (100.0%, total: 1000 bytes, current: 0 bytes, remaining: 1000 bytes)
+      ├── jit(train_step)/transpose(jvp(LanguageModel))/while (60.0%, total: 600 bytes, current: 0 bytes, remaining: 1000 bytes)
+      │   └── region_1 (60.0%, total: 600 bytes, current: 0 bytes, remaining: 1000 bytes)
+      │       ├── jit(train_step)/T/while/body/checkpoint/blocks_9/mixer/in_proj/fp4jax/quantize_rht_t/while (20.0%, total: 200 bytes, current: 0 bytes, remaining: 1000 bytes)
+      │       │   └── region_2 (20.0%, total: 200 bytes, current: 0 bytes, remaining: 1000 bytes)
+      │       │       └── copy.7 (20.0%, total: 200 bytes, current: 200 bytes, remaining: 800 bytes)
+      │       ├── jit(train_step)/T/while/body/checkpoint/rematted_computation/blocks_2/mixer/mul (10.0%, total: 100 bytes, current: 100 bytes, remaining: 700 bytes)
+      │       ├── fusion.3 (20.0%, total: 200 bytes, current: 200 bytes, remaining: 500 bytes)
+      │       └── jit(train_step)/T/while/body/checkpoint/blocks_9/mixer/add_any (10.0%, total: 100 bytes, current: 100 bytes, remaining: 400 bytes)
+      ├── wrapped_convert.4 (30.0%, total: 300 bytes, current: 300 bytes, remaining: 100 bytes)
+      └── state['params']['w'] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 0 bytes)
+"""
+
+PEAK_HLO = """\
+%fused_computation.1 (p: f32[4]) -> f32[4] {
+  ROOT %m = f32[4]{0} multiply(f32[4]{0} %p, f32[4]{0} %p), metadata={op_name="jit(train_step)/T/while/body/checkpoint/rematted_computation/blocks_4/mixer/mul"}
+}
+
+ENTRY %main.1 (a: f32[4]) -> f32[4] {
+  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %a), kind=kLoop, calls=%fused_computation.1
+  %wrapped_convert.4 = f32[4]{0} fusion(bf16[4]{0} %gte.5), kind=kLoop, calls=%wrapped_convert_computation.4
+  %gte.5 = bf16[4]{0} get-tuple-element((bf16[4]{0}) %w), index=0, metadata={op_name="jit(train_step)/forward_backward/jvp(LanguageModel)/while"}
+}
+"""
+
+
+def test_peak_breakdown_sums_live_buffers_by_block():
+  rows = dict(_load_scale().peak_breakdown(LIVE_RANGE, PEAK_HLO))
+  assert rows == {"stochastic-rounding bits": 200, "blocks_2 recomputed": 100, "blocks_4 recomputed": 200,
+                  "blocks_9": 100, "saved inputs of scanned blocks": 300, "arguments": 100}
