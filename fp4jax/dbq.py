@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import e2m1
-from fp4jax._exact import div
+from fp4jax._exact import div, product
 from fp4jax.scales import e4m3_rne_satfinite
 
 BLOCK = 16
@@ -91,7 +91,8 @@ def gemm(a: Dbq, b: Dbq):
     k = slice(c * OUTER, (c + 1) * OUTER)
     part = lax.dot_general(a_vals[:, k], b_vals[:, k], (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    term = (a.outer[:, c][:, None] * b.outer[:, c][None, :]) * part
+    # The rescaled chunk is rounded before the add: XLA CPU contracts out + o·part into an FMA.
+    term = product(a.outer[:, c][:, None] * b.outer[:, c][None, :], part)
     out = term if out is None else out + term
   return out
 

@@ -130,13 +130,12 @@ def quantize_blocks(x_blk, amax_g, *, bound=DEFAULT_BOUND, metric=DEFAULT_METRIC
 
 def decode_factor(scale, amax_g, bound=DEFAULT_BOUND):
   """Per-block dequantization factor (f32(s_b) · amax_g) · f32(1/(6B))."""
-  return (scale.astype(jnp.float32) * jnp.asarray(amax_g, jnp.float32)) * jnp.float32(1.0 / (6.0 * bound))
+  return product(scale, amax_g) * jnp.float32(1.0 / (6.0 * bound))   # product: see nvfp4.decode_factor
 
 
 def gemm_factor(amax_a, amax_b, bound_a=DEFAULT_BOUND, bound_b=DEFAULT_BOUND):
   """The factor a GEMM applies to its float32 sum of e2m1·scale products: (amax_A·amax_B)/(36·B_A·B_B)."""
-  return (jnp.asarray(amax_a, jnp.float32) * jnp.asarray(amax_b, jnp.float32)) * jnp.float32(
-      1.0 / (36.0 * bound_a * bound_b))
+  return product(amax_a, amax_b) * jnp.float32(1.0 / (36.0 * bound_a * bound_b))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax import e2m1
+from fp4jax._exact import product
 from fp4jax.scales import FLT_MAX, e4m3_rne_satfinite
 
 _ONE_SIXTH = np.float32(1.0 / 6.0)
@@ -86,8 +87,9 @@ def quantize_blocks(x_f32, amax_g, *, bits=None):
 
 def decode_factor(s_b, amax_g):
   """Per-block float32 dequantization factor (f32(s_b) · amax) · f32(1/2688) (the spec's; it
-  overflows for amax_g above ~7.6e35, which ``dequantize_blocks`` avoids)."""
-  return (s_b.astype(jnp.float32) * jnp.asarray(amax_g, jnp.float32)) * _INV_2688
+  overflows for amax_g above ~7.6e35, which ``dequantize_blocks`` avoids). ``product`` keeps XLA
+  from folding a compile-time constant amax into the constant, s_b · (amax · f32(1/2688))."""
+  return product(s_b, amax_g) * _INV_2688
 
 
 def _pow2(e):

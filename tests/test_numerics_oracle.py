@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import dbq, four_over_six
 from fp4jax.api import quantize_rht_transposed
 
 F32 = np.float32
@@ -507,3 +508,50 @@ def test_scaled_matmul_jit_equals_oracle_where_exactly_summable(fmt, shift):
   got = np.asarray(f(jnp.asarray(a), jnp.asarray(b)), np.float32)
   assert ok.mean() > 0.5, f"only {ok.mean():.0%} of outputs are exactly summable; redesign the inputs"
   assert_bits_equal(got[ok], want[ok], f"{fmt} scaled_matmul ({ok.sum()} exactly summable outputs)")
+
+
+# ------------------------------------------------------------------------------ DBQ GEMM, constant amaxes
+
+def test_dbq_gemm_jit_equals_written_order():
+  """TetraJet-v2's GEMM, C = Σ_chunks (os_A·os_B)·part_chunk over 128-chunks of K: each term rounded
+  before the add. (Before fp4jax._exact.product guarded it, XLA CPU fused out + o·part into an FMA
+  and 5194 of 12288 outputs differed by an ulp at K = 512.) Operands from fp4jax.dbq.quantize; the
+  arithmetic under test is the GEMM's."""
+  rng = np.random.default_rng(13)
+  a = dbq.quantize(jnp.asarray(wide_rows(rng, 128, 512, emin=-3, emax=3)))
+  b = dbq.quantize(jnp.asarray(wide_rows(rng, 96, 512, emin=-3, emax=3)))
+  got = np.asarray(jax.jit(dbq.gemm)(a, b))
+
+  def values(q):
+    codes = np.asarray(q.codes)
+    s = np.repeat(np.asarray(q.scale).astype(np.float32), 16, axis=-1)
+    return e2m1_values(codes) * s
+
+  va, vb = values(a), values(b)
+  oa, ob = np.asarray(a.outer), np.asarray(b.outer)
+  want, all_ok = None, np.ones(got.shape, bool)
+  for c in range(4):
+    k = slice(128 * c, 128 * (c + 1))
+    part, ok = exact_sum(va[:, None, k].astype(np.float64) * vb[None, :, k].astype(np.float64))
+    all_ok &= ok
+    term = ((oa[:, c][:, None] * ob[:, c][None, :]).astype(np.float32) * part.astype(np.float32))
+    want = term.astype(np.float32) if want is None else (want + term).astype(np.float32)
+  assert all_ok.mean() > 0.5
+  assert_bits_equal(got[all_ok], ftz(want)[all_ok], f"dbq.gemm ({all_ok.sum()} exactly summable)")
+
+
+def test_dequantize_with_a_compile_time_constant_amax():
+  """A tensor amax known at compile time (a QTensor closed over by the jitted function) must not be
+  folded into the constant 1/2688 (XLA rewrites (s_b·amax)·c into s_b·(amax·c): 19815 of 65536 values
+  differed by an ulp before fp4jax._exact.product guarded nvfp4.decode_factor)."""
+  x = NVFP4_INPUTS["moderate"]
+  data, scale, amax, vals = oracle_nvfp4(x, False)
+  q = fp4jax.quantize(jnp.asarray(x), "nvfp4")
+  f = jax.jit(lambda d, s: fp4jax.dequantize(fp4jax.QTensor(d, s, q.amax, "nvfp4", -1, 16, None,
+                                                             jnp.float32)))
+  assert_bits_equal(np.asarray(f(q.data, q.scale)), vals, "dequantized, constant amax")
+  codes, scale46, amax46 = four_over_six.quantize(jnp.asarray(x))
+  g = lambda c, s: four_over_six.dequantize(c, s, amax46)
+  with jax.disable_jit():
+    eager = g(codes, scale46)
+  assert_bits_equal(np.asarray(jax.jit(g)(codes, scale46)), np.asarray(eager), "4/6, constant amax")
