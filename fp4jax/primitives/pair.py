@@ -101,8 +101,11 @@ def _jitted_bind(prim, params_items):
 
 
 def _eager(prim, *args, **params):
-  """Eager calls compile the primitive alone (like jax's own primitives)."""
-  return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+  """Eager calls compile the primitive alone, like jax's own primitives. Under ``jax.disable_jit()``
+  too: jit is switched back on for this one compiled call (as jax does for lax primitives), else the
+  jitted bind would be an eager bind again and recurse forever."""
+  with jax.disable_jit(False):
+    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
 
 
 def _jvp(spec, prim, primals, tangents, **params):
