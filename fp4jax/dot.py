@@ -172,6 +172,10 @@ def _qdot_bwd(recipe, precision, out_dtype, res, dy_MxN):
     else:
       q_dyt = _wgrad_operand(dy_MxN, g, recipe, _rounding(g, recipe), key_w)    # (N, M)
       dw_KxN = scaled_matmul(res.x_wgrad, q_dyt, out_dtype=jnp.float32)
+  # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
+  # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM
+  # (docs/PERF.md, issue 13: the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
+  dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK, dw_KxN))
   return dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype), None
 
 
