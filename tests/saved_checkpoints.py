@@ -15,3 +15,14 @@ def saved(workdir, step):
   with open(os.path.join(path, "data", "metadata"), encoding="utf-8") as f:
     data_state = json.load(f)
   return jax.tree.map(np.asarray, state), data_state
+
+
+def assert_same_checkpoint(workdir_a, workdir_b, step):
+  """Checkpoint ``step`` of the two work directories: the same data position and the same state, bit for
+  bit (tree structure and every leaf)."""
+  (a, data_a), (b, data_b) = saved(workdir_a, step), saved(workdir_b, step)
+  assert data_a == data_b
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  return a

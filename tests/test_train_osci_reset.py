@@ -18,7 +18,7 @@ from training import optim
 from training import sharding
 from training import trainer
 from training.errors import ConfigError
-from saved_checkpoints import saved
+from saved_checkpoints import assert_same_checkpoint, saved
 
 sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)
 
@@ -134,11 +134,7 @@ def test_resume_inside_the_detection_window_is_bit_exact(tmp_path):
   mid, _ = saved(split, 6)
   assert any(np.any(x > 0) for x in jax.tree.leaves(mid["osci_reset"]))  # the window's state is in it
   for step in (6, 10):
-    (a, data_a), (b, data_b) = saved(straight, step), saved(split, step)
-    assert data_a == data_b
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_array_equal(x, y)
+    assert_same_checkpoint(straight, split, step)
   # OsciReset did something: the same run without it ends elsewhere.
   off = str(tmp_path / "off")
   trainer.train_and_evaluate(_config(**{"osci_reset.enabled": "off", "osci_reset.threshold": 1.0}), off)
