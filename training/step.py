@@ -28,23 +28,27 @@ def model_loss(model, params, inputs_BxL, targets_BxL, key):
   """Mean next-token cross entropy of ``model``. A ``LanguageModel`` computes it inside (vocabulary-chunked,
   no B x L x V float32 logits) from ``compute_params`` (bf16 weights gathered in bf16); any other module
   returns logits for ``cross_entropy``."""
-  if isinstance(model, LanguageModel):
-    return model.apply({"params": compute_params(model, params)}, inputs_BxL, targets_BxL=targets_BxL,
-                       rngs={"fp4": key})
-  return cross_entropy(model.apply({"params": params}, inputs_BxL, rngs={"fp4": key}), targets_BxL)
+  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False)[0]
 
 
 def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool):
   """(loss, OutControl state after the call) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
   the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came)."""
+  loss, updated = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
+                              mutable=[OUTCONTROL] if record else False)
+  return loss, (updated[OUTCONTROL] if record else outcontrol)
+
+
+def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable):
+  """(loss, the mutable collections after the call, or None) of ``model`` with ``params`` and the other
+  variable ``collections``; see ``model_loss``."""
   is_lm = isinstance(model, LanguageModel)
-  variables = {"params": compute_params(model, params) if is_lm else params, OUTCONTROL: outcontrol}
+  variables = {"params": compute_params(model, params) if is_lm else params, **collections}
   kwargs = dict(targets_BxL=targets_BxL) if is_lm else {}
-  out = model.apply(variables, inputs_BxL, rngs={"fp4": key}, mutable=[OUTCONTROL] if record else False,
-                    **kwargs)
-  out, outcontrol = (out[0], out[1][OUTCONTROL]) if record else (out, outcontrol)
-  return (out if is_lm else cross_entropy(out, targets_BxL)), outcontrol
+  out = model.apply(variables, inputs_BxL, rngs={"fp4": key}, mutable=mutable, **kwargs)
+  out, updated = out if mutable else (out, None)
+  return (out if is_lm else cross_entropy(out, targets_BxL)), updated
 
 
 # ------------------------------------------------------------------------------------- pure functions
