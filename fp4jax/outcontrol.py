@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp4jax import dbq, eden, mxfp8
+from fp4jax import dbq, eden, mxfp8, random_bits
 from fp4jax.layout import pad_to_multiple
 
 DEFAULT_RATIO = 0.1
@@ -121,8 +121,8 @@ def _dot_bwd(n_fp8, res, dy_MxN):
   k_sign, k_a, k_b = jax.random.split(key_d, 3)
   s = eden.random_signs(k_sign, 16)
   dy_rot, w_rot = eden.rht(dy, s), eden.rht(wt_hat.T, s)                   # (M, N), (K, N)
-  q_dy = dbq.quantize(dy_rot, bits=jax.random.bits(k_a, dy_rot.shape, jnp.uint8))
-  q_w = dbq.quantize(w_rot, bits=jax.random.bits(k_b, w_rot.shape, jnp.uint8))
+  q_dy = dbq.quantize(dy_rot, bits=random_bits.bits(k_a, dy_rot.shape, jnp.uint8))
+  q_w = dbq.quantize(w_rot, bits=random_bits.bits(k_b, w_rot.shape, jnp.uint8))
   dx_g = dbq.gemm(q_dy, q_w)
   # Wgrad, C8 rows: MXFP8 along tokens, no RHT, from the forward's FP8 activations; C4 rows:
   # TetraJet-v2's operands along tokens.
@@ -134,8 +134,8 @@ def _dot_bwd(n_fp8, res, dy_MxN):
   if q4x is not None:
     x4t = eden.rht(dbq.dequantize(q4x).T, s)                                # (K4, M)
     dyt = eden.rht(dy.T, s)                                                 # (N, M)
-    parts.append(dbq.gemm(dbq.quantize(x4t, bits=jax.random.bits(k_a, x4t.shape, jnp.uint8)),
-                          dbq.quantize(dyt, bits=jax.random.bits(k_b, dyt.shape, jnp.uint8))))
+    parts.append(dbq.gemm(dbq.quantize(x4t, bits=random_bits.bits(k_a, x4t.shape, jnp.uint8)),
+                          dbq.quantize(dyt, bits=random_bits.bits(k_b, dyt.shape, jnp.uint8))))
   dw_g = jnp.concatenate(parts, axis=0)[:k_in]
   dx = _scatter(dx_g, perm_K, 1)
   dw = _scatter(dw_g, perm_K, 0)
