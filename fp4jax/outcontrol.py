@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import dbq, eden, mxfp8, random_bits
+from fp4jax._exact import product
 from fp4jax.layout import pad_to_multiple
 
 DEFAULT_RATIO = 0.1
@@ -46,7 +47,7 @@ def calibration_init(in_features: int):
 def calibration_accumulate(acc_K, x_MxK):
   """acc + ‖x[:, c]‖₂ per input channel c, over this step's tokens (leading axes flattened)."""
   x = x_MxK.reshape(-1, x_MxK.shape[-1]).astype(jnp.float32)
-  return acc_K + jnp.sqrt(jnp.sum(x * x, axis=0))
+  return acc_K + jnp.sqrt(jnp.sum(product(x, x), axis=0))   # each square rounded before the sum
 
 
 def calibration_finalize(acc_K):

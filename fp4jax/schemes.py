@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import dbq, e2m1, eden, four_over_six as fos, hadamard, nvfp4, random_bits
+from fp4jax._exact import product
 
 SCHEMES = ("nvidia", "quartet2", "tetrajet2")
 _PLAIN_BOUND = 448
@@ -94,9 +95,10 @@ def gemm(a: Operand, b: Operand):
   acc = lax.dot_general(a.scaled_values().astype(jnp.bfloat16), b.scaled_values().astype(jnp.bfloat16),
                         (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                         precision=lax.Precision.HIGHEST)
+  # The factor is not a power of two: the result is rounded before any sum the caller forms with it.
   if a.kind == "eden":
-    return acc * (a.tensor * b.tensor)
-  return acc * fos.gemm_factor(a.tensor, b.tensor, a.bound, b.bound)
+    return product(acc, a.tensor * b.tensor)
+  return product(acc, fos.gemm_factor(a.tensor, b.tensor, a.bound, b.bound))
 
 
 def quantize_nvfp4(x_RxC, *, tiled=False, bits=None) -> Operand:
