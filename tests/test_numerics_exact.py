@@ -188,6 +188,48 @@ def _bits(u):
   return np.uint32(u).view(np.float32)
 
 
+def dbq_midpoint_rows(rng, r):
+  """(r, 256) rows whose 16-block amaxes put (amax_16 / os) / 6 within 3 ulps of an E4M3 midpoint, kept
+  where the contract's order and a rewritten one (amax_16 / (os·6), amax_16 · (1/os) / 6) give different
+  scale bytes; the 128-block amax 2.875 makes os = (2.875/448)/6 inexact."""
+  grid = np.unique(np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+  mids = (grid[:-1] + grid[1:]) / 2
+  outer = F32(F32(F32(2.875) / F32(448)) / F32(6))
+  base = (mids * 6.0 * float(outer)).astype(np.float32).view(np.int32)
+  cand = (base[:, None] + np.arange(-3, 4, dtype=np.int32)).view(np.float32).ravel()
+  cand = cand[cand < F32(2.875)]
+  spec = e4m3_rne_sat(((cand / outer).astype(np.float32) / F32(6)).astype(np.float32))
+  fused = e4m3_rne_sat((cand / F32(outer * F32(6))).astype(np.float32))
+  recip = e4m3_rne_sat(((cand * F32(F32(1) / outer)).astype(np.float32) / F32(6)).astype(np.float32))
+  decisive = cand[(spec != fused) | (spec != recip)]
+  amax_b = rng.choice(decisive, (r, 16)).astype(np.float32)
+  x = (rng.uniform(-1, 1, (r, 256)) * np.repeat(amax_b, 16, axis=1) * 0.999).astype(np.float32)
+  x[:, ::16] = amax_b * rng.choice([-1, 1], (r, 16))
+  x[:, 1], x[:, 129] = F32(2.875), F32(-2.875)
+  return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dbq_quantize_divisions_on_e4m3_midpoints(mode):
+  """os = (amax_128/448)/6 and the inner scale (amax_16/os)/6: two divisions each, never fused into one
+  and never a multiply by 1/os (either moves block scales across E4M3 midpoints on these rows)."""
+  x = dbq_midpoint_rows(np.random.default_rng(10), 64)
+  codes, s_b, outer = dbq_quantize_np(x)
+  def plain(x):
+    xb = x.reshape(64, 2, 8, 16)
+    amax_b = jnp.max(jnp.abs(xb), axis=-1)
+    os = (jnp.max(amax_b, axis=-1) / 448.0) / 6.0
+    return (amax_b / os[..., None]) / 6.0
+  inner = ((np.max(np.abs(x.reshape(64, 2, 8, 16)), axis=-1) / outer[..., None]).astype(np.float32)
+           / F32(6)).astype(np.float32)
+  assert_separates(plain, (x,), inner, "DBQ inner scale")
+  q = run(mode, dbq.quantize, x)
+  assert_bits_equal(np.asarray(q.outer), outer, f"DBQ outer scales, {mode}")
+  assert_bits_equal(np.asarray(q.scale).view(np.uint8), s_b.astype(ml_dtypes.float8_e4m3fn).view(np.uint8),
+                    f"DBQ E4M3 scales, {mode}")
+  assert_bits_equal(np.asarray(q.codes), codes, f"DBQ codes, {mode}")
+
+
 # ------------------------------------------------------------------------------ OsciReset
 
 @pytest.mark.parametrize("mode", ("jit", "eager"))
