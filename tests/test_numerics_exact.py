@@ -434,6 +434,12 @@ def test_gemm_tensor_factors_plus_a_traced_value(mode):
     assert_separates(lambda acc, f, c: acc * f + c, (acc.astype(np.float32), factor, c), want, kind)
     got = np.asarray(run(mode, fn, qa, qb, c))
     assert_bits_equal(got[ok], want[ok], f"{kind} GEMM factor, {mode} ({ok.sum()} exactly summable)")
+    if kind == "scaled_matmul":   # amaxes known at compile time: the powers of two of the factor fold away
+      const = lambda da, sa, db, sb, c: fp4jax.scaled_matmul(
+          fp4jax.QTensor(da, sa, qa.amax, "nvfp4", -1, 16, None, jnp.float32),
+          fp4jax.QTensor(db, sb, qb.amax, "nvfp4", -1, 16, None, jnp.float32)) + c
+      got = np.asarray(run(mode, const, qa.data, qa.scale, qb.data, qb.scale, c))
+      assert_bits_equal(got[ok], want[ok], f"scaled_matmul, constant amaxes, {mode}")
 
 
 @pytest.mark.parametrize("mode", MODES)
