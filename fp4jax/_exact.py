@@ -26,7 +26,7 @@ floating-point class equivalent, and LLVM's known-bits analysis of a float's bit
 sign (or its whole value when it can only be ±0 or ±inf, where no rounding is at stake), so the
 comparison folds only when the key is a compile-time constant. Where the guarded value is itself a
 constant, XLA evaluates it (one rounding per operation) and there is no multiply left to contract.
-tests/test_exact.py checks each guard on keys of every provenance against numpy.
+tests/test_numerics_exact.py checks each guard on operands of every provenance against numpy.
 """
 from __future__ import annotations
 
