@@ -88,8 +88,8 @@ def test_product_is_rounded_before_the_sum_whatever_its_operands(provenance, mod
 
 @pytest.mark.parametrize("mode", MODES)
 def test_div_is_one_rounding_whatever_its_operands(mode):
-  """a / broadcast(b) and (a / b) / c with a converted from integers: never a multiply by a reciprocal,
-  never a / (b·c)."""
+  """a / broadcast(b), (a / b) / c and an outer division a[:, None] / b[None, :], with a converted from
+  integers: never a multiply by a reciprocal, never a / (b·c)."""
   rng = np.random.default_rng(2)
   ints = rng.integers(1, 2 ** 20, (64, 128)).astype(np.int32)
   b = rng.uniform(0.3, 3, (64, 1)).astype(np.float32)
@@ -101,6 +101,11 @@ def test_div_is_one_rounding_whatever_its_operands(mode):
   got2 = run(mode, lambda u, b: _exact.div(_exact.div(u.astype(jnp.float32), 448.0), 6.0), ints, b)
   assert_bits_equal(np.asarray(got1), want1, f"div by a broadcast, {mode}")
   assert_bits_equal(np.asarray(got2), want2, f"div of a div, {mode}")
+  col, row = ints[:, 0].astype(np.float32), b[:, 0].repeat(2)   # an outer division: both broadcast
+  want3 = (col[:, None] / row[None, :]).astype(np.float32)
+  assert_separates(lambda c, r: c[:, None] / r[None, :], (col, row), want3, "outer division")
+  got3 = run(mode, lambda c, r: _exact.div(c[:, None], r[None, :]), col, row)
+  assert_bits_equal(np.asarray(got3), want3, f"outer division, {mode}")
 
 
 def test_guards_keep_values_and_nan():
