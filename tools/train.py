@@ -301,8 +301,12 @@ def main(argv):
       traceback.print_exc()
     return _fail(f"unexpected {type(e).__name__}: {str(e).strip()[:500]}. This is a bug in fp4jax or a "
                  "dependency; please report it with the traceback", EXIT_UNEXPECTED, log=log)
-  if summary["status"] == "stopped":
-    return preempt.exit_code(summary.get("signal") or "SIGTERM")  # 143 SIGTERM, 130 SIGINT: never 0
+  if summary["status"] == "stopped":  # 143 SIGTERM, 130 SIGINT: never 0
+    # Everything is written and closed; the interpreter's teardown (the data loader's threads, JAX's
+    # clients) takes seconds a scheduler's grace period may not have, so the process ends here.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(preempt.exit_code(summary.get("signal") or "SIGTERM"))  # pylint: disable=protected-access
   return 0 if summary["status"] in ("done", "halted") else EXIT_UNEXPECTED
 
 

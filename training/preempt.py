@@ -44,6 +44,7 @@ class Preemption:
     self.signal_name: str | None = None
     self.signal_time: float | None = None
     self.checkpoints: Callable[[], list[int]] | None = None  # the intact checkpoints on disk, once known
+    self.reporter = None                # the run's Reporter, once it exists
     self._cleanups: list[Callable[[], None]] = []
     self._installed = {}
     self._pipe = None
@@ -95,6 +96,8 @@ class Preemption:
     return self.signal_time + self.grace_s - time.monotonic()
 
   def say(self, text: str) -> None:
+    if self.reporter is not None:
+      self.reporter.end_line()  # an open "compiling ..." line on stdout ends before the message
     self.stream.write(text + "\n")
     self.stream.flush()
 
@@ -132,9 +135,9 @@ class Preemption:
         code = exit_code(name)
         if self.phase in (SET_UP, COMPILE):
           doing = (f"during set-up ({self.detail})" if self.detail else "during set-up") if self.phase == SET_UP \
-              else f"while compiling the train step (step {self.step})"
-          self._exit_now(code, f"{name} {doing}: no step has finished since the latest checkpoint; exiting now "
-                         f"(exit {code}); {self.intact()}")
+              else f"while compiling the train step (before step {self.step + 1})"
+          self._exit_now(code, f"{name} {doing}: no step has finished in this start, so there is nothing to "
+                         f"save; exiting now (exit {code}); {self.intact()}")
         if self.phase == TRAINING:
           self.say(f"{name} at step {self.step}: saving a checkpoint after this step, then exiting (exit {code}; "
                    f"within {self.grace_s:g} s, config.preemption_grace_s)")

@@ -140,6 +140,10 @@ class Reporter:
     after = hint() if callable(hint) else hint
     self._end_phase(f" {time.monotonic() - start:.1f} s" + (f"  ({after})" if after else ""))
 
+  def end_line(self) -> None:
+    """Ends an open phase line (another thread is about to print)."""
+    self._end_phase()
+
   def _end_phase(self, text: str = "") -> None:
     if self.primary and self._phase_open:
       self.stream.write(text + "\n")
@@ -216,16 +220,20 @@ class Reporter:
     self._print(f"step {step}: validation loss {loss:.4f}{bpb}")
     self._record(dict(kind="eval", step=step, loss=loss, bits_per_byte=bits_per_byte))
 
-  def close(self, title: str = "") -> str | None:
-    """Writes loss.png (when there is a curve) and closes the files; returns the PNG's path. Once."""
+  def close(self, title: str = "", *, draw: bool = True) -> str | None:
+    """Writes loss.png (when there is a curve and ``draw``) and closes the files; returns the PNG's path. Once."""
     if not self.primary or self._closed:
       return None
     self._closed = True
+    self._end_phase()
     path = None
-    train_curve = sorted(dict(self.train_curve).items())  # a step repeated after a resume counts once
-    eval_curve = sorted(dict(self.eval_curve).items())
-    train_curve = [(s, l) for s, l in train_curve if l is not None and math.isfinite(l)]
-    eval_curve = [(s, l) for s, l in eval_curve if l is not None and math.isfinite(l)]
+    if not draw:
+      train_curve = eval_curve = []
+    else:
+      train_curve = sorted(dict(self.train_curve).items())  # a step repeated after a resume counts once
+      eval_curve = sorted(dict(self.eval_curve).items())
+      train_curve = [(s, l) for s, l in train_curve if l is not None and math.isfinite(l)]
+      eval_curve = [(s, l) for s, l in eval_curve if l is not None and math.isfinite(l)]
     if train_curve or eval_curve:
       import matplotlib  # pylint: disable=g-import-not-at-top
       matplotlib.use("Agg")

@@ -92,13 +92,14 @@ class Run:
   def say(self, text: str) -> None:
     self.reporter.message(text)
 
-  def close(self) -> str | None:
-    """Waits for the checkpoint writes (StorageError if one failed), then closes the reporter; loss.png's path."""
+  def close(self, *, draw: bool = True) -> str | None:
+    """Waits for the checkpoint writes (StorageError if one failed), then closes the reporter (loss.png unless
+    ``draw`` is False: a run stopped by a signal leaves it to the next start); loss.png's path."""
     try:
       self.checkpoints.close()
     finally:
       try:
-        png = self.reporter.close(f"{self.config.name}: {self.config.model.preset}, {self.recipe.name}")
+        png = self.reporter.close(f"{self.config.name}: {self.config.model.preset}, {self.recipe.name}", draw=draw)
       finally:
         if self.lock is not None:
           self.lock.release()
@@ -263,6 +264,7 @@ def _open_workdir(config, workdir: str, process_index: int, stop: preempt.Preemp
     if lock is not None:
       lock.release()
     raise
+  stop.reporter = reporter
   return workdir, checkpoints, reporter, lock, resume
 
 

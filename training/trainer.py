@@ -43,11 +43,11 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
       status = loop.run_to_end()
     except BaseException:
       try:
-        run.close()
+        run.close(draw=not stop.requested)
       except Exception:  # pylint: disable=broad-except  (the first error is the one to report)
         pass
       raise
-    png = run.close()
+    png = run.close(draw=status != "stopped")
   summary = loop.summary(status)
   if status == "stopped":
     return summary
