@@ -209,6 +209,7 @@ class _LogTail(io.TextIOBase):
 
   def __init__(self, max_lines: int = 400):
     self.lines = collections.deque(maxlen=max_lines)
+    self.follow_ups = 0  # "Event loop is closed" errors of callbacks after a failed save (not logged)
 
   def write(self, text: str) -> int:
     self.lines.append(text)
@@ -227,6 +228,11 @@ def _quiet_background_errors() -> None:
     print(f"warning: background thread {name} failed: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr)
 
   def unraisable_hook(unraisable):
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+      # tensorstore's write callbacks of a failed checkpoint save, arriving after orbax closed its event
+      # loop: consequences of the failure already reported, counted instead of logged one traceback each
+      _LOG_TAIL.follow_ups += 1
+      return
     _LOG_TAIL.write("".join(traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
                                                        unraisable.exc_traceback)))
 
@@ -251,7 +257,10 @@ def _write_log(path: str) -> str | None:
       os.replace(path, path + ".1")
     with open(path, "a", encoding="utf-8") as f:
       f.write(f"$ {' '.join(sys.argv)}  (pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S %z')})\n"
-              f"--- log ---\n{''.join(_LOG_TAIL.lines)}--- traceback ---\n{traceback.format_exc()}\n")
+              f"--- log ---\n{''.join(_LOG_TAIL.lines)}"
+              + (f"({_LOG_TAIL.follow_ups} 'Event loop is closed' errors of tensorstore callbacks that arrived "
+                 "after the failed save's event loop was closed are left out)\n" if _LOG_TAIL.follow_ups else "")
+              + f"--- traceback ---\n{traceback.format_exc()}\n")
     return path
   except OSError:
     return None
@@ -277,7 +286,8 @@ def main(argv):
       config.allow_config_change = True
     summary = training.train_and_evaluate(config, workdir)
   except training.TrainingError as e:
-    log = _write_log(_error_log(workdir))
+    # Another run's work directory is not this run's to write an error log into.
+    log = None if isinstance(e, training.WorkdirInUse) else _write_log(_error_log(workdir))
     if _DEBUG.value:
       traceback.print_exc()
     prefix = "training diverged: " if isinstance(e, training.TrainingDiverged) else ""

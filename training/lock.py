@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from training.errors import WorkdirError
+from training.errors import WorkdirError, WorkdirInUse
 
 try:
   import fcntl
@@ -76,7 +76,7 @@ class WorkdirLock:
       if holder and (holder.get("pid"), holder.get("host")) != (os.getpid(), self._info["host"]):
         reason = self._stale_reason(holder)
         if reason is None:
-          raise WorkdirError(
+          raise WorkdirInUse(
               f"the work directory {os.path.dirname(self.path)} is in use by another run: {describe(holder)}. "
               f"Stop that run, wait for it to end, or pass another --workdir; if it is gone (its host "
               f"stopped), delete {self.path} or wait {self.stale_after_s:.0f} s (config.lock_stale_s) for "
@@ -117,7 +117,7 @@ class WorkdirLock:
     except OSError as e:
       if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
         holder = _read(fd)
-        raise WorkdirError(
+        raise WorkdirInUse(
             f"the work directory {os.path.dirname(self.path)} is in use by another run: "
             f"{describe(holder) if holder else 'its lock file ' + self.path + ' is locked by a live process'}. "
             "Stop that run, wait for it to end, or pass another --workdir") from None

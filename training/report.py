@@ -194,8 +194,8 @@ class Reporter:
       remaining = (self.total_steps - step) * self.step_time
       rates = (f"{self.tokens_per_second:9,.0f} tok/s  {1000 * self.step_time:7.1f} ms/step  "
                f"ETA {_fmt_duration(remaining)}")
-    else:  # the first interval of a start holds the compilation: no rate yet
-      rates = f"{'(first step, compiling)':>38}"
+    else:  # the first interval after a start, an evaluation or a save is not counted: no rate yet
+      rates = f"{'(no rate yet)':>38}"
     # The loss shown is the one metrics.jsonl records: the mean over the steps since the last record.
     mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
     window = f"mean of last {len(self._interval)}"
