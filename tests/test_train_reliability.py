@@ -98,6 +98,10 @@ CASES = {
                            None),
     "test_startup_phases_and_timestamps": ("start-up phases with times; timestamps; console loss = metrics mean",
                                            CORRECT, 0),
+    "test_error_log_of_an_unusable_workdir": ("work directory unusable, twice: one fp4jax_error.log in the temp "
+                                              "directory, not one file per failure", CLEAR, 4),
+    "test_tiny_docstring_states_its_parameter_count": ("configs/tiny.py's docstring: its true parameter count",
+                                                       CORRECT, None),
     "test_entry_points_from_another_directory": ("fp4jax-train/-sample/-hf targets, --help from another "
                                                  "directory", CORRECT, 0),
 }
@@ -758,3 +762,17 @@ def test_tiny_docstring_states_its_parameter_count():
 def fp4jax_recipe(name):
   import fp4jax  # pylint: disable=g-import-not-at-top
   return fp4jax.recipes.get(name)
+
+
+def test_error_log_of_an_unusable_workdir(tmp_path):
+  (tmp_path / "afile").write_text("")
+  temp = tmp_path / "temp"
+  os.makedirs(temp)
+  command = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={tmp_path / 'afile'}",
+             "--config=configs/shrunken.py"]
+  for _ in range(2):
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, TMPDIR=str(temp)))
+    _assert_clear(result, 4, "is a file", f"(traceback: {temp / 'fp4jax_error.log'})")
+  assert os.listdir(temp) == ["fp4jax_error.log"]
+  assert (temp / "fp4jax_error.log").read_text().count("\n--- traceback ---\n") == 2

@@ -34,6 +34,7 @@ import fp4jax
 from models import LanguageModel, init_cache
 from tools.runs import Run, RunError, load_run
 from training import data as data_lib
+from training import sharding
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -217,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--recipe", default=None, help="forward-pass recipe (bf16, nvfp4, ...); default: the run's")
   p.add_argument("--step", type=int, default=None, help="checkpoint step; default: the latest")
   p.add_argument("--seq_len", type=int, default=None, help="--eval window; default: the run's data.seq_len")
+  p.add_argument("--compilation_cache", default=os.path.join("~", ".cache", "fp4jax", "jax_compilation_cache"),
+                 help="JAX's persistent compilation cache (shared with train.py), so that a second sample or "
+                      "eval of the same run skips most of the compile; '' turns it off")
   return p
 
 
@@ -239,6 +243,8 @@ def _prompts(args) -> list[str]:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   logging.set_verbosity(logging.ERROR)   # orbax reports every restore at INFO/WARNING
+  if args.compilation_cache:
+    sharding.use_compilation_cache(args.compilation_cache)
   try:
     if args.eval_file is None:
       prompts = _prompts(args)
@@ -291,7 +297,8 @@ def main(argv=None) -> int:
       print(f"=== {prompt!r}\n{prompt}{codec.decode(out)}\n")
   seconds = time.perf_counter() - start
   made = sum(len(o) for o in outputs)
-  print(f"# {made} tokens in {seconds:.2f} s ({made / seconds:.1f} tokens/s, compile included)", file=sys.stderr)
+  print(f"# {made} tokens in {seconds:.2f} s ({made / seconds:.1f} tokens/s, compile included; compiled programs "
+        f"are cached in {args.compilation_cache or 'nowhere (--compilation_cache=)'})", file=sys.stderr)
   return 0
 
 
