@@ -658,9 +658,10 @@ def test_extend_before_the_decay(tmp_path, capsys):
   assert summary["status"] == "done" and summary["step"] == 30
   lrs = {r["step"]: r["lr"] for r in _records(workdir) if r["kind"] == "train"}
   old, new = _lr_at(_config(steps=20), range(30)), _lr_at(_config(steps=30), range(30))
-  np.testing.assert_allclose([lrs[s] for s in range(1, 7)], old[:6], rtol=1e-6)   # the first start: the old plan
-  np.testing.assert_allclose([lrs[s] for s in range(7, 31)], new[6:], rtol=1e-6)  # the rest: the stretched one
-  np.testing.assert_allclose(old[:7], new[:7], rtol=1e-6)                        # identical up to the resume
+  # (metrics hold the float32 the step computed; the plans here are evaluated eagerly: rtol 1e-5)
+  np.testing.assert_allclose([lrs[s] for s in range(1, 7)], old[:6], rtol=1e-5)   # the first start: the old plan
+  np.testing.assert_allclose([lrs[s] for s in range(7, 31)], new[6:], rtol=1e-5)  # the rest: the stretched one
+  np.testing.assert_array_equal(old[:7], new[:7])                                # identical up to the resume
   assert all(lrs[s] == pytest.approx(3e-3) for s in range(3, 25)) and lrs[30] == pytest.approx(3e-5)
   history = [json.loads(l) for l in open(os.path.join(workdir, workdir_lib.HISTORY_FILE), encoding="utf-8")]
   assert history[-1]["changes"]["steps"] == [20, 30]
