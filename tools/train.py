@@ -9,8 +9,10 @@
 Running again with the same work directory resumes from its latest intact checkpoint (a resume with another
 recipe, model, optimizer or data config is refused unless --allow_config_change; a larger --config.steps
 extends the run when its schedule allows, and says how). Ctrl-C or SIGTERM saves a checkpoint after the
-current step (or, during set-up and the first compile, exits at once) within config.preemption_grace_s. Multi-host: pass --coordinator_address/--num_processes/--process_id, or set
-JAX_COORDINATOR_ADDRESS, or FP4JAX_DISTRIBUTED=1 on a cluster JAX detects (SLURM, MPI, ...).
+current step (or, during set-up and the first compile, exits at once) within config.preemption_grace_s.
+One run at a time holds a work directory (<workdir>/run.lock). Multi-host: pass --coordinator_address/
+--num_processes/--process_id, or set JAX_COORDINATOR_ADDRESS, or FP4JAX_DISTRIBUTED=1 on a cluster JAX
+detects (SLURM, MPI, ...).
 
 A failure prints one paragraph and exits with a status that names its kind (training/errors.py,
 docs/TRAINING.md): 2 config, 3 data, 4 work directory (also: another run holds it), 5 checkpoint, 6 config

@@ -48,7 +48,8 @@ def describe(holder: dict) -> str:
   beat = holder.get("heartbeat")
   ago = f", heartbeat {time.time() - beat:.0f} s ago" if isinstance(beat, (int, float)) else ""
   command = f" (`{holder['command'][:120]}`)" if holder.get("command") else ""
-  return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}{command}{ago}"
+  who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
+  return f"{who}, started {holder.get('started', '?')}{command}{ago}"
 
 
 class WorkdirLock:

@@ -230,7 +230,8 @@ class Loop:
       loss = float(earlier)
       bpb = data_lib.bits_per_byte(loss, self.run.tokens_per_byte)
     train_loss = float(self.metrics["loss"]) if self.metrics else reporter.last_train_loss
-    return dict(status=status, signal=self.stop.signal_name if status == "stopped" else None, step=self.step, train_loss=train_loss, validation_loss=loss, bits_per_byte=bpb,
+    signal_name = self.stop.signal_name if status == "stopped" else None
+    return dict(status=status, signal=signal_name, step=self.step, train_loss=train_loss, validation_loss=loss, bits_per_byte=bpb,
                 tokens_per_second=reporter.tokens_per_second, step_time=reporter.step_time,
                 nonfinite_steps=int(sharding.to_host(self.state["nonfinite_total"])),
                 workdir=self.run.workdir, steps_run=self.step - self.start_step)
