@@ -338,7 +338,8 @@ def _flags():
   from bench import scale   # noqa: F401  (defines --config, --devices, --batch_per_device, --json, --hlo)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | dequantize | scaled_matmul | dot | step | kernels | ops | dots")
+                      "quantize_rht_t_sr | dequantize | scaled_matmul | dot | step | kernels | ops | dots "
+                      "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each).")
   flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
@@ -363,10 +364,12 @@ def main(argv):
   mesh, results, twin = None, [], None
   single = jax.sharding.SingleDeviceSharding(devices[0])
   shape = tuple(int(v) for v in F.shape.split(",")) if F.shape else None
-  if F.what in ("kernels", "ops", "dots"):
-    progs = batch_programs(F.what, single, small=F.small)
-    if F.combine:
-      progs = [combined(F.what, progs)]
+  batches = F.what.split(",")
+  if all(b in ("kernels", "ops", "dots") for b in batches):
+    progs = []
+    for b in batches:
+      batch = batch_programs(b, single, small=F.small)
+      progs += [combined(b, batch)] if F.combine else batch
     for p in progs:
       results.append(_compiled(F, p))
       print(report(results[-1]), flush=True)

@@ -251,7 +251,8 @@ class Module:
       while o is not None and o.opcode == "bitcast":
         o = by_name.get(o.operands[0])
       if o is not None and o.opcode == "dynamic-update-slice" and len(o.operands) > 1:
-        total += nbytes(self.shapes.get(o.operands[1], ""))
+        upd = by_name.get(o.operands[1])
+        total += nbytes(upd.shape if upd is not None else self.shapes.get(o.operands[1], ""))
       elif o is not None:
         total += nbytes(o.shape)
     return total or nbytes(out_shape)
@@ -262,8 +263,8 @@ class Module:
       return self.plain_bytes(ins)
     params = {}
     for i in self.comps[comp]:
-      if i.opcode == "parameter" and i.operands and i.operands[0].isdigit():
-        params[int(i.operands[0])] = i
+      if i.opcode == "parameter" and i.args.isdigit():
+        params[int(i.args)] = i
     users = self._users(comp)
     read = 0
     for k, operand in enumerate(ins.operands):
