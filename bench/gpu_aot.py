@@ -348,7 +348,8 @@ def _flags():
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
   flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")
-  flags.DEFINE_boolean("combine", False, "kernels/ops/dots as one module (one compile).")
+  flags.DEFINE_list("combine", [], "batches among kernels,ops,dots to compile as one module each (one "
+                    "compile; identical kernels compiled once); the others compile program by program.")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS
@@ -369,7 +370,7 @@ def main(argv):
     progs = []
     for b in batches:
       batch = batch_programs(b, single, small=F.small)
-      progs += [combined(b, batch)] if F.combine else batch
+      progs += [combined(b, batch)] if b in F.combine else batch
     for p in progs:
       results.append(_compiled(F, p))
       print(report(results[-1]), flush=True)

@@ -73,7 +73,7 @@ def _check(proc, report, time_s):
 def test_every_kernel_and_op_compiles(tmp_path, target):
   """Every Pallas kernel (its own compile, so a slow one is named) and the XLA composition of every
   op (one module), for the target, with predicted costs."""
-  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "kernels,ops",
+  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "kernels,ops", "--combine=ops",
                           f"--budget_s={KERNEL_BUDGET_S}", f"--budget_gib={RSS_BUDGET_GIB}")
   _check(proc, report, KERNEL_BUDGET_S)
   names = [r["name"] for r in report["results"]]
@@ -89,7 +89,7 @@ def test_every_kernel_and_op_compiles(tmp_path, target):
 def test_every_recipe_dot_compiles(tmp_path, target):
   """value_and_grad of fp4jax.dot for every recipe preset, one module."""
   import fp4jax   # pylint: disable=import-outside-toplevel
-  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "dots", "--combine",
+  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "dots", "--combine=dots",
                           f"--budget_s={COMPILE_BUDGET_S}", f"--budget_gib={RSS_BUDGET_GIB}")
   _check(proc, report, COMPILE_BUDGET_S)
   (r,) = report["results"]
