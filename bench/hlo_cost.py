@@ -305,6 +305,18 @@ class Module:
       lb = re.search(r"lhs_batch_dims=\{([\d,]*)\}", dot.attrs)
       contracting = [int(x) for x in lc.group(1).split(",") if x] if lc else []
       batch = [int(x) for x in lb.group(1).split(",") if x] if lb else []
+    elif ins.opcode == "custom-call" and _is_pallas_gemm(ins):
+      # a Pallas GEMM kernel: a (..., M, K) · b (N, K)ᵀ -> (..., M, N), its operand dtypes as loaded
+      a = arrays(self.shapes.get(ins.operands[0], ""))
+      b = arrays(self.shapes.get(ins.operands[1], ""))
+      out = arrays(ins.shape)
+      if not (a and b and out) or a[0][1][-1] != b[0][1][-1] or len(b[0][1]) != 2:
+        return None
+      k = a[0][1][-1]
+      n_out = 1
+      for d in out[0][1]:
+        n_out *= d
+      return 2 * n_out * k, f"{a[0][0]}x{b[0][0]}", (n_out // b[0][1][0], b[0][1][0], k)
     elif ins.opcode == "custom-call":
       target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
       if not target or not any(target.group(1).startswith(t) for t in GEMM_TARGETS):
@@ -336,6 +348,16 @@ class Module:
         m *= d
     n = n_out // max(1, b * m)
     return 2 * n_out * k, f"{lhs_dtype}x{rhs[0][0]}", (b * m, n, k) if b == 1 else (b, m, n, k)
+
+
+_PALLAS_GEMM = re.compile(r"fp4jax_(?:gemm|scaled_matmul)\w*/pallas_call")
+
+
+def _is_pallas_gemm(ins: Instr) -> bool:
+  """A Triton custom call from a Pallas kernel whose name says it is a GEMM (fp4jax names its GEMM
+  kernels ``fp4jax_gemm_*``; the op_name ends in ``<kernel name>/pallas_call``)."""
+  return ('custom_call_target="__gpu$xla.gpu.triton"' in ins.attrs
+          and bool(_PALLAS_GEMM.search(ins.op_name)))
 
 
 def _kind_of(mod: Module, ins: Instr) -> str:

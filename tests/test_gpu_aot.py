@@ -245,3 +245,23 @@ def test_label_reads_the_pass_and_the_primitive():
       == "wgrad/quantize_rht_t"
   assert hlo_cost.label("jit(f)/jvp(fp4jax/dot)/fprop/fp4jax/quantize/nvfp4_1x16/or") == "fprop/quantize"
   assert hlo_cost.label("jit(train_step)/LanguageModel/blocks_0/mul") == "other"
+
+
+PALLAS = """HloModule pallas, entry_computation_layout={()->bf16[1024,512]}
+
+ENTRY %main (a: bf16[1024,256], b: bf16[512,256], f: f32[4]) -> bf16[1024,512] {
+  %a = bf16[1024,256]{1,0} parameter(0)
+  %b = bf16[512,256]{1,0} parameter(1)
+  %f = f32[4]{0} parameter(2)
+  %k = bf16[1024,256]{1,0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/fp4jax/scaled_matmul/x/fp4jax_scaled_matmul_pallas/fp4jax_dequantize_bf16_nvfp4_1x16/pallas_call"}, backend_config={grid_x = 8 : i32}
+  ROOT %g = bf16[1024,512]{1,0} custom-call(%k, %b, %f), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/fp4jax/scaled_matmul/x/fp4jax_scaled_matmul_pallas/fp4jax_gemm_bf16_f32acc/pallas_call"}, backend_config={grid_x = 8 : i32}
+}
+"""
+
+
+def test_hlo_walk_knows_pallas_gemm_kernels():
+  ops = {o["name"]: o for o in hlo_cost.analyze(PALLAS, PEAKS)["ops"]}
+  assert ops["k"]["kind"] == "kernel" and ops["k"]["bytes"] == 2 * 1024 * 256 * 2
+  g = ops["g"]
+  assert g["kind"] == "gemm" and g["flops"] == 2 * 1024 * 512 * 256 and g["mnk"] == (1024, 512, 256)
+  assert g["bytes"] == (1024 * 256 + 512 * 256 + 1024 * 512) * 2 + 16
