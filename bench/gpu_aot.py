@@ -336,6 +336,7 @@ def check_budget(s: dict, time_s: float, rss_bytes: float) -> list[str]:
 def _flags():
   from absl import flags   # pylint: disable=import-outside-toplevel
   from bench import scale   # noqa: F401  (defines --config, --devices, --batch_per_device, --json, --hlo)
+  flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
                       "quantize_rht_t_sr | dequantize | scaled_matmul | dot | step | kernels | ops | dots "
