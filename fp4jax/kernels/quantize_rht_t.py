@@ -131,6 +131,9 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
   return q, s[:c, :u].reshape(c, t // b)
 
 
+_ONE_PASS_MAX = 32   # RHT sizes rht_amax runs as one unrolled pass (16: nvfp4's; 32: mxfp4's)
+
+
 def rht_amax(x_TxC, *, rht_size=16, rht_seed=None):
   """max |RHT(x) along T| (float32): the separate reduction before the fused pass.
 
@@ -139,16 +142,19 @@ def rht_amax(x_TxC, *, rht_size=16, rht_seed=None):
   |y| reduce them, so XLA fuses it all into one reduction that reads x once. ``hadamard.rht`` itself
   transposes and materializes every butterfly stage in float32 (about 28 bytes moved per input byte
   for bf16 x, RHT-16, in the compiled H200 program). Both give the same float32 values, so the same
-  amax, bit for bit.
+  amax, bit for bit. Sizes above 32 keep ``hadamard.rht`` (n slices unrolled compile slowly).
   """
   t, c = x_TxC.shape
   n = rht_size
-  if t % n:
-    raise ValueError(f"token axis T={t} must be a multiple of rht_size={n}; pad it")
+  if n > _ONE_PASS_MAX or t % n:   # large n: n strided slices unrolled cost more to compile than to move
+    return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=n, seed=rht_seed)))
   x_UxNxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // n, n, c)
   scale = float(np.float32(1.0 / np.sqrt(n)))
   y = _butterfly([x_UxNxC[:, i, :] for i in range(n)], hadamard.signs(n, rht_seed), scale)
-  return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(r)) for r in y])
+  # Re-stacked to (T, C), the values at the same places as hadamard.rht's result, and reduced by one
+  # max over the same shape: the same reduction, so the same result even where max meets a NaN (the
+  # CPU's fast min/max makes that order-dependent). XLA fuses the stack into the reduction.
+  return jnp.max(jnp.abs(jnp.stack(y, axis=1).reshape(t, c)))
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,
