@@ -351,6 +351,8 @@ def _flags():
   flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")
   flags.DEFINE_list("combine", [], "batches among kernels,ops,dots to compile as one module each (one "
                     "compile; identical kernels compiled once); the others compile program by program.")
+  flags.DEFINE_boolean("one_pass_rht_amax", False, "what-if: the RHT amax as one pass "
+                       "(kernels.quantize_rht_t.rht_amax(one_pass=True)) where fp4jax.api takes it.")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS
@@ -362,6 +364,11 @@ def main(argv):
   _platform.enable_deviceless()
   import jax   # pylint: disable=import-outside-toplevel
   F = flags_
+  if F.one_pass_rht_amax:
+    import functools   # pylint: disable=import-outside-toplevel
+    from fp4jax import api   # pylint: disable=import-outside-toplevel
+    from fp4jax.kernels import quantize_rht_t   # pylint: disable=import-outside-toplevel
+    api.rht_amax = functools.partial(quantize_rht_t.rht_amax, one_pass=True)
   devices = gpu_devices(F.target, F.devices if F.what == "step" else 1)
   mesh, results, twin = None, [], None
   single = jax.sharding.SingleDeviceSharding(devices[0])

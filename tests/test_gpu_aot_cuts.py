@@ -1,10 +1,9 @@
 """The emulation-overhead cuts of issue 22 give the same bits on the CPU as the code they replace.
 
-``kernels.quantize_rht_t.rht_amax`` (the NVFP4 tensor amax after the RHT, taken before the wgrad
-operand is quantized, on both impls) was ``max |hadamard.rht(x, axis=0)|``, which the GPU compiler
-runs as a transpose and one materialized float32 tensor per butterfly stage (5.69 GiB moved for a
-128 MiB bf16 operand at 8192², the largest non-GEMM item of ``fp4jax.dot``). It is now one strided
-pass with the same float32 op order; the amax must be equal bit for bit, NaN and ±inf included.
+``kernels.quantize_rht_t.rht_amax(..., one_pass=True)`` (the NVFP4 tensor amax after the RHT, for
+the kernel path) runs the butterfly as one strided pass instead of ``max |hadamard.rht(x, axis=0)|``
+(a transpose and a materialized float32 tensor per butterfly stage on the GPU); the amax must be
+equal bit for bit, NaN and ±inf included.
 """
 import jax
 import jax.numpy as jnp
@@ -40,7 +39,7 @@ def test_one_pass_rht_amax_equals_the_materialized_one(dtype):
   cases = _cases()
 
   def both(*xs):   # one compile for all cases
-    return [(rht_amax(x, rht_size=n, rht_seed=s), _old_rht_amax(x, n, s))
+    return [(rht_amax(x, rht_size=n, rht_seed=s, one_pass=True), _old_rht_amax(x, n, s))
             for x, (_, n, s) in zip(xs, cases)]
   got = jax.jit(both)(*[jnp.asarray(x, dtype) for x, _, _ in cases])
   for (x, n, seed), (new, old) in zip(cases, got):
@@ -53,4 +52,4 @@ def test_one_pass_rht_amax_on_bf16_extremes():
   x = bits.view(jnp.bfloat16).astype(np.float32)
   x = x[np.isfinite(x)][: (np.isfinite(x).sum() // 256) * 256].reshape(-1, 16)
   xx = jnp.asarray(x, jnp.bfloat16)
-  assert np.asarray(rht_amax(xx)).tobytes() == np.asarray(_old_rht_amax(xx, 16, None)).tobytes()
+  assert np.asarray(rht_amax(xx, one_pass=True)).tobytes() == np.asarray(_old_rht_amax(xx, 16, None)).tobytes()

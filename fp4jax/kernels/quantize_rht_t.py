@@ -134,19 +134,26 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
 _ONE_PASS_MAX = 32   # RHT sizes rht_amax runs as one unrolled pass (16: nvfp4's; 32: mxfp4's)
 
 
-def rht_amax(x_TxC, *, rht_size=16, rht_seed=None):
+def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
   """max |RHT(x) along T| (float32): the separate reduction before the fused pass.
 
-  One pass over x: the n token rows of each chunk are strided slices of x viewed as (T/n, n, C), the
-  butterfly runs on them as a list (``_butterfly``, the op order of ``hadamard.rht``) and the maxima of
-  |y| reduce them, so XLA fuses it all into one reduction that reads x once. ``hadamard.rht`` itself
-  transposes and materializes every butterfly stage in float32 (about 28 bytes moved per input byte
-  for bf16 x, RHT-16, in the compiled H200 program). Both give the same float32 values, so the same
-  amax, bit for bit. Sizes above 32 keep ``hadamard.rht`` (n slices unrolled compile slowly).
+  Default: ``max |hadamard.rht(x, axis=0)|``. The GPU compiler runs that as a transpose and one
+  materialized float32 tensor per butterfly stage, but in the XLA path (impl="xla") the reference
+  quantize computes the same ``hadamard.rht`` and XLA shares it, so there it costs little extra.
+
+  ``one_pass=True`` is for the kernel path, where nothing shares it: the n token rows of each chunk
+  are strided slices of x viewed as (T/n, n, C), the butterfly runs on them as a list
+  (``_butterfly``, the op order of ``hadamard.rht``), and one max over the restacked (T, C) values
+  reduces them: the same values at the same places and the same reduction, so the same amax bit for
+  bit (NaN included, where the CPU's fast max is order-dependent). In the compiled H200 program at
+  8192², it moves 0.69 GiB instead of 1.6 GiB alone, and cuts the kernel path's dot from 5.88 to
+  5.35 ms (docs/PERF.md); in the XLA path it would add 0.19 ms, losing the shared transform. Sizes
+  above 32 keep ``hadamard.rht`` (n slices unrolled compile slowly). The caller (``fp4jax.api``)
+  chooses; today it passes nothing, so both impls run the default.
   """
   t, c = x_TxC.shape
   n = rht_size
-  if n > _ONE_PASS_MAX or t % n:   # large n: n strided slices unrolled cost more to compile than to move
+  if not one_pass or n > _ONE_PASS_MAX or t % n:
     return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=n, seed=rht_seed)))
   x_UxNxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // n, n, c)
   scale = float(np.float32(1.0 / np.sqrt(n)))
