@@ -429,7 +429,7 @@ def analyze(text: str, peaks: dict) -> dict:
       seconds=gemm_s + other_s, gemm_seconds=gemm_s, other_seconds=other_s,
       gemm_flops=sum(o.flops * o.count for o in ops if o.kind == "gemm"),
       other_bytes=sum(o.bytes * o.count for o in ops if o.kind != "gemm"),
-      naive_other_bytes=None, counts=dict(counts), collectives=collectives,
+      counts=dict(counts), collectives=collectives,
       collective_bytes=coll_bytes, collective_seconds=coll_bytes / link if link else None,
       ops=[dataclasses.asdict(o) for o in ops])
 
