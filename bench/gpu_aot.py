@@ -53,19 +53,21 @@ import time
 # model uses by default: an H200's measured bf16 GEMM rate (about 790 TFLOP/s of 989, 0.80) and copy
 # bandwidth (about 4.3 TB/s of 4.8, 0.90), and the same two fractions applied to the other parts (an
 # assumption until a device run measures them). f32 GEMMs (no tensor cores, no TF32): SMs x 128 FMA x 2
-# x clock, from the target file (66.9 TFLOP/s on Hopper, which is the datasheet's FP32 figure).
+# x clock, from the target file (66.9 TFLOP/s on Hopper, which is the datasheet's FP32 figure), used
+# only for dots at the highest precision; other f32 dots run as TF32 (datasheets: 494.7 TFLOP/s dense
+# on H100/H200, 1.12 PFLOP/s on B200 = half the sparse figure).
 # NVLink: the datasheet's bidirectional figure / 2, one direction, used only for the collectives line.
 _SPEC = {
     # H100 SXM5 80 GB datasheet: BF16 989 TFLOP/s, FP8 1,979 TFLOP/s, HBM3 3.35 TB/s, NVLink 900 GB/s.
     "h100": dict(flops={"bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12, "f8e5m2": 1979e12,
-                        "f32": 66.9e12}, hbm=3.35e12, link=450e9),
+                        "f32": 66.9e12, "tf32": 494.7e12}, hbm=3.35e12, link=450e9),
     # H200 SXM 141 GB datasheet: the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
     "h200": dict(flops={"bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12, "f8e5m2": 1979e12,
-                        "f32": 66.9e12}, hbm=4.8e12, link=450e9),
+                        "f32": 66.9e12, "tf32": 494.7e12}, hbm=4.8e12, link=450e9),
     # B200 (HGX B200) datasheet, dense: BF16 2.25 PFLOP/s, FP8 4.5, FP4 9, HBM3e 8 TB/s, NVLink 5
     # 1.8 TB/s. f32: 148 SMs x 256 x 1.98 GHz = 75 TFLOP/s (the clock is the target file's, Hopper's).
     "b200": dict(flops={"bf16": 2.25e15, "f16": 2.25e15, "f8e4m3fn": 4.5e15, "f8e5m2": 4.5e15,
-                        "f4e2m1fn": 9e15, "f32": 75e12}, hbm=8e12, link=900e9),
+                        "f4e2m1fn": 9e15, "f32": 75e12, "tf32": 1.12e15}, hbm=8e12, link=900e9),
 }
 COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
 
@@ -273,7 +275,8 @@ def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
       collective_gib=cost["collective_bytes"] / GiB,
       collective_ms_if_serial=(cost["collective_seconds"] or 0) * 1e3,
       gemms=[dict(name=o["name"], op_name=o["op_name"], dtype=o["dtype"], mnk=list(o["mnk"]),
-                  count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"]) for o in gemms],
+                  count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
+                  flops=o["flops"], highest=o["highest"]) for o in gemms],
       by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)])
   return out
 

@@ -161,6 +161,7 @@ class Op:
   mnk: tuple = ()
   seconds: float = 0.0
   bound: str = ""
+  highest: bool = False   # a GEMM whose dot asks for full f32 precision (no TF32)
 
 
 class Module:
@@ -402,14 +403,17 @@ def analyze(text: str, peaks: dict) -> dict:
       if gemm is not None:
         flops, dtype, mnk = gemm
         b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
-        ops.append(Op(ins.name, "gemm", m, b, ins.op_name, flops=flops, dtype=dtype, mnk=mnk))
+        text = ins.attrs + "".join(i.attrs for i in mod.comps.get(ins.attr("calls") or "", []))
+        highest = "operand_precision={highest" in text or "algorithm=dot_f32_f32_f32" in text
+        ops.append(Op(ins.name, "gemm", m, b, ins.op_name, flops=flops, dtype=dtype, mnk=mnk,
+                      highest=highest))
         continue
       b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
       ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name))
   for op in ops:
     mem_s = op.bytes / peaks["hbm"]
     if op.kind == "gemm":
-      peak = gemm_peak(peaks, op.dtype)
+      peak = gemm_peak(peaks, op.dtype, highest=op.highest)
       flop_s = op.flops / peak
       op.seconds = max(flop_s, mem_s) * op.count
       op.bound = "compute" if flop_s >= mem_s else "memory"
@@ -434,11 +438,14 @@ def analyze(text: str, peaks: dict) -> dict:
       ops=[dataclasses.asdict(o) for o in ops])
 
 
-def gemm_peak(peaks: dict, dtype_pair: str) -> float:
+def gemm_peak(peaks: dict, dtype_pair: str, highest: bool = False) -> float:
   """FLOP/s of a GEMM whose operand dtypes are ``"bf16xbf16"``: the peak of the wider operand (a
-  mixed-precision GEMM runs at the slower one's rate); dtypes without a peak use the f32 one."""
+  mixed-precision GEMM runs at the slower one's rate); dtypes without a peak use the f32 one. f32
+  operands run as TF32 on the tensor cores (JAX's default precision on a GPU) unless the dot asks for
+  the highest precision."""
   flops = peaks["flops"]
-  rates = [flops.get(d, flops["f32"]) for d in dtype_pair.split("x")]
+  f32 = flops["f32"] if highest else flops.get("tf32", flops["f32"])
+  rates = [f32 if d == "f32" else flops.get(d, flops["f32"]) for d in dtype_pair.split("x")]
   return min(rates)
 
 
