@@ -252,12 +252,12 @@ def peak_breakdown(live_range_text: str, hlo_text: str) -> list[tuple[str, int]]
   return totals.most_common()
 
 
-def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
-            partitioned_path: str | None = None) -> dict:
-  """Lowers and compiles the train step of ``config`` on the current devices; returns the numbers."""
+def build_step(config, mesh, batch_per_device: int = 1) -> dict:
+  """The trainer's jitted train step for ``config`` on ``mesh`` and abstract inputs with their shardings:
+  ``{step_fn, state_in, tokens_in, abstract, model_config, recipe}``. Shared with bench/gpu_aot.py, which
+  passes a mesh of GPU-topology devices."""
   model_config = config_lib.resolve_model_config(config.model)
   recipe, _, _ = config_lib.resolve_recipes(config)
-  mesh = sharding.make_mesh(config.mesh)
   ranks = mesh.shape["data"] * mesh.shape["fsdp"]
   seq_len = config.data.seq_len
   model = step_lib.build_model(model_config, recipe)
@@ -269,6 +269,18 @@ def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
   tokens_in = jax.ShapeDtypeStruct((batch_per_device * ranks, seq_len + 1), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
   step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh)
+  return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, abstract=abstract,
+              model_config=model_config, recipe=recipe)
+
+
+def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
+            partitioned_path: str | None = None) -> dict:
+  """Lowers and compiles the train step of ``config`` on the current devices; returns the numbers."""
+  mesh = sharding.make_mesh(config.mesh)
+  built = build_step(config, mesh, batch_per_device)
+  step_fn, state_in, tokens_in = built["step_fn"], built["state_in"], built["tokens_in"]
+  model_config, recipe, abstract = built["model_config"], built["recipe"], built["abstract"]
+  seq_len = config.data.seq_len
   with sharding.mesh_context(mesh):
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = step_fn.lower(state_in, tokens_in)

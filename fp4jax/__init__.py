@@ -1,7 +1,11 @@
 """fp4jax: NVFP4 / MXFP4 / FP8 quantized training for JAX and Flax."""
 import importlib
 
-from fp4jax import hadamard, recipes
+from fp4jax import _platform
+
+_platform.configure()   # before anything starts a backend: CPU-only jax where a CUDA plugin has no GPU
+
+from fp4jax import hadamard, recipes  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.api import dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
 from fp4jax.hadamard import rht

@@ -11,7 +11,9 @@ jax-triton). For every kernel and every XLA composition it
      in any order; at the timing size they are compared by relative error),
   3. times it against the yardsticks: a copy of the input (quantize GB/s) and a bf16 GEMM (TFLOP/s),
 then times one train step of the small config in bf16 and in nvfp4 (default impl, then every kernel
-forced). Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
+forced). Beside each measured time stands the cost model's prediction for the same compiled
+executable (bench/hlo_cost.py on its HLO, the derated peaks of bench/gpu_aot.py for the device's
+kind), so the first device run tests the model too. Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
 $OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
 bandwidth (nvfp4 1x16 RNE, bf16 8192x8192), emulated NVFP4 GEMM >= 0.90 of bf16 at 8192^3, small nvfp4
 step <= 1.25x the bf16 step. The last lines say which kernels a run justifies adding to
@@ -46,6 +48,7 @@ from fp4jax import formats, primitives  # noqa: E402
 from fp4jax.hadamard import rht  # noqa: E402
 from fp4jax.qtensor import QTensor  # noqa: E402
 from fp4jax.reference import scaled_matmul_reference  # noqa: E402
+from bench import gpu_aot, hlo_cost  # noqa: E402  (stdlib only: the cost model of the compiled HLO)
 from bench.timing import median_seconds, nbytes  # noqa: E402
 
 TARGETS = {"quantize_bw": 0.70, "gemm": 0.90, "step": 1.25}
@@ -88,6 +91,7 @@ class Row:
   target: str = ""
   error: str = ""
   at_s: float = 0.0        # seconds since the start when the row finished
+  predicted_ms: float | None = None   # bench/hlo_cost.py's cost model of the compiled HLO (derated peaks)
 
 
 class Report:
@@ -110,14 +114,29 @@ class Report:
 def _format_row(r: Row) -> str:
   f = lambda v, fmt: "-" if v is None else format(v, fmt)
   text = (f"{r.section:9s} {r.name:34s} {r.impl:6s} {r.shape:12s} {r.status:8s} {r.exact:24s} "
-          f"{f(r.ms, '9.3f')} ms {f(r.rate, '9.2f')} {r.unit:7s} {f(r.ratio, '6.2f')} {r.at_s:5.0f}s {r.target}")
+          f"{f(r.ms, '9.3f')} ms {f(r.predicted_ms, '9.3f')} ms {f(r.rate, '9.2f')} {r.unit:7s} "
+          f"{f(r.ratio, '6.2f')} {r.at_s:5.0f}s {r.target}")
   if r.error:
     text += f"\n          ! {r.error}"
   return text
 
 
 HEADER = (f"{'section':9s} {'op':34s} {'impl':6s} {'shape':12s} {'status':8s} {'exact':24s} "
-          f"{'time':>12s} {'rate':>9s} {'unit':7s} {'ratio':>6s} {'at':>6s} target")
+          f"{'time':>12s} {'predicted':>12s} {'rate':>9s} {'unit':7s} {'ratio':>6s} {'at':>6s} target")
+
+
+def _model_target() -> str:
+  """The cost model's target for this device: h100 / h200 / b200 by device kind, else h200."""
+  kind = str(getattr(jax.devices()[0], "device_kind", "")).upper()
+  return next((t for t in ("b200", "h100", "h200") if t.upper() in kind), "h200")
+
+
+def _predict(compiled) -> float | None:
+  """Predicted ms of one call of a compiled executable (None when its HLO cannot be read)."""
+  try:
+    return hlo_cost.analyze(compiled.as_text(), gpu_aot.peaks(_model_target()))["seconds"] * 1e3
+  except Exception:  # pylint: disable=broad-except  (the prediction never costs a row)
+    return None
 
 
 def _run_row(report: Report, row: Row, work):
@@ -222,7 +241,7 @@ def quantize_rows(report: Report, impl: str, copy_bw: float, xla_outputs: dict):
     def work(row, name=name):
       fn = _quantize_fn(name, impl)
       args = _quantize_args(x, name)
-      fn.lower(*args).compile()               # a compile error lands in this row
+      row.predicted_ms = _predict(fn.lower(*args).compile())   # a compile error lands in this row
       out = fn(*args)
       if impl == "xla":
         xla_outputs[name] = out
@@ -270,7 +289,7 @@ def matmul_rows(report: Report, impl: str, bf16_tflops: float, xla_outputs: dict
                                                        impl="xla"), static_argnums=1)
       a, b = quant(x, a_tiled), quant(w, b_tiled)
       fn = _matmul_fn(impl)
-      fn.lower(a, b).compile()
+      row.predicted_ms = _predict(fn.lower(a, b).compile())
       out = fn(a, b)
       ea = _exact_operand(cm, ck, fmt, a_tiled, 3)
       eb = _exact_operand(cn, ck, fmt, b_tiled, 4)
@@ -304,6 +323,7 @@ def yardstick_rows(report: Report):
 
   def copy(row):
     fn = jax.jit(lambda v: -v)
+    row.predicted_ms = _predict(fn.lower(x).compile())
     t = median_seconds(fn, x, iters=s.iters)
     out["copy_bw"] = 2 * nbytes(x) / t
     row.ms, row.rate, row.unit, row.ratio = t * 1e3, out["copy_bw"] / 1e9, "GB/s", 1.0
@@ -316,6 +336,7 @@ def yardstick_rows(report: Report):
   def gemm(row):
     fn = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                                   preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    row.predicted_ms = _predict(fn.lower(a, b).compile())
     t = median_seconds(fn, a, b, iters=max(1, s.iters // 2))
     out["bf16_tflops"] = 2.0 * n ** 3 / t / 1e12
     row.ms, row.rate, row.unit, row.ratio = t * 1e3, out["bf16_tflops"], "TFLOP/s", 1.0
@@ -385,6 +406,7 @@ def train_rows(report: Report):
 
     def work(row, label=label, recipe=recipe, force=force):
       compiled, state, tokens, n_tokens = _train_step_fn(report, recipe, force)
+      row.predicted_ms = _predict(compiled)
       state, metrics = compiled(state, tokens)
       loss = float(metrics["loss"])
       row.exact = f"loss {loss:.4f}" + ("" if np.isfinite(loss) else " NOT FINITE")
@@ -475,11 +497,12 @@ def write_report(report: Report, env: dict):
   md = [f"# fp4jax gpu_check {'(CPU rehearsal) ' if report.rehearse else ''}— {env['time']}", "",
         f"{env['device']} ({env['backend']}), jax {env['jax']}, jaxlib {env['jaxlib']}, "
         f"python {env['python']}, {report.elapsed():.0f} s", "",
-        "| section | op | impl | shape | status | exact | ms | rate | unit | ratio | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| section | op | impl | shape | status | exact | ms | predicted ms | rate | unit | ratio | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in report.rows:
     md.append(f"| {r.section} | {r.name} | {r.impl} | {r.shape} | {r.status} | {r.exact} | "
-              f"{fmt(r.ms, '.3f')} | {fmt(r.rate, '.2f')} | {r.unit} | {fmt(r.ratio, '.2f')} | {r.target} |")
+              f"{fmt(r.ms, '.3f')} | {fmt(r.predicted_ms, '.3f')} | {fmt(r.rate, '.2f')} | {r.unit} | "
+              f"{fmt(r.ratio, '.2f')} | {r.target} |")
   md += ["", *[f"- {line}" for line in lines]]
   if evidence:
     md += ["", "VERIFIED_KERNELS candidates:", "```", *evidence, "```"]

@@ -54,6 +54,7 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert [r["name"] for r in rows[18:]] == ["train step bf16", "train step nvfp4",
                                             "train step nvfp4, kernels forced"]
   assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[18:])
+  assert all(r["predicted_ms"] > 0 for r in rows), [r["name"] for r in rows if not r["predicted_ms"]]
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked

@@ -1,8 +1,9 @@
 """Every kernel lowers to Triton IR for CUDA, on a machine without a GPU.
 
 ``jax.export`` for platform "cuda" runs the Pallas->Triton lowering (the step that rejects unsupported
-ops and non-power-of-two tensors inside kernels); PTX compilation and execution need a GPU
-(tests/test_kernels_gpu.py). The public API with impl="pallas" is lowered end to end, so the CUDA
+ops and non-power-of-two tensors inside kernels), with or without jax's CUDA plugin. The full GPU
+compile (XLA's Triton pipeline, LLVM, ptxas) of every kernel for sm_90 and sm_100 is in
+tests/test_gpu_aot.py (needs the plugin, no GPU); execution needs a GPU (tests/test_kernels_gpu.py). The public API with impl="pallas" is lowered end to end, so the CUDA
 lowering rules of the primitives are exercised too.
 """
 import jax

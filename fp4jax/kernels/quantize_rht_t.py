@@ -5,12 +5,20 @@ Axis legend: T tokens (the reduction axis of the wgrad GEMM), C channels, n the 
 quantization block (16 nvfp4, 32 mxfp4), L = max(n, B) rows handled as one unit.
 
 The kernel reads x viewed as (T/L, L, C) and loads the L token rows of a tile one by one (each a
-contiguous (chunks, C-tile) slab), so the Walsh-Hadamard butterfly runs on a list of row tiles in
-exactly the order of ``fp4jax.hadamard.fwht_last`` (sign flip, log2 n stages of a+b / a-b, then one
-multiply by f32(1/sqrt n)) and block amaxes are elementwise maxima across rows. Codes are packed
-eight to a 32-bit word (element 0 in the low nibble, little-endian bytes = the packed layout) and the
-words and scale bytes are transposed in registers before the store. The tensor amax (taken after the
-transform) is a separate reduction before this pass.
+contiguous (chunks, C-tile) slab, transposed as it is loaded to a (C-tile, chunks) tile), so the
+Walsh-Hadamard butterfly runs on a list of row tiles in exactly the order of
+``fp4jax.hadamard.fwht_last`` (sign flip, log2 n stages of a+b / a-b, then one multiply by
+f32(1/sqrt n)) and block amaxes are elementwise maxima across rows. Codes are packed eight to a 32-bit
+word (element 0 in the low nibble, little-endian bytes = the packed layout); words, scale bytes and
+random bits are already in the output's (C, T) orientation, so they are stored and loaded as they are.
+The tensor amax (taken after the transform) is a separate reduction before this pass.
+
+Transpose only at the loads. The first version transposed each output word and scale tile in
+registers, below the butterfly, the block amax and the encode; its GPU compile never finished (killed
+after minutes at 8.6 GB, at every size): a stack of the stalled compiler sits in the greedy rewrite of
+XLA's TritonXLAFoldTransposePass, materializing constants, which fits a pass that moves a transpose up
+through the ops that produce it, one copy per use of a DAG whose paths multiply. Transposed right at the
+16 (or 32) loads, with no transpose below, the kernel compiles in 4-25 s for sm_90 and sm_100.
 """
 from __future__ import annotations
 
@@ -61,8 +69,8 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
     (x_ref, f_ref, w_ref, s_ref), bits_ref = refs, None
   n, b, L = len(signs), formats.BLOCK[fmt], rows_per_unit
   scale = float(np.float32(1.0 / np.sqrt(n)))
-  # 1. RHT of every n-row chunk, rows as (chunks, C-tile) float32 tiles.
-  rows = [x_ref[:, i, :].astype(jnp.float32) for i in range(L)]
+  # 1. RHT of every n-row chunk, rows as (C-tile, chunks) float32 tiles (transposed at the load).
+  rows = [x_ref[:, i, :].T.astype(jnp.float32) for i in range(L)]
   y = []
   for c0 in range(0, L, n):
     y += _butterfly(rows[c0:c0 + n], signs, scale)
@@ -71,7 +79,7 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
   if fmt == "nvfp4":
     p = f_ref[2]                          # 2^64 for a tensor amax below 2^-64, else 1 (exact)
     y = [r * p for r in y]
-  # 2. Quantize each block of B rows; 3. pack 8 codes per int32 word, transpose, store.
+  # 2. Quantize each block of B rows; 3. pack 8 codes per int32 word, store.
   for j in range(L // b):
     blk = y[j * b:(j + 1) * b]
     amax = functools.reduce(jnp.maximum, [jnp.abs(r) for r in blk])
@@ -81,15 +89,15 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
     else:
       byte, inv, exp = C.e8m0_block_encode(amax, scale_rule)
       scaled = lambda v, inv=inv, exp=exp: C.mxfp4_scaled(v, inv, exp)
-    s_ref[:, :, j] = byte.astype(jnp.uint8).T
+    s_ref[:, :, j] = byte.astype(jnp.uint8)
     for w in range(b // 8):
       word = None
       for e in range(8):
         i = j * b + w * 8 + e
-        bits = None if bits_ref is None else bits_ref[:, :, i].T
+        bits = None if bits_ref is None else bits_ref[:, :, i]
         code = C.encode(scaled(y[i]), bits).astype(jnp.int32)
         word = code if word is None else word | (code << (4 * e))
-      w_ref[:, :, (j * b + w * 8) // 8] = word.T
+      w_ref[:, :, (j * b + w * 8) // 8] = word
 
 
 def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
@@ -123,9 +131,37 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
   return q, s[:c, :u].reshape(c, t // b)
 
 
-def rht_amax(x_TxC, *, rht_size=16, rht_seed=None):
-  """max |RHT(x) along T| (float32): the separate reduction before the fused pass."""
-  return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=rht_size, seed=rht_seed)))
+_ONE_PASS_MAX = 32   # RHT sizes rht_amax runs as one unrolled pass (16: nvfp4's; 32: mxfp4's)
+
+
+def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
+  """max |RHT(x) along T| (float32): the separate reduction before the fused pass.
+
+  Default: ``max |hadamard.rht(x, axis=0)|``. The GPU compiler runs that as a transpose and one
+  materialized float32 tensor per butterfly stage, but in the XLA path (impl="xla") the reference
+  quantize computes the same ``hadamard.rht`` and XLA shares it, so there it costs little extra.
+
+  ``one_pass=True`` is for the kernel path, where nothing shares it: the n token rows of each chunk
+  are strided slices of x viewed as (T/n, n, C), the butterfly runs on them as a list
+  (``_butterfly``, the op order of ``hadamard.rht``), and one max over the restacked (T, C) values
+  reduces them: the same values at the same places and the same reduction, so the same amax bit for
+  bit (NaN included, where the CPU's fast max is order-dependent). In the compiled H200 program at
+  8192², it moves 0.69 GiB instead of 1.6 GiB alone, and cuts the kernel path's dot from 5.88 to
+  5.35 ms (docs/PERF.md); in the XLA path it would add 0.19 ms, losing the shared transform. Sizes
+  above 32 keep ``hadamard.rht`` (n slices unrolled compile slowly). The caller (``fp4jax.api``)
+  chooses; today it passes nothing, so both impls run the default.
+  """
+  t, c = x_TxC.shape
+  n = rht_size
+  if not one_pass or n > _ONE_PASS_MAX or t % n:
+    return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=n, seed=rht_seed)))
+  x_UxNxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // n, n, c)
+  scale = float(np.float32(1.0 / np.sqrt(n)))
+  y = _butterfly([x_UxNxC[:, i, :] for i in range(n)], hadamard.signs(n, rht_seed), scale)
+  # Re-stacked to (T, C), the values at the same places as hadamard.rht's result, and reduced by one
+  # max over the same shape: the same reduction, so the same result even where max meets a NaN (the
+  # CPU's fast min/max makes that order-dependent). XLA fuses the stack into the reduction.
+  return jnp.max(jnp.abs(jnp.stack(y, axis=1).reshape(t, c)))
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,

@@ -1,0 +1,467 @@
+"""Compile fp4jax's GPU program for an H100, H200 or B200 on a machine without a GPU, and cost it.
+
+  python bench/gpu_aot.py --target h200 --what dot --shape 8192,8192,8192 --recipe nvfp4
+  python bench/gpu_aot.py --target b200 --what quantize --shape 8192,8192 --impl pallas
+  python bench/gpu_aot.py --target h200 --what step --config configs/small.py
+  python bench/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
+  python bench/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
+
+Needs jax's CUDA plugin at the installed jax's version (``pip install -e ".[gpu-compile]"``), no GPU:
+the process compiles for a ``GpuTargetConfigProto`` (bench/gpu_targets/<target>.txtpb) through
+``jax.experimental.topologies``, so XLA's GPU pipeline, Triton and ptxas all run. ``--devices N`` makes
+a topology of N GPUs (8 per host); ``--mesh.<axis>=k`` / ``--config.<field>=v`` as in bench/scale.py,
+whose step builder (``scale.build_step``) is the one used here.
+
+``--what``: one op (``quantize``, ``quantize_sr``, ``quantize_2d``, ``quantize_rht_t``,
+``dequantize``, ``scaled_matmul``; ``--fmt``, ``--impl``), ``dot`` (``value_and_grad`` of
+``fp4jax.dot``: y, dx and dw for a cotangent input, any ``--recipe``), ``step`` (a config's train
+step), or the batches the tests compile (``kernels``: every Pallas kernel; ``ops``: the XLA
+composition of every op; ``dots``: every recipe preset's dot).
+
+Printed, and written by ``--json``: per-device memory (XLA's memory analysis), compile seconds, the
+collectives by kind and dtype in bytes per step (loop trip counts applied), fusion / kernel / GEMM
+counts, the GEMMs with shapes and dtypes, the bytes of the other ops by what they belong to, and the
+cost model of ``bench/hlo_cost.py`` (what it ignores is said there: autotuning, overlap, launch
+latency, caches): the predicted time and, for ``dot`` and ``step``, its ratio to the bf16 twin of the
+same program compiled in the same run (top-level ``ratio_vs_bf16``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGETS_DIR = os.path.join(ROOT, "bench", "gpu_targets")
+TARGETS = ("h100", "h200", "b200")
+
+
+def _mesh_aliases(argv) -> list[str]:
+  return [f"--config.{a[2:]}" if a.startswith("--mesh.") else a for a in argv]
+
+
+if __name__ == "__main__":
+  sys.argv = _mesh_aliases(sys.argv)
+  sys.path.insert(0, ROOT)
+
+# pylint: disable=wrong-import-position
+import dataclasses
+import json
+import resource
+import time
+
+# Peak rates, per GPU. "spec": the vendor's datasheet (dense, no sparsity). "derated": what the cost
+# model uses by default: an H200's measured bf16 GEMM rate (about 790 TFLOP/s of 989, 0.80) and copy
+# bandwidth (about 4.3 TB/s of 4.8, 0.90), and the same two fractions applied to the other parts (an
+# assumption until a device run measures them). f32 GEMMs (no tensor cores, no TF32): SMs x 128 FMA x 2
+# x clock, from the target file (66.9 TFLOP/s on Hopper, which is the datasheet's FP32 figure), used
+# only for dots at the highest precision; other f32 dots run as TF32 (datasheets: 494.7 TFLOP/s dense
+# on H100/H200, 1.12 PFLOP/s on B200 = half the sparse figure).
+# NVLink: the datasheet's bidirectional figure / 2, one direction, used only for the collectives line.
+_SPEC = {
+    # H100 SXM5 80 GB datasheet: BF16 989 TFLOP/s, FP8 1,979 TFLOP/s, HBM3 3.35 TB/s, NVLink 900 GB/s.
+    "h100": dict(flops={"bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12, "f8e5m2": 1979e12,
+                        "f32": 66.9e12, "tf32": 494.7e12}, hbm=3.35e12, link=450e9),
+    # H200 SXM 141 GB datasheet: the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
+    "h200": dict(flops={"bf16": 989e12, "f16": 989e12, "f8e4m3fn": 1979e12, "f8e5m2": 1979e12,
+                        "f32": 66.9e12, "tf32": 494.7e12}, hbm=4.8e12, link=450e9),
+    # B200 (HGX B200) datasheet, dense: BF16 2.25 PFLOP/s, FP8 4.5, FP4 9, HBM3e 8 TB/s, NVLink 5
+    # 1.8 TB/s. f32: 148 SMs x 256 x 1.98 GHz = 75 TFLOP/s (the clock is the target file's, Hopper's).
+    "b200": dict(flops={"bf16": 2.25e15, "f16": 2.25e15, "f8e4m3fn": 4.5e15, "f8e5m2": 4.5e15,
+                        "f4e2m1fn": 9e15, "f32": 75e12, "tf32": 1.12e15}, hbm=8e12, link=900e9),
+}
+COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
+
+
+def peaks(target: str, which: str = "derated") -> dict:
+  spec = _SPEC[target]
+  if which == "spec":
+    return dict(spec, flops=dict(spec["flops"]))
+  return dict(flops={k: v * COMPUTE_DERATE for k, v in spec["flops"].items()},
+              hbm=spec["hbm"] * HBM_DERATE, link=spec["link"])
+
+
+def target_config(target: str) -> str:
+  with open(os.path.join(TARGETS_DIR, f"{target}.txtpb"), encoding="utf-8") as f:
+    return f.read()
+
+
+def gpu_devices(target: str, n: int):
+  """N devices of a deviceless GPU topology (8 per host, as an HGX node)."""
+  from jax.experimental import topologies   # pylint: disable=import-outside-toplevel
+  per_host = min(n, 8)
+  if n % per_host:
+    raise ValueError(f"--devices={n}: use up to 8, or a multiple of 8")
+  topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
+                                      topology=f"1x{n // per_host}x{per_host}")
+  return topo.devices
+
+
+def max_rss_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclasses.dataclass
+class Program:
+  """One function to compile: ``fn`` jitted over ``args`` (ShapeDtypeStructs with shardings);
+  ``kernels``: Pallas kernels its HLO must hold (0 = none required)."""
+  name: str
+  fn: object
+  args: tuple
+  kernels: int = 0
+
+
+def compile_program(prog: Program, mesh=None) -> dict:
+  """Lowers and compiles; returns the compiled executable's text, memory and times (never raises:
+  an error is returned in ``error``)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  t0, c0 = time.perf_counter(), time.process_time()
+  try:
+    fn = prog.fn if hasattr(prog.fn, "lower") else jax.jit(prog.fn)
+    if mesh is not None:
+      from training import sharding   # pylint: disable=import-outside-toplevel
+      with sharding.mesh_context(mesh):
+        lowered = fn.lower(*prog.args)
+    else:
+      lowered = fn.lower(*prog.args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+  except Exception as e:   # pylint: disable=broad-except  (reported per program)
+    return dict(name=prog.name, error=f"{type(e).__name__}: {str(e)[:2000]}",
+                seconds=round(time.perf_counter() - t0, 2), max_rss_bytes=max_rss_bytes())
+  t2, c2 = time.perf_counter(), time.process_time()
+  mem = compiled.memory_analysis()
+  text = compiled.as_text()
+  return dict(name=prog.name, error=None, text=text, lower_s=round(t1 - t0, 2),
+              compile_s=round(t2 - t1, 2), seconds=round(t2 - t0, 2), cpu_s=round(c2 - c0, 2),
+              max_rss_bytes=max_rss_bytes(),
+              kernels=text.count('custom_call_target="__gpu$xla.gpu.triton"'),
+              kernels_required=prog.kernels,
+              memory=dict(argument_bytes=int(mem.argument_size_in_bytes),
+                          output_bytes=int(mem.output_size_in_bytes),
+                          alias_bytes=int(mem.alias_size_in_bytes),
+                          temp_bytes=int(mem.temp_size_in_bytes)))
+
+
+# ------------------------------------------------------------------------------------ programs
+
+def _spec(shape, dtype, sharding):
+  import jax   # pylint: disable=import-outside-toplevel
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _with(sharding, tree):
+  import jax   # pylint: disable=import-outside-toplevel
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
+  """One fp4jax op on bf16 inputs of ``shape`` ((M, K); (M, N, K) for scaled_matmul)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  import fp4jax   # pylint: disable=import-outside-toplevel
+  from fp4jax.api import quantize_rht_transposed   # pylint: disable=import-outside-toplevel
+  key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
+  kern = 1 if impl == "pallas" else 0
+  tag = f"{what}_{fmt}_{impl}"
+  if what in ("quantize", "quantize_sr", "quantize_2d"):
+    m, k = shape
+    tile = (16, 16) if what == "quantize_2d" else None
+    rounding = "stochastic" if what == "quantize_sr" else "nearest"
+    def fn(x, key):
+      q = fp4jax.quantize(x, fmt, tile=tile, rounding=rounding, key=key, impl=impl)
+      return q.data, q.scale
+    return Program(tag, fn, (_spec((m, k), jnp.bfloat16, sharding), key), kern)
+  if what in ("quantize_rht_t", "quantize_rht_t_sr"):
+    t, c = shape
+    rounding = "stochastic" if what.endswith("_sr") else "nearest"
+    size = 32 if fmt == "mxfp4" else 16
+    def fn(x, key):
+      q = quantize_rht_transposed(x, fmt, rht_size=size, rounding=rounding, key=key, impl=impl)
+      return q.data, q.scale
+    return Program(tag, fn, (_spec((t, c), jnp.bfloat16, sharding), key), kern)
+  if what == "dequantize":
+    m, k = shape
+    q = _with(sharding, jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, impl="xla"),
+                                       jax.ShapeDtypeStruct((m, k), jnp.bfloat16)))
+    return Program(tag, lambda q: fp4jax.dequantize(q, jnp.bfloat16, impl=impl), (q,), 0)
+  if what == "scaled_matmul":
+    m, n, k = shape
+    w_tile = (16, 16) if fmt == "nvfp4" else None
+    qa = _with(sharding, jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, impl="xla"),
+                                        jax.ShapeDtypeStruct((m, k), jnp.bfloat16)))
+    qb = _with(sharding, jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, tile=w_tile, impl="xla"),
+                                        jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
+    # the kernel path: its two dequantize passes and its GEMM are kernels
+    return Program(tag, lambda a, b: fp4jax.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl),
+                   (qa, qb), 3 * kern)
+  raise ValueError(f"unknown op {what!r}")
+
+
+def dot_program(recipe: str, shape, sharding) -> Program:
+  """``fp4jax.dot`` forward and backward (y, dx, dw for a cotangent dy, all inputs): value_and_grad
+  of the layer, with no constant cotangent for XLA to fold."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  import fp4jax   # pylint: disable=import-outside-toplevel
+  m, k, n = shape
+  rec = fp4jax.recipes.get(recipe)
+
+  def fn(x, w, dy, key):
+    y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=rec, key=key), x, w)
+    dx, dw = vjp(dy.astype(y.dtype))
+    return y, dx, dw
+
+  key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
+  args = (_spec((m, k), jnp.bfloat16, sharding), _spec((k, n), jnp.bfloat16, sharding),
+          _spec((m, n), jnp.bfloat16, sharding), key)
+  return Program(f"dot_{recipe}", fn, args, 0)
+
+
+KERNEL_OPS = (("quantize", "nvfp4"), ("quantize_sr", "nvfp4"), ("quantize_2d", "nvfp4"),
+              ("quantize", "mxfp4"), ("quantize_sr", "mxfp4"), ("quantize_rht_t", "nvfp4"),
+              ("quantize_rht_t_sr", "nvfp4"), ("quantize_rht_t", "mxfp4"),
+              ("scaled_matmul", "nvfp4"), ("scaled_matmul", "mxfp4"))
+XLA_OPS = KERNEL_OPS + (("dequantize", "nvfp4"), ("dequantize", "mxfp4"))
+
+
+def batch_programs(what: str, sharding, small: bool = True) -> list[Program]:
+  """The batches the tests compile: ``kernels`` (every Pallas kernel), ``ops`` (every op's XLA
+  composition), ``dots`` (every recipe preset's dot). Small shapes: compile time, not size, is tested."""
+  import fp4jax   # pylint: disable=import-outside-toplevel
+  mk = (256, 512) if small else (8192, 8192)
+  mnk = (256, 256, 512) if small else (8192, 8192, 8192)
+  if what == "kernels":
+    return [op_program(op, mnk if op == "scaled_matmul" else mk, fmt, "pallas", sharding)
+            for op, fmt in KERNEL_OPS]
+  if what == "ops":
+    return [op_program(op, mnk if op == "scaled_matmul" else mk, fmt, "xla", sharding)
+            for op, fmt in XLA_OPS]
+  if what == "dots":
+    return [dot_program(r, (256, 512, 256) if small else (8192, 8192, 8192), sharding)
+            for r in fp4jax.recipes.NAMES]
+  raise ValueError(what)
+
+
+def combined(name: str, progs: list[Program]) -> Program:
+  """One program that runs all of ``progs`` (one XLA module, one compile; identical kernels are
+  compiled once)."""
+  def fn(*args):
+    out, i = [], 0
+    for p in progs:
+      out.append(p.fn(*args[i:i + len(p.args)]))
+      i += len(p.args)
+    return out
+  return Program(name, fn, tuple(a for p in progs for a in p.args), sum(p.kernels for p in progs))
+
+
+# ------------------------------------------------------------------------------------ report
+
+GiB, MiB = 2 ** 30, 2 ** 20
+
+
+def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
+  """The compile result with the cost model applied (``cost``) and the HLO text dropped."""
+  from bench import hlo_cost   # pylint: disable=import-outside-toplevel
+  out = {k: v for k, v in res.items() if k != "text"}
+  if res.get("error"):
+    return out
+  cost = hlo_cost.analyze(res["text"], peaks(target, peak_kind))
+  gemms = [o for o in cost["ops"] if o["kind"] == "gemm"]
+  out["cost"] = dict(
+      predicted_ms=cost["seconds"] * 1e3, gemm_ms=cost["gemm_seconds"] * 1e3,
+      other_ms=cost["other_seconds"] * 1e3, gemm_tflop=cost["gemm_flops"] / 1e12,
+      other_gib=cost["other_bytes"] / GiB, naive_gib=hlo_cost.naive_bytes(res["text"]) / GiB,
+      counts=cost["counts"], collectives=cost["collectives"],
+      collective_gib=cost["collective_bytes"] / GiB,
+      collective_ms_if_serial=(cost["collective_seconds"] or 0) * 1e3,
+      gemms=[dict(name=o["name"], op_name=o["op_name"], dtype=o["dtype"], mnk=list(o["mnk"]),
+                  count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
+                  flops=o["flops"], highest=o["highest"]) for o in gemms],
+      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)])
+  return out
+
+
+def report(s: dict, twin: dict | None = None) -> str:
+  if s.get("error"):
+    return f"{s['name']}: COMPILE FAILED after {s['seconds']:.1f} s: {s['error'][:600]}"
+  m, c = s["memory"], s["cost"]
+  lines = [f"{s['name']}: compiled in {s['compile_s']:.1f} s (lower {s['lower_s']:.1f} s), "
+           f"peak host RSS {s['max_rss_bytes'] / GiB:.2f} GiB, Pallas kernels {s['kernels']}",
+           f"  per device: arguments {m['argument_bytes'] / GiB:.3f} GiB, outputs "
+           f"{m['output_bytes'] / GiB:.3f} GiB (aliased {m['alias_bytes'] / GiB:.3f}), temp "
+           f"{m['temp_bytes'] / GiB:.3f} GiB",
+           f"  launches per step: " + ", ".join(f"{k} {v}" for k, v in sorted(c["counts"].items())),
+           f"  predicted {c['predicted_ms']:.3f} ms = GEMMs {c['gemm_ms']:.3f} ms ({c['gemm_tflop']:.2f} "
+           f"TFLOP) + other ops {c['other_ms']:.3f} ms ({c['other_gib']:.2f} GiB moved; a walk without "
+           f"slice accounting: {c['naive_gib']:.2f} GiB)"]
+  if twin is not None and not twin.get("error"):
+    lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
+                 f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
+  if c["gemms"]:
+    lines.append("  GEMMs (dtype, M x N x K, executions per step, ms per step, bound):")
+    agg = {}
+    for g in c["gemms"]:
+      key = (g["dtype"], tuple(g["mnk"]), g["bound"])
+      a = agg.setdefault(key, [0, 0.0])
+      a[0] += g["count"]
+      a[1] += g["ms"]
+    for (dt, mnk, bound), (n, ms) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:24]:
+      lines.append(f"    {dt:<22}{' x '.join(map(str, mnk)):<24}{n:>6}{ms:>10.3f}  {bound}")
+  lines.append("  other ops by what they belong to (ms, GiB per step):")
+  for r in c["by_label"][:16]:
+    lines.append(f"    {r['label']:<40}{r['ms']:>10.3f}{r['gib']:>10.3f}")
+  if c["collectives"]:
+    lines.append(f"  collectives per device per step ({c['collective_gib']:.2f} GiB; "
+                 f"{c['collective_ms_if_serial']:.2f} ms at one NVLink direction if not overlapped):")
+    for r in c["collectives"]:
+      lines.append(f"    {r['kind']:<20}{r['dtype']:<10}{r['count']:>6} ops{r['bytes_per_step'] / GiB:>10.3f} GiB")
+  return "\n".join(lines)
+
+
+def check_budget(s: dict, time_s: float, rss_bytes: float) -> list[str]:
+  """Why a compile result breaks the budget (empty: it does not)."""
+  problems = []
+  if s.get("error"):
+    problems.append(f"{s['name']}: {s['error'][:1500]}")
+    return problems
+  if s["compile_s"] + s["lower_s"] > time_s:
+    problems.append(f"{s['name']}: compile took {s['compile_s'] + s['lower_s']:.1f} s > {time_s} s")
+  if s["max_rss_bytes"] > rss_bytes:
+    problems.append(f"{s['name']}: host RSS {s['max_rss_bytes'] / GiB:.2f} GiB > {rss_bytes / GiB:.2f} GiB")
+  if s["kernels"] < s.get("kernels_required", 0):
+    problems.append(f"{s['name']}: {s['kernels']} Pallas kernels in the HLO, expected "
+                    f">= {s['kernels_required']}")
+  return problems
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+def _flags():
+  from absl import flags   # pylint: disable=import-outside-toplevel
+  from bench import scale   # noqa: F401  (defines --config, --devices, --batch_per_device, --json, --hlo)
+  flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
+  flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
+  flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
+                      "quantize_rht_t_sr | dequantize | scaled_matmul | dot | step | kernels | ops | dots "
+                      "(the last three: a comma-separated list compiles them in one process)")
+  flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
+                      "scaled_matmul, M,K,N for dot (default 8192 each).")
+  flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
+  flags.DEFINE_string("impl", "xla", "xla | pallas (ops; dot and step: FP4JAX_DEFAULT_IMPL for the run).")
+  flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
+  flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
+  flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
+  flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")
+  flags.DEFINE_list("combine", [], "batches among kernels,ops,dots to compile as one module each (one "
+                    "compile; identical kernels compiled once); the others compile program by program.")
+  flags.DEFINE_boolean("one_pass_rht_amax", False, "what-if: the RHT amax as one pass "
+                       "(kernels.quantize_rht_t.rht_amax(one_pass=True)) where fp4jax.api takes it.")
+  flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
+  flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
+  return flags.FLAGS
+
+
+def main(argv):
+  del argv
+  from fp4jax import _platform   # pylint: disable=import-outside-toplevel
+  _platform.enable_deviceless()
+  import jax   # pylint: disable=import-outside-toplevel
+  F = flags_
+  if F.one_pass_rht_amax:
+    import functools   # pylint: disable=import-outside-toplevel
+    from fp4jax import api   # pylint: disable=import-outside-toplevel
+    from fp4jax.kernels import quantize_rht_t   # pylint: disable=import-outside-toplevel
+    api.rht_amax = functools.partial(quantize_rht_t.rht_amax, one_pass=True)
+  devices = gpu_devices(F.target, F.devices if F.what == "step" else 1)
+  mesh, results, twin = None, [], None
+  single = jax.sharding.SingleDeviceSharding(devices[0])
+  shape = tuple(int(v) for v in F.shape.split(",")) if F.shape else None
+  batches = F.what.split(",")
+  if all(b in ("kernels", "ops", "dots") for b in batches):
+    progs = []
+    for b in batches:
+      batch = batch_programs(b, single, small=F.small)
+      progs += [combined(b, batch)] if b in F.combine else batch
+    for p in progs:
+      results.append(_compiled(F, p))
+      print(report(results[-1]), flush=True)
+  elif F.what == "dot":
+    if F.impl == "pallas":
+      os.environ["FP4JAX_DEFAULT_IMPL"] = "pallas"
+    shape = shape or (8192, 8192, 8192)
+    results.append(_compiled(F, dot_program(F.recipe, shape, single)))
+    if F.twin:
+      twin = _compiled(F, dot_program("bf16", shape, single))
+    print(report(results[0], twin))
+  elif F.what == "step":
+    results, twin, mesh = _step(F, devices)
+  else:
+    shape = shape or ((8192, 8192, 8192) if F.what == "scaled_matmul" else (8192, 8192))
+    results.append(_compiled(F, op_program(F.what, shape, F.fmt, F.impl, single)))
+    print(report(results[0]))
+  out = dict(target=F.target, peaks=peaks(F.target, F.peaks), peaks_kind=F.peaks, what=F.what,
+             devices=len(devices), jax_version=jax.__version__, results=results, twin=twin)
+  if twin is not None and not twin.get("error") and results and not results[0].get("error"):
+    out["ratio_vs_bf16"] = results[0]["cost"]["predicted_ms"] / twin["cost"]["predicted_ms"]
+  if F.json:
+    with open(F.json, "w", encoding="utf-8") as f:
+      json.dump(out, f, indent=1)
+  problems = [p for r in results for p in check_budget(r, F.budget_s or float("inf"),
+                                                      (F.budget_gib or float("inf")) * GiB)]
+  for p in problems:
+    print("BUDGET/ERROR:", p)
+  return 1 if problems or any(r.get("error") for r in results) else 0
+
+
+_HLO_WRITTEN: list[str] = []
+
+
+def _compiled(F, prog, mesh=None) -> dict:
+  """compile_program + summarize; --hlo keeps the first program's optimized HLO text."""
+  res = compile_program(prog, mesh)
+  if F.hlo and res.get("text") and not _HLO_WRITTEN:
+    with open(F.hlo, "w", encoding="utf-8") as f:
+      f.write(res["text"])
+    _HLO_WRITTEN.append(F.hlo)
+  return summarize(res, F.target, F.peaks)
+
+
+def _step(F, devices):
+  import jax   # pylint: disable=import-outside-toplevel
+  import numpy as np   # pylint: disable=import-outside-toplevel
+  from bench import scale   # pylint: disable=import-outside-toplevel
+  from training import sharding   # pylint: disable=import-outside-toplevel
+  config = F.config
+  shape = sharding.mesh_shape(config.mesh, len(devices))
+  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
+  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // ranks)
+  if F.impl == "pallas":
+    os.environ["FP4JAX_DEFAULT_IMPL"] = "pallas"
+
+  def one(cfg, name):
+    built = scale.build_step(cfg, mesh, bpd)
+    prog = Program(name, built["step_fn"], (built["state_in"], built["tokens_in"]))
+    return _compiled(F, prog, mesh)
+
+  res = one(config, f"step {config.name} recipe {config.recipe} mesh {dict(mesh.shape)} "
+            f"{bpd}x{config.data.seq_len} tokens/rank")
+  twin = None
+  if F.twin and config.recipe != "bf16":
+    cfg = config.copy_and_resolve_references()
+    with cfg.unlocked():
+      cfg.recipe = "bf16"
+    twin = one(cfg, f"step {config.name} recipe bf16 (twin)")
+  print(report(res, twin))
+  if twin is not None:
+    print(report(twin))
+  return [res], twin, mesh
+
+
+flags_ = None
+
+if __name__ == "__main__":
+  from absl import app   # pylint: disable=import-outside-toplevel
+  flags_ = _flags()
+  app.run(lambda argv: sys.exit(main(argv)))

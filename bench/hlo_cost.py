@@ -1,0 +1,493 @@
+"""A roofline cost model of an optimized (compiled) XLA GPU HLO module, read from its text.
+
+  cost = analyze(compiled.as_text(), peaks)      # peaks: gpu_aot.PEAKS[target]
+
+Every instruction that launches work is charged once per execution, times the trip counts of the
+while loops around it (nested loops multiply; XLA's ``known_trip_count``, else the loop condition's one
+integer constant):
+
+- a GEMM (a fusion that XLA hands to a GEMM emitter, a cuBLAS/cuDNN custom call, or a fusion whose
+  computation holds a ``dot``/``scaled-dot``) at max(flops / peak of its operand dtype, bytes / HBM
+  bandwidth);
+- any other fusion, Pallas/Triton kernel, copy or standalone op at the bytes it moves / HBM bandwidth:
+  its operands and outputs, except that an operand the fused computation only reads through
+  dynamic-slice/slice is charged the slices, and an output built by dynamic-update-slice into an
+  operand buffer (in place) is charged the update. A fusion inside a scanned layer stack therefore pays
+  for the layer it touches, not the whole stacked buffer, per trip;
+- collectives apart, by kind and dtype, at their output bytes per device (reported, not added: the
+  model assumes they overlap with compute).
+
+Ignored: autotuning (a deviceless compile has none; every GEMM has its fallback tiles), overlap between
+kernels, launch latency and kernel prologues, caches (every byte goes to HBM), occupancy and tail
+effects, and the difference between a kernel's logical bytes and its real access pattern (strided or
+transposed reads cost the same as contiguous ones here). Times are sums, serial.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+
+BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8,
+        "f8e8m0fnu": 8, "f8e4m3": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "bf16": 16, "f16": 16, "s16": 16,
+        "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64, "c64": 64,
+        "c128": 128, "token": 0}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "ragged-all-to-all")
+# Ops that move no data of their own (aliases, metadata, control) or whose work is charged elsewhere.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "optimization-barrier",
+        "after-all", "partition-id", "replica-id", "iota", "while", "call", "conditional",
+        "add-dependency", "domain", "opt-barrier", "send", "recv", "send-done", "recv-done",
+        "async-done", "async-update", "copy-done"}
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$blockScaledDot")
+GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cublas", "__cudnn$fusion",
+                     "__triton_scaled_dot_fusion")
+
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+_NAME = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_KIND = re.compile(r'"kind"\s*:\s*"([^"]+)"')
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  shape: str             # the result shape text, a tuple "(...)" or one array
+  opcode: str
+  operands: list[str]
+  attrs: str             # everything after the operand list
+  root: bool = False
+  args: str = ""         # the operand list as written (a constant's value)
+
+  def attr(self, key: str) -> str | None:
+    m = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
+    return m.group(1) if m else None
+
+  @property
+  def op_name(self) -> str:
+    m = _OP_NAME.search(self.attrs)
+    return m.group(1) if m else ""
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the parenthesis group opening at text[start] == '('."""
+  depth = 0
+  for i in range(start, len(text)):
+    c = text[i]
+    if c == "(":
+      depth += 1
+    elif c == ")":
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  return len(text)
+
+
+def parse_instr(line: str) -> Instr | None:
+  m = _NAME.match(line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  if rest.startswith("("):
+    end = _balanced(rest, 0)
+    shape, rest = rest[:end], rest[end:].lstrip()
+  else:
+    sp = rest.find(" ")
+    if sp < 0:
+      return None
+    shape, rest = rest[:sp], rest[sp + 1:].lstrip()
+  paren = rest.find("(")
+  if paren < 0:
+    return None
+  opcode = rest[:paren].strip()
+  end = _balanced(rest, paren)
+  operands = _OPERAND.findall(rest[paren + 1:end - 1])
+  return Instr(m.group(2), shape, opcode, operands, rest[end:], root=bool(m.group(1)),
+               args=rest[paren + 1:end - 1].strip())
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], str | None]:
+  """``({computation: instructions}, entry name)`` of HLO module text."""
+  comps, entry, name = {}, None, None
+  for line in text.splitlines():
+    if line and not line[0].isspace():
+      header = _HEADER.match(line)
+      if header and not line.startswith("HloModule"):
+        name = header.group(2)
+        comps[name] = []
+        if header.group(1):
+          entry = name
+        continue
+      if line.startswith("}"):
+        name = None
+        continue
+    if name is not None:
+      ins = parse_instr(line)
+      if ins is not None:
+        comps[name].append(ins)
+  return comps, entry
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(shape)]
+
+
+def nbytes(shape: str) -> int:
+  total = 0
+  for dtype, dims in arrays(shape):
+    n = 1
+    for d in dims:
+      n *= d
+    total += n * BITS.get(dtype, 32) // 8
+  return total
+
+
+@dataclasses.dataclass
+class Op:
+  """One charged instruction: its kind ("gemm", "kernel" = Pallas/Triton custom call, "fusion",
+  "copy", "other", or a collective), executions per step, bytes per execution, and for a GEMM its
+  flops, operand dtype and (M, N, K)."""
+  name: str
+  kind: str
+  count: int
+  bytes: int
+  op_name: str
+  flops: int = 0
+  dtype: str = ""
+  mnk: tuple = ()
+  seconds: float = 0.0
+  bound: str = ""
+  highest: bool = False   # a GEMM whose dot asks for full f32 precision (no TF32)
+
+
+class Module:
+  def __init__(self, text: str):
+    self.comps, self.entry = parse_module(text)
+    self.shapes = {i.name: i.shape for instrs in self.comps.values() for i in instrs}
+    self.by_name = {i.name: i for instrs in self.comps.values() for i in instrs}
+
+  def trip_count(self, ins: Instr) -> int:
+    """Iterations of a while loop: XLA's known_trip_count, else the one s32 constant of its
+    condition (a scan's ``i < N``), else 1."""
+    m = _TRIPS.search(ins.attrs)
+    if m:
+      return int(m.group(1))
+    values = {int(i.args) for i in self.comps.get(ins.attr("condition"), [])
+              if i.opcode == "constant" and i.shape.startswith("s32[]") and i.args.isdigit()}
+    return values.pop() if len(values) == 1 else 1
+
+  def multipliers(self) -> dict[str, int]:
+    """``{computation: executions per step}`` for the entry and the control flow it reaches (while
+    bodies and conditions times their trip counts, calls, conditional branches, async wrappers)."""
+    mult = collections.Counter()
+
+    def visit(comp, m, depth=0):
+      if comp not in self.comps or depth > 64:
+        return
+      mult[comp] += m
+      for ins in self.comps[comp]:
+        if ins.opcode == "while":
+          trips = self.trip_count(ins)
+          visit(ins.attr("body"), m * trips, depth + 1)
+          visit(ins.attr("condition"), m * (trips + 1), depth + 1)
+        elif ins.opcode == "call":
+          visit(ins.attr("to_apply"), m, depth + 1)
+        elif ins.opcode == "conditional":
+          branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+          names = _OPERAND.findall(branches.group(1)) if branches else [
+              ins.attr("true_computation"), ins.attr("false_computation")]
+          for b in names:
+            visit(b, m, depth + 1)     # every branch charged: an upper bound
+        elif ins.opcode.endswith("-start") or ins.opcode == "async-start":
+          called = ins.attr("calls")
+          if called:
+            visit(called, m, depth + 1)
+    visit(self.entry, 1)
+    return mult
+
+  # ------------------------------------------------------------------ bytes of one fusion
+
+  def _users(self, comp: str) -> dict[str, list[Instr]]:
+    users = collections.defaultdict(list)
+    for ins in self.comps.get(comp, []):
+      for o in ins.operands:
+        users[o].append(ins)
+    return users
+
+  def _read_bytes(self, comp: str, param: Instr, users) -> int:
+    """Bytes a fused computation reads of one parameter: the slices it takes when every use is a
+    (dynamic-)slice (through bitcasts), the in-place buffer of a dynamic-update-slice nothing, else
+    all of it."""
+    frontier, sliced, seen = [param.name], 0, set()
+    while frontier:
+      name = frontier.pop()
+      if name in seen:
+        continue
+      seen.add(name)
+      for u in users.get(name, []):
+        if u.opcode in ("bitcast", "reshape"):
+          frontier.append(u.name)
+        elif u.opcode in ("dynamic-slice", "slice") and u.operands and u.operands[0] == name:
+          sliced += nbytes(u.shape)
+        elif u.opcode == "dynamic-update-slice" and u.operands and u.operands[0] == name:
+          continue          # written in place: the update is charged as the output
+        else:
+          return nbytes(param.shape)
+    return min(sliced, nbytes(param.shape))
+
+  def _write_bytes(self, comp: str, out_shape: str) -> int:
+    """Output bytes of a fusion, an in-place dynamic-update-slice counted at its update."""
+    instrs = self.comps.get(comp, [])
+    by_name = {i.name: i for i in instrs}
+    root = next((i for i in instrs if i.root), None)
+    if root is None:
+      return nbytes(out_shape)
+    outs = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+    total = 0
+    for o in outs:
+      while o is not None and o.opcode == "bitcast":
+        o = by_name.get(o.operands[0])
+      if o is not None and o.opcode == "dynamic-update-slice" and len(o.operands) > 1:
+        upd = by_name.get(o.operands[1])
+        total += nbytes(upd.shape if upd is not None else self.shapes.get(o.operands[1], ""))
+      elif o is not None:
+        total += nbytes(o.shape)
+    return total or nbytes(out_shape)
+
+  def fusion_bytes(self, ins: Instr) -> int:
+    comp = ins.attr("calls")
+    if comp not in self.comps:
+      return self.plain_bytes(ins)
+    params = {}
+    for i in self.comps[comp]:
+      if i.opcode == "parameter" and i.args.isdigit():
+        params[int(i.args)] = i
+    users = self._users(comp)
+    read = 0
+    for k, operand in enumerate(ins.operands):
+      p = params.get(k)
+      read += self._read_bytes(comp, p, users) if p is not None else nbytes(self.shapes.get(operand, ""))
+    return read + self._write_bytes(comp, ins.shape)
+
+  def plain_bytes(self, ins: Instr) -> int:
+    return sum(nbytes(self.shapes.get(o, "")) for o in ins.operands) + nbytes(ins.shape)
+
+  # ------------------------------------------------------------------ GEMMs
+
+  def _dot_in(self, comp: str, depth: int = 0):
+    """The first dot / scaled-dot of a computation (looking into the fusions it calls)."""
+    for i in self.comps.get(comp, []):
+      if i.opcode in ("dot", "scaled-dot"):
+        return i
+    if depth < 3:
+      for i in self.comps.get(comp, []):
+        if i.opcode == "fusion":
+          d = self._dot_in(i.attr("calls"), depth + 1)
+          if d is not None:
+            return d
+    return None
+
+  def gemm_shape(self, ins: Instr):
+    """(flops, operand dtype, (M, N, K)) of a GEMM instruction, or None if it is not one."""
+    dot = None
+    if ins.opcode == "fusion":
+      kind = _KIND.search(ins.attrs)
+      dot = self._dot_in(ins.attr("calls"))
+      if dot is None or (kind is None and "dot" not in dot.opcode):
+        return None
+      lhs = arrays(self.shapes.get(dot.operands[0], ""))
+      rhs = arrays(self.shapes.get(dot.operands[1], ""))
+      out = arrays(dot.shape)
+      lc = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attrs)
+      lb = re.search(r"lhs_batch_dims=\{([\d,]*)\}", dot.attrs)
+      contracting = [int(x) for x in lc.group(1).split(",") if x] if lc else []
+      batch = [int(x) for x in lb.group(1).split(",") if x] if lb else []
+    elif ins.opcode == "custom-call" and _is_pallas_gemm(ins):
+      # a Pallas GEMM kernel: a (..., M, K) · b (N, K)ᵀ -> (..., M, N), its operand dtypes as loaded
+      a = arrays(self.shapes.get(ins.operands[0], ""))
+      b = arrays(self.shapes.get(ins.operands[1], ""))
+      out = arrays(ins.shape)
+      if not (a and b and out) or a[0][1][-1] != b[0][1][-1] or len(b[0][1]) != 2:
+        return None
+      k = a[0][1][-1]
+      n_out = 1
+      for d in out[0][1]:
+        n_out *= d
+      return 2 * n_out * k, f"{a[0][0]}x{b[0][0]}", (n_out // b[0][1][0], b[0][1][0], k)
+    elif ins.opcode == "custom-call":
+      target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+      if not target or not any(target.group(1).startswith(t) for t in GEMM_TARGETS):
+        return None
+      lhs = arrays(self.shapes.get(ins.operands[0], ""))
+      rhs = arrays(self.shapes.get(ins.operands[1], ""))
+      out = arrays(ins.shape)[:1]
+      cfg = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+      bcfg = re.search(r'"lhs_batch_dimensions":\[([^\]]*)\]', ins.attrs)
+      contracting = [int(x.strip('" ')) for x in cfg.group(1).split(",") if x.strip('" ')] if cfg else []
+      batch = [int(x.strip('" ')) for x in bcfg.group(1).split(",") if x.strip('" ')] if bcfg else []
+    else:
+      return None
+    if not (lhs and rhs and out):
+      return None
+    lhs_dtype, lhs_dims = lhs[0]
+    k = 1
+    for d in contracting:
+      k *= lhs_dims[d]
+    n_out = 1
+    for d in out[0][1]:
+      n_out *= d
+    b = 1
+    for d in batch:
+      b *= lhs_dims[d]
+    m = 1
+    for i, d in enumerate(lhs_dims):
+      if i not in contracting and i not in batch:
+        m *= d
+    n = n_out // max(1, b * m)
+    return 2 * n_out * k, f"{lhs_dtype}x{rhs[0][0]}", (b * m, n, k) if b == 1 else (b, m, n, k)
+
+
+_PALLAS_GEMM = re.compile(r"fp4jax_(?:gemm|scaled_matmul)\w*/pallas_call")
+
+
+def _is_pallas_gemm(ins: Instr) -> bool:
+  """A Triton custom call from a Pallas kernel whose name says it is a GEMM (fp4jax names its GEMM
+  kernels ``fp4jax_gemm_*``; the op_name ends in ``<kernel name>/pallas_call``)."""
+  return ('custom_call_target="__gpu$xla.gpu.triton"' in ins.attrs
+          and bool(_PALLAS_GEMM.search(ins.op_name)))
+
+
+def _kind_of(mod: Module, ins: Instr) -> str:
+  if ins.opcode == "custom-call":
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return "kernel" if target and "triton" in target.group(1) else "other"
+  if ins.opcode == "fusion":
+    return "fusion"
+  if ins.opcode in ("copy", "copy-start"):
+    return "copy"
+  return "other"
+
+
+def _collective(ins: Instr) -> str | None:
+  op = ins.opcode[:-6] if ins.opcode.endswith("-start") else ins.opcode
+  return op if op in COLLECTIVES else None
+
+
+def analyze(text: str, peaks: dict) -> dict:
+  """The cost of one compiled module under ``peaks`` ({"flops": {dtype: FLOP/s}, "hbm": B/s,
+  "link": B/s}): per-op rows, totals, GEMMs, collectives, counts."""
+  mod = Module(text)
+  mult = mod.multipliers()
+  ops: list[Op] = []
+  coll = collections.defaultdict(lambda: [0, 0, 0])
+  for comp, m in mult.items():
+    for ins in mod.comps[comp]:
+      kind = _collective(ins)
+      if kind is not None:
+        shapes = arrays(ins.shape)
+        result = shapes[-1:] if ins.opcode.endswith("-start") else shapes
+        for dtype, dims in result:
+          b = nbytes(f"{dtype}[{','.join(map(str, dims))}]")
+          row = coll[(kind, dtype)]
+          row[0] += m
+          row[1] += b
+          row[2] += b * m
+        continue
+      if ins.opcode in FREE or ins.opcode.endswith("-done") or ins.opcode in ("async-start",):
+        continue
+      gemm = mod.gemm_shape(ins)
+      if gemm is not None:
+        flops, dtype, mnk = gemm
+        b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
+        text = ins.attrs + "".join(i.attrs for i in mod.comps.get(ins.attr("calls") or "", []))
+        highest = "operand_precision={highest" in text or "algorithm=dot_f32_f32_f32" in text
+        ops.append(Op(ins.name, "gemm", m, b, ins.op_name, flops=flops, dtype=dtype, mnk=mnk,
+                      highest=highest))
+        continue
+      b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
+      ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name))
+  for op in ops:
+    mem_s = op.bytes / peaks["hbm"]
+    if op.kind == "gemm":
+      peak = gemm_peak(peaks, op.dtype, highest=op.highest)
+      flop_s = op.flops / peak
+      op.seconds = max(flop_s, mem_s) * op.count
+      op.bound = "compute" if flop_s >= mem_s else "memory"
+    else:
+      op.seconds = mem_s * op.count
+      op.bound = "memory"
+  collectives = [dict(kind=k, dtype=d, count=c, bytes=b, bytes_per_step=t)
+                 for (k, d), (c, b, t) in sorted(coll.items())]
+  gemm_s = sum(o.seconds for o in ops if o.kind == "gemm")
+  other_s = sum(o.seconds for o in ops if o.kind != "gemm")
+  counts = collections.Counter()
+  for o in ops:
+    counts[o.kind] += o.count
+  link = peaks.get("link")
+  coll_bytes = sum(c["bytes_per_step"] for c in collectives)
+  return dict(
+      seconds=gemm_s + other_s, gemm_seconds=gemm_s, other_seconds=other_s,
+      gemm_flops=sum(o.flops * o.count for o in ops if o.kind == "gemm"),
+      other_bytes=sum(o.bytes * o.count for o in ops if o.kind != "gemm"),
+      counts=dict(counts), collectives=collectives,
+      collective_bytes=coll_bytes, collective_seconds=coll_bytes / link if link else None,
+      ops=[dataclasses.asdict(o) for o in ops])
+
+
+def gemm_peak(peaks: dict, dtype_pair: str, highest: bool = False) -> float:
+  """FLOP/s of a GEMM whose operand dtypes are ``"bf16xbf16"``: the peak of the wider operand (a
+  mixed-precision GEMM runs at the slower one's rate); dtypes without a peak use the f32 one. f32
+  operands run as TF32 on the tensor cores (JAX's default precision on a GPU) unless the dot asks for
+  the highest precision."""
+  flops = peaks["flops"]
+  f32 = flops["f32"] if highest else flops.get("tf32", flops["f32"])
+  rates = [f32 if d == "f32" else flops.get(d, flops["f32"]) for d in dtype_pair.split("x")]
+  return min(rates)
+
+
+_PASS = re.compile(r"\b(fprop|dgrad|wgrad)\b")
+_PRIM = re.compile(r"fp4jax/(quantize_rht_t|quantize|dequantize|scaled_matmul|rht|random_bits)\b")
+
+
+def label(op_name: str) -> str:
+  """What an op belongs to, from its op_name: ``<pass>/<primitive>`` inside fp4jax.dot (pass =
+  fprop/dgrad/wgrad), ``<primitive>`` elsewhere, else ``other``."""
+  prims = _PRIM.findall(op_name)
+  passes = _PASS.findall(op_name)
+  prim = prims[-1] if prims else None
+  if prim is None:
+    return f"{passes[-1]}/other" if passes else "other"
+  return f"{passes[-1]}/{prim}" if passes else prim
+
+
+def by_label(cost: dict) -> list[tuple[str, float, int]]:
+  """``[(label, seconds, bytes per step)]`` of the non-GEMM ops, largest first."""
+  acc = collections.defaultdict(lambda: [0.0, 0])
+  for o in cost["ops"]:
+    if o["kind"] == "gemm":
+      continue
+    row = acc[label(o["op_name"])]
+    row[0] += o["seconds"]
+    row[1] += o["bytes"] * o["count"]
+  return sorted(((k, s, b) for k, (s, b) in acc.items()), key=lambda r: -r[1])
+
+
+def naive_bytes(text: str) -> int:
+  """Operand + output bytes of every non-free instruction times its loop trip counts, with no slice
+  accounting: what a walk that charges each fusion its whole stacked buffers would say."""
+  mod = Module(text)
+  total = 0
+  for comp, m in mod.multipliers().items():
+    for ins in mod.comps[comp]:
+      if ins.opcode in FREE or _collective(ins) or ins.opcode.endswith("-done"):
+        continue
+      total += mod.plain_bytes(ins) * m
+  return total
+
+
+def dumps(cost: dict) -> str:
+  return json.dumps(cost, indent=1)

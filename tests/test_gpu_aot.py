@@ -1,0 +1,268 @@
+"""The GPU program compiles, for sm_90 (H200) and sm_100 (B200), on a machine without a GPU.
+
+Each compile runs ``bench/gpu_aot.py`` in a subprocess with the deviceless environment of
+``fp4jax._platform`` (platforms cpu,cuda, the CUDA plugin's version check skipped), so the pytest
+workers' jax stays CPU-only. A compile fails the test on an error (Triton, LLVM or ptxas included), on
+a compile longer than its time budget, on host memory past its budget, or when a kernel program's HLO
+lacks its Pallas kernels. The budgets sit far above a healthy compile on a loaded 2-core machine
+(kernels 1-25 s and 0.8 GiB each) and far below the RHT kernel's old stall (minutes, 8.6 GiB, never
+done). Skipped only where jax's CUDA plugin is not installed (the dev extra installs it).
+
+The cost model's HLO walk (bench/hlo_cost.py) is tested on a hand-written module and on a compiled
+CPU scan, without the plugin.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench import hlo_cost
+from fp4jax import _platform
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN = _platform.cuda_plugin()
+needs_plugin = pytest.mark.skipif(
+    PLUGIN is None, reason="jax's CUDA plugin is not installed, so XLA's GPU compiler is absent "
+    "(pip install -e '.[dev]' installs it: the gpu-compile extra, jax[cuda13] at jax's version)")
+
+COMPILE_BUDGET_S = 600       # one program (the batch of 14 dots: 110-185 s on a loaded 2-core machine)
+KERNEL_BUDGET_S = 180        # one Pallas kernel program (1-25 s)
+RSS_BUDGET_GIB = 6.0         # the compiling process's peak RSS (healthy: 0.8-1.7 GiB)
+GiB = 2 ** 30
+
+
+def _gpu_aot(tmp_path, *args, timeout=900):
+  """Runs bench/gpu_aot.py with ``args`` in a deviceless subprocess; returns its --json report."""
+  out = tmp_path / "out.json"
+  env = _platform.deviceless_env()
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_aot.py"), *args, "--json", str(out)]
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"{' '.join(args)}: no result within {timeout} s (a compile that never finishes)\n"
+                f"{(e.stdout or b'')[-3000:]!r}")
+  assert out.exists(), f"gpu_aot.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-5000:]}"
+  report = json.loads(out.read_text())
+  return proc, report
+
+
+def _check(proc, report, time_s):
+  problems = []
+  for r in report["results"]:
+    if r.get("error"):
+      problems.append(f"{r['name']}: {r['error'][:3000]}")
+      continue
+    if r["lower_s"] + r["compile_s"] > time_s:
+      problems.append(f"{r['name']}: {r['lower_s'] + r['compile_s']:.1f} s > budget {time_s} s")
+    if r["max_rss_bytes"] > RSS_BUDGET_GIB * GiB:
+      problems.append(f"{r['name']}: host RSS {r['max_rss_bytes'] / GiB:.2f} GiB > {RSS_BUDGET_GIB} GiB")
+    if r["kernels"] < r["kernels_required"]:
+      problems.append(f"{r['name']}: {r['kernels']} Pallas kernels in the GPU HLO, "
+                      f"expected {r['kernels_required']}")
+  assert not problems, "\n".join(problems) + f"\n(exit {proc.returncode})\n{proc.stdout[-2000:]}"
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_every_kernel_and_op_compiles(tmp_path, target):
+  """Every Pallas kernel (its own compile, so a slow one is named) and the XLA composition of every
+  op (one module), for the target, with predicted costs."""
+  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "kernels,ops", "--combine=ops",
+                          f"--budget_s={KERNEL_BUDGET_S}", f"--budget_gib={RSS_BUDGET_GIB}")
+  _check(proc, report, KERNEL_BUDGET_S)
+  names = [r["name"] for r in report["results"]]
+  assert "quantize_rht_t_sr_nvfp4_pallas" in names and "quantize_rht_t_mxfp4_pallas" in names
+  assert names[-1] == "ops"
+  for r in report["results"]:
+    assert r["cost"]["predicted_ms"] > 0, r["name"]
+  assert report["results"][-1]["cost"]["counts"].get("gemm", 0) == 2   # the two scaled matmuls
+
+
+@needs_plugin
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_every_recipe_dot_compiles(tmp_path, target):
+  """value_and_grad of fp4jax.dot for every recipe preset, one module."""
+  import fp4jax   # pylint: disable=import-outside-toplevel
+  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "dots", "--combine=dots",
+                          f"--budget_s={COMPILE_BUDGET_S}", f"--budget_gib={RSS_BUDGET_GIB}",
+                          timeout=1200)
+  _check(proc, report, COMPILE_BUDGET_S)
+  (r,) = report["results"]
+  # three GEMMs per recipe (fprop, dgrad, wgrad), some split by the recipe's scheme
+  assert r["cost"]["counts"]["gemm"] >= 3 * len(fp4jax.recipes.NAMES)
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_small_train_step_compiles_for_one_h200(tmp_path):
+  proc, report = _gpu_aot(tmp_path, "--target", "h200", "--what", "step", "--config",
+                          os.path.join(ROOT, "configs", "small.py"), timeout=1800)
+  _check(proc, report, 1200)
+  assert report["ratio_vs_bf16"] > 1.0
+  assert report["results"][0]["memory"]["temp_bytes"] > 0
+
+
+def test_cpu_user_sees_no_plugin_error():
+  """``import fp4jax`` first, no JAX_PLATFORMS: jax runs on the CPU (on a machine without a GPU) and
+  prints nothing about the CUDA plugin. Meaningful where the plugin is installed; passes anywhere."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in (_platform.PLATFORMS_ENV, _platform.SKIP_CHECK_ENV)}
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  code = "import fp4jax, jax; print(jax.devices()[0].platform); print(fp4jax._platform.cuda_plugin())"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  platform = proc.stdout.split()[0]
+  if not _platform.nvidia_driver_present():
+    assert platform == "cpu"
+  assert "Traceback" not in proc.stderr and "cuPTI" not in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------------------ the HLO walk
+
+SYNTHETIC = """HloModule synthetic, entry_computation_layout={()->f32[]}
+
+%fused_exp (p0: f32[8,1024,1024], p1: s32[]) -> f32[1024,1024] {
+  %p0 = f32[8,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  %b = f32[1024,1024]{1,0} bitcast(%ds)
+  ROOT %e = f32[1024,1024]{1,0} exponential(%b)
+}
+
+%fused_dus (p0: f32[8,1024,1024], p1: f32[1024,1024], p2: s32[]) -> f32[8,1024,1024] {
+  %p0 = f32[8,1024,1024]{2,1,0} parameter(0)
+  %p1 = f32[1024,1024]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %upd = f32[1,1024,1024]{2,1,0} bitcast(%p1)
+  ROOT %d = f32[8,1024,1024]{2,1,0} dynamic-update-slice(%p0, %upd, %p2, %z, %z)
+}
+
+%fused_dot (p0: bf16[512,256], p1: bf16[256,128]) -> f32[512,128] {
+  %p0 = bf16[512,256]{1,0} parameter(0)
+  %p1 = bf16[256,128]{1,0} parameter(1)
+  ROOT %d = f32[512,128]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (s: (s32[], f32[8,1024,1024], f32[1024])) -> (s32[], f32[8,1024,1024], f32[1024]) {
+  %s = (s32[], f32[8,1024,1024]{2,1,0}, f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %buf = f32[8,1024,1024]{2,1,0} get-tuple-element(%s), index=1
+  %v = f32[1024]{0} get-tuple-element(%s), index=2
+  %f = f32[1024,1024]{1,0} fusion(%buf, %i), kind=kLoop, calls=%fused_exp
+  %u = f32[8,1024,1024]{2,1,0} fusion(%buf, %f, %i), kind=kLoop, calls=%fused_dus
+  %ar = bf16[1024]{0} all-reduce(%v), replica_groups={}, to_apply=%add
+  %one = s32[] constant(1)
+  %i2 = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,1024,1024]{2,1,0}, f32[1024]{0}) tuple(%i2, %u, %v)
+}
+
+%cond (s: (s32[], f32[8,1024,1024], f32[1024])) -> pred[] {
+  %s = (s32[], f32[8,1024,1024]{2,1,0}, f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[512,256], b: bf16[256,128], buf: f32[8,1024,1024], v: f32[1024]) -> f32[512,128] {
+  %a = bf16[512,256]{1,0} parameter(0)
+  %b = bf16[256,128]{1,0} parameter(1)
+  %buf = f32[8,1024,1024]{2,1,0} parameter(2)
+  %v = f32[1024]{0} parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,1024,1024]{2,1,0}, f32[1024]{0}) tuple(%zero, %buf, %v)
+  %w = (s32[], f32[8,1024,1024]{2,1,0}, f32[1024]{0}) while(%init), condition=%cond, body=%body
+  ROOT %g = f32[512,128]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+}
+"""
+
+PEAKS = dict(flops={"bf16": 1e15, "f32": 1e14}, hbm=1e12, link=1e11)
+MiB = 2 ** 20
+
+
+def test_hlo_walk_charges_loop_slices_per_trip():
+  mod = hlo_cost.Module(SYNTHETIC)
+  assert mod.entry == "main"
+  assert mod.multipliers()["body"] == 8                      # the condition's constant
+  cost = hlo_cost.analyze(SYNTHETIC, PEAKS)
+  ops = {o["name"]: o for o in cost["ops"]}
+  # exp: reads one 4 MiB layer (not the 32 MiB stack) and the index, writes 4 MiB, per trip
+  assert ops["f"]["bytes"] == 8 * MiB + 4 and ops["f"]["count"] == 8
+  # in-place update: reads the 4 MiB update (+ the index), writes 4 MiB into the stack
+  assert ops["u"]["bytes"] == 8 * MiB + 4
+  gemm = ops["g"]
+  assert gemm["kind"] == "gemm" and gemm["flops"] == 2 * 512 * 128 * 256
+  assert gemm["mnk"] == (512, 128, 256) and gemm["dtype"] == "bf16xbf16"
+  gemm_bytes = 512 * 256 * 2 + 256 * 128 * 2 + 512 * 128 * 4
+  assert gemm["bytes"] == gemm_bytes
+  assert gemm["seconds"] == pytest.approx(max(gemm["flops"] / 1e15, gemm_bytes / 1e12))
+  (coll,) = cost["collectives"]
+  assert (coll["kind"], coll["dtype"], coll["count"], coll["bytes_per_step"]) == ("all-reduce", "bf16", 8, 8 * 2048)
+  # the naive walk charges the whole stack to both fusions on every trip
+  assert hlo_cost.naive_bytes(SYNTHETIC) > 8 * (32 + 4 + 32 + 4 + 32) * MiB
+  # + the scalar add per trip, + the condition's compare (4 + 4 + 1 bytes) on each of its 9 runs
+  assert cost["other_bytes"] == 8 * (2 * (8 * MiB + 4) + 12) + 9 * 9
+  assert cost["seconds"] == pytest.approx(gemm["seconds"] + cost["other_bytes"] / 1e12)
+
+
+def test_hlo_walk_on_a_compiled_scan():
+  """A scan over stacked weights, compiled for the CPU: the loop body runs trip-count times and its
+  ops read one layer per trip."""
+  layers, d = 6, 256
+
+  def f(ws, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+  text = jax.jit(f).lower(jax.ShapeDtypeStruct((layers, d, d), jnp.float32),
+                          jax.ShapeDtypeStruct((8, d), jnp.float32)).compile().as_text()
+  mod = hlo_cost.Module(text)
+  mult = mod.multipliers()
+  assert layers in mult.values(), mult
+  cost = hlo_cost.analyze(text, PEAKS)
+  stack = layers * d * d * 4
+  looped = [o for o in cost["ops"] if o["count"] == layers]
+  assert looped
+  assert all(o["bytes"] < stack for o in looped), [(o["name"], o["bytes"]) for o in looped]
+  assert cost["other_bytes"] + sum(o["bytes"] * o["count"] for o in cost["ops"] if o["kind"] == "gemm") \
+      < hlo_cost.naive_bytes(text)
+
+
+def test_label_reads_the_pass_and_the_primitive():
+  assert hlo_cost.label("jit(f)/transpose(jvp(fp4jax/dot))/wgrad/fp4jax/quantize_rht_t/x/slice") \
+      == "wgrad/quantize_rht_t"
+  assert hlo_cost.label("jit(f)/jvp(fp4jax/dot)/fprop/fp4jax/quantize/nvfp4_1x16/or") == "fprop/quantize"
+  assert hlo_cost.label("jit(train_step)/LanguageModel/blocks_0/mul") == "other"
+
+
+PALLAS = """HloModule pallas, entry_computation_layout={()->bf16[1024,512]}
+
+ENTRY %main (a: bf16[1024,256], b: bf16[512,256], f: f32[4]) -> bf16[1024,512] {
+  %a = bf16[1024,256]{1,0} parameter(0)
+  %b = bf16[512,256]{1,0} parameter(1)
+  %f = f32[4]{0} parameter(2)
+  %k = bf16[1024,256]{1,0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/fp4jax/scaled_matmul/x/fp4jax_scaled_matmul_pallas/fp4jax_dequantize_bf16_nvfp4_1x16/pallas_call"}, backend_config={grid_x = 8 : i32}
+  ROOT %g = bf16[1024,512]{1,0} custom-call(%k, %b, %f), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/fp4jax/scaled_matmul/x/fp4jax_scaled_matmul_pallas/fp4jax_gemm_bf16_f32acc/pallas_call"}, backend_config={grid_x = 8 : i32}
+}
+"""
+
+
+def test_hlo_walk_knows_pallas_gemm_kernels():
+  ops = {o["name"]: o for o in hlo_cost.analyze(PALLAS, PEAKS)["ops"]}
+  assert ops["k"]["kind"] == "kernel" and ops["k"]["bytes"] == 2 * 1024 * 256 * 2
+  g = ops["g"]
+  assert g["kind"] == "gemm" and g["flops"] == 2 * 1024 * 512 * 256 and g["mnk"] == (1024, 512, 256)
+  assert g["bytes"] == (1024 * 256 + 512 * 256 + 1024 * 512) * 2 + 16
