@@ -1,10 +1,11 @@
 """fp4jax: NVFP4 / MXFP4 / FP8 quantized training for JAX and Flax."""
 import importlib
 
-from fp4jax import hadamard, recipes
+from fp4jax import recipes
 from fp4jax.api import dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
-from fp4jax.hadamard import rht
+from fp4jax.numerics import hadamard
+from fp4jax.numerics.hadamard import rht
 from fp4jax.primitives import can_use_pallas
 from fp4jax.qtensor import QTensor
 from fp4jax.recipes import Recipe

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.scales import E4M3_MAX, e4m3_rne_satfinite
+from fp4jax.numerics.scales import E4M3_MAX, e4m3_rne_satfinite
 
 _ENC_MAX = np.float32(2.0 ** 126)
 
