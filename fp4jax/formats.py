@@ -12,7 +12,8 @@ fp4jax is read from this table (the bottom layer; it imports nothing of fp4jax).
 NVFP4 with Four Over Six is the nvfp4 row with the tensor-scale bound B = 256 (``QTensor.bound``; the
 amax maps to 6·B, 6·448 for plain NVFP4). MS-EDEN (Quartet II's backward) is NVFP4 whose block scales
 carry the EDEN correction and whose tensor level is stored as the decode scale s_dec; DBQ (TetraJet-v2)
-replaces the tensor amax by one float32 scale per 1x128 block.
+replaces the tensor amax by one float32 scale per 1x128 block. Row-scaled NVFP4 (the precision-policy
+issue's activations) is the nvfp4 row with one amax per row, ``QTensor.amax`` of shape (R,).
 
 "bf16" is not a format here: it is what a recipe names for a GEMM that is not quantized.
 """

@@ -20,6 +20,9 @@ group_sizes: a static tuple of row counts (G groups, summing to M) for grouped G
 a then has a leading group axis on its second level (nvfp4: amax of shape (G,); a tensor per group)
 and b has a leading group axis (G, N, K); group g multiplies rows [sum(sizes[:g]), sum(sizes[:g+1]))
 of a with b[g]. The result equals one ``scaled_matmul`` per group, bit for bit (it is one per group).
+
+Row-scaled nvfp4 a (``Quantizer(row_scaled=True)``: amax of shape (M,), one per row) times a
+per-tensor b: the tensor factor (amax_row·amax_b)·f32(1/(36·448·448)) per output row, "xla" only.
 """
 from __future__ import annotations
 
@@ -76,7 +79,19 @@ def _check(a, b, backend):
                               "use 'xla' or 'pallas'")
 
 
+def _row_scaled(q: QTensor) -> bool:
+  return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == 1 and q.tile is None
+
+
 def _dense(a: QTensor, b: QTensor, out_dtype, backend):
+  if _row_scaled(a) and not _row_scaled(b):   # row-scaled activations: the factor per output row
+    if backend == "pallas":
+      raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use backend='xla'")
+    validate(a, "fp4jax.gemm.scaled_matmul (lhs)")
+    validate(b, "fp4jax.gemm.scaled_matmul (rhs)", scalar_amax=True)
+    acc = _contract(_bf16_products(a), _bf16_products(b))
+    rows = dataclasses.replace(a, amax=a.amax[:, None])
+    return reference.apply_tensor_factor(acc, rows, b).astype(out_dtype)
   if a.fmt in formats.NAMES and a.bound == b.bound == formats.NVFP4_BOUND:
     return api.scaled_matmul(a, b, out_dtype=out_dtype, impl=backend)
   if backend == "pallas":

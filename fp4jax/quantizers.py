@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -51,6 +52,7 @@ class Quantizer:
   rht_seed: int | None = None           # its signs: None, the spec's fixed vector (size 16)
   scale_rule: str = "rceil"             # MXFP4's E8M0 rule
   eden_group: int = 128                 # MS-EDEN's correction group
+  row_scaled: bool = False              # nvfp4: one tensor amax per row (R,) instead of one per tensor
 
   def __post_init__(self):
     if self.fmt not in formats.ALL:
@@ -60,6 +62,8 @@ class Quantizer:
     if self.four_over_six is not None and (self.fmt != "nvfp4" or self.stochastic):
       raise ValueError("Four Over Six chooses between two NVFP4 block scales with nearest rounding; "
                        f"got fmt={self.fmt!r}, stochastic={self.stochastic}")
+    if self.row_scaled and (self.fmt != "nvfp4" or self.tiled or self.four_over_six is not None):
+      raise ValueError("row_scaled=True is NVFP4 1x16 blocks with one amax per row (no tiles, no 4/6)")
     if self.stochastic and self.fmt in ("fp8", "mxfp8", "nvfp4_eden"):
       raise ValueError(f"fmt={self.fmt!r} rounds to nearest (MS-EDEN puts its randomness in the scales)")
 
@@ -94,6 +98,11 @@ class Quantizer:
 
   def _quantize(self, t, key):
     fmt = self.fmt
+    if self.row_scaled:   # each row its own tensor: the second level is amax_row (R,)
+      plain = dataclasses.replace(self, row_scaled=False)
+      if not self.stochastic:
+        return jax.vmap(lambda row: plain._quantize(row, None))(t)
+      return jax.vmap(plain._quantize)(t, jax.random.split(key, t.shape[0]))   # one key per row
     if fmt in formats.NAMES and self.four_over_six is None:
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if fmt == "mxfp4" else {}

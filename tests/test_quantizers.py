@@ -131,3 +131,19 @@ def test_every_recipe_releases_dx_with_dw():
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp4jax.dot(x, w, recipe=name, key=jax.random.key(0)).sum(),
                                     (0, 1)))(x, w)
     assert "optimization_barrier" in str(jaxpr), name
+
+
+def test_row_scaled_nvfp4_is_one_tensor_per_row():
+  """Quantizer(row_scaled=True): every row quantized as its own NVFP4 tensor (its amax the row's), and
+  the GEMM applies the tensor factor per output row: equal to one GEMM per row."""
+  q, plain = Quantizer("nvfp4", row_scaled=True), Quantizer("nvfp4")
+  x = X[:8] * jnp.exp2(jnp.arange(8.0) * 3 - 12)[:, None]
+  qx = q(x)
+  assert qx.amax.shape == (8,)
+  np.testing.assert_array_equal(np.asarray(qx.amax), np.asarray(jnp.max(jnp.abs(x), axis=1)))
+  rows = [plain(x[i:i + 1]) for i in range(8)]
+  np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(qx)),
+                                np.concatenate([np.asarray(fp4jax.dequantize(r)) for r in rows]))
+  qw = plain(W)
+  np.testing.assert_array_equal(np.asarray(gemm.scaled_matmul(qx, qw)),
+                                np.concatenate([np.asarray(gemm.scaled_matmul(r, qw)) for r in rows]))
