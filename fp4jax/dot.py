@@ -196,10 +196,10 @@ def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key):
   return _qdot(roles, precision, out_dtype, x_MxK, w_KxN, key)[:m, :n]
 
 
-def _as_recipe(recipe) -> Recipe:
+def _as_recipe(recipe) -> Recipe | Roles:
   if isinstance(recipe, str):
     return recipes.get(recipe)
-  if not isinstance(recipe, Recipe):
+  if not isinstance(recipe, (Recipe, Roles)):
     raise TypeError(f"recipe must be an fp4jax.Recipe or a preset name such as 'nvfp4' "
                     f"(one of {recipes.NAMES}); got {type(recipe).__name__}")
   return recipe
@@ -212,7 +212,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
   lhs is treated as the activation (1D blocks along its contracting axes), rhs as the weight (2D tiles
   with ``recipe.weight_2d``). Batch dimensions give independent GEMMs (each with its own tensor amax).
-  recipe: an ``fp4jax.Recipe`` or a preset name ("nvfp4", "mxfp4", "fp8", "bf16", ...).
+  recipe: an ``fp4jax.Recipe`` or a preset name ("nvfp4", "mxfp4", "fp8", "bf16", ...), or a table of six
+    role quantizers (``fp4jax.quantizers.Roles``, e.g. a recipe's ``.roles`` with one role replaced).
   key: a ``jax.random`` key for stochastic rounding in the backward pass; needed only when the
     gradient is taken with a recipe that rounds stochastically. Use a different key per call site
     and step.

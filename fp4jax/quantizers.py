@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,7 @@ class Roles:
   key_reason: str | None = None          # what the key is for, in the missing-key error (None: SR)
   align: tuple[int, int, int] | None = None   # (M, K, N) multiples to pad to; None: from the roles
   name: str = "custom"
+  out_dtype: Any = None                  # as Recipe.out_dtype
 
   def __post_init__(self):
     for gemm, pair in (("fprop", (self.fprop_x, self.fprop_w)), ("dgrad", (self.dgrad_dy, self.dgrad_w)),
@@ -164,6 +166,11 @@ class Roles:
                        "must be a tiled quantizer")
     if self.requantize and self.dgrad_w == TRANSPOSED:
       raise ValueError(f"Roles {self.name!r}: requantize=True re-quantizes ŵ; dgrad_w cannot be TRANSPOSED")
+
+  @property
+  def roles(self) -> "Roles":
+    """Itself: ``fp4jax.dot`` takes a Roles wherever it takes a Recipe."""
+    return self
 
   @property
   def quantizers(self):

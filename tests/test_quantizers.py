@@ -147,3 +147,18 @@ def test_row_scaled_nvfp4_is_one_tensor_per_row():
   qw = plain(W)
   np.testing.assert_array_equal(np.asarray(gemm.scaled_matmul(qx, qw)),
                                 np.concatenate([np.asarray(gemm.scaled_matmul(r, qw)) for r in rows]))
+
+
+def test_dot_takes_a_table_of_roles_with_one_role_replaced():
+  """A Recipe's roles are data: the same dot runs a table with one role swapped (a per-GEMM override),
+  and the table of an unchanged recipe gives the recipe's bits."""
+  x, w = X[:, :64], W[:, :64].T
+  key = jax.random.key(3)
+  vg = lambda r: jax.jit(jax.value_and_grad(lambda x, w: fp4jax.dot(x, w, recipe=r, key=key).sum(), (0, 1)))(x, w)
+  for a, b in zip(jax.tree.leaves(vg("nvfp4")), jax.tree.leaves(vg(recipes.nvfp4().roles))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  mixed = dataclasses.replace(recipes.nvfp4().roles, dgrad_dy=Quantizer("mxfp8"), dgrad_w=Quantizer("mxfp8"),
+                              name="nvfp4, dgrad in mxfp8")
+  value, (dx, dw) = vg(mixed)
+  np.testing.assert_array_equal(np.asarray(dw), np.asarray(vg("nvfp4")[1][1]))   # wgrad untouched
+  assert not np.array_equal(np.asarray(dx), np.asarray(vg("nvfp4")[1][0]))
