@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments.numerics_study import capture, load_run
 import fp4jax
-from fp4jax.numerics import dbq, eden, hadamard
+from fp4jax.numerics import eden, hadamard
 from fp4jax.quantizers import Quantizer
 
 _NV, _NV_TILES = Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True)

@@ -10,10 +10,13 @@ lhs is the activation x_MxK, rhs the weight w_KxN. The three GEMMs of y = x·w a
   wgrad  dw_KxN = xᵀ · dy    RHT(xᵀ) and RHT(dyᵀ) along M, then 1x16 along M; dy stochastic
 
 (16 for nvfp4; mxfp4 uses 1x32 blocks and no 2D tiles; fp8 1x128 blocks, 128x128 weight tiles, no
-stochastic rounding and no RHT.) A GEMM whose format is "bf16" is a plain ``lax.dot_general`` of the
-unquantized operands. The residuals are the *quantized* wgrad x and dgrad w; an unquantized operand is
-saved only when a GEMM in "bf16" needs it. All three GEMMs accumulate in float32; dx and dw come back
-in the dtypes of x and w.
+stochastic rounding and no RHT.) That is the paper's table; every recipe is such a table of six role
+quantizers (``Recipe.roles``, fp4jax.quantizers: 4/6, Quartet II's MS-EDEN backward, TetraJet-v2's DBQ),
+and this one custom_vjp runs them all. A GEMM whose roles are None is a plain ``lax.dot_general`` of
+the unquantized operands. The residuals are FP4: the quantized wgrad x and dgrad w, or the fprop tiles,
+or the forward-quantized x̂ and ŵ that Quartet II and TetraJet-v2 re-quantize; an unquantized operand
+is saved only when a GEMM in "bf16" needs it. All three GEMMs accumulate in float32
+(``fp4jax.gemm.scaled_matmul``); dx and dw come back in the dtypes of x and w.
 
 Shapes that are not multiples of the blocks (and of ``rht_size`` along M) are zero-padded in whole
 elements before quantization. Zeros change neither a tensor's amax nor any block's or tile's amax, so
