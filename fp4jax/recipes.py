@@ -32,8 +32,8 @@ from fp4jax.quantizers import TRANSPOSED, Quantizer, Roles
 
 SCHEMES = ("nvidia", "quartet2", "tetrajet2")
 
-GemmFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]   # a name of FORMATS
-FORMATS = formats.NAMES + ("bf16",)   # "bf16": the GEMM is not quantized
+GemmFormat = Literal["nvfp4", "mxfp4", "fp8", "mxfp8", "bf16"]   # a name of FORMATS
+FORMATS = formats.NAMES + ("mxfp8", "bf16")   # "bf16": the GEMM is not quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +119,15 @@ def fp8(**overrides) -> Recipe:
   """The paper's FP8 baseline: E4M3 with 1x128 blocks (activations, gradients), 128x128 (weights)."""
   base = dict(fprop="fp8", dgrad="fp8", wgrad="fp8", weight_2d=True, stochastic_grad=False, rht=False,
               name="fp8")
+  return Recipe(**{**base, **overrides})
+
+
+def mxfp8(**overrides) -> Recipe:
+  """MXFP8 (E4M3 elements, E8M0 scales per 32 along each GEMM's contraction, rounded up): every operand
+  quantized in the orientation its GEMM reads (no transposed reuse), nearest rounding, no RHT. Not yet a
+  named preset (the precision-policy issue names it)."""
+  base = dict(fprop="mxfp8", dgrad="mxfp8", wgrad="mxfp8", weight_2d=False, stochastic_grad=False, rht=False,
+              name="mxfp8")
   return Recipe(**{**base, **overrides})
 
 

@@ -162,3 +162,20 @@ def test_dot_takes_a_table_of_roles_with_one_role_replaced():
   value, (dx, dw) = vg(mixed)
   np.testing.assert_array_equal(np.asarray(dw), np.asarray(vg("nvfp4")[1][1]))   # wgrad untouched
   assert not np.array_equal(np.asarray(dx), np.asarray(vg("nvfp4")[1][0]))
+
+
+def test_mxfp8_recipe_is_a_table_of_six_mxfp8_quantizers():
+  """recipes.mxfp8(): each operand in MXFP8 along its own GEMM's contraction, nearest, no RHT; the three
+  GEMMs equal mxfp8.gemm of the numerics module's own quantization of each operand."""
+  roles = recipes.mxfp8().roles
+  assert {roles.fprop_x, roles.fprop_w, roles.dgrad_dy, roles.dgrad_w, roles.wgrad_x, roles.wgrad_dy} == {
+      Quantizer("mxfp8")}
+  assert not roles.needs_key
+  x = X[:, :96]                                                        # (M, K) = (32, 96)
+  w = jax.random.normal(jax.random.key(4), (96, 64)) * 0.1              # (K, N)
+  dy = jax.random.normal(jax.random.key(5), (32, 64))
+  y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=recipes.mxfp8()), x, w)
+  dx, dw = vjp(dy)
+  mm = lambda a, b: mxfp8.gemm(mxfp8.quantize(a), mxfp8.quantize(b))
+  for got, want in ((y, mm(x, w.T)), (dx, mm(dy, w)), (dw, mm(x.T, dy.T))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
