@@ -13,6 +13,9 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   init_from         a run's work directory: a new run starts from its latest checkpoint's params (fresh
                     optimizer, step 0); ignored when the work directory has checkpoints of its own
   allow_config_change  let a resume change the recipe, model, optimizer, data, seed, batch or steps
+  preemption_grace_s  after SIGTERM/SIGINT the run exits within this many seconds: it saves after the
+                    current step when the save fits in the time left, else exits without it, and says which
+  lock_stale_s      another host's lock on the work directory counts as stale when its heartbeat is older
   checkpoint.fallback  restore the newest intact checkpoint when the latest cannot be read (else stop)
   osci_reset        TetraJet-v2's OsciReset after each update: enabled "auto" (on for tetrajet2 recipes) /
                     "on" / "off"; threshold, detect_steps, and period / start as fractions of ``steps``
@@ -74,6 +77,8 @@ def get_config() -> config_dict.ConfigDict:
   c.profile_steps = ()
   c.init_from = ""
   c.allow_config_change = False
+  c.preemption_grace_s = 30.0       # SIGTERM/SIGINT: exit within this many seconds (a cluster's grace period)
+  c.lock_stale_s = 300.0            # a work-directory lock whose heartbeat is older than this is stale
 
   c.data = config_dict.ConfigDict()
   c.data.sources = ""               # empty: the standard library's *.py files (no download)

@@ -1,4 +1,4 @@
-"""Tiny: the default. A 0.5M-parameter hybrid (Mamba-2, attention, MLP) learns Python source code in NVFP4
+"""Tiny: the default. A 719,088-parameter hybrid (Mamba-2, attention, MLP) learns Python source code in NVFP4
 on a laptop CPU in a few minutes, from the standard library's own files (no download).
 
   python train.py --config configs/tiny.py

@@ -1,42 +1,74 @@
 """Float32 operations rounded exactly once, whatever the compiler does around them.
 
-Two rewrites break the "one rounding per written operation" contract of the recipes' arithmetic:
+Three rewrites break the "one rounding per written operation" contract of the recipes' arithmetic:
 - XLA turns ``A / broadcast(B)`` (a tensor divided by a scalar or by per-block values, constant or
   not) into ``A * broadcast(1/B)``: two roundings instead of one.
 - XLA rewrites ``(A / B) / C`` into ``A / (B * C)``: one rounding where two are written.
 - LLVM (XLA CPU and GPU) and Triton may contract ``a*b + c`` into one fused multiply-add, so the
-  product is not rounded before the add. (XLA CPU does: a plain ``x*x + y`` differs from numpy.)
-``lax.optimization_barrier`` does not stop either on XLA CPU (the barrier is expanded away before
-fusion). What does: passing the operand through its bit pattern ANDed with a mask the compiler cannot
-evaluate, ``-1 - isnan(a)``, which is all ones unless ``a`` is NaN (then it clears the lowest mantissa
-bit of a NaN, which stays NaN). The divisor is then no longer a broadcast, a dividend is no longer a
-division, and the add's operand is no longer a multiply, so no rewrite applies; the values are unchanged.
+  product is not rounded before the add. (XLA CPU does: a plain ``x*x + y`` differs from numpy, and
+  so does a dequantized ``e2m1 · factor`` that the caller subtracts from something, eagerly too when
+  the two sit in one compiled unit such as a ``lax.cond`` branch.)
+
+``lax.optimization_barrier`` stops none of them on XLA CPU: the barrier is removed before fusion and
+LLVM code generation (measured on jax 0.10.2: a barrier between ``e2m1 · factor`` and a subtraction
+leaves the FMA in place). What does: passing the value through its bit pattern ANDed with a mask the
+compiler cannot evaluate. The rewrites then see a bitwise AND where they look for a broadcast, a
+division or a multiply, and do not apply; the value is unchanged.
+
+The mask is ``-1``, or ``-2`` where the key's bits with the sign cleared are ``0x7FFFFFFF`` (a NaN
+with every payload bit set; clearing the value's lowest bit there changes nothing that matters:
+the key is the value itself, a NaN that stays NaN, or a NaN dividend whose quotient is NaN anyway).
+Why this mask and not ``isnan(key)``: LLVM folds ``isnan`` to false wherever its floating-point class
+analysis proves the key cannot be NaN, which it does for values converted from integers (E2M1 codes),
+for constants, and for products and sums of such values; the mask then folds to ``-1``, the AND
+disappears and the FMA comes back. A comparison of the integer bits with one NaN payload has no
+floating-point class equivalent, and LLVM's known-bits analysis of a float's bits tracks only its
+sign (or its whole value when it can only be ±0 or ±inf, where no rounding is at stake), so the
+comparison folds only when the key is a compile-time constant. Where the guarded value is itself a
+constant, XLA evaluates it (one rounding per operation) and there is no multiply left to contract.
+tests/test_numerics_exact.py checks each guard on operands of every provenance against numpy.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
+_ALL_PAYLOAD = 0x7FFFFFFF   # |bits| of the one NaN at which the mask clears a bit
 
-def _opaque(v_f32, guard_f32):
-  """v unchanged, in a form the compiler cannot see through; guard: same shape, float32."""
-  mask = jnp.int32(-1) - jnp.isnan(guard_f32).astype(jnp.int32)
+
+def _opaque(v_f32, key_f32):
+  """v unchanged, in a form the compiler cannot see through; key: same shape, float32."""
+  key_bits = lax.bitcast_convert_type(key_f32, jnp.int32)
+  hit = (key_bits & jnp.int32(_ALL_PAYLOAD)) == jnp.int32(_ALL_PAYLOAD)
+  mask = jnp.int32(-1) - hit.astype(jnp.int32)
   bits = lax.bitcast_convert_type(v_f32, jnp.int32) & mask
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def div(a, b):
-  """a / b in float32, correctly rounded (b is broadcast to the result's shape first)."""
+  """a / b in float32, correctly rounded, and never the divisor or the dividend of a rewritten division.
+
+  Both are broadcast to the result's shape. The divisor's mask is keyed on an operand that has the
+  result's shape without a broadcast (the dividend, else the divisor itself), so that XLA cannot sink
+  the guard below the divisor's broadcast and turn the division into a multiply by a reciprocal.
+  """
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   shape = jnp.broadcast_shapes(a.shape, b.shape)
-  a = jnp.broadcast_to(a, shape)
-  return _opaque(a, a) / _opaque(jnp.broadcast_to(b, shape), a)
+  a_full, b_full = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+  if a.shape == shape:
+    key = a_full
+  elif b.shape == shape:
+    key = b_full
+  else:
+    key = a_full + b_full   # an outer division: neither operand has the result's shape
+  return _opaque(a_full, a_full) / _opaque(b_full, key)
 
 
 def product(a, b):
-  """a · b rounded to float32, safe to add to something (never contracted into an FMA)."""
+  """a · b rounded to float32, safe to add to something (never contracted into an FMA), and never
+  re-associated with a constant factor applied to it afterwards."""
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
   p = a * b
-  return _opaque(p, jnp.broadcast_to(a, p.shape))
+  return _opaque(p, p)

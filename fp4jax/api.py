@@ -4,6 +4,7 @@ transpose_tiles. Validation at the boundary, then the primitive (FP4 formats) or
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,17 @@ def as_float_dtype(dtype, where: str, name: str = "dtype"):
     raise TypeError(f"{where}: {name}={dtype!r} is not a floating dtype; use e.g. jnp.float32 or "
                     "jnp.bfloat16")
   return dt
+
+
+def _available(dtype, where: str):
+  """``dtype`` as JAX will compute it: float64 without ``jax_enable_x64`` becomes float32 with a warning, as
+  ``jnp.astype`` does (a float64 result type would not match the float32 computation)."""
+  canonical = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  if canonical != dtype:
+    warnings.warn(f"{where}: dtype {dtype.name} is not available with jax_enable_x64 off, so the result is "
+                  f"{canonical.name} (as jnp.astype does); jax.config.update('jax_enable_x64', True) for "
+                  f"{dtype.name}", UserWarning, stacklevel=3)
+  return canonical
 
 
 def check_key(key, where: str):
@@ -212,7 +224,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   which fuses into its consumers); fp8 runs the reference directly.
   """
   validate(q, "fp4jax.dequantize")
-  dtype = as_float_dtype(dtype, "fp4jax.dequantize")
+  dtype = _available(as_float_dtype(dtype, "fp4jax.dequantize"), "fp4jax.dequantize")
   impl = primitives.resolve_impl(impl, q.fmt)
   if q.fmt not in formats.KERNEL_FORMATS or q.bound != formats.NVFP4_BOUND or q.data.size == 0:
     return dequantize_reference(q, dtype)

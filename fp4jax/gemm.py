@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import api, formats, reference
+from fp4jax._exact import product
 from fp4jax.numerics import dbq, four_over_six as fos, mxfp8
 from fp4jax.qtensor import QTensor, validate
 
@@ -53,10 +54,11 @@ def _xla_only(a: QTensor, b: QTensor):
   fmt = a.fmt
   if fmt == "nvfp4":                       # Four Over Six on one or both operands
     acc = _contract(_bf16_products(a), _bf16_products(b))
-    return acc * fos.gemm_factor(a.amax, b.amax, a.bound, b.bound)
+    # The factor is not a power of two: the result is rounded before any sum the caller forms with it.
+    return product(acc, fos.gemm_factor(a.amax, b.amax, a.bound, b.bound))
   if fmt == "nvfp4_eden":
     acc = _contract(_bf16_products(a), _bf16_products(b))
-    return acc * (a.scale2 * b.scale2)
+    return product(acc, a.scale2 * b.scale2)
   if fmt == "nvfp4_dbq":
     codes = lambda q: reference.codes_of(q)
     return dbq.gemm(dbq.Dbq(codes(a), a.scale, a.scale2), dbq.Dbq(codes(b), b.scale, b.scale2))

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import gemm
-from fp4jax.numerics import dbq, eden, mxfp8
+from fp4jax._exact import product
 from fp4jax.api import dequantize
+from fp4jax.numerics import dbq, eden, mxfp8
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.quantizers import Quantizer
 
@@ -50,7 +51,7 @@ def calibration_init(in_features: int):
 def calibration_accumulate(acc_K, x_MxK):
   """acc + ‖x[:, c]‖₂ per input channel c, over this step's tokens (leading axes flattened)."""
   x = x_MxK.reshape(-1, x_MxK.shape[-1]).astype(jnp.float32)
-  return acc_K + jnp.sqrt(jnp.sum(x * x, axis=0))
+  return acc_K + jnp.sqrt(jnp.sum(product(x, x), axis=0))   # each square rounded before the sum
 
 
 def calibration_finalize(acc_K):

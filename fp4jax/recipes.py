@@ -166,7 +166,7 @@ _NAMED = {
     "nvfp4_no_2d": lambda: nvfp4(weight_2d=False, name="nvfp4_no_2d"),
     # Precision switch variants (spec §6): forward in bf16, backward as the paper's recipe; or all bf16.
     "nvfp4_bf16_fprop": lambda: nvfp4(fprop="bf16", name="nvfp4_bf16_fprop"),
-    # Beyond the paper (fp4jax.schemes): Four Over Six, Quartet II, TetraJet-v2.
+    # Beyond the paper (docs/RECIPES.md): Four Over Six, Quartet II, TetraJet-v2.
     "nvfp4_4over6": lambda: nvfp4(four_over_six="all", name="nvfp4_4over6"),
     "nvfp4_4over6_mae": lambda: nvfp4(four_over_six="all", four_over_six_metric="mae",
                                       name="nvfp4_4over6_mae"),

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from fp4jax import formats
+from fp4jax._exact import product
 from fp4jax.numerics import dbq, e2m1, eden, four_over_six, fp8, hadamard, mxfp4, mxfp8, nvfp4
 from fp4jax.numerics.layout import Layout, pack_along, unpack_along
 from fp4jax.qtensor import QTensor, along_last
@@ -166,7 +167,7 @@ def _scaled_codes_bf16(q: QTensor):
 def tensor_factor(a: QTensor, b: QTensor):
   """The float32 factor applied after accumulation (1 for MXFP4 and FP8), as the spec computes it."""
   if a.fmt == "nvfp4":
-    factor = (a.amax * b.amax) * _INV_6_6_448_448
+    factor = product(a.amax, b.amax) * _INV_6_6_448_448   # product: never re-associated with the constant
     return jnp.where((a.amax < 0) | (b.amax < 0), jnp.float32(jnp.nan), factor)   # wrong amax: NaN
   return jnp.float32(1.0)
 
@@ -189,7 +190,7 @@ def tensor_factor_parts(a: QTensor, b: QTensor):
   m_a, e_a = jnp.frexp(amax_a)
   m_b, e_b = jnp.frexp(amax_b)
   e = jnp.where(keep, 0, e_a.astype(jnp.int32) + e_b.astype(jnp.int32))
-  factor = (jnp.where(keep, amax_a, m_a) * jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
+  factor = product(jnp.where(keep, amax_a, m_a), jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
   e1 = e // 3
   e2 = (e - e1) // 2
   return jnp.stack([factor, _pow2(e1), _pow2(e2), _pow2(e - e1 - e2)])
@@ -207,7 +208,9 @@ def apply_tensor_factor(acc, a: QTensor, b: QTensor):
   if a.fmt != "nvfp4":
     return acc
   f = tensor_factor_parts(a, b)
-  return ((acc * f[0]) * f[1]) * f[2] * f[3]
+  # Rounded before any sum the caller forms with the result (fp4jax._exact): the inexact factor, and the
+  # last power of two, which can make a value subnormal.
+  return product(((product(acc, f[0]) * f[1]) * f[2]), f[3])
 
 
 def _contract_last(a, b, preferred):

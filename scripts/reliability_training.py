@@ -1,17 +1,17 @@
 """The training pipeline's fault matrix: runs tests/test_train_reliability.py and prints the table (case ->
 verdict) with counts; ``--write`` also puts it into the "Training pipeline" section of docs/RELIABILITY.md.
 
-  python scripts/reliability_training.py            # about 4 minutes on 2 CPU cores
+  python scripts/reliability_training.py            # about 10 minutes on 2 CPU cores
   python scripts/reliability_training.py --write -n 2
 
 A case whose test passes has the verdict its test asserts (a clear error with its exit code, or the exactly
 specified result); a failing test is listed as FAILED with its first error line.
 """
 import argparse
+import ast
 import datetime
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -46,13 +46,16 @@ def run_tests(workers: int) -> dict[str, tuple[str, str]]:
 
 
 def load_cases() -> dict[str, tuple[str, str, int | None]]:
-  """CASES of the test file, read without importing it (no JAX start-up)."""
+  """CASES of the test file, read without importing it (no JAX start-up): its dict literal, parsed."""
   with open(os.path.join(ROOT, TEST_FILE), encoding="utf-8") as f:
-    source = f.read()
-  block = source[source.index("CASES = {"):source.index("\n}\n")]
+    tree = ast.parse(f.read())
+  node = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+              and any(getattr(t, "id", None) == "CASES" for t in n.targets))
   cases = {}
-  for name, text, verdict, code in re.findall(r'"(test_\w+)": \("(.*?)",\s*(CLEAR|CORRECT), (\d+|None)\)', block):
-    cases[name] = (text, "clear error" if verdict == "CLEAR" else "correct result", None if code == "None" else int(code))
+  for key, value in zip(node.keys, node.values):
+    text, verdict, code = value.elts
+    cases[ast.literal_eval(key)] = (ast.literal_eval(text), "clear error" if verdict.id == "CLEAR" else "correct result",
+                                    ast.literal_eval(code))
   return cases
 
 

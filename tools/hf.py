@@ -201,7 +201,7 @@ def import_(args) -> int:
 # ----------------------------------------------------------------------------------------------- the CLI
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m tools.hf", description=__doc__.split("\n\n")[0],
+  p = argparse.ArgumentParser(prog="fp4jax-hf", description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True)
   e = sub.add_parser("export", help="a train.py run -> a Hugging Face Nemotron-H directory")
@@ -239,5 +239,10 @@ def main(argv=None) -> int:
     return 2
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """The ``fp4jax-hf`` command."""
   sys.exit(main())
+
+
+if __name__ == "__main__":
+  run()

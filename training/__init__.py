@@ -4,8 +4,8 @@
 foreseeable failure raises a ``training.errors.TrainingError`` subclass with an exit code.
 """
 from training.errors import (CheckpointError, ConfigChangedError, ConfigError, DataError, DistributedError,
-                             StorageError, TrainingDiverged, TrainingError, WorkdirError)
+                             StorageError, TrainingDiverged, TrainingError, WorkdirError, WorkdirInUse)
 from training.trainer import train_and_evaluate
 
 __all__ = ["CheckpointError", "ConfigChangedError", "ConfigError", "DataError", "DistributedError", "StorageError",
-           "TrainingDiverged", "TrainingError", "WorkdirError", "train_and_evaluate"]
+           "TrainingDiverged", "TrainingError", "WorkdirError", "WorkdirInUse", "train_and_evaluate"]

@@ -59,6 +59,7 @@ class Checkpoints:
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=dict(
         state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler()))
     self._saving = None  # the step whose write may still be running
+    self.last_save_seconds: float | None = None  # of the latest save() call (with async_save: the foreground part)
     self._closed = False
 
   def steps(self) -> list[int]:
@@ -80,22 +81,37 @@ class Checkpoints:
     """
     if step in self._manager.all_steps():
       return False
+    self.wait()  # the previous save's background write: a failure there is reported as that step's
     data_state = dict(data_state, state_checksums=checksums(state))
+    start = time.monotonic()
+    self._saving = step
     try:
       started = self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=True)
-    except Exception as e:  # pylint: disable=broad-except  (orbax re-raises the background write's error here)
-      self._failed(self._saving if self._saving is not None else step, e)
-    self._saving = step
+    except Exception as e:  # pylint: disable=broad-except
+      self._failed(step, e)
+    self.last_save_seconds = time.monotonic() - start
     return started
 
   def wait(self) -> None:
-    """Blocks until every started save is on disk; StorageError if one failed."""
+    """Blocks until every started save is on disk; StorageError (naming the failed step) if one failed."""
+    if self._closed:
+      return
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
       self._failed(self._saving, e)
     self._saving = None
+
+  def on_disk(self) -> list[int]:
+    """The steps whose checkpoint directory is complete on disk now (read from the directory, not from
+    orbax's bookkeeping): ``<step>/`` renamed from its temporary name, holding both items."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return sorted(int(n) for n in names if n.isdigit() and all(
+        os.path.isdir(os.path.join(self.directory, n, item)) for item in ("state", "data")))
 
   def close(self) -> None:
     if self._closed:
@@ -121,11 +137,11 @@ class Checkpoints:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         removed.append(name)
     self._saving = None
-    intact = [s for s in self.steps() if s != step]
+    intact = [s for s in self.on_disk() if s != step]
     raise StorageError(
         f"writing checkpoint {step} to {self.directory} failed: {_os_reason(error)}. "
         + (f"The temporary directory {', '.join(removed)} was removed. " if removed else "")
-        + (f"The earlier checkpoints {intact} are intact; " if intact else "No earlier checkpoint exists; ")
+        + (f"The checkpoints on disk, {intact}, are intact; " if intact else "No other checkpoint is on disk; ")
         + "free space or fix the storage, then run the same command again to resume"
         + (f" from step {intact[-1]}." if intact else ".")) from error
 

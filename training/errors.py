@@ -4,16 +4,19 @@ Every message says what happened, where, and how to fix it, in one paragraph; ``
 without a traceback (``--debug`` shows the traceback; it is also written to ``<workdir>/error.log``).
 
   exit  class               when
-  0     -                   finished, halted after ``halt_after`` steps, or stopped by SIGTERM/SIGINT
+  0     -                   finished, or halted after ``halt_after`` steps
   1     (anything else)     an unexpected error: a bug; the traceback is in <workdir>/error.log
   2     ConfigError         the config file, an override, or a field value is wrong
   3     DataError           the data sources are missing, unreadable, empty or do not fit the config
-  4     WorkdirError        the work directory cannot be created or written (a file, read-only, ...)
+  4     WorkdirError        the work directory cannot be created or written (a file, read-only, ...), or
+                            another run holds it (WorkdirInUse)
   5     CheckpointError     no checkpoint of the work directory (or of ``init_from``) can be restored
   6     ConfigChangedError  resuming with another recipe, optimizer, data or model config than the run's
   7     StorageError        a checkpoint could not be written (no space left, I/O error)
   8     DistributedError    the multi-process set-up failed (coordinator unreachable, wrong process count)
   9     TrainingDiverged    the loss or gradient norm was non-finite too many steps in a row
+  130   -                   stopped by SIGINT (Ctrl-C), 128 + 2 (``training.preempt``)
+  143   -                   stopped by SIGTERM (a scheduler's preemption), 128 + 15
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ class DataError(ConfigError):
 class WorkdirError(TrainingError):
   """The work directory cannot be used."""
   exit_code = 4
+
+
+class WorkdirInUse(WorkdirError):
+  """Another live run holds the work directory's lock (``training.lock``)."""
 
 
 class CheckpointError(TrainingError):

@@ -3,20 +3,23 @@
 One jitted, donated train step per batch (a second one, from the same params, for the precision switch's
 last steps; with OutControl one per phase, picked by the step like the recipe); the metrics of a step are
 read on the host one step later, so the host never waits for the device; validation, checkpoints and
-profiling on schedule; SIGTERM/SIGINT save a checkpoint and stop. The loop object owns what changes while it runs: the state, the step count, the metrics not yet read, the
-latest read ones, and the start of the current non-finite streak.
+profiling on schedule. SIGTERM/SIGINT (``training.preempt``): the first step of a start (the compile) exits
+at once, later steps save a checkpoint after the current step when the save fits before
+``config.preemption_grace_s`` runs out, else stop without one; both say so. The loop object owns what
+changes while it runs: the state, the step count, the metrics not yet read, the latest read ones, and the
+start of the current non-finite streak.
 """
 from __future__ import annotations
 
 import functools
 import os
-import signal
-import threading
+import time
 
 import jax
 import numpy as np
 
 from training import data as data_lib
+from training import preempt
 from training import sharding
 from training.errors import TrainingDiverged
 from training.optim import ON, PLAIN, RECORD
@@ -24,34 +27,13 @@ from training.run import Run
 from training.step import eval_step, eval_step_outcontrol, jit_train_step
 
 
-class _StopRequest:
-  """SIGTERM / SIGINT set a flag the loop polls; a second SIGINT interrupts at once."""
-
-  def __init__(self):
-    self.signal_name = None
-    self._previous = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    if self.signal_name is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.signal_name = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-
-
 class Loop:
   """The moving parts of a run: ``state`` at ``step``, the step's pending metrics, the non-finite streak."""
 
-  def __init__(self, run: Run, state: dict, step: int):
+  def __init__(self, run: Run, state: dict, step: int, stop: preempt.Preemption | None = None):
     self.run, self.state, self.step = run, state, step
+    self.stop = stop or preempt.Preemption(run.config.get("preemption_grace_s", 30.0))
+    self._compiled = set()               # the train and eval functions that have run once in this start
     self.start_step = step
     self.pending = None                  # (step, device metrics) of the latest step, not yet read
     self.metrics: dict = {}              # host metrics of the latest read step
@@ -80,9 +62,23 @@ class Loop:
     tokens = sharding.host_batch_to_global(next(self.run.train_iter), self.run.mesh)
     name = self.run.recipe_at(self.step).name
     phase = self.run.outcontrol_phase_at(self.step)
-    with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
-      self.state, metrics = self._train[name, phase](self.state, tokens)
+    fn = self._train[name, phase]
+    if (name, phase) in self._compiled:
+      with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
+        self.state, metrics = fn(self.state, tokens)
+    else:  # the first call compiles: say how long it takes, and how long the first step runs
+      self._compiled.add((name, phase))
+      reporter = self.run.reporter
+      what = "the train step" + (f" ({name}, {phase})" if len(self._train) > 1 else "")
+      with reporter.phase(f"compiling {what}", hint=_cache_hint):
+        self.state, metrics = fn(self.state, tokens)
+      self.stop.phase = preempt.TRAINING
+      with reporter.phase(f"step {self.step + 1} (the first of this start)" if self.step == self.start_step
+                          else f"step {self.step + 1} (the first with {what})"):
+        jax.block_until_ready(metrics)
+      reporter.mark_start(self.step + 1)
     self.step += 1
+    self.stop.step = self.step
     self.read_metrics()  # the previous step's: it is done by now
     self.pending = (self.step, metrics)
 
@@ -118,7 +114,15 @@ class Loop:
       fn = functools.partial(self._eval_outcontrol, self.state["params"], self.state["outcontrol"])
     else:
       fn = functools.partial(self._eval[run.recipe_at(last).name], self.state["params"])
-    losses = [fn(sharding.host_batch_to_global(b, run.mesh)) for b in run.val_batches]
+    key = ("eval", fn.func if isinstance(fn, functools.partial) else fn)
+    batches = [sharding.host_batch_to_global(b, run.mesh) for b in run.val_batches]
+    if key not in self._compiled:
+      self._compiled.add(key)
+      with run.reporter.phase("compiling the evaluation step", hint=_cache_hint):
+        losses = [jax.block_until_ready(fn(batches[0]))]
+      losses += [fn(b) for b in batches[1:]]
+    else:
+      losses = [fn(b) for b in batches]
     loss = float(np.mean([sharding.to_host(l) for l in losses]))
     bpb = data_lib.bits_per_byte(loss, run.tokens_per_byte)
     run.reporter.evaluation(self.step, loss, bpb)
@@ -127,6 +131,27 @@ class Loop:
   def save(self) -> None:
     self.run.checkpoints.save(self.step, self.state, dict(iterator=self.run.train_iter.get_state(),
                                                           process_count=self.run.process_count, step=self.step))
+
+  def save_before_deadline(self) -> bool:
+    """The save after a stop signal: skipped (False) when the last save of this start took longer than the
+    time left before ``config.preemption_grace_s`` (with a margin), else saved and waited for (True)."""
+    run, stop, step = self.run, self.stop, self.step
+    estimate = run.checkpoints.last_save_seconds
+    left = stop.seconds_left()
+    skip = estimate is not None and 1.5 * estimate + 1.0 > left
+    if run.process_count > 1:
+      skip = sharding.any_process(skip)
+    if skip:
+      run.say(f"{stop.signal_name}: not saving step {step}: the last save took {estimate:.1f} s and "
+              f"{max(left, 0):.1f} s are left of config.preemption_grace_s={stop.grace_s:g}; "
+              f"{stop.intact()}; exiting (exit {preempt.exit_code(stop.signal_name)})")
+      return False
+    start = time.monotonic()
+    self.save()
+    run.checkpoints.wait()
+    run.say(f"{stop.signal_name}: saved checkpoint {step} in {time.monotonic() - start:.1f} s; exiting "
+            f"(exit {preempt.exit_code(stop.signal_name)})")
+    return True
 
   # The schedule -------------------------------------------------------------------------------------
 
@@ -141,7 +166,10 @@ class Loop:
     signal_check_every = 1 if run.process_count == 1 else max(config.log_every, 1)
     status = "done"
     reporter.mark_start(self.step)
-    with _StopRequest() as stop, sharding.mesh_context(run.mesh):
+    stop = self.stop
+    stop.step = self.step
+    stop.phase = preempt.COMPILE
+    with sharding.mesh_context(run.mesh):
       try:
         while self.step < end:
           if profile and self.step == profile[0] and not tracing:
@@ -162,24 +190,28 @@ class Loop:
                     else "calibrated: the top-norm channels run in MXFP8")
             run.say(f"step {step}: OutControl {what}")
             reporter.mark_start(step)
-          stop_now = step % signal_check_every == 0 and sharding.any_process(stop.signal_name is not None)
-          eval_due = evaluate and config.eval.every_steps and step % config.eval.every_steps == 0 and step < end
+          stop_now = step % signal_check_every == 0 and sharding.any_process(stop.requested)
+          eval_due = (evaluate and config.eval.every_steps and step % config.eval.every_steps == 0 and step < end
+                      and not stop_now)
           ckpt_due = config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0 and step < end
           if eval_due or ckpt_due or stop_now:
             self.read_metrics()
             if eval_due:
               self.evaluate()
-            if ckpt_due or stop_now:
+            if stop_now:
+              self.save_before_deadline()
+            elif ckpt_due:
               self.save()
             reporter.mark_start(step)
           if stop_now:
             status = "stopped"
-            run.say(f"received {stop.signal_name or 'a stop request'}: saved checkpoint {step}, stopping")
             break
+        stop.phase = preempt.FINISHING
         self.read_metrics()
         if status == "done" and self.step < config.steps:
           status = "halted"
-        self.save()
+        if status != "stopped":
+          self.save()
         if evaluate and status != "stopped" and not reporter.has_evaluation(self.step):
           self.evaluate()
       except TrainingDiverged:
@@ -198,7 +230,16 @@ class Loop:
       loss = float(earlier)
       bpb = data_lib.bits_per_byte(loss, self.run.tokens_per_byte)
     train_loss = float(self.metrics["loss"]) if self.metrics else reporter.last_train_loss
-    return dict(status=status, step=self.step, train_loss=train_loss, validation_loss=loss, bits_per_byte=bpb,
+    signal_name = self.stop.signal_name if status == "stopped" else None
+    return dict(status=status, signal=signal_name, step=self.step, train_loss=train_loss, validation_loss=loss, bits_per_byte=bpb,
                 tokens_per_second=reporter.tokens_per_second, step_time=reporter.step_time,
                 nonfinite_steps=int(sharding.to_host(self.state["nonfinite_total"])),
                 workdir=self.run.workdir, steps_run=self.step - self.start_step)
+
+
+def _cache_hint() -> str:
+  """Where compiled programs are cached (so a rerun or resume skips the compile), or how to turn that on."""
+  directory = jax.config.jax_compilation_cache_dir
+  if directory:
+    return f"compiled programs are cached in {directory}, so a rerun or resume of this config skips most of this"
+  return "turn on JAX's compilation cache (train.py's --compilation_cache) so that reruns skip this"

@@ -1,7 +1,8 @@
 """What the user sees: a progress line, validation results, and the run's records in the work directory.
 
   ``metrics.jsonl``  one JSON object per logged train interval and per evaluation (appended across resumes;
-                     a value that is not finite is written as null)
+                     a value that is not finite is written as null), each with ``time`` (UTC, ISO 8601) and
+                     ``elapsed_s`` (seconds since this start began)
   ``tensorboard/``   the same scalars for TensorBoard (tensorboardX)
   ``loss.png``       train and validation loss curves of the whole run (every start), drawn at the end
 Only process 0 writes; every process keeps the numbers. A step recorded twice (a resume repeats the steps
@@ -9,6 +10,8 @@ after the last checkpoint, bit for bit) counts once, by its latest record.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -61,6 +64,8 @@ class Reporter:
     self.stream = stream or sys.stdout
     self.tty = self.primary and hasattr(self.stream, "isatty") and self.stream.isatty()
     self._line_open = False
+    self._phase_open = False       # a "doing X ..." line waiting for its time
+    self.started = time.monotonic()
     self._interval = []            # train losses since the last record
     self._last_time = None
     self._last_step = None
@@ -113,9 +118,42 @@ class Reporter:
 
   # Output ---------------------------------------------------------------------------------------------
 
+  def elapsed(self) -> float:
+    """Seconds since this start began (the reporter is made at the start of the set-up)."""
+    return time.monotonic() - self.started
+
+  @contextlib.contextmanager
+  def phase(self, text: str, *, hint: str = ""):
+    """``text ... 41.2 s`` around a start-up phase (``... failed after 3.1 s`` when it raises); ``hint``
+    (a callable's result or a string) follows the time."""
+    self._end_phase()
+    if self.primary:
+      self.stream.write(f"{text} ...")
+      self.stream.flush()
+      self._phase_open = True
+    start = time.monotonic()
+    try:
+      yield
+    except BaseException:
+      self._end_phase(f" failed after {time.monotonic() - start:.1f} s")
+      raise
+    after = hint() if callable(hint) else hint
+    self._end_phase(f" {time.monotonic() - start:.1f} s" + (f"  ({after})" if after else ""))
+
+  def end_line(self) -> None:
+    """Ends an open phase line (another thread is about to print)."""
+    self._end_phase()
+
+  def _end_phase(self, text: str = "") -> None:
+    if self.primary and self._phase_open:
+      self.stream.write(text + "\n")
+      self.stream.flush()
+    self._phase_open = False
+
   def _print(self, text: str, *, transient: bool = False) -> None:
     if not self.primary:
       return
+    self._end_phase()
     if self.tty:
       pad = " " * max(0, getattr(self, "_last_len", 0) - len(text))
       self.stream.write("\r" + text + pad + ("" if transient else "\n"))
@@ -131,12 +169,14 @@ class Reporter:
   def _record(self, record: dict) -> None:
     if not self.primary:
       return
+    record = dict(time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  elapsed_s=round(self.elapsed(), 3), **record)
     record = {k: _finite_or_none(v) for k, v in record.items()}
     self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
       for key, value in record.items():
-        if key not in ("step", "kind") and isinstance(value, (int, float)) and value is not None:
+        if key not in ("step", "kind", "time") and isinstance(value, (int, float)) and value is not None:
           self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
   def train_step(self, step: int, metrics: dict, *, recipe: str, nonfinite_note: str = "") -> None:
@@ -154,15 +194,18 @@ class Reporter:
       remaining = (self.total_steps - step) * self.step_time
       rates = (f"{self.tokens_per_second:9,.0f} tok/s  {1000 * self.step_time:7.1f} ms/step  "
                f"ETA {_fmt_duration(remaining)}")
-    else:  # the first interval of a start holds the compilation: no rate yet
-      rates = f"{'(first step, compiling)':>38}"
-    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {loss:7.4f}  {rates}  "
-            f"[{recipe}]{nonfinite_note}")
+    else:  # the first interval after a start, an evaluation or a save is not counted: no rate yet
+      rates = f"{'(no rate yet)':>38}"
+    # The loss shown is the one metrics.jsonl records: the mean over the steps since the last record.
+    mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
+    window = f"mean of last {len(self._interval)}"
+    clock = f"{datetime.datetime.now().strftime('%H:%M:%S')} +{self.elapsed():.0f}s"
+    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {mean:7.4f} ({window})  {rates}  "
+            f"[{recipe}]  {clock}{nonfinite_note}")
     logged = step % self.log_every == 0 or step == self.total_steps
     if logged or self.tty:
       self._print(line, transient=not logged)  # on a terminal every step redraws; logged steps stay
     if logged:
-      mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
       self._interval = []
       self.train_curve.append((step, mean))
       record = dict(kind="train", step=step, loss=mean, last_loss=loss, grad_norm=float(metrics["grad_norm"]),
@@ -177,16 +220,20 @@ class Reporter:
     self._print(f"step {step}: validation loss {loss:.4f}{bpb}")
     self._record(dict(kind="eval", step=step, loss=loss, bits_per_byte=bits_per_byte))
 
-  def close(self, title: str = "") -> str | None:
-    """Writes loss.png (when there is a curve) and closes the files; returns the PNG's path. Once."""
+  def close(self, title: str = "", *, draw: bool = True) -> str | None:
+    """Writes loss.png (when there is a curve and ``draw``) and closes the files; returns the PNG's path. Once."""
     if not self.primary or self._closed:
       return None
     self._closed = True
+    self._end_phase()
     path = None
-    train_curve = sorted(dict(self.train_curve).items())  # a step repeated after a resume counts once
-    eval_curve = sorted(dict(self.eval_curve).items())
-    train_curve = [(s, l) for s, l in train_curve if l is not None and math.isfinite(l)]
-    eval_curve = [(s, l) for s, l in eval_curve if l is not None and math.isfinite(l)]
+    if not draw:
+      train_curve = eval_curve = []
+    else:
+      train_curve = sorted(dict(self.train_curve).items())  # a step repeated after a resume counts once
+      eval_curve = sorted(dict(self.eval_curve).items())
+      train_curve = [(s, l) for s, l in train_curve if l is not None and math.isfinite(l)]
+      eval_curve = [(s, l) for s, l in eval_curve if l is not None and math.isfinite(l)]
     if train_curve or eval_curve:
       import matplotlib  # pylint: disable=g-import-not-at-top
       matplotlib.use("Agg")

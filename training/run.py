@@ -1,11 +1,13 @@
 """A run's fixed parts, built once: ``setup(config, workdir) -> Run``; its first state: ``init_or_restore(run)``.
 
 ``setup``:
-1. Check the config, build the mesh, read the data: every bad input fails here, before any compute.
-2. The models (a second one for the precision switch), the optimizer, the state's shardings
-   (eval_shape -> logical specs -> NamedShardings).
-3. The work directory: writable? does it hold a run made with another config? Then the config record,
-   the reporter, the checkpoints and the data iterators.
+1. Check the config and build the mesh; then the work directory: writable? its lock (one run at a time,
+   ``training.lock``), does it hold a run made with another config (a longer ``steps`` is an extension,
+   ``training.extend``)? The reporter and the checkpoints.
+2. Read the data: every bad input fails before any compute.
+3. The models (a second one for the precision switch), the optimizer, the state's shardings
+   (eval_shape -> logical specs -> NamedShardings); the config record and the data iterators.
+Each slow phase is printed with its time (``reading and tokenizing the data ... 12.3 s``).
 
 ``init_or_restore``: the newest checkpoint of the work directory that reads back intact (an unreadable one
 is reported, moved to ``<workdir>/unreadable_checkpoints/`` and the next older one tried, unless
@@ -33,7 +35,10 @@ from models.lm import scanned_params, unscanned_params
 from training import checkpoint as ckpt_lib
 from training import config as config_lib
 from training import data as data_lib
+from training import extend
+from training import lock as lock_lib
 from training import optim
+from training import preempt
 from training import report as report_lib
 from training import sharding
 from training import workdir as workdir_lib
@@ -67,6 +72,7 @@ class Run:
   checkpoints: ckpt_lib.Checkpoints
   reporter: report_lib.Reporter
   process_count: int
+  lock: lock_lib.WorkdirLock | None  # process 0's hold on the work directory, released by close()
 
   @property
   def num_params(self) -> int:
@@ -86,18 +92,25 @@ class Run:
   def say(self, text: str) -> None:
     self.reporter.message(text)
 
-  def close(self) -> str | None:
-    """Waits for the checkpoint writes (StorageError if one failed), then closes the reporter; loss.png's path."""
+  def close(self, *, draw: bool = True) -> str | None:
+    """Waits for the checkpoint writes (StorageError if one failed), then closes the reporter (loss.png unless
+    ``draw`` is False: a run stopped by a signal leaves it to the next start); loss.png's path."""
     try:
       self.checkpoints.close()
     finally:
-      png = self.reporter.close(f"{self.config.name}: {self.config.model.preset}, {self.recipe.name}")
+      try:
+        png = self.reporter.close(f"{self.config.name}: {self.config.model.preset}, {self.recipe.name}", draw=draw)
+      finally:
+        if self.lock is not None:
+          self.lock.release()
     return png
 
 
-def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) -> Run:
+def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
+          stop: preempt.Preemption | None = None) -> Run:
   """Checks everything that can be checked, then builds the run (see the module docstring)."""
-  # 1. Checks, mesh, data.
+  stop = stop or preempt.Preemption(config.get("preemption_grace_s", 30.0))
+  # 1. Checks, mesh, the work directory.
   config_lib.validate(config)
   model_config = config_lib.resolve_model_config(config.model)
   recipe, late_recipe, switch_step = config_lib.resolve_recipes(config)
@@ -110,9 +123,69 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
     raise ConfigError(f"config.batch_size={config.batch_size} must be a multiple of data * fsdp = {batch_ways} "
                       f"and of the {nproc} processes")
   seq_len = config.data.seq_len
-  train_split, val_split, data_summary, evaluate = _load_data(config, model_config)
+  workdir, checkpoints, reporter, lock, resume = _open_workdir(config, workdir, pindex, stop)
+  try:
+    return _build(config, workdir, model_fn, stop, model_config=model_config, recipe=recipe,
+                  late_recipe=late_recipe, switch_step=switch_step, outcontrol=outcontrol, mesh=mesh,
+                  checkpoints=checkpoints, reporter=reporter, lock=lock, resume=resume)
+  except BaseException:
+    checkpoints.close()
+    reporter.close()
+    if lock is not None:
+      lock.release()
+    raise
 
-  # 2. Models, optimizer, shardings.
+
+def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe, switch_step, outcontrol, mesh,
+           checkpoints, reporter, lock, resume) -> Run:
+  """Steps 2 and 3 of ``setup``, in the work directory it opened."""
+  nproc, pindex, seq_len = jax.process_count(), jax.process_index(), config.data.seq_len
+  say = reporter.message
+  say(f"fp4jax train: {config.name}  model {config.model.preset} ({model_config.n_blocks} blocks "
+      f"'{model_config.pattern}', d_model {model_config.d_model})  recipe {recipe.name}"
+      + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
+  if lock is not None and lock.taken_over:
+    say(f"warning: {lock.taken_over}")
+  for line in resume.messages:
+    say(line)
+  # 2. The data.
+  stop.detail = "reading the data"
+  with reporter.phase("reading and tokenizing the data"):
+    train_split, val_split, data_summary, evaluate = _load_data(config, model_config)
+  say(f"data: {data_lib.describe(data_summary)}")
+
+  # 3. Models, optimizer, shardings.
+  stop.detail = "building the model"
+  with reporter.phase("building the model and its shardings"):
+    model, late_model, tx, lr_fn, osci, init_fn, abstract, state_sh = _layout(
+        config, model_fn, model_config, recipe, late_recipe, outcontrol, mesh)
+
+  if outcontrol is not None:
+    say(f"OutControl: channel norms recorded in steps {outcontrol.record_start}..{outcontrol.on_step - 1}, "
+        f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
+        f"{outcontrol.on_step}")
+  say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
+      f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
+  if pindex == 0:
+    workdir_lib.record_config(workdir, config, step=resume.step or 0, event="resume" if resume.step else "start",
+                              changes=resume.changes)
+  train_iter = data_lib.batches(train_split, global_batch=config.batch_size, seed=config.seed,
+                                process_index=pindex, process_count=nproc,
+                                read_threads=config.data.read_threads, prefetch=config.data.prefetch)
+  val_batches = (data_lib.eval_batches(val_split, global_batch=config.batch_size, num_batches=config.eval.batches,
+                                       seed=config.seed, process_index=pindex, process_count=nproc)
+                 if evaluate else [])
+  return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
+             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol=outcontrol,
+             init_fn=init_fn,
+             abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
+             tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
+             process_count=nproc, lock=lock)
+
+
+def _layout(config, model_fn, model_config, recipe, late_recipe, outcontrol, mesh):
+  """The models, the optimizer and the state's abstract tree and shardings (no array is made)."""
+  seq_len = config.data.seq_len
   model = model_fn(model_config, recipe)
   late_model = model_fn(model_config, late_recipe) if late_recipe else None
   tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
@@ -134,35 +207,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module]) ->
                         f"input channels for an MXFP8 part (k8 = 0 below 128 channels, or K * ratio < 1 with "
                         f"ratio={outcontrol.ratio}); widen the model (d_model, mlp_dim >= 128) or turn it off")
     state_sh["outcontrol"] = jax.tree.map(lambda _: sharding.replicated(mesh), abstract["outcontrol"])
-
-  # 3. The work directory, its records, checkpoints and the data iterators.
-  workdir, checkpoints, reporter, guarded = _open_workdir(config, workdir, pindex)
-  say = reporter.message
-  say(f"fp4jax train: {config.name}  model {config.model.preset} ({model_config.n_blocks} blocks "
-      f"'{model_config.pattern}', d_model {model_config.d_model})  recipe {recipe.name}"
-      + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
-  if outcontrol is not None:
-    say(f"OutControl: channel norms recorded in steps {outcontrol.record_start}..{outcontrol.on_step - 1}, "
-        f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
-        f"{outcontrol.on_step}")
-  say(f"data: {data_lib.describe(data_summary)}")
-  say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
-      f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
-  if guarded:
-    say("config changed on resume (allowed by allow_config_change): "
-        + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items()))
-  train_iter = data_lib.batches(train_split, global_batch=config.batch_size, seed=config.seed,
-                                process_index=pindex, process_count=nproc,
-                                read_threads=config.data.read_threads, prefetch=config.data.prefetch)
-  val_batches = (data_lib.eval_batches(val_split, global_batch=config.batch_size, num_batches=config.eval.batches,
-                                       seed=config.seed, process_index=pindex, process_count=nproc)
-                 if evaluate else [])
-  return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
-             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol=outcontrol,
-             init_fn=init_fn,
-             abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
-             tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
-             process_count=nproc)
+  return model, late_model, tx, lr_fn, osci, init_fn, abstract, state_sh
 
 
 def _outcontrol_summary(abstract_outcontrol, ratio: float) -> str:
@@ -192,27 +237,35 @@ def _load_data(config, model_config):
   return train_split, val_split, summary, evaluate
 
 
-def _open_workdir(config, workdir: str, process_index: int):
-  """(absolute workdir, checkpoints, reporter, allowed config changes): checks the directory can be written
-  and that a resume keeps the run's config, then records this start in config.json / config_history.jsonl."""
+def _open_workdir(config, workdir: str, process_index: int, stop: preempt.Preemption):
+  """(absolute workdir, checkpoints, reporter, lock or None, resume plan): checks the directory can be written,
+  takes its lock (process 0), and checks that a resume keeps the run's config (``workdir_lib.check_resume``)."""
   workdir = workdir_lib.prepare(workdir, process_index)
-  checkpoints = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                                     async_save=config.checkpoint.async_save)
+  lock = (lock_lib.hold(workdir, stale_after_s=config.get("lock_stale_s", 300.0)) if process_index == 0
+          else None)
+  if lock is not None:
+    stop.at_exit(lock.release)
+  try:
+    checkpoints = ckpt_lib.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                                       async_save=config.checkpoint.async_save)
+  except BaseException:
+    if lock is not None:
+      lock.release()
+    raise
+  stop.checkpoints = checkpoints.on_disk
   try:
     latest = checkpoints.latest_step()
-    before = workdir_lib.last_config(workdir)
-    guarded = workdir_lib.check_resume(workdir, config, latest) if latest is not None else {}
+    resume = workdir_lib.check_resume(workdir, config, latest)
     reporter = report_lib.Reporter(workdir, total_steps=config.steps,
                                    tokens_per_step=config.batch_size * config.data.seq_len,
                                    log_every=config.log_every, primary=process_index == 0)
   except BaseException:
     checkpoints.close()
+    if lock is not None:
+      lock.release()
     raise
-  if process_index == 0:
-    changes = workdir_lib.config_changes(before, config) if before is not None else {}
-    workdir_lib.record_config(workdir, config, step=latest or 0, event="resume" if latest else "start",
-                              changes=changes)
-  return workdir, checkpoints, reporter, guarded
+  stop.reporter = reporter
+  return workdir, checkpoints, reporter, lock, resume
 
 
 # ------------------------------------------------------------------------------------- the first state

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 
+from training import preempt
 from training.errors import ConfigError, TrainingDiverged
 from training.loop import Loop
 from training.run import init_or_restore, setup
@@ -23,25 +24,30 @@ from training.step import build_model, cross_entropy, eval_step, init_state, tra
 def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module] = build_model) -> dict:
   """Trains ``config`` in ``workdir`` (resuming from its latest intact checkpoint) and returns a summary dict.
 
-  The summary: ``status`` ("done", "halted" after ``config.halt_after`` steps, "stopped" by a signal), ``step``,
+  The summary: ``status`` ("done", "halted" after ``config.halt_after`` steps, "stopped" by a signal),
+  ``signal`` (its name when stopped, e.g. "SIGTERM"; ``training.preempt.exit_code`` gives the exit status), ``step``,
   ``train_loss``, ``validation_loss``, ``bits_per_byte``, ``tokens_per_second``, ``step_time``,
   ``nonfinite_steps``, ``workdir``, ``steps_run`` (by this call). Raises a ``training.errors.TrainingError``
   subclass on every foreseeable failure: ConfigError / DataError before any compute, ConfigChangedError,
   CheckpointError, StorageError, TrainingDiverged.
   """
-  run = setup(config, workdir, model_fn=model_fn)
-  try:
-    state, step = init_or_restore(run)
-    run.say(f"parameters: {run.num_params:,}")
-    loop = Loop(run, state, step)
-    status = loop.run_to_end()
-  except BaseException:
+  with preempt.Preemption(config.get("preemption_grace_s", 30.0)) as stop:
+    run = setup(config, workdir, model_fn=model_fn, stop=stop)
     try:
-      run.close()
-    except Exception:  # pylint: disable=broad-except  (the first error is the one to report)
-      pass
-    raise
-  png = run.close()
+      stop.detail = "restoring or initializing the state"
+      with run.reporter.phase("restoring the latest checkpoint" if run.checkpoints.steps()
+                              else "initializing the state"):
+        state, step = init_or_restore(run)
+      run.say(f"parameters: {run.num_params:,}")
+      loop = Loop(run, state, step, stop)
+      status = loop.run_to_end()
+    except BaseException:
+      try:
+        run.close(draw=not stop.requested)
+      except Exception:  # pylint: disable=broad-except  (the first error is the one to report)
+        pass
+      raise
+    png = run.close(draw=status != "stopped")
   summary = loop.summary(status)
   if status == "stopped":
     return summary
@@ -56,7 +62,7 @@ def _final_line(summary: dict, png: str | None) -> str:
   """``done at step 300: train loss 1.6177, validation loss 1.4527 (2.0959 bits/byte), ...``; unknowns left out."""
   parts = []
   if math.isfinite(summary["train_loss"]):
-    parts.append(f"train loss {summary['train_loss']:.4f}")
+    parts.append(f"train loss {summary['train_loss']:.4f} (last step)")
   if math.isfinite(summary["validation_loss"]):
     bpb = summary["bits_per_byte"]
     parts.append(f"validation loss {summary['validation_loss']:.4f}" + (f" ({bpb:.4f} bits/byte)" if bpb else ""))

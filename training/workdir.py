@@ -11,11 +11,13 @@ only change how the run is watched or stored (``FREE_FIELDS``) may change freely
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
 
 from training import config as config_lib
+from training import extend
 from training.errors import ConfigChangedError, WorkdirError
 
 CONFIG_FILE = "config.json"
@@ -23,7 +25,8 @@ HISTORY_FILE = "config_history.jsonl"
 ERROR_LOG = "error.log"
 # Prefixes of the fields a resume may change without --allow_config_change.
 FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "eval.", "checkpoint.", "health.", "mesh.",
-               "data.read_threads", "data.prefetch", "init_from", "allow_config_change")
+               "data.read_threads", "data.prefetch", "init_from", "allow_config_change", "preemption_grace_s",
+               "lock_stale_s")
 
 
 def prepare(workdir: str, process_index: int = 0) -> str:
@@ -74,19 +77,50 @@ def is_free(field: str) -> bool:
   return any(field == p or (p.endswith(".") and field.startswith(p)) for p in FREE_FIELDS)
 
 
-def check_resume(workdir: str, config, step: int) -> dict[str, tuple]:
-  """The guarded changes since the last start (empty if none); ConfigChangedError if not allowed."""
+@dataclasses.dataclass(frozen=True)
+class Resume:
+  """What ``check_resume`` found: the checkpoint step resumed from (None: a fresh start), every field changed
+  since the last start (for config_history.jsonl), and the lines to print about them."""
+  step: int | None
+  changes: dict
+  messages: tuple = ()
+
+
+def check_resume(workdir: str, config, step: int | None) -> Resume:
+  """The resume plan; ConfigChangedError when a field that changes the result differs and is not allowed.
+
+  A different ``steps`` is allowed as an extension (or an earlier end) when it keeps the learning rate and
+  recipe of every step done so far (``training.extend``); its schedule rule is printed.
+  """
   before = last_config(workdir)
   if before is None:
-    return {}
-  changes = {k: v for k, v in config_changes(before, config).items() if not is_free(k)}
-  if changes and not config.get("allow_config_change", False):
-    diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    return Resume(step, {})
+  changes = config_changes(before, config)
+  if step is None:
+    return Resume(None, changes)
+  guarded = {k: v for k, v in changes.items() if not is_free(k)}
+  allowed = config.get("allow_config_change", False)
+  messages = []
+  if "steps" in guarded and "steps" in before:
+    verdict = extend.plan(before, config, step)
+    if verdict.accepted:
+      del guarded["steps"]
+      messages.append(verdict.message)
+    elif not allowed:
+      raise extend.refuse(verdict.message, workdir)
+  if guarded and not allowed:
+    diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items())
     raise ConfigChangedError(
         f"the work directory {workdir} holds a run at step {step} made with another config: {diff}. Resuming "
         "would continue it with different settings; pass --allow_config_change (or "
         "--config.allow_config_change=True) if that is intended, or use a new --workdir")
-  return changes
+  if guarded:
+    messages.append("config changed on resume (allowed by allow_config_change): "
+                    + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items()))
+    jump = extend.lr_jump(before, config, step)
+    if jump:
+      messages.append(f"warning: {jump}")
+  return Resume(step, changes, tuple(messages))
 
 
 def record_config(workdir: str, config, *, step: int, event: str, changes: dict | None = None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax._exact import div
 from fp4jax.numerics import nvfp4
 from fp4jax._pallas_compat import precise_div
 from fp4jax.numerics.scales import E4M3_MAX, FLT_MAX
@@ -88,7 +89,7 @@ def nvfp4_tensor_params(amax_g):
   """
   p = nvfp4.encode_shift(amax_g)
   s_enc = nvfp4.global_encode_scale(jnp.asarray(amax_g, jnp.float32) * p)
-  return s_enc * jnp.float32(1.0 / 6.0), jnp.float32(1.0) / s_enc, p
+  return s_enc * jnp.float32(1.0 / 6.0), div(1.0, s_enc), p   # as nvfp4.block_scales
 
 
 def nvfp4_factor_columns(amax_g):

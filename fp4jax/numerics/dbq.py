@@ -73,8 +73,9 @@ def decode_factor(scale, outer):
 
 
 def dequantize(q: Dbq):
-  """float32 values e2m1val(q) · (os · f32(s_b))."""
-  return e2m1.decode(q.codes) * jnp.repeat(decode_factor(q.scale, q.outer), BLOCK, axis=-1)
+  """float32 values e2m1val(q) · (os · f32(s_b)), rounded before any sum the caller forms with them
+  (OsciReset's |Q(w) - Q(w_prev)| would otherwise be one FMA: ``fp4jax._exact``)."""
+  return product(e2m1.decode(q.codes), jnp.repeat(decode_factor(q.scale, q.outer), BLOCK, axis=-1))
 
 
 def scaled_values(q: Dbq):

@@ -73,7 +73,8 @@ def rht(x, signs, *, axis: int = -1):
   x_f32 = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
   lead = x_f32.shape[:-1]
   chunks = x_f32.reshape(*lead, x_f32.shape[-1] // n, n) * signs.astype(jnp.float32)
-  y = fwht_last(chunks) * jnp.float32(1.0 / np.sqrt(n)) if n != RHT_SIZE else fwht_last(chunks) * _RHT_NORM
+  norm = _RHT_NORM if n == RHT_SIZE else jnp.float32(1.0 / np.sqrt(n))
+  y = product(fwht_last(chunks), norm)   # 2^-3.5 is inexact: rounded before a caller's sum
   return jnp.moveaxis(y.reshape(x_f32.shape), -1, axis)
 
 
@@ -154,7 +155,7 @@ def scaled_values(codes, scale):
 def dequantize(codes, scale, s_dec):
   """float32 values e2m1val(q) · (f32(scale) · s_dec)."""
   factor = scale.astype(jnp.float32) * jnp.asarray(s_dec, jnp.float32)
-  return e2m1.decode(codes) * jnp.repeat(factor, BLOCK, axis=-1)
+  return product(e2m1.decode(codes), jnp.repeat(factor, BLOCK, axis=-1))   # rounded before a caller's sum
 
 
 def scale_bits(key, shape):

@@ -204,7 +204,7 @@ def dequantize(codes, scale, amax_g, *, tiled=False, bound=DEFAULT_BOUND):
     factor = jnp.repeat(jnp.repeat(factor, 16, axis=-2), 16, axis=-1)
   else:
     factor = jnp.repeat(factor, BLOCK, axis=-1)
-  return e2m1.decode(codes) * factor
+  return product(e2m1.decode(codes), factor)   # rounded before any sum the caller forms with it
 
 
 def transpose_tiles(codes, scale):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax._exact import div, product
 from fp4jax.numerics.scales import E4M3_MAX, e4m3_rne_satfinite
 
 _ENC_MAX = np.float32(2.0 ** 126)
@@ -31,8 +32,9 @@ def quantize_blocks(x_f32):
   enc = jnp.where(usable, jnp.float32(E4M3_MAX) / jnp.where(usable, amax_b, 1.0), jnp.float32(1.0))
   enc = jnp.minimum(enc, _ENC_MAX)
   data = e4m3_rne_satfinite(jnp.where(finite, x_f32 * enc[..., None], jnp.float32(jnp.nan)))
-  return data, jnp.float32(1.0) / enc
+  return data, div(1.0, enc)   # enc is a quotient: never (1·amax)/448 (fp4jax._exact)
 
 
 def dequantize_blocks(data, scale):
-  return data.astype(jnp.float32) * scale[..., None]
+  """data · scale, rounded before any sum the caller forms with it (the scale is not a power of two)."""
+  return product(data.astype(jnp.float32), scale[..., None])

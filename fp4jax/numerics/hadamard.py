@@ -12,6 +12,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax._exact import product
+
 DEFAULT_SIZE = 16
 # The spec's default sign vector (TE's bit pattern 0xD7E8).
 DEFAULT_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -81,5 +83,5 @@ def rht(x, *, axis: int = -1, size: int = DEFAULT_SIZE, seed: int | None = None)
   lead = x_f32.shape[:-1]
   s = jnp.asarray(signs(size, seed), jnp.float32)
   chunks = x_f32.reshape(*lead, length // size, size) * s
-  y = fwht_last(chunks) * jnp.float32(1.0 / np.sqrt(size))
+  y = product(fwht_last(chunks), jnp.float32(1.0 / np.sqrt(size)))   # rounded before a caller's sum
   return jnp.moveaxis(y.reshape(*lead, length), -1, axis)

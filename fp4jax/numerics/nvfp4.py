@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax._exact import div, product
 from fp4jax.numerics import e2m1
-from fp4jax._exact import product
 from fp4jax.numerics.scales import FLT_MAX, e4m3_rne_satfinite
 
 _ONE_SIXTH = np.float32(1.0 / 6.0)
@@ -62,7 +62,7 @@ def block_scales(amax_b, amax_g):
   amax_b and amax_g already multiplied by ``encode_shift(amax_g)``; enc_b applies to x times it.
   """
   s_enc = global_encode_scale(amax_g)
-  s_dec = jnp.float32(1.0) / s_enc
+  s_dec = div(1.0, s_enc)   # S_enc is a quotient: never amax/2688 (fp4jax._exact)
   s_b = e4m3_rne_satfinite(jnp.minimum(amax_b * (s_enc * _ONE_SIXTH), jnp.float32(FLT_MAX)))
   enc_b = jnp.minimum(jnp.float32(1.0) / (s_b.astype(jnp.float32) * s_dec), jnp.float32(FLT_MAX))
   return s_b, enc_b
@@ -112,6 +112,8 @@ def dequantize_blocks(codes, s_b, amax_g):
   factor = decode_factor(s_b, m)
   # amax 0 belongs to an all-zero tensor (all scales 0); with a nonzero scale it is a wrong amax.
   factor = jnp.where((amax_g == 0) & (s_b.astype(jnp.float32) != 0), jnp.float32(jnp.nan), factor)
-  vals = e2m1.decode(codes) * factor[..., None]
-  vals = (vals * _pow2(e // 2)) * _pow2(e - e // 2)
+  # Rounded before any sum the caller forms with them (fp4jax._exact); the last power of two too,
+  # where it can make the value subnormal (a fused add would not flush it).
+  vals = product(e2m1.decode(codes), factor[..., None])
+  vals = product(vals * _pow2(e // 2), _pow2(e - e // 2))
   return jnp.where(keep, vals, jnp.clip(vals, -_FLT_MAX, _FLT_MAX))
