@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp4jax                                    # noqa: E402
 from bench.timing import median_seconds          # noqa: E402
-from fp4jax import _exact, dbq, osci_reset       # noqa: E402
+from fp4jax import _exact, osci_reset       # noqa: E402
+from fp4jax.numerics import dbq       # noqa: E402
 
 SHIPPED = _exact._opaque
 

@@ -20,8 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.numerics_study import capture, load_run
-from fp4jax import dbq, eden, hadamard
-from fp4jax.schemes import quantize_dbq, quantize_eden, quantize_fos, quantize_nvfp4
+import fp4jax
+from fp4jax.numerics import eden, hadamard
+from fp4jax.quantizers import Quantizer
+
+_NV, _NV_TILES = Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True)
+_FOS = {m: Quantizer("nvfp4", four_over_six=(256, m)) for m in ("mse", "mae")}
+_FOS_TILES = Quantizer("nvfp4", tiled=True, four_over_six=(256, "mse"))
+_DBQ, _DBQ_SR, _EDEN = Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True), Quantizer("nvfp4_eden")
+
+
+def _nvfp4_sr(t, bits):
+  return fp4jax.quantize(t, "nvfp4", rounding="stochastic", bits=bits)
 
 
 def _pad(t, axis_multiples):
@@ -45,23 +55,22 @@ def operand_sqnr(t_RxC, key) -> dict[str, float]:
   signs16 = eden.random_signs(k2, 16)
   rot16 = eden.rht(t128, signs16)
   return {
-      "nvfp4 RTN": _sqnr(t16, quantize_nvfp4(t16).dequantize()),
-      "4/6 mse": _sqnr(t16, quantize_fos(t16).dequantize()),
-      "4/6 mae": _sqnr(t16, quantize_fos(t16, metric="mae").dequantize()),
-      "dbq RTN": _sqnr(t128, quantize_dbq(t128).dequantize()),
-      "nvfp4 SR": _sqnr(t16, quantize_nvfp4(t16, bits=jax.random.bits(k3, t16.shape, jnp.uint8)).dequantize()),
-      "nvfp4 RHT16 SR": _sqnr(rht16, quantize_nvfp4(rht16, bits=jax.random.bits(k3, rht16.shape, jnp.uint8))
-                              .dequantize()),
-      "MS-EDEN RHT128": _sqnr(rot128, quantize_eden(rot128, k4).dequantize()),
-      "dbq RHT16 SR": _sqnr(rot16, quantize_dbq(rot16, key=k4).dequantize()),
+      "nvfp4 RTN": _sqnr(t16, fp4jax.dequantize(_NV(t16))),
+      "4/6 mse": _sqnr(t16, fp4jax.dequantize(_FOS["mse"](t16))),
+      "4/6 mae": _sqnr(t16, fp4jax.dequantize(_FOS["mae"](t16))),
+      "dbq RTN": _sqnr(t128, fp4jax.dequantize(_DBQ(t128))),
+      "nvfp4 SR": _sqnr(t16, fp4jax.dequantize(_nvfp4_sr(t16, jax.random.bits(k3, t16.shape, jnp.uint8)))),
+      "nvfp4 RHT16 SR": _sqnr(rht16, fp4jax.dequantize(_nvfp4_sr(rht16, jax.random.bits(k3, rht16.shape, jnp.uint8)))),
+      "MS-EDEN RHT128": _sqnr(rot128, fp4jax.dequantize(_EDEN(rot128, k4))),
+      "dbq RHT16 SR": _sqnr(rot16, fp4jax.dequantize(_DBQ_SR(rot16, k4))),
   }
 
 
 def weight_tile_sqnr(w_KxN) -> dict[str, float]:
   """The fprop weight in 16x16 tiles (the paper's and 4/6's nvidia-scheme layout), as wᵀ (N, K)."""
   wt = _pad(jnp.asarray(w_KxN, jnp.float32).T, {0: 16, 1: 16})
-  return {"nvfp4 16x16": _sqnr(wt, quantize_nvfp4(wt, tiled=True).dequantize()),
-          "4/6 mse 16x16": _sqnr(wt, quantize_fos(wt, tiled=True).dequantize())}
+  return {"nvfp4 16x16": _sqnr(wt, fp4jax.dequantize(_NV_TILES(wt))),
+          "4/6 mse 16x16": _sqnr(wt, fp4jax.dequantize(_FOS_TILES(wt)))}
 
 
 def main(argv=None) -> int:

@@ -5,10 +5,11 @@ from fp4jax import _platform
 
 _platform.configure()   # before anything starts a backend: CPU-only jax where a CUDA plugin has no GPU
 
-from fp4jax import hadamard, recipes  # noqa: E402  pylint: disable=wrong-import-position
+from fp4jax import recipes  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax.api import dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
-from fp4jax.hadamard import rht
+from fp4jax.numerics import hadamard
+from fp4jax.numerics.hadamard import rht
 from fp4jax.primitives import can_use_pallas
 from fp4jax.qtensor import QTensor
 from fp4jax.recipes import Recipe

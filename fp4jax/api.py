@@ -3,13 +3,15 @@ transpose_tiles. Validation at the boundary, then the primitive (FP4 formats) or
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import e2m1, formats, hadamard, nvfp4, primitives, random_bits
+from fp4jax import formats, primitives, random_bits
+from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
 from fp4jax.reference import (codes_of, dequantize_reference, quantize_reference,
@@ -224,7 +226,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   validate(q, "fp4jax.dequantize")
   dtype = _available(as_float_dtype(dtype, "fp4jax.dequantize"), "fp4jax.dequantize")
   impl = primitives.resolve_impl(impl, q.fmt)
-  if q.fmt not in formats.KERNEL_FORMATS or q.data.size == 0:
+  if q.fmt not in formats.KERNEL_FORMATS or q.bound != formats.NVFP4_BOUND or q.data.size == 0:
     return dequantize_reference(q, dtype)
   nd = q.data.ndim
   axis = q.axis % nd
@@ -337,4 +339,4 @@ def transpose_tiles(q: QTensor) -> QTensor:
     data = q.data.T
   else:
     raise ValueError(f"transpose_tiles supports nvfp4 and fp8 tiles; got fmt={q.fmt!r}")
-  return QTensor(data, q.scale.T, q.amax, q.fmt, -1, None, q.tile, q.dtype, q.scale_rule)
+  return dataclasses.replace(q, data=data, scale=q.scale.T, axis=-1)

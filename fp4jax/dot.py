@@ -10,10 +10,13 @@ lhs is the activation x_MxK, rhs the weight w_KxN. The three GEMMs of y = x·w a
   wgrad  dw_KxN = xᵀ · dy    RHT(xᵀ) and RHT(dyᵀ) along M, then 1x16 along M; dy stochastic
 
 (16 for nvfp4; mxfp4 uses 1x32 blocks and no 2D tiles; fp8 1x128 blocks, 128x128 weight tiles, no
-stochastic rounding and no RHT.) A GEMM whose format is "bf16" is a plain ``lax.dot_general`` of the
-unquantized operands. The residuals are the *quantized* wgrad x and dgrad w; an unquantized operand is
-saved only when a GEMM in "bf16" needs it. All three GEMMs accumulate in float32; dx and dw come back
-in the dtypes of x and w.
+stochastic rounding and no RHT.) That is the paper's table; every recipe is such a table of six role
+quantizers (``Recipe.roles``, fp4jax.quantizers: 4/6, Quartet II's MS-EDEN backward, TetraJet-v2's DBQ),
+and this one custom_vjp runs them all. A GEMM whose roles are None is a plain ``lax.dot_general`` of
+the unquantized operands. The residuals are FP4: the quantized wgrad x and dgrad w, or the fprop tiles,
+or the forward-quantized x̂ and ŵ that Quartet II and TetraJet-v2 re-quantize; an unquantized operand
+is saved only when a GEMM in "bf16" needs it. All three GEMMs accumulate in float32
+(``fp4jax.gemm.scaled_matmul``); dx and dw come back in the dtypes of x and w.
 
 Shapes that are not multiples of the blocks (and of ``rht_size`` along M) are zero-padded in whole
 elements before quantization. Zeros change neither a tensor's amax nor any block's or tile's amax, so
@@ -31,69 +34,29 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats, recipes, schemes
-from fp4jax.api import (check_dot_inputs, quantize, quantize_rht_transposed, scaled_matmul,
-                        transpose_tiles)
-from fp4jax.layout import pad_to_multiple
+from fp4jax import api, gemm, recipes
+from fp4jax.numerics import eden
+from fp4jax.api import check_dot_inputs, transpose_tiles
+from fp4jax.numerics.layout import pad_to_multiple
+from fp4jax.qtensor import QTensor
+from fp4jax.quantizers import TRANSPOSED, Roles
 from fp4jax.recipes import Recipe
-
-_BLOCK = {**formats.BLOCK, "bf16": 1}
-_FP4 = formats.FP4
 
 MISSING_KEY_MESSAGE = (
     "stochastic rounding of the gradients (Recipe.stochastic_grad=True) needs random bits, and no key "
     "was given. Pass key=jax.random.key(...) to fp4jax.dot / fp4jax.dot_general; with the Flax modules "
     "provide the 'fp4' rng stream: linen model.apply(variables, x, rngs={'fp4': key}), NNX "
     "Fp4DotGeneralNNX(recipe, rngs=nnx.Rngs(fp4=seed)). Or use a recipe with stochastic_grad=False.")
+MISSING_KEY_REASON_MESSAGE = (
+    "the backward pass of recipe {name!r} draws random bits ({why}), and no key was given. Pass "
+    "key=jax.random.key(...) to fp4jax.dot / fp4jax.dot_general (a different key per call site and "
+    "step); with the Flax modules provide the 'fp4' rng stream, e.g. model.apply(variables, x, "
+    "rngs={{'fp4': key}}).")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Which quantization each operand gets
-# ---------------------------------------------------------------------------------------------------
-
-def _weight_tile(fmt, recipe):
-  return formats.TILE[fmt] if recipe.weight_2d and fmt in formats.TILE else None
-
-
-def _rounding(fmt, recipe):
-  return "stochastic" if recipe.stochastic_grad and fmt in _FP4 else "nearest"
-
-
-def _uses_rht(recipe):
-  return recipe.rht and recipe.wgrad in _FP4
-
-
-def needs_key(recipe: Recipe) -> bool:
-  """Whether the backward pass of ``recipe`` draws random bits (stochastic rounding of dy)."""
+def needs_key(recipe) -> bool:
+  """Whether the backward pass of ``recipe`` draws random bits (stochastic rounding, random signs)."""
   return recipe.needs_key
-
-
-def _shares_fprop_weight(recipe):
-  """dgrad reads the fprop tiles transposed (spec §2): the same quantized tensor in both GEMMs."""
-  return recipe.weight_2d and recipe.fprop == recipe.dgrad and recipe.fprop in formats.TILE
-
-
-def _alignment(recipe):
-  """Multiples (M, K, N) that the operands of all three GEMMs need."""
-  f, d, g = recipe.fprop, recipe.dgrad, recipe.wgrad
-  f_tile, d_tile = _weight_tile(f, recipe), _weight_tile(d, recipe)
-  m = math.lcm(_BLOCK[g], recipe.rht_size if _uses_rht(recipe) else 1)
-  k = math.lcm(_BLOCK[f], d_tile[0] if d_tile else 1)
-  n = math.lcm(_BLOCK[d], f_tile[0] if f_tile else 1)
-  return m, k, n
-
-
-def _quantize_kw(fmt, recipe):
-  return {"scale_rule": recipe.mxfp4_scale_rule} if fmt == "mxfp4" else {}
-
-
-def _wgrad_operand(t_TxC, fmt, recipe, rounding="nearest", key=None):
-  """xᵀ or dyᵀ for wgrad: (C, T) quantized along the token axis T, after the RHT when on."""
-  kw = _quantize_kw(fmt, recipe)
-  if _uses_rht(recipe):
-    return quantize_rht_transposed(t_TxC, fmt, rht_size=recipe.rht_size, rht_seed=recipe.rht_seed,
-                                   rounding=rounding, key=key, **kw)
-  return quantize(t_TxC.T, fmt, axis=-1, rounding=rounding, key=key, **kw)
 
 
 def _exact(a, b, dims, precision):
@@ -101,77 +64,113 @@ def _exact(a, b, dims, precision):
                          preferred_element_type=jnp.float32)
 
 
+def _values(t):
+  """The forward-quantized values the backward pass re-quantizes (float32): x̂, ŵ, or x, w unquantized."""
+  return api.dequantize(t) if isinstance(t, QTensor) else t.astype(jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------------
-# The custom_vjp on aligned 2-D operands x_MxK, w_KxN
+# The custom_vjp on aligned 2-D operands x_MxK, w_KxN, for any Roles
 # ---------------------------------------------------------------------------------------------------
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "w_dgrad", "x_wgrad"),
                    meta_fields=("x_dtype", "w_dtype"))
 @dataclasses.dataclass(frozen=True)
-class _Residuals:
-  key: Any        # None unless the backward pass rounds stochastically
-  w_dgrad: Any    # QTensor (K, N) along N, or the fprop QTensor (N, K) in 16x16 tiles, or w (dgrad bf16)
-  x_wgrad: Any    # QTensor (K, M) along M (after RHT), or x itself (wgrad bf16)
+class Residuals:
+  """What the forward pass saves: the FP4 operands the backward pass reads, never x or w unquantized
+  unless a GEMM that needs them runs in bf16."""
+  key: Any        # None unless the backward pass draws random bits
+  w_dgrad: Any    # QTensor (K, N) along N; or the fprop QTensor (N, K) (tiles to transpose, or ŵ to
+                  # re-quantize); or w (dgrad in bf16; wᵀ when fprop is bf16 and dgrad re-quantizes)
+  x_wgrad: Any    # QTensor (K, M) along M; or the fprop QTensor x̂ (M, K) to re-quantize; or x
   x_dtype: Any
   w_dtype: Any
 
+  @property
+  def nbytes(self) -> int:
+    leaves = jax.tree.leaves((self.w_dgrad, self.x_wgrad))
+    return sum(int(a.size) * a.dtype.itemsize for a in leaves)
+
 
 @jax.named_scope("fprop")
-def _fprop(recipe, precision, out_dtype, x_MxK, w_KxN):
-  """y and the fprop-quantized weight (None when fprop runs unquantized)."""
-  fmt = recipe.fprop
-  if fmt == "bf16":
-    return _exact(x_MxK, w_KxN, ((1,), (0,)), precision).astype(out_dtype), None
-  kw = _quantize_kw(fmt, recipe)
-  q_x = quantize(x_MxK, fmt, axis=-1, **kw)
-  q_wt = quantize(w_KxN.T, fmt, axis=-1, tile=_weight_tile(fmt, recipe), **kw)   # (N, K)
-  return scaled_matmul(q_x, q_wt, out_dtype=out_dtype), q_wt
+def _fprop(roles: Roles, precision, out_dtype, x_MxK, w_KxN):
+  """y and the fprop-quantized operands (None when fprop runs unquantized)."""
+  if roles.fprop_x is None:
+    return _exact(x_MxK, w_KxN, ((1,), (0,)), precision).astype(out_dtype), None, None
+  q_x = roles.fprop_x(x_MxK)
+  q_wt = roles.fprop_w(w_KxN.T)                                                      # (N, K)
+  return gemm.scaled_matmul(q_x, q_wt, out_dtype=out_dtype), q_x, q_wt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key):
+def _qdot(roles, precision, out_dtype, x_MxK, w_KxN, key):
   del key
-  return _fprop(recipe, precision, out_dtype, x_MxK, w_KxN)[0]
+  return _fprop(roles, precision, out_dtype, x_MxK, w_KxN)[0]
 
 
-def _qdot_fwd(recipe, precision, out_dtype, x_MxK, w_KxN, key):
-  y_MxN, q_wt = _fprop(recipe, precision, out_dtype, x_MxK, w_KxN)
-  d, g = recipe.dgrad, recipe.wgrad
-  if d == "bf16":
+def _qdot_fwd(roles, precision, out_dtype, x_MxK, w_KxN, key):
+  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, x_MxK, w_KxN)
+  if roles.dgrad_dy is None:
     w_dgrad = w_KxN
-  elif _shares_fprop_weight(recipe):
-    w_dgrad = q_wt                       # transposed in the backward pass: codes and scales only
+  elif roles.dgrad_w == TRANSPOSED or roles.requantize:
+    w_dgrad = w_KxN.T if q_wt is None else q_wt   # transposed, or re-quantized, in the backward pass
   else:
-    w_dgrad = quantize(w_KxN, d, axis=-1, tile=_weight_tile(d, recipe), **_quantize_kw(d, recipe))
+    w_dgrad = roles.dgrad_w(w_KxN)                                                   # (K, N) along N
   with jax.named_scope("wgrad"):
-    x_wgrad = x_MxK if g == "bf16" else _wgrad_operand(x_MxK, g, recipe)
-  res = _Residuals(key if needs_key(recipe) else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype)
+    if roles.wgrad_x is None:
+      x_wgrad = x_MxK
+    elif roles.requantize:
+      x_wgrad = x_MxK if q_x is None else q_x
+    else:
+      x_wgrad = roles.wgrad_x.quantize_t(x_MxK)                                      # (K, M) along M
+  res = Residuals(key if roles.needs_key else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype)
   return y_MxN, res
 
 
-def _qdot_bwd(recipe, precision, out_dtype, res, dy_MxN):
+def _gemm_keys(key, rht_size):
+  """(signs, key of the first operand, key of the second) of one backward GEMM: with a random
+  transform its signs and both operands' bits come from one three-way split; else the gradient
+  operand rounds with the GEMM's key itself."""
+  if rht_size is None:
+    return None, key, key
+  k_sign, k_a, k_b = jax.random.split(key, 3)
+  return eden.random_signs(k_sign, rht_size), k_a, k_b
+
+
+def _qdot_bwd(roles, precision, out_dtype, res, dy_MxN):
   del out_dtype
   key_d = key_w = None
-  if needs_key(recipe):
+  if roles.needs_key:
     if res.key is None:
-      raise ValueError(MISSING_KEY_MESSAGE)
+      raise ValueError(MISSING_KEY_MESSAGE if roles.key_reason is None else
+                       MISSING_KEY_REASON_MESSAGE.format(name=roles.name, why=roles.key_reason))
     key_d, key_w = jax.random.split(res.key)   # independent streams for the two GEMMs
-  d, g = recipe.dgrad, recipe.wgrad
-  # Dgrad dx = dy · wᵀ.
+  # Dgrad dx = dy · wᵀ, contracting N.
   with jax.named_scope("dgrad"):   # inside "fp4jax/dot" (the caller's scope)
-    if d == "bf16":
+    if roles.dgrad_dy is None:
       dx_MxK = _exact(dy_MxN, res.w_dgrad, ((1,), (1,)), precision)
     else:
-      q_w = transpose_tiles(res.w_dgrad) if _shares_fprop_weight(recipe) else res.w_dgrad   # (K, N)
-      q_dy = quantize(dy_MxN, d, axis=-1, rounding=_rounding(d, recipe), key=key_d, **_quantize_kw(d, recipe))
-      dx_MxK = scaled_matmul(q_dy, q_w, out_dtype=jnp.float32)
+      signs, k_dy, k_w = _gemm_keys(key_d, roles.dgrad_rht) if key_d is not None else (None, None, None)
+      if roles.dgrad_w == TRANSPOSED:
+        q_w = transpose_tiles(res.w_dgrad)                                           # (K, N)
+      elif roles.requantize:
+        q_w = roles.dgrad_w.quantize_t(_values(res.w_dgrad), k_w, signs)              # ŵ (N, K) -> (K, N)
+      else:
+        q_w = res.w_dgrad
+      q_dy = roles.dgrad_dy(dy_MxN, k_dy, signs)
+      dx_MxK = gemm.scaled_matmul(q_dy, q_w, out_dtype=jnp.float32)
   # Wgrad dw = xᵀ · dy, both operands along the tokens.
   with jax.named_scope("wgrad"):
-    if g == "bf16":
+    if roles.wgrad_x is None:
       dw_KxN = _exact(res.x_wgrad, dy_MxN, ((0,), (0,)), precision)
     else:
-      q_dyt = _wgrad_operand(dy_MxN, g, recipe, _rounding(g, recipe), key_w)    # (N, M)
-      dw_KxN = scaled_matmul(res.x_wgrad, q_dyt, out_dtype=jnp.float32)
+      signs, k_x, k_dy = _gemm_keys(key_w, roles.wgrad_rht) if key_w is not None else (None, None, None)
+      if roles.requantize:
+        q_xt = roles.wgrad_x.quantize_t(_values(res.x_wgrad), k_x, signs)            # x̂ (M, K) -> (K, M)
+      else:
+        q_xt = res.x_wgrad
+      q_dyt = roles.wgrad_dy.quantize_t(dy_MxN, k_dy, signs)                         # (N, M)
+      dw_KxN = gemm.scaled_matmul(q_xt, q_dyt, out_dtype=jnp.float32)
   # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
   # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM
   # (docs/PERF.md, issue 13: the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
@@ -182,28 +181,28 @@ def _qdot_bwd(recipe, precision, out_dtype, res, dy_MxN):
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
+def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
+  """What the forward pass saves for the backward pass on aligned operands (byte counts, tests)."""
+  return _qdot_fwd(_as_recipe(recipe).roles, None, x_MxK.dtype, x_MxK, w_KxN, key)[1]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-def _dot_2d(recipe, precision, out_dtype, x_MxK, w_KxN, key):
+def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
-  beyond = schemes.uses_schemes(recipe)   # 4/6, Quartet II, TetraJet-v2: fp4jax.schemes
-  align_m, align_k, align_n = schemes.alignment(recipe) if beyond else _alignment(recipe)
+  align_m, align_k, align_n = roles.alignment()
   x_MxK = pad_to_multiple(pad_to_multiple(x_MxK, 0, align_m), 1, align_k)
   w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
-  if beyond:
-    y_MxN = schemes.qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
-  else:
-    y_MxN = _qdot(recipe, precision, out_dtype, x_MxK, w_KxN, key)
-  return y_MxN[:m, :n]
+  return _qdot(roles, precision, out_dtype, x_MxK, w_KxN, key)[:m, :n]
 
 
-def _as_recipe(recipe) -> Recipe:
+def _as_recipe(recipe) -> Recipe | Roles:
   if isinstance(recipe, str):
     return recipes.get(recipe)
-  if not isinstance(recipe, Recipe):
+  if not isinstance(recipe, (Recipe, Roles)):
     raise TypeError(f"recipe must be an fp4jax.Recipe or a preset name such as 'nvfp4' "
                     f"(one of {recipes.NAMES}); got {type(recipe).__name__}")
   return recipe
@@ -216,7 +215,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
   lhs is treated as the activation (1D blocks along its contracting axes), rhs as the weight (2D tiles
   with ``recipe.weight_2d``). Batch dimensions give independent GEMMs (each with its own tensor amax).
-  recipe: an ``fp4jax.Recipe`` or a preset name ("nvfp4", "mxfp4", "fp8", "bf16", ...).
+  recipe: an ``fp4jax.Recipe`` or a preset name ("nvfp4", "mxfp4", "fp8", "bf16", ...), or a table of six
+    role quantizers (``fp4jax.quantizers.Roles``, e.g. a recipe's ``.roles`` with one role replaced).
   key: a ``jax.random`` key for stochastic rounding in the backward pass; needed only when the
     gradient is taken with a recipe that rounds stochastically. Use a different key per call site
     and step.
@@ -248,7 +248,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   w_BxKxN = jnp.transpose(rhs, (*rb, *rc, *rhs_free)).reshape(b, k, n)
   if key is not None and not needs_key(recipe):
     key = None
-  dot_2d = functools.partial(_dot_2d, recipe, precision, out.dtype)
+  dot_2d = functools.partial(_dot_2d, recipe.roles, precision, out.dtype)
   if not lb:
     y_BxMxN = dot_2d(x_BxMxK[0], w_BxKxN[0], key)[None]
   elif key is None:

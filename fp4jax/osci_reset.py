@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from fp4jax import dbq
+from fp4jax.numerics import dbq
 from fp4jax._exact import div
 
 

@@ -22,10 +22,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from fp4jax import dbq, eden, mxfp8, random_bits
+from fp4jax import gemm
 from fp4jax._exact import product
-from fp4jax.layout import pad_to_multiple
+from fp4jax.api import dequantize
+from fp4jax.numerics import dbq, eden, mxfp8
+from fp4jax.numerics.layout import pad_to_multiple
+from fp4jax.quantizers import Quantizer
 
 DEFAULT_RATIO = 0.1
 
@@ -61,21 +65,19 @@ def split_fprop(x_MxK, w_KxN, perm_K, n_fp8: int):
   The channels are gathered by ``perm``: the first n_fp8 run in MXFP8 (quantized along K in blocks of
   32), the rest in DBQ NVFP4 (blocks of 16 and 128 along K, zero-padded to a multiple of 128).
   """
-  x_g = jnp.take(x_MxK.astype(jnp.float32), perm_K, axis=1)
-  w_g = jnp.take(w_KxN.astype(jnp.float32), perm_K, axis=0)
-  y = jnp.zeros((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
-  if n_fp8 < x_MxK.shape[1]:
-    x4 = pad_to_multiple(x_g[:, n_fp8:], -1, dbq.OUTER)
-    w4 = pad_to_multiple(w_g[n_fp8:].T, -1, dbq.OUTER)
-    y = dbq.gemm(dbq.quantize(x4), dbq.quantize(w4))
-  if n_fp8:
-    y = y + mxfp8.gemm(mxfp8.quantize(x_g[:, :n_fp8]), mxfp8.quantize(w_g[:n_fp8].T))
-  return y
+  return _forward(x_MxK, w_KxN, perm_K, n_fp8)[0]
 
 
 # ---------------------------------------------------------------------------------------------------
-# The OutControl linear layer as a custom_vjp (TetraJet-v2 with a fixed channel split)
+# The OutControl linear layer as a custom_vjp (TetraJet-v2 with a fixed channel split). Its operands are
+# QTensors from fp4jax.quantizers and its GEMMs fp4jax.gemm's; it stays its own custom_vjp because the
+# split is per channel of K with a permutation from the train state, and its wgrad quantizes dy twice
+# (MXFP8 along the tokens for the C8 rows, RHT-16 DBQ for the C4 rows): docs/DOT.md.
 # ---------------------------------------------------------------------------------------------------
+
+_DBQ, _DBQ_SR, _MXFP8 = (Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True),
+                         Quantizer("mxfp8"))
+
 
 def _forward(x_MxK, w_KxN, perm_K, n_fp8):
   x_g = jnp.take(x_MxK.astype(jnp.float32), perm_K, axis=1)
@@ -83,12 +85,12 @@ def _forward(x_MxK, w_KxN, perm_K, n_fp8):
   y = jnp.zeros((x_MxK.shape[0], w_KxN.shape[1]), jnp.float32)
   q4x = q4w = q8x = q8w = None
   if n_fp8 < x_MxK.shape[1]:
-    q4x = dbq.quantize(pad_to_multiple(x_g[:, n_fp8:], 1, dbq.OUTER))
-    q4w = dbq.quantize(pad_to_multiple(w_g[n_fp8:].T, 1, dbq.OUTER))            # (N, K4)
-    y = dbq.gemm(q4x, q4w)
+    q4x = _DBQ(pad_to_multiple(x_g[:, n_fp8:], 1, dbq.OUTER))
+    q4w = _DBQ(pad_to_multiple(w_g[n_fp8:].T, 1, dbq.OUTER))                    # (N, K4)
+    y = gemm.scaled_matmul(q4x, q4w)
   if n_fp8:
-    q8x, q8w = mxfp8.quantize(x_g[:, :n_fp8]), mxfp8.quantize(w_g[:n_fp8].T)   # (M, k8), (N, k8)
-    y = y + mxfp8.gemm(q8x, q8w)
+    q8x, q8w = _MXFP8(x_g[:, :n_fp8]), _MXFP8(w_g[:n_fp8].T)                   # (M, k8), (N, k8)
+    y = y + gemm.scaled_matmul(q8x, q8w)
   return y, (q4x, q4w, q8x, q8w)
 
 
@@ -117,29 +119,25 @@ def _dot_bwd(n_fp8, res, dy_MxN):
   dy = dy_MxN.astype(jnp.float32)
   key_d, key_w = jax.random.split(key)
   # Dgrad: the whole gathered ŵ (N, K) in FP4 after RHT-16 along N.
-  parts = ([mxfp8.dequantize(q8w)] if n_fp8 else []) + ([dbq.dequantize(q4w)] if q4w is not None else [])
+  parts = ([dequantize(q8w)] if n_fp8 else []) + ([dequantize(q4w)] if q4w is not None else [])
   wt_hat = jnp.concatenate(parts, axis=1)[:, :k_in]
   k_sign, k_a, k_b = jax.random.split(key_d, 3)
   s = eden.random_signs(k_sign, 16)
-  dy_rot, w_rot = eden.rht(dy, s), eden.rht(wt_hat.T, s)                   # (M, N), (K, N)
-  q_dy = dbq.quantize(dy_rot, bits=random_bits.bits(k_a, dy_rot.shape, jnp.uint8))
-  q_w = dbq.quantize(w_rot, bits=random_bits.bits(k_b, w_rot.shape, jnp.uint8))
-  dx_g = dbq.gemm(q_dy, q_w)
+  dx_g = gemm.scaled_matmul(_DBQ_SR(dy, k_a, s), _DBQ_SR.quantize_t(wt_hat, k_b, s))    # (M, N) · (K, N)ᵀ
   # Wgrad, C8 rows: MXFP8 along tokens, no RHT, from the forward's FP8 activations; C4 rows:
   # TetraJet-v2's operands along tokens.
   k_sign, k_a, k_b = jax.random.split(key_w, 3)
   s = eden.random_signs(k_sign, 16)
   parts = []
   if n_fp8:
-    parts.append(mxfp8.gemm(mxfp8.quantize(mxfp8.dequantize(q8x).T), mxfp8.quantize(dy.T)))
+    parts.append(gemm.scaled_matmul(_MXFP8.quantize_t(dequantize(q8x)), _MXFP8.quantize_t(dy)))
   if q4x is not None:
-    x4t = eden.rht(dbq.dequantize(q4x).T, s)                                # (K4, M)
-    dyt = eden.rht(dy.T, s)                                                 # (N, M)
-    parts.append(dbq.gemm(dbq.quantize(x4t, bits=random_bits.bits(k_a, x4t.shape, jnp.uint8)),
-                          dbq.quantize(dyt, bits=random_bits.bits(k_b, dyt.shape, jnp.uint8))))
+    parts.append(gemm.scaled_matmul(_DBQ_SR.quantize_t(dequantize(q4x), k_a, s),             # (K4, M)
+                                    _DBQ_SR.quantize_t(dy, k_b, s)))                         # (N, M)
   dw_g = jnp.concatenate(parts, axis=0)[:k_in]
   dx = _scatter(dx_g, perm_K, 1)
   dw = _scatter(dw_g, perm_K, 0)
+  dx, dw = lax.optimization_barrier((dx, dw))   # released together, as fp4jax.dot's (dx, dw)
   perm_ct = jnp.zeros(perm_K.shape, jax.dtypes.float0)
   return dx.astype(x_dtype), dw.astype(w_dtype), perm_ct, None
 

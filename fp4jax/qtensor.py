@@ -34,9 +34,13 @@ class QTensor:
          (1D) or the last two axes divided by the tile (2D). float8_e4m3fn (nvfp4), float8_e8m0fnu
          (mxfp4), float32 decode factors (fp8; per-tensor fp8 has shape ()).
   amax:  float32 scalar, the tensor amax the nvfp4 scales were computed with; None otherwise.
+  scale2: the second-level scale of the formats that store it (formats.TABLE[fmt].second): float32
+         s_dec () for nvfp4_eden, float32 per 1x128 block for nvfp4_dbq (laid out like ``scale`` with
+         128 in place of the block); None otherwise.
   axis:  the quantized axis, stored negative (counted from the end) so added leading dims (vmap)
          keep it valid.
   block: elements per 1D block (16, 32, 128), or None with ``tile`` set, or 0 for per-tensor fp8.
+  bound: nvfp4's tensor-scale bound B (the amax maps to 6·B): 448, or 256 with Four Over Six.
   """
 
   data: Any
@@ -48,17 +52,21 @@ class QTensor:
   tile: tuple[int, int] | None
   dtype: Any
   scale_rule: str | None = None
+  scale2: Any = None
+  bound: int = formats.NVFP4_BOUND
 
   def __post_init__(self):
     _check_static(self)
 
   def tree_flatten(self):
-    return (self.data, self.scale, self.amax), (self.fmt, self.axis, self.block, self.tile,
-                                               self.dtype, self.scale_rule)
+    return (self.data, self.scale, self.amax, self.scale2), (self.fmt, self.axis, self.block, self.tile,
+                                                             self.dtype, self.scale_rule, self.bound)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(*children, *aux)
+    data, scale, amax, scale2 = children
+    fmt, axis, block, tile, dtype, scale_rule, bound = aux
+    return cls(data, scale, amax, fmt, axis, block, tile, dtype, scale_rule, scale2, bound)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -75,7 +83,7 @@ class QTensor:
   @property
   def nbytes(self) -> int:
     """Bytes of data, scales and amax: what storing this tensor costs."""
-    leaves = [x for x in (self.data, self.scale, self.amax) if x is not None]
+    leaves = [x for x in (self.data, self.scale, self.amax, self.scale2) if x is not None]
     return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
@@ -99,12 +107,18 @@ def _layout_text(q: QTensor) -> str:
 
 def _check_static(q: QTensor):
   """The layout fields, which are never placeholders: raise ValueError/TypeError if inconsistent."""
-  if q.fmt not in formats.NAMES:
-    raise ValueError(f"QTensor.fmt={q.fmt!r} is not a format; use one of {formats.NAMES}")
+  if q.fmt not in formats.ALL:
+    raise ValueError(f"QTensor.fmt={q.fmt!r} is not a format; use one of {formats.ALL}")
+  if q.bound not in formats.BOUNDS or (q.fmt != "nvfp4" and q.bound != formats.NVFP4_BOUND):
+    raise ValueError(f"QTensor.bound={q.bound!r}: nvfp4's tensor-scale bound is 448 (256 with Four Over "
+                     f"Six); fmt={q.fmt!r} takes the default {formats.NVFP4_BOUND}")
   if not isinstance(q.axis, (int, np.integer)) or isinstance(q.axis, bool) or q.axis >= 0:
     raise ValueError(f"QTensor.axis={q.axis!r} must be a negative int (the quantized axis counted "
                      "from the end, e.g. -1), so that vmap's added leading axes keep it valid")
   spec = formats.TABLE[q.fmt]
+  if spec.second in ("s_dec", "outer") and q.axis != -1:
+    raise ValueError(f"QTensor.axis={q.axis} with fmt={q.fmt!r}: its scales are laid out along the last "
+                     "axis; use axis=-1")
   if q.tile is not None:
     if q.fmt not in formats.TILE or tuple(q.tile) != formats.TILE[q.fmt]:
       allowed = ", ".join(f"{f} {t}" for f, t in formats.TILE.items())
@@ -193,7 +207,31 @@ def validate(q, where: str, *, scalar_amax: bool = False) -> QTensor:
     raise ValueError(f"{where}: QTensor.scale has shape {tuple(q.scale.shape)}; a {q.fmt} tensor of "
                      f"shape {shape} in {_layout_text(q)} needs scale shape {want}. {_HOW}")
   _check_amax(q, where, scalar_amax, axis)
+  _check_scale2(q, where, want)
   return q
+
+
+def _check_scale2(q: QTensor, where: str, scale_shape):
+  second = formats.TABLE[q.fmt].second
+  if second in (None, "amax"):
+    if q.scale2 is not None:
+      raise ValueError(f"{where}: QTensor.scale2 is the stored second-level scale of nvfp4_eden and "
+                       f"nvfp4_dbq; fmt={q.fmt!r} has none, so scale2 must be None")
+    return
+  if not _is_array(q.scale2) or q.scale2.dtype != jnp.float32:
+    raise TypeError(f"{where}: QTensor.scale2 of a {q.fmt} tensor must be a float32 array; got "
+                    f"{getattr(q.scale2, 'dtype', type(q.scale2).__name__)}. {_HOW}")
+  if second == "s_dec":
+    if q.scale2.ndim > len(scale_shape) - 1 or tuple(q.scale2.shape) != tuple(scale_shape[:q.scale2.ndim]):
+      raise ValueError(f"{where}: QTensor.scale2 (s_dec) has shape {tuple(q.scale2.shape)}; it must be "
+                       "() or one per vmapped slice")
+    return
+  per = formats.TABLE[q.fmt].outer // q.block
+  want = tuple(scale_shape[:-1]) + (scale_shape[-1] // per,) if scale_shape else ()
+  if scale_shape and scale_shape[-1] % per or tuple(q.scale2.shape) != want:
+    raise ValueError(f"{where}: QTensor.scale2 has shape {tuple(q.scale2.shape)}; a {q.fmt} tensor with "
+                     f"block scales {tuple(scale_shape)} needs one per {formats.TABLE[q.fmt].outer} "
+                     f"elements: {want}. {_HOW}")
 
 
 def _check_amax(q: QTensor, where: str, scalar_amax: bool, axis: int):

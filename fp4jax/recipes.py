@@ -21,14 +21,19 @@ Over Six block scales), ``quartet2()`` (MS-EDEN backward), ``tetrajet2()`` (doub
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from fp4jax import formats, schemes
+from fp4jax import formats
+from fp4jax.numerics import eden, four_over_six as fos
+from fp4jax.quantizers import TRANSPOSED, Quantizer, Roles
 
-GemmFormat = Literal["nvfp4", "mxfp4", "fp8", "bf16"]   # a name of FORMATS
-FORMATS = formats.NAMES + ("bf16",)   # "bf16": the GEMM is not quantized
+SCHEMES = ("nvidia", "quartet2", "tetrajet2")
+
+GemmFormat = Literal["nvfp4", "mxfp4", "fp8", "mxfp8", "bf16"]   # a name of FORMATS
+FORMATS = formats.NAMES + ("mxfp8", "bf16")   # "bf16": the GEMM is not quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Recipe:
   rht_seed: int | None = None     # None: the spec's fixed sign vector (size 16); else signs from this seed
   mxfp4_scale_rule: Literal["rceil", "floor"] = "rceil"
   out_dtype: Any = None           # None: the result dtype of the inputs (or preferred_element_type)
-  # The methods beyond the paper (fp4jax.schemes): "nvidia" is the paper's recipe above; "quartet2"
+  # The methods beyond the paper (docs/RECIPES.md): "nvidia" is the paper's recipe above; "quartet2"
   # (MS-EDEN backward with RHT-128) and "tetrajet2" (double-block scales, SR backward with RHT-16)
   # replace its backward pass and ignore weight_2d/stochastic_grad/rht/rht_size.
   scheme: Literal["nvidia", "quartet2", "tetrajet2"] = "nvidia"
@@ -76,7 +81,7 @@ class Recipe:
       except TypeError:
         raise TypeError(f"Recipe.out_dtype={self.out_dtype!r} is not a dtype; use None, jnp.float32 "
                         "or jnp.bfloat16") from None
-    schemes.check_recipe(self)
+    check_recipe(self)
 
   @property
   def quantizes_anything(self) -> bool:
@@ -86,11 +91,15 @@ class Recipe:
   def needs_key(self) -> bool:
     """Whether the backward pass draws random bits: stochastic rounding of dy in an FP4 GEMM, or the
     signs and roundings of Quartet II and TetraJet-v2."""
-    return schemes.needs_key(self) or (
-        self.stochastic_grad and any(f in formats.FP4 for f in (self.dgrad, self.wgrad)))
+    return roles(self).needs_key
 
   def replace(self, **changes) -> "Recipe":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def roles(self) -> Roles:
+    """The six quantizers ``fp4jax.dot`` runs for this recipe (``fp4jax.quantizers``)."""
+    return roles(self)
 
 
 # -------------------------------------------------------------------------------------------------- presets
@@ -110,6 +119,15 @@ def fp8(**overrides) -> Recipe:
   """The paper's FP8 baseline: E4M3 with 1x128 blocks (activations, gradients), 128x128 (weights)."""
   base = dict(fprop="fp8", dgrad="fp8", wgrad="fp8", weight_2d=True, stochastic_grad=False, rht=False,
               name="fp8")
+  return Recipe(**{**base, **overrides})
+
+
+def mxfp8(**overrides) -> Recipe:
+  """MXFP8 (E4M3 elements, E8M0 scales per 32 along each GEMM's contraction, rounded up): every operand
+  quantized in the orientation its GEMM reads (no transposed reuse), nearest rounding, no RHT. Not yet a
+  named preset (the precision-policy issue names it)."""
+  base = dict(fprop="mxfp8", dgrad="mxfp8", wgrad="mxfp8", weight_2d=False, stochastic_grad=False, rht=False,
+              name="mxfp8")
   return Recipe(**{**base, **overrides})
 
 
@@ -148,7 +166,7 @@ _NAMED = {
     "nvfp4_no_2d": lambda: nvfp4(weight_2d=False, name="nvfp4_no_2d"),
     # Precision switch variants (spec §6): forward in bf16, backward as the paper's recipe; or all bf16.
     "nvfp4_bf16_fprop": lambda: nvfp4(fprop="bf16", name="nvfp4_bf16_fprop"),
-    # Beyond the paper (fp4jax.schemes): Four Over Six, Quartet II, TetraJet-v2.
+    # Beyond the paper (docs/RECIPES.md): Four Over Six, Quartet II, TetraJet-v2.
     "nvfp4_4over6": lambda: nvfp4(four_over_six="all", name="nvfp4_4over6"),
     "nvfp4_4over6_mae": lambda: nvfp4(four_over_six="all", four_over_six_metric="mae",
                                       name="nvfp4_4over6_mae"),
@@ -168,3 +186,104 @@ def get(name: str | Recipe) -> Recipe:
     return _NAMED[name]()
   except KeyError:
     raise ValueError(f"unknown recipe {name!r}; choose one of {NAMES}") from None
+
+
+# -------------------------------------------------------------------------------------------------- validation
+
+def check_recipe(recipe):
+  """Raise a ValueError, at recipe construction, for a combination the methods do not define."""
+  if recipe.scheme not in SCHEMES:
+    raise ValueError(f"Recipe.scheme={recipe.scheme!r}; use one of {SCHEMES}")
+  if recipe.four_over_six not in fos.ROLES:
+    raise ValueError(f"Recipe.four_over_six={recipe.four_over_six!r}; use one of {fos.ROLES}")
+  fos.check_options(recipe.four_over_six_bound, recipe.four_over_six_metric)
+  if recipe.eden_group not in eden.GROUPS:
+    raise ValueError(f"Recipe.eden_group={recipe.eden_group!r}; use 128 (the Quartet II reference) or 16 "
+                     "(its CUDA kernels)")
+  name = recipe.name
+  if recipe.four_over_six != "off":
+    if recipe.scheme == "tetrajet2":
+      raise ValueError(f"recipe {name!r}: four_over_six={recipe.four_over_six!r} with scheme='tetrajet2': "
+                       "TetraJet-v2's double-block format (nvfp4_dbq) has no 4/6 rule; use "
+                       "four_over_six='off', or fp4jax.recipes.nvfp4/quartet2 for 4/6")
+    if recipe.fprop != "nvfp4":
+      raise ValueError(f"recipe {name!r}: four_over_six={recipe.four_over_six!r} needs fprop='nvfp4' (got "
+                       f"{recipe.fprop!r}): 4/6 chooses between two E4M3 block scales of NVFP4; MXFP4's "
+                       "power-of-two scales and FP8 have no map-to-4 candidate")
+    if recipe.scheme == "nvidia" and not {recipe.dgrad, recipe.wgrad} <= {"nvfp4", "bf16"}:
+      raise ValueError(f"recipe {name!r}: NVFP4 with 4/6 runs dgrad and wgrad in 'nvfp4' or 'bf16'; got "
+                       f"dgrad={recipe.dgrad!r}, wgrad={recipe.wgrad!r}")
+  if recipe.scheme != "nvidia":
+    method = {"quartet2": "Quartet II", "tetrajet2": "TetraJet-v2"}[recipe.scheme]
+    if recipe.fprop not in ("nvfp4", "bf16"):
+      raise ValueError(f"recipe {name!r}: {method} runs fprop in 'nvfp4' (or 'bf16'); got {recipe.fprop!r}")
+    if recipe.dgrad != "nvfp4" or recipe.wgrad != "nvfp4":
+      raise ValueError(f"recipe {name!r}: {method}'s backward pass is its own NVFP4 quantizer; set "
+                       f"dgrad='nvfp4' and wgrad='nvfp4' (got {recipe.dgrad!r}, {recipe.wgrad!r})")
+    if recipe.weight_2d:
+      raise ValueError(f"recipe {name!r}: {method} quantizes the weight in 1x16 blocks along K; set "
+                       "weight_2d=False")
+
+
+# -------------------------------------------------------------------------------------------------- six quantizers
+
+def _fos(recipe, role):
+  """(bound, metric) where Four Over Six is on for ``role`` ("weights" or "activations"), else None."""
+  on = recipe.four_over_six in ("all", role)
+  return (recipe.four_over_six_bound, recipe.four_over_six_metric) if on else None
+
+
+def _paper_roles(recipe) -> Roles:
+  """The paper's recipe (spec §6), its ablations, MXFP4, FP8, and NVFP4 with 4/6 on some roles."""
+  f, d, g = recipe.fprop, recipe.dgrad, recipe.wgrad
+
+  def q(fmt, *, tiled=False, stochastic=False, four_over_six=None, rht=False):
+    if fmt == "bf16":
+      return None
+    rht = rht and recipe.rht and fmt in formats.FP4
+    return Quantizer(fmt, tiled=tiled and recipe.weight_2d and fmt in formats.TILE,
+                     stochastic=stochastic and recipe.stochastic_grad and fmt in formats.FP4,
+                     four_over_six=four_over_six if fmt == "nvfp4" else None,
+                     rht_size=recipe.rht_size if rht else None, rht_seed=recipe.rht_seed if rht else None,
+                     scale_rule=recipe.mxfp4_scale_rule if fmt == "mxfp4" else "rceil")
+
+  fos_w, fos_x = _fos(recipe, "weights"), _fos(recipe, "activations")
+  fprop_w = q(f, tiled=True, four_over_six=fos_w)
+  shares = fprop_w is not None and fprop_w.tiled and f == d
+  align = None
+  if recipe.four_over_six != "off":   # 4/6 pads every GEMM as it always has (16, RHT size along M)
+    align = (max(16, recipe.rht_size) if recipe.rht else 16, 16, 16)
+  return Roles(
+      fprop_x=q(f, four_over_six=fos_x), fprop_w=fprop_w,
+      dgrad_dy=q(d, stochastic=True),
+      dgrad_w=TRANSPOSED if shares and d != "bf16" else q(d, tiled=True, four_over_six=fos_w),
+      wgrad_x=q(g, four_over_six=fos_x, rht=True), wgrad_dy=q(g, stochastic=True, rht=True),
+      key_reason="stochastic rounding" if recipe.four_over_six != "off" else None,
+      align=align, name=recipe.name)
+
+
+def _requantizing_roles(recipe) -> Roles:
+  """Quartet II and TetraJet-v2: the backward pass re-quantizes the forward's x̂ and ŵ after a random
+  Hadamard transform per GEMM (signs from the key), MS-EDEN or DBQ with stochastic rounding."""
+  if recipe.scheme == "quartet2":
+    def fwd(role):
+      return Quantizer("nvfp4", four_over_six=_fos(recipe, role))
+    bwd, size, align = Quantizer("nvfp4_eden", eden_group=recipe.eden_group), eden.RHT_SIZE, (128, 16, 128)
+    reason = "RHT-128 signs and MS-EDEN scale rounding"
+  else:
+    def fwd(role):
+      return Quantizer("nvfp4_dbq")
+    bwd, size, align = Quantizer("nvfp4_dbq", stochastic=True), 16, (128, 128, 128)
+    reason = "RHT-16 signs and stochastic rounding"
+  bf16 = recipe.fprop == "bf16"
+  return Roles(fprop_x=None if bf16 else fwd("activations"), fprop_w=None if bf16 else fwd("weights"),
+               dgrad_dy=bwd, dgrad_w=bwd, wgrad_x=bwd, wgrad_dy=bwd, requantize=True, dgrad_rht=size,
+               wgrad_rht=size, key_reason=reason, align=align, name=recipe.name)
+
+
+@functools.lru_cache(maxsize=256)
+def roles(recipe: Recipe) -> Roles:
+  """The six role quantizers of ``recipe`` (a table, see fp4jax.quantizers)."""
+  if recipe.scheme == "nvidia":
+    return _paper_roles(recipe)
+  return _requantizing_roles(recipe)

@@ -14,16 +14,19 @@ power-of-two scales; FP8 operands are dequantized to float32 and multiplied in f
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4jax import e2m1, formats, fp8, hadamard, mxfp4, nvfp4
+from fp4jax import formats
 from fp4jax._exact import product
-from fp4jax.layout import Layout, pack_along, unpack_along
+from fp4jax.numerics import dbq, e2m1, eden, four_over_six, fp8, hadamard, mxfp4, mxfp8, nvfp4
+from fp4jax.numerics.layout import Layout, pack_along, unpack_along
 from fp4jax.qtensor import QTensor, along_last
-from fp4jax.scales import e8m0_to_f32
+from fp4jax.numerics.scales import e8m0_to_f32
 
 _INV_6_6_448_448 = np.float32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
 
@@ -75,8 +78,28 @@ def codes_of(q: QTensor):
   return unpack_along(q.data, q.axis)
 
 
+def _dequantize_last(q: QTensor):
+  """float32 values of the formats quantized by ``fp4jax.quantizers`` (along the last axis), each in
+  its own module's order: 4/6 (``bound`` 256), MS-EDEN, DBQ, MXFP8."""
+  if q.fmt == "nvfp4":
+    if q.tile is None and q.axis != -1:
+      moved = dataclasses.replace(q, data=jnp.moveaxis(q.data, q.axis, -1),
+                                  scale=jnp.moveaxis(q.scale, q.axis, -1), axis=-1)
+      return jnp.moveaxis(_dequantize_last(moved), -1, q.axis)
+    return four_over_six.dequantize(codes_of(q), q.scale, q.amax, tiled=q.tile is not None, bound=q.bound)
+  if q.fmt == "nvfp4_eden":
+    return eden.dequantize(codes_of(q), q.scale, q.scale2)
+  if q.fmt == "nvfp4_dbq":
+    return dbq.dequantize(dbq.Dbq(codes_of(q), q.scale, q.scale2))
+  if q.fmt == "mxfp8":
+    return mxfp8.dequantize(mxfp8.Mxfp8(q.data, lax.bitcast_convert_type(q.scale, jnp.uint8)))
+  raise ValueError(f"unknown format {q.fmt!r}")
+
+
 def dequantize_reference(q: QTensor, dtype=jnp.float32):
   """Values of ``q`` in ``dtype`` (computed in float32, rounded once at the end)."""
+  if q.fmt not in formats.NAMES or q.bound != formats.NVFP4_BOUND:
+    return _dequantize_last(q).astype(dtype)
   lay = layout_of_q(q)
   s_blk = lay.scale_from_storage(q.scale)
   if q.fmt == "nvfp4":
@@ -137,7 +160,7 @@ def _scaled_codes_bf16(q: QTensor):
   lay = layout_of_q(q)
   vals = e2m1.decode(lay.to_blocks(codes_of(q)))
   s = lay.scale_from_storage(q.scale)
-  s = s.astype(jnp.float32) if q.fmt == "nvfp4" else e8m0_to_f32(s)
+  s = e8m0_to_f32(s) if q.fmt == "mxfp4" else s.astype(jnp.float32)
   return lay.from_blocks(vals * s[..., None]).astype(jnp.bfloat16)
 
 

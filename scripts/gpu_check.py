@@ -45,7 +45,7 @@ sys.path.insert(0, ROOT)
 
 import fp4jax  # noqa: E402  (needs ROOT on the path when run as a script)
 from fp4jax import formats, primitives  # noqa: E402
-from fp4jax.hadamard import rht  # noqa: E402
+from fp4jax.numerics.hadamard import rht  # noqa: E402
 from fp4jax.qtensor import QTensor  # noqa: E402
 from fp4jax.reference import scaled_matmul_reference  # noqa: E402
 from bench import gpu_aot, hlo_cost  # noqa: E402  (stdlib only: the cost model of the compiled HLO)

@@ -8,7 +8,8 @@ import pytest
 from jax import lax
 
 import fp4jax
-from fp4jax import hadamard, nvfp4, recipes
+from fp4jax import recipes
+from fp4jax.numerics import hadamard, nvfp4
 from fp4jax.api import quantize_rht_transposed, scaled_matmul
 from fp4jax.dot import MISSING_KEY_MESSAGE
 

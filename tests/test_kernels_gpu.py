@@ -13,7 +13,7 @@ import fp4jax
 from fp4jax import _pallas_compat as plc
 from fp4jax import primitives
 from fp4jax.api import quantize_rht_transposed, scaled_matmul
-from fp4jax.hadamard import rht
+from fp4jax.numerics.hadamard import rht
 from fp4jax.reference import quantize_reference, scaled_matmul_reference
 from test_kernels_quantize import (_Quantize1dCases, _Quantize2dCases, _QuantizeRhtTCases,
                                    make_bits, make_input)

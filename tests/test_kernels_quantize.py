@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import e2m1
+from fp4jax.numerics import e2m1
 from fp4jax.kernels import _common as C
 from fp4jax.kernels import quantize_1d as K1
 from fp4jax.kernels import quantize_2d as K2
 from fp4jax.kernels import quantize_rht_t as KR
-from fp4jax.scales import e4m3_rne_satfinite, e8m0_exponent, e8m0_from_exponent
+from fp4jax.numerics.scales import e4m3_rne_satfinite, e8m0_exponent, e8m0_from_exponent
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 

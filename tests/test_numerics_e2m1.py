@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import e2m1
+from fp4jax.numerics import e2m1
 
 # Spec §1 table: (interval, code) with its closed/open ends, checked at the ends and inside.
 TABLE = [  # (low, low_inclusive, high, high_inclusive, code)

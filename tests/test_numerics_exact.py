@@ -20,7 +20,9 @@ import pytest
 from jax import lax
 
 import fp4jax
-from fp4jax import _exact, dbq, e2m1, eden, four_over_six, nvfp4, osci_reset, outcontrol, reference, schemes
+from fp4jax import _exact, gemm, osci_reset, outcontrol, reference
+from fp4jax.numerics import dbq, e2m1, eden, four_over_six, nvfp4
+from fp4jax.quantizers import Quantizer
 from fp4jax.reference import codes_of
 from test_numerics_oracle import (F32, FLT_MIN, assert_bits_equal, e2m1_rne_codes, e2m1_values, e4m3_rne_sat,
                                   exact_sum, fp8_quantize_blocks, ftz, nvfp4_dequantize_blocks,
@@ -412,7 +414,7 @@ def _operands(seed):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_gemm_tensor_factors_plus_a_traced_value(mode):
-  """acc · factor + c for NVFP4 through scaled_matmul and 4/6 and MS-EDEN operands of fp4jax.schemes,
+  """acc · factor + c for NVFP4 through scaled_matmul and 4/6 and MS-EDEN operands of fp4jax.quantizers,
   on the outputs where every summation order of acc gives the same float32."""
   a, b = _operands(8)
   c = addend(np.random.default_rng(8), (64, 64))
@@ -425,14 +427,16 @@ def test_gemm_tensor_factors_plus_a_traced_value(mode):
       vb = np.asarray(reference._scaled_codes_bf16(qb), np.float32)
     else:
       if kind == "fos":
-        qa, qb = schemes.quantize_fos(jnp.asarray(a)), schemes.quantize_fos(jnp.asarray(b))
-        factor = ftz(ftz(np.asarray(qa.tensor) * np.asarray(qb.tensor)) * F32(1.0 / (36.0 * 256 * 256)))
+        fos = Quantizer("nvfp4", four_over_six=(256, "mse"))
+        qa, qb = fos(jnp.asarray(a)), fos(jnp.asarray(b))
+        factor = ftz(ftz(np.asarray(qa.amax) * np.asarray(qb.amax)) * F32(1.0 / (36.0 * 256 * 256)))
       else:
-        qa = schemes.quantize_eden(jnp.asarray(a), jax.random.key(1))
-        qb = schemes.quantize_eden(jnp.asarray(b), jax.random.key(2))
-        factor = ftz(np.asarray(qa.tensor) * np.asarray(qb.tensor))
-      fn = lambda qa, qb, c: schemes.gemm(qa, qb) + c
-      va, vb = np.asarray(qa.scaled_values()), np.asarray(qb.scaled_values())
+        qa = Quantizer("nvfp4_eden")(jnp.asarray(a), jax.random.key(1))
+        qb = Quantizer("nvfp4_eden")(jnp.asarray(b), jax.random.key(2))
+        factor = ftz(np.asarray(qa.scale2) * np.asarray(qb.scale2))
+      fn = lambda qa, qb, c: gemm.scaled_matmul(qa, qb) + c
+      va = np.asarray(reference._scaled_codes_bf16(qa), np.float32)
+      vb = np.asarray(reference._scaled_codes_bf16(qb), np.float32)
     acc, ok = exact_sum(va.astype(np.float64)[:, None, :] * vb.astype(np.float64)[None, :, :])
     want = (ftz(acc.astype(np.float32) * factor) + c).astype(np.float32)
     assert ok.mean() > 0.5, kind

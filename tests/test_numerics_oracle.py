@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import dbq, four_over_six
+from fp4jax.numerics import dbq, four_over_six
 from fp4jax.api import quantize_rht_transposed
 
 F32 = np.float32
@@ -515,7 +515,7 @@ def test_scaled_matmul_jit_equals_oracle_where_exactly_summable(fmt, shift):
 def test_dbq_gemm_jit_equals_written_order():
   """TetraJet-v2's GEMM, C = Σ_chunks (os_A·os_B)·part_chunk over 128-chunks of K: each term rounded
   before the add. (Before fp4jax._exact.product guarded it, XLA CPU fused out + o·part into an FMA
-  and 5194 of 12288 outputs differed by an ulp at K = 512.) Operands from fp4jax.dbq.quantize; the
+  and 5194 of 12288 outputs differed by an ulp at K = 512.) Operands from fp4jax.numerics.dbq.quantize; the
   arithmetic under test is the GEMM's."""
   rng = np.random.default_rng(13)
   a = dbq.quantize(jnp.asarray(wide_rows(rng, 128, 512, emin=-3, emax=3)))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import nvfp4
+from fp4jax.numerics import nvfp4
 from fp4jax.api import transpose_tiles
 from fp4jax.reference import codes_of
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import hadamard, scales
+from fp4jax.numerics import hadamard, scales
 from fp4jax.reference import codes_of
 
 BLOCK = np.array([0, .1, -.2, .3, .5, -.7, 1, 1.3, -1.6, 2, 2.4, -3, 3.7, 4.4, -5.2, 6], np.float32)

@@ -170,7 +170,7 @@ def test_api_quantize_dequantize_equal_reference(case, impl):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_api_rht_transposed_equals_reference(fmt):
-  from fp4jax.hadamard import rht
+  from fp4jax.numerics.hadamard import rht
   x = _x((64, 48), dtype=jnp.bfloat16)
   bits = jax.random.bits(jax.random.key(2), (48, 64), jnp.uint8)
   ref = quantize_reference(rht(x.T, axis=-1), fmt, axis=-1, bits=bits)

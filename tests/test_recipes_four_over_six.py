@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import e2m1, four_over_six as fos, recipes, schemes
+from fp4jax import gemm, random_bits, recipes
+from fp4jax.numerics import e2m1, four_over_six as fos, hadamard, nvfp4
+from fp4jax.dot import residuals
+from fp4jax.quantizers import Quantizer
 
 X8 = np.array([0, .1, -.2, .3, .5, -.7, 1, 1.3, -1.6, 2, 2.4, -3, 3.7, 4.4, -5.2, 6], np.float32)
 A2 = np.array([6, 5, 5, -5, 4.8, 4.6, 4.4, 2.5, 5.2, -5.4, 5.6, 5.8, 4.2, 3.9, 4.9, 5.1], np.float32)
@@ -230,6 +233,9 @@ def test_bad_options_say_what_to_do():
 # In the quantized dot: nvfp4(four_over_six=...)
 # ---------------------------------------------------------------------------------------------------
 
+FOS = (256, "mse")   # Four Over Six's default (bound, metric)
+
+
 def _dot_and_grads(recipe, x, w, dy, key, qdot=None):
   if qdot is None:
     f = lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=key)
@@ -239,15 +245,56 @@ def _dot_and_grads(recipe, x, w, dy, key, qdot=None):
   return (y, *vjp(dy))
 
 
-def test_schemes_path_reproduces_the_paper_recipe_bit_for_bit():
-  """fp4jax.schemes' own NVFP4 operands (4/6 on no role) give exactly fp4jax.dot's paper recipe:
-  forward, dgrad and wgrad, with the same random bits: an independent check of both."""
+def _paper_dot_from_numerics(recipe, precision, out_dtype, x, w, key):
+  """The paper's recipe (§6) composed from the numerics modules alone (nvfp4, hadamard, random_bits):
+  the operands' exact bf16 block products, one GEMM, the tensor factor; an oracle independent of
+  fp4jax.dot's quantizers, primitives and custom_vjp (values and both gradients, same random bits)."""
+  def q(t, bits=None, tiled=False):        # t (R, C) quantized along C -> (bf16 products, amax)
+    t = t.astype(jnp.float32)
+    amax = nvfp4.tensor_amax(t)
+    if tiled:
+      codes, s = nvfp4.quantize_blocks(fos.to_tiles(t), amax)
+      return fos.scaled_values(fos.from_tiles(codes, t.shape), s, tiled=True).astype(jnp.bfloat16), amax
+    blk = t.reshape(t.shape[0], -1, 16)
+    codes, s = nvfp4.quantize_blocks(blk, amax, bits=None if bits is None else bits.reshape(blk.shape))
+    return fos.scaled_values(codes.reshape(t.shape), s).astype(jnp.bfloat16), amax
+
+  def mm(a, b):
+    acc = jax.lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                              precision=jax.lax.Precision.HIGHEST)
+    return acc * fos.gemm_factor(a[1], b[1], 448, 448)
+
+  def bwd(res, dy):
+    x, w = res
+    key_d, key_w = jax.random.split(key)
+    bits = lambda k, shape: random_bits.bits(k, shape, jnp.uint8) if recipe.stochastic_grad else None
+    rht = lambda t: hadamard.rht(t.astype(jnp.float32).T, axis=-1, size=16) if recipe.rht else t.T
+    if recipe.weight_2d:
+      vals, amax = q(w.T, tiled=True)
+      q_w = (vals.T, amax)
+    else:
+      q_w = q(w)
+    dx = mm(q(dy, bits(key_d, dy.shape)), q_w)
+    dyt = rht(dy)
+    return dx, mm(q(rht(x)), q(dyt, bits(key_w, dyt.shape)))
+
+  @jax.custom_vjp
+  def f(x, w):
+    return mm(q(x), q(w.T, tiled=recipe.weight_2d)).astype(out_dtype)
+  f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)
+  return f(x, w)
+
+
+def test_the_paper_recipe_equals_its_numerics_bit_for_bit():
+  """fp4jax.dot's paper recipe equals its transcription from the numerics modules (forward, dgrad and
+  wgrad, with the same random bits): an independent check of the quantizers and the one custom_vjp."""
   x = jax.random.normal(jax.random.key(0), (64, 48))
   w = jax.random.normal(jax.random.key(1), (48, 32)) * 0.2
   dy = jax.random.normal(jax.random.key(2), (64, 32))
   for recipe in (recipes.nvfp4(), recipes.nvfp4(weight_2d=False), recipes.nvfp4(rht=False)):
     want = jax.jit(lambda *a: _dot_and_grads(recipe, *a))(x, w, dy, jax.random.key(3))
-    got = jax.jit(lambda *a: _dot_and_grads(recipe, *a, qdot=schemes.qdot))(x, w, dy, jax.random.key(3))
+    got = jax.jit(lambda *a: _dot_and_grads(recipe, *a, qdot=_paper_dot_from_numerics))(x, w, dy,
+                                                                                        jax.random.key(3))
     for a, b in zip(want, got):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -258,11 +305,11 @@ def test_dot_with_four_over_six_forward(role):
   x = jax.random.normal(jax.random.key(0), (32, 64)) * 2
   w = jax.random.normal(jax.random.key(1), (64, 48))
   y = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe))(x, w)
-  qx = schemes.quantize_fos(x) if role != "weights" else schemes.quantize_nvfp4(x)
-  qw = schemes.quantize_fos(w.T, tiled=True) if role != "activations" else schemes.quantize_nvfp4(w.T, tiled=True)
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(schemes.gemm(qx, qw)))
+  qx = Quantizer("nvfp4", four_over_six=FOS if role != "weights" else None)(x)
+  qw = Quantizer("nvfp4", tiled=True, four_over_six=FOS if role != "activations" else None)(w.T)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(gemm.scaled_matmul(qx, qw)))
   # The GEMM equals the float64 product of the dequantized operands up to float32 summation.
-  want = np.asarray(qx.dequantize(), np.float64) @ np.asarray(qw.dequantize(), np.float64).T
+  want = np.asarray(fp4jax.dequantize(qx), np.float64) @ np.asarray(fp4jax.dequantize(qw), np.float64).T
   np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
   # Gradients flow; dgrad reads the same (transposed) weight tiles.
   dx, dw = jax.grad(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=jax.random.key(2)).sum(), (0, 1))(x, w)
@@ -271,17 +318,17 @@ def test_dot_with_four_over_six_forward(role):
 
 def test_four_over_six_lowers_operand_error_on_gaussian_data():
   x = jax.random.normal(jax.random.key(4), (256, 256))
-  plain = float(jnp.mean((schemes.quantize_nvfp4(x).dequantize() - x) ** 2))
+  plain = float(jnp.mean((fp4jax.dequantize(Quantizer("nvfp4")(x)) - x) ** 2))
   for metric in fos.METRICS:
-    err = float(jnp.mean((schemes.quantize_fos(x, metric=metric).dequantize() - x) ** 2))
+    err = float(jnp.mean((fp4jax.dequantize(Quantizer("nvfp4", four_over_six=(256, metric))(x)) - x) ** 2))
     assert err < plain
 
 
 def test_four_over_six_residuals_stay_fp4():
   m, k, n = 64, 128, 96
-  res = schemes.residuals(recipes.nvfp4(four_over_six="all"), jnp.ones((m, k)), jnp.ones((k, n)), None)
+  res = residuals(recipes.nvfp4(four_over_six="all"), jnp.ones((m, k)), jnp.ones((k, n)), None)
   # dgrad: the fprop weight tiles (N, K); wgrad: RHT(xᵀ) (K, M), both 4 bits per element + scales.
-  assert res.w_dgrad.tiled and res.w_dgrad.bound == 256 and res.x_wgrad.bound == 256
+  assert res.w_dgrad.tile is not None and res.w_dgrad.bound == 256 and res.x_wgrad.bound == 256
   assert res.nbytes == (n * k // 2 + n * k // 256 + 4) + (k * m // 2 + k * m // 16 + 4)
 
 

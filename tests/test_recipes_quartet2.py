@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import e2m1, eden, recipes, schemes
+from fp4jax import gemm, recipes
+from fp4jax.numerics import e2m1, eden
+from fp4jax.dot import residuals
+from fp4jax.quantizers import Quantizer
 
 R16 = np.array([(40503 * b + 12345) % 65536 for b in range(8)], np.uint16)
 K = np.arange(128)
@@ -186,8 +189,9 @@ def gradient_z_scores(recipe, draws=1000):
     return vjp(dy)
 
   dx, dw = jax.jit(jax.vmap(grads))(jax.random.split(jax.random.key(7), draws))
-  res = schemes.residuals(recipe, x, w, None)
-  x_hat, wt_hat = np.asarray(res.x.dequantize(), np.float64), np.asarray(res.w.dequantize(), np.float64)
+  res = residuals(recipe, x, w, None)   # the forward-quantized x̂ (M, K) and ŵ (N, K)
+  x_hat = np.asarray(fp4jax.dequantize(res.x_wgrad), np.float64)
+  wt_hat = np.asarray(fp4jax.dequantize(res.w_dgrad), np.float64)
   exact = (np.asarray(dy, np.float64) @ wt_hat, x_hat.T @ np.asarray(dy, np.float64))
   out = []
   for d, ex in zip((dx, dw), exact):
@@ -210,11 +214,11 @@ def test_quartet2_gradients_unbiased(name):
 def test_quartet2_forward_is_nvfp4_with_four_over_six():
   x, w, _ = _problem()
   y = fp4jax.dot(x, w, recipe="quartet2")
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(schemes.gemm(schemes.quantize_fos(x),
-                                                                        schemes.quantize_fos(w.T))))
+  fos = Quantizer("nvfp4", four_over_six=(256, "mse"))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(gemm.scaled_matmul(fos(x), fos(w.T))))
   y = fp4jax.dot(x, w, recipe="quartet2_rtn")
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(schemes.gemm(schemes.quantize_nvfp4(x),
-                                                                        schemes.quantize_nvfp4(w.T))))
+  plain = Quantizer("nvfp4")
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(gemm.scaled_matmul(plain(x), plain(w.T))))
 
 
 def test_quartet2_signs_are_fresh_per_key_and_gemm():
@@ -233,7 +237,7 @@ def test_quartet2_signs_are_fresh_per_key_and_gemm():
 
 def test_quartet2_residuals_are_fp4():
   m, k, n = 256, 64, 128
-  res = schemes.residuals(recipes.quartet2(), jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16),
+  res = residuals(recipes.quartet2(), jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16),
                           jax.random.key(0))
   fp4 = lambda rows, cols: rows * cols // 2 + rows * cols // 16 + 4
   assert res.nbytes == fp4(m, k) + fp4(n, k)

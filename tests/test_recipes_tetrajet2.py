@@ -8,7 +8,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import fp4jax
-from fp4jax import _exact, dbq, eden, mxfp8, osci_reset, outcontrol, recipes, schemes
+from fp4jax import _exact, osci_reset, outcontrol, recipes
+from fp4jax.numerics import dbq, eden, mxfp8
+from fp4jax.dot import residuals
 
 X8 = np.array([0, .1, -.2, .3, .5, -.7, 1, 1.3, -1.6, 2, 2.4, -3, 3.7, 4.4, -5.2, 6], np.float32)
 F = np.float32
@@ -296,8 +298,9 @@ def test_tetrajet2_gradient_bias_is_small_and_reported():
 
   draws = 1000
   dx, dw = jax.jit(jax.vmap(grads))(jax.random.split(jax.random.key(7), draws))
-  res = schemes.residuals(recipe, x, w, None)
-  x_hat, wt_hat = np.asarray(res.x.dequantize(), np.float64), np.asarray(res.w.dequantize(), np.float64)
+  res = residuals(recipe, x, w, None)   # the forward-quantized x̂ (M, K) and ŵ (N, K)
+  x_hat = np.asarray(fp4jax.dequantize(res.x_wgrad), np.float64)
+  wt_hat = np.asarray(fp4jax.dequantize(res.w_dgrad), np.float64)
   for d, ex in zip((dx, dw), (np.asarray(dy, np.float64) @ wt_hat, x_hat.T @ np.asarray(dy, np.float64))):
     d = np.asarray(d, np.float64)
     z = (d.mean(0) - ex) / (d.std(0, ddof=1) / np.sqrt(draws))
@@ -308,7 +311,7 @@ def test_tetrajet2_gradient_bias_is_small_and_reported():
 
 def test_tetrajet2_residuals_are_fp4_and_keys_required():
   m, k, n = 128, 256, 128
-  res = schemes.residuals(recipes.tetrajet2(), jnp.ones((m, k)), jnp.ones((k, n)), jax.random.key(0))
+  res = residuals(recipes.tetrajet2(), jnp.ones((m, k)), jnp.ones((k, n)), jax.random.key(0))
   assert res.nbytes == dbq.quantized_bytes((m, k)) + dbq.quantized_bytes((n, k))
   x = jnp.ones((128, 128))
   with pytest.raises(ValueError, match="RHT-16 signs"):

@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import nvfp4
 from fp4jax._exact import div
+from fp4jax.numerics import nvfp4
 from fp4jax._pallas_compat import precise_div
-from fp4jax.scales import E4M3_MAX, FLT_MAX
+from fp4jax.numerics.scales import E4M3_MAX, FLT_MAX
 
 _MIN_NORMAL_E4M3 = 2.0 ** -6
 

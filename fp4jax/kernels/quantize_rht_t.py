@@ -31,7 +31,8 @@ import numpy as np
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import formats, hadamard, reference
+from fp4jax import formats, reference
+from fp4jax.numerics import hadamard
 from fp4jax.kernels import _common as C
 
 

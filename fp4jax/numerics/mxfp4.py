@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp4jax import e2m1
-from fp4jax.scales import e8m0_exponent, e8m0_from_exponent, e8m0_to_f32
+from fp4jax.numerics import e2m1
+from fp4jax.numerics.scales import e8m0_exponent, e8m0_from_exponent, e8m0_to_f32
 
 
 def _finite_limit(exp):

@@ -14,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from fp4jax import e2m1
+from fp4jax.numerics import e2m1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import e2m1
+from fp4jax.numerics import e2m1
 from fp4jax._exact import div, product
-from fp4jax.scales import e4m3_rne_satfinite
+from fp4jax.numerics.scales import e4m3_rne_satfinite
 
 BLOCK = 16
 OUTER = 128

@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp4jax import e2m1, random_bits
+from fp4jax import random_bits
+from fp4jax.numerics import e2m1
 from fp4jax._exact import div, product
-from fp4jax.hadamard import fwht_last
-from fp4jax.scales import e4m3_rne_satfinite
+from fp4jax.numerics.hadamard import fwht_last
+from fp4jax.numerics.scales import e4m3_rne_satfinite
 
 BLOCK = 16
 RHT_SIZE = 128

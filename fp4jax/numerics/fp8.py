@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp4jax._exact import div, product
-from fp4jax.scales import E4M3_MAX, e4m3_rne_satfinite
+from fp4jax.numerics.scales import E4M3_MAX, e4m3_rne_satfinite
 
 _ENC_MAX = np.float32(2.0 ** 126)
 

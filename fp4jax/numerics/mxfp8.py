@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax._exact import div
-from fp4jax.scales import e4m3_rne_satfinite
+from fp4jax.numerics.scales import e4m3_rne_satfinite
 
 BLOCK = 32
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import e2m1
 from fp4jax._exact import div, product
-from fp4jax.scales import FLT_MAX, e4m3_rne_satfinite
+from fp4jax.numerics import e2m1
+from fp4jax.numerics.scales import FLT_MAX, e4m3_rne_satfinite
 
 _ONE_SIXTH = np.float32(1.0 / 6.0)
 _INV_2688 = np.float32(1.0 / 2688.0)   # 1 / (6 · 448)

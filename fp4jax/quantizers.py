@@ -1,0 +1,211 @@
+"""Quantizers: how one operand of one GEMM is quantized, as a small frozen (hashable) dataclass, and
+``Roles``: the six quantizers of a linear layer's three GEMMs, which ``fp4jax.dot`` runs.
+
+A ``Quantizer`` takes a 2-D tensor (R, C) and returns the ``QTensor`` quantized along C, the contraction
+axis of its GEMM: the format (a row of ``fp4jax.formats``), 1D blocks or 2D tiles, nearest or
+stochastic rounding (random bits from a key), Four Over Six (the nvfp4 row with bound 256), a fixed
+Hadamard transform along C (the paper's wgrad) and MXFP4's scale rule or MS-EDEN's correction group.
+``quantize_t`` quantizes the transpose, (T, C) -> (C, T) along T: the wgrad operands, read along the
+tokens (one fused primitive for the paper's RHT-16 wgrad).
+
+The six roles of y = x·w (x_MxK, w_KxN), each GEMM contracting its operands' last axis:
+
+  role       operand          quantized along   the paper's nvfp4        Quartet II          TetraJet-v2
+  fprop_x    x (M, K)         K                 1x16 nearest             4/6 1x16            DBQ nearest
+  fprop_w    wᵀ (N, K)        K                 16x16 tiles nearest      4/6 1x16            DBQ nearest
+  dgrad_dy   dy (M, N)        N                 1x16 SR                  RHT-128, MS-EDEN    RHT-16, DBQ SR
+  dgrad_w    w (K, N)         N                 the fprop tiles, ᵀ       ŵ: RHT-128, EDEN    ŵ: RHT-16, DBQ SR
+  wgrad_x    xᵀ (K, M)        M                 RHT-16, 1x16 nearest     x̂: RHT-128, EDEN    x̂: RHT-16, DBQ SR
+  wgrad_dy   dyᵀ (N, M)       M                 RHT-16, 1x16 SR          RHT-128, MS-EDEN    RHT-16, DBQ SR
+
+x̂ and ŵ are the forward-quantized operands, dequantized and quantized again in the backward pass
+(``Roles.requantize``); the random sign vectors of their transforms are drawn from the dot's key, one
+per backward GEMM and shared by its two operands (``Roles.dgrad_rht``, ``Roles.wgrad_rht``). A role of
+None runs its GEMM unquantized (a recipe's "bf16").
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import formats, random_bits
+from fp4jax.numerics import dbq, e2m1, eden, four_over_six as fos, hadamard, mxfp8
+from fp4jax.api import quantize, quantize_rht_transposed
+from fp4jax.qtensor import QTensor
+
+TRANSPOSED = "fprop tiles, transposed"   # Roles.dgrad_w: dgrad reads the fprop weight tiles (spec §2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantizer:
+  """One operand's quantization along its last axis (see the module docstring)."""
+
+  fmt: str                              # a row of formats.TABLE
+  tiled: bool = False                   # the format's 2D tiles over (R, C) instead of 1x blocks along C
+  stochastic: bool = False              # stochastic rounding (random bits from the key)
+  four_over_six: tuple[int, str] | None = None   # (bound, metric): NVFP4 with 4/6 block scales
+  rht_size: int | None = None           # a fixed Hadamard transform along the quantized axis
+  rht_seed: int | None = None           # its signs: None, the spec's fixed vector (size 16)
+  scale_rule: str = "rceil"             # MXFP4's E8M0 rule
+  eden_group: int = 128                 # MS-EDEN's correction group
+  row_scaled: bool = False              # nvfp4: one tensor amax per row (R,) instead of one per tensor
+
+  def __post_init__(self):
+    if self.fmt not in formats.ALL:
+      raise ValueError(f"Quantizer.fmt={self.fmt!r}; use one of {formats.ALL}")
+    if self.tiled and self.fmt not in formats.TILE:
+      raise ValueError(f"Quantizer(fmt={self.fmt!r}, tiled=True): the format has no 2D tiles")
+    if self.four_over_six is not None and (self.fmt != "nvfp4" or self.stochastic):
+      raise ValueError("Four Over Six chooses between two NVFP4 block scales with nearest rounding; "
+                       f"got fmt={self.fmt!r}, stochastic={self.stochastic}")
+    if self.row_scaled and (self.fmt != "nvfp4" or self.tiled or self.four_over_six is not None):
+      raise ValueError("row_scaled=True is NVFP4 1x16 blocks with one amax per row (no tiles, no 4/6)")
+    if self.stochastic and self.fmt in ("fp8", "mxfp8", "nvfp4_eden"):
+      raise ValueError(f"fmt={self.fmt!r} rounds to nearest (MS-EDEN puts its randomness in the scales)")
+
+  @property
+  def needs_key(self) -> bool:
+    return self.stochastic or self.fmt == "nvfp4_eden"
+
+  @property
+  def block(self) -> int:
+    """The multiple the quantized axis needs (both axes with tiles)."""
+    spec = formats.TABLE[self.fmt]
+    return math.lcm(spec.tile[0] if self.tiled else spec.block, spec.outer or 1)
+
+  def __call__(self, t_RxC, key=None, signs=None) -> QTensor:
+    """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first."""
+    if signs is not None:
+      t_RxC = eden.rht(t_RxC, signs)
+    elif self.rht_size:
+      t_RxC = hadamard.rht(t_RxC.astype(jnp.float32), axis=-1, size=self.rht_size, seed=self.rht_seed)
+    return self._quantize(t_RxC, key)
+
+  def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
+    """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
+    if signs is None and self.rht_size and self.four_over_six is None and self.fmt in formats.FP4:
+      rounding = "stochastic" if self.stochastic else "nearest"
+      kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
+      return quantize_rht_transposed(t_TxC, self.fmt, rht_size=self.rht_size, rht_seed=self.rht_seed,
+                                     rounding=rounding, key=key if self.stochastic else None, **kw)
+    if self.four_over_six is not None or self.fmt not in formats.NAMES:
+      t_TxC = t_TxC.astype(jnp.float32)
+    return self(t_TxC.T, key, signs)
+
+  def _quantize(self, t, key):
+    fmt = self.fmt
+    if self.row_scaled:   # each row its own tensor: the second level is amax_row (R,)
+      plain = dataclasses.replace(self, row_scaled=False)
+      if not self.stochastic:
+        return jax.vmap(lambda row: plain._quantize(row, None))(t)
+      return jax.vmap(plain._quantize)(t, jax.random.split(key, t.shape[0]))   # one key per row
+    if fmt in formats.NAMES and self.four_over_six is None:
+      rounding = "stochastic" if self.stochastic else "nearest"
+      kw = {"scale_rule": self.scale_rule} if fmt == "mxfp4" else {}
+      return quantize(t, fmt, axis=-1, tile=formats.TILE[fmt] if self.tiled else None, rounding=rounding,
+                      key=key if self.stochastic else None, **kw)
+    t32 = t.astype(jnp.float32)
+    block = None if self.tiled else formats.BLOCK[fmt]
+    tile = formats.TILE[fmt] if self.tiled else None
+    if fmt == "nvfp4":                   # Four Over Six
+      bound, metric = self.four_over_six
+      codes, scale, amax = fos.quantize(t32, tiled=self.tiled, bound=bound, metric=metric)
+      return QTensor(e2m1.pack(codes), scale, amax, fmt, -1, block, tile, t.dtype, bound=bound)
+    if fmt == "nvfp4_eden":
+      e = eden.quantize(t32, eden.scale_bits(key, t.shape), group=self.eden_group)
+      return QTensor(e2m1.pack(e.codes), e.scale, None, fmt, -1, block, None, t.dtype, scale2=e.s_dec)
+    if fmt == "nvfp4_dbq":
+      bits = random_bits.bits(key, t.shape, jnp.uint8) if self.stochastic else None
+      q = dbq.quantize(t32, bits=bits)
+      return QTensor(e2m1.pack(q.codes), q.scale, None, fmt, -1, block, None, t.dtype, scale2=q.outer)
+    if fmt == "mxfp8":
+      q = mxfp8.quantize(t32)
+      scale = lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
+      return QTensor(q.data, scale, None, fmt, -1, block, None, t.dtype)
+    raise ValueError(f"no quantizer for fmt={fmt!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+  """The six quantizers of y = x·w and where the backward operands come from (module docstring).
+
+  A GEMM whose two roles are None runs unquantized (``lax.dot_general`` with the dot's precision).
+  dgrad_w: a Quantizer of w (K, N) along N, or ``TRANSPOSED`` (the fprop tiles read transposed, no new
+    quantization). requantize: the backward pass re-quantizes the forward-quantized x̂ and ŵ (Quartet II,
+    TetraJet-v2) instead of quantizing x and w in the forward pass. dgrad_rht / wgrad_rht: the size of a
+    random Hadamard transform of both operands of that GEMM, its signs drawn from the key.
+  """
+
+  fprop_x: Quantizer | None
+  fprop_w: Quantizer | None
+  dgrad_dy: Quantizer | None
+  dgrad_w: Quantizer | str | None
+  wgrad_x: Quantizer | None
+  wgrad_dy: Quantizer | None
+  requantize: bool = False
+  dgrad_rht: int | None = None
+  wgrad_rht: int | None = None
+  key_reason: str | None = None          # what the key is for, in the missing-key error (None: SR)
+  align: tuple[int, int, int] | None = None   # (M, K, N) multiples to pad to; None: from the roles
+  name: str = "custom"
+  out_dtype: Any = None                  # as Recipe.out_dtype
+
+  def __post_init__(self):
+    for gemm, pair in (("fprop", (self.fprop_x, self.fprop_w)), ("dgrad", (self.dgrad_dy, self.dgrad_w)),
+                       ("wgrad", (self.wgrad_x, self.wgrad_dy))):
+      if (pair[0] is None) != (pair[1] is None):
+        raise ValueError(f"Roles {self.name!r}: the {gemm} GEMM has one quantized operand; quantize both "
+                         "or neither")
+    if self.dgrad_w == TRANSPOSED and (self.fprop_w is None or not self.fprop_w.tiled):
+      raise ValueError(f"Roles {self.name!r}: dgrad_w=TRANSPOSED reads the fprop weight tiles; fprop_w "
+                       "must be a tiled quantizer")
+    if self.requantize and self.dgrad_w == TRANSPOSED:
+      raise ValueError(f"Roles {self.name!r}: requantize=True re-quantizes ŵ; dgrad_w cannot be TRANSPOSED")
+
+  @property
+  def roles(self) -> "Roles":
+    """Itself: ``fp4jax.dot`` takes a Roles wherever it takes a Recipe."""
+    return self
+
+  @property
+  def quantizers(self):
+    return tuple(q for q in (self.fprop_x, self.fprop_w, self.dgrad_dy, self.dgrad_w, self.wgrad_x,
+                             self.wgrad_dy) if isinstance(q, Quantizer))
+
+  @property
+  def quantizes_anything(self) -> bool:
+    return bool(self.quantizers)
+
+  @property
+  def needs_key(self) -> bool:
+    """Whether the backward pass draws random bits (stochastic rounding, MS-EDEN scales, random signs)."""
+    backward = (self.dgrad_dy, self.dgrad_w, self.wgrad_x, self.wgrad_dy)
+    return (self.dgrad_rht is not None or self.wgrad_rht is not None
+            or any(isinstance(q, Quantizer) and q.needs_key for q in backward))
+
+  def alignment(self):
+    """Multiples (M, K, N) the operands of all three GEMMs need (``fp4jax.dot`` zero-pads to them)."""
+    if self.align is not None:
+      return self.align
+    m = k = n = 1
+    def q_block(q):
+      return q.block if isinstance(q, Quantizer) else 1
+    if self.fprop_x is not None:
+      k = math.lcm(k, q_block(self.fprop_x), q_block(self.fprop_w))
+      if self.fprop_w.tiled:
+        n = math.lcm(n, self.fprop_w.block)
+    if self.dgrad_dy is not None:
+      n = math.lcm(n, q_block(self.dgrad_dy), q_block(self.dgrad_w), self.dgrad_rht or 1)
+      if isinstance(self.dgrad_w, Quantizer) and self.dgrad_w.tiled:
+        k = math.lcm(k, self.dgrad_w.block)
+    if self.wgrad_x is not None:
+      m = math.lcm(m, q_block(self.wgrad_x), q_block(self.wgrad_dy), self.wgrad_rht or 1,
+                   self.wgrad_x.rht_size or 1, self.wgrad_dy.rht_size or 1)
+    if self.requantize:   # the backward pass re-quantizes x̂ (M, K) and ŵ (N, K) along M and N
+      k = math.lcm(k, q_block(self.wgrad_x) if self.wgrad_x else 1, q_block(self.dgrad_w))
+    return m, k, n
