@@ -39,6 +39,7 @@ def test_refuses_without_a_gpu():
   assert "section" not in proc.stdout     # not a single row ran
 
 
+@pytest.mark.slow   # ~2 min on 2 cores; run with -m slow
 def test_rehearsal_runs_every_row(tmp_path):
   proc = _run(["--rehearse", "--out", str(tmp_path)], timeout=900)
   assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

@@ -122,6 +122,7 @@ def test_the_step_resets_exactly_what_the_pure_update_resets():
     np.testing.assert_array_equal(w[changed], q[changed])
 
 
+@pytest.mark.slow   # ~2 min on 2 cores; run with -m slow
 def test_resume_inside_the_detection_window_is_bit_exact(tmp_path):
   """10 steps straight vs 6 + restart + 4; after 6 steps the window of the snapshot at step 4 is open."""
   straight = str(tmp_path / "straight")
