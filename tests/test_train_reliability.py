@@ -400,16 +400,21 @@ def test_allowed_config_change_is_recorded(finished, tmp_path, capsys):
     assert json.load(f)["optim"]["lr"] == 0.001
 
 
-def test_failed_save_keeps_earlier_checkpoints(finished, tmp_path, monkeypatch):
-  workdir = _copy(finished, tmp_path)
+def _disk_full_at_step(monkeypatch, step):
+  """Makes the checkpoint save of ``step`` fail as a full disk does (ENOSPC); other saves go through."""
   real_save = ocp.JsonCheckpointHandler._save_fn  # pylint: disable=protected-access
 
   def disk_full(self, item, directory):
-    if item.get("step") == 6:
+    if item.get("step") == step:
       raise OSError(errno.ENOSPC, "No space left on device")
     return real_save(self, item, directory)
 
   monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", disk_full)
+
+
+def test_failed_save_keeps_earlier_checkpoints(finished, tmp_path, monkeypatch):
+  workdir = _copy(finished, tmp_path)
+  _disk_full_at_step(monkeypatch, 6)
   with pytest.raises(errors.StorageError, match="writing checkpoint 6 .* No space left on device") as info:
     trainer.train_and_evaluate(_config(steps=6), workdir)
   assert info.value.exit_code == 7 and "The checkpoints on disk, [2, 4], are intact" in str(info.value)
@@ -626,14 +631,7 @@ def test_sigterm_save_does_not_fit_the_grace(tmp_path):
 
 def test_failed_sync_save_names_its_step(finished, tmp_path, monkeypatch):
   workdir = _copy(finished, tmp_path)
-  real_save = ocp.JsonCheckpointHandler._save_fn  # pylint: disable=protected-access
-
-  def disk_full(self, item, directory):
-    if item.get("step") == 6:
-      raise OSError(errno.ENOSPC, "No space left on device")
-    return real_save(self, item, directory)
-
-  monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", disk_full)
+  _disk_full_at_step(monkeypatch, 6)
   with pytest.raises(errors.StorageError) as info:
     trainer.train_and_evaluate(_config(steps=6, **{"checkpoint.async_save": False}), workdir)
   message = str(info.value)
