@@ -3,6 +3,7 @@
   python bench/gpu_aot.py --target h200 --what dot --shape 8192,8192,8192 --recipe nvfp4
   python bench/gpu_aot.py --target b200 --what quantize --shape 8192,8192 --impl pallas
   python bench/gpu_aot.py --target h200 --what step --config configs/small.py
+  python bench/gpu_aot.py --target b200 --what dot --impl native     # the block-scaled FP4 GEMMs
   python bench/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
   python bench/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
 
@@ -347,7 +348,8 @@ def _flags():
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each).")
   flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
-  flags.DEFINE_string("impl", "xla", "xla | pallas (ops; dot and step: FP4JAX_DEFAULT_IMPL for the run).")
+  flags.DEFINE_string("impl", "xla", "xla | pallas (ops; dot and step: FP4JAX_DEFAULT_IMPL for the run, "
+                      "also native: the block-scaled GEMMs of fp4jax.native, for --target b200).")
   flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
@@ -386,8 +388,8 @@ def main(argv):
       results.append(_compiled(F, p))
       print(report(results[-1]), flush=True)
   elif F.what == "dot":
-    if F.impl == "pallas":
-      os.environ["FP4JAX_DEFAULT_IMPL"] = "pallas"
+    if F.impl in ("pallas", "native"):
+      os.environ["FP4JAX_DEFAULT_IMPL"] = F.impl
     shape = shape or (8192, 8192, 8192)
     results.append(_compiled(F, dot_program(F.recipe, shape, single)))
     if F.twin:
@@ -437,8 +439,8 @@ def _step(F, devices):
                            axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
   ranks = mesh.shape["data"] * mesh.shape["fsdp"]
   bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // ranks)
-  if F.impl == "pallas":
-    os.environ["FP4JAX_DEFAULT_IMPL"] = "pallas"
+  if F.impl in ("pallas", "native"):
+    os.environ["FP4JAX_DEFAULT_IMPL"] = F.impl
 
   def one(cfg, name):
     built = scale.build_step(cfg, mesh, bpd)

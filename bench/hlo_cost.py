@@ -318,6 +318,8 @@ class Module:
       for d in out[0][1]:
         n_out *= d
       return 2 * n_out * k, f"{a[0][0]}x{b[0][0]}", (n_out // b[0][1][0], b[0][1][0], k)
+    elif ins.opcode == "custom-call" and BLOCK_SCALED_TARGET in ins.attrs:
+      return block_scaled_shape(self.shapes.get(ins.operands[0], ""), self.shapes.get(ins.operands[1], ""))
     elif ins.opcode == "custom-call":
       target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
       if not target or not any(target.group(1).startswith(t) for t in GEMM_TARGETS):
@@ -349,6 +351,22 @@ class Module:
         m *= d
     n = n_out // max(1, b * m)
     return 2 * n_out * k, f"{lhs_dtype}x{rhs[0][0]}", (b * m, n, k) if b == 1 else (b, m, n, k)
+
+
+BLOCK_SCALED_TARGET = 'custom_call_target="__cudnn$blockScaledDot"'
+
+
+def block_scaled_shape(lhs_shape: str, rhs_shape: str):
+  """(flops, operand dtypes, (M, N, K)) of a block-scaled GEMM (``__cudnn$blockScaledDot``, from
+  ``jax.nn.scaled_matmul``): lhs (B, M, K) · rhs (B, N, K), contracting the last axis, B a batch axis
+  ((B, M, N, K) when B > 1). The dtypes are the operands' (``f4e2m1fnxf4e2m1fn`` for NVFP4), so
+  ``gemm_peak`` charges the FP4 rate. Its custom call carries no dimension numbers in the optimized
+  HLO; the layout is the one jax's lowering fixes."""
+  lhs, rhs = arrays(lhs_shape), arrays(rhs_shape)
+  if not (lhs and rhs) or len(lhs[0][1]) != 3 or len(rhs[0][1]) != 3:
+    return None
+  (a_dtype, (b, m, k)), (b_dtype, (_, n, _)) = lhs[0], rhs[0]
+  return 2 * b * m * n * k, f"{a_dtype}x{b_dtype}", (m, n, k) if b == 1 else (b, m, n, k)
 
 
 _PALLAS_GEMM = re.compile(r"fp4jax_(?:gemm|scaled_matmul)\w*/pallas_call")

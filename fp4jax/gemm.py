@@ -12,9 +12,12 @@ Backends (``backend=``):
               mxfp8       the float32 GEMM of the exact dequantized values (``mxfp8.gemm``)
               mxfp4, fp8  as ``fp4jax.scaled_matmul``
   "pallas"  the Triton kernels (nvfp4 with bound 448, mxfp4: ``formats.KERNEL_FORMATS``)
-  "native"  the hardware's block-scaled GEMM (the native-Blackwell issue); not built yet
-  None      the verified default (``fp4jax.primitives.default_impl``): "xla" unless a device run put the
-            kernel in ``VERIFIED_KERNELS``; FP4JAX_DEFAULT_IMPL overrides.
+  "native"  the hardware's block-scaled GEMM (``fp4jax.native``: nvfp4, 4/6, MS-EDEN, DBQ; on CUDA
+            ``jax.nn.scaled_matmul``, cuDNN on sm_100; its exact twin elsewhere)
+  None      the default: "native" for those formats on a GPU of compute capability 10.x
+            (``primitives.impl.default_gemm_backend``); else the verified default of
+            ``fp4jax.primitives.default_impl``: "xla" unless a device run put the kernel in
+            ``VERIFIED_KERNELS``. FP4JAX_DEFAULT_IMPL=xla|pallas|native overrides.
 
 group_sizes: a static tuple of row counts (G groups, summing to M) for grouped GEMMs (MoE experts).
 a then has a leading group axis on its second level (nvfp4: amax of shape (G,); a tensor per group)
@@ -32,9 +35,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, formats, reference
+from fp4jax import api, formats, native, reference
 from fp4jax._exact import product
 from fp4jax.numerics import dbq, four_over_six as fos, mxfp8
+from fp4jax.primitives.impl import default_gemm_backend
 from fp4jax.qtensor import QTensor, validate
 
 BACKENDS = ("xla", "pallas", "native")
@@ -76,9 +80,6 @@ def _check(a, b, backend):
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
   if backend is not None and backend not in BACKENDS:
     raise ValueError(f"backend={backend!r}; use one of {BACKENDS} or None (the verified default)")
-  if backend == "native":
-    raise NotImplementedError("backend='native' (the block-scaled tensor-core GEMM) is not built yet; "
-                              "use 'xla' or 'pallas'")
 
 
 def _row_scaled(q: QTensor) -> bool:
@@ -86,6 +87,8 @@ def _row_scaled(q: QTensor) -> bool:
 
 
 def _dense(a: QTensor, b: QTensor, out_dtype, backend):
+  if backend == "native":
+    return native.scaled_matmul(a, b, out_dtype=out_dtype)
   if _row_scaled(a) and not _row_scaled(b):   # row-scaled activations: the factor per output row
     if backend == "pallas":
       raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use backend='xla'")
@@ -128,6 +131,7 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, backend: str
   along K (the module docstring has the backends and the group axis)."""
   _check(a, b, backend)
   out_dtype = api.as_float_dtype(out_dtype, "fp4jax.gemm.scaled_matmul", "out_dtype")
+  backend = default_gemm_backend(a.fmt) if backend is None else backend
   if group_sizes is None:
     return _dense(a, b, out_dtype, backend)
   sizes = tuple(int(s) for s in group_sizes)

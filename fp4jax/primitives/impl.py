@@ -1,5 +1,7 @@
 """The impl switch: which implementation a primitive lowers to, "pallas" (the kernels) or "xla" (the
-reference / the XLA composition), for a user's ``impl=`` (None = the default, decided by evidence).
+reference / the XLA composition), for a user's ``impl=`` (None = the default, decided by evidence);
+and which backend ``fp4jax.gemm.scaled_matmul`` (the quantized dot's GEMMs) runs by default, where
+"native" (the block-scaled tensor cores, ``fp4jax.native``) is chosen on compute capability 10.x.
 
 The default on a CUDA GPU is a kernel only where ``VERIFIED_KERNELS`` holds a recorded device run that
 showed that kernel bit-exact with the reference *and* faster than the XLA path. Everywhere else the
@@ -12,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from fp4jax import _native_compat as nc
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
 
 IMPLS = ("xla", "pallas")
+FORCEABLE = IMPLS + ("native",)   # what FP4JAX_DEFAULT_IMPL takes; "native" is a GEMM backend only
 DEFAULT_IMPL_ENV = "FP4JAX_DEFAULT_IMPL"
 # The kernel-backed ops, as named in VERIFIED_KERNELS and in scripts/gpu_check.py's report.
 KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul")
@@ -36,6 +40,56 @@ class Evidence:
 VERIFIED_KERNELS: dict[tuple[str, str], Evidence] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class NativeChoice:
+  """Why ``fp4jax.gemm.scaled_matmul``'s default is (or is not) the native GEMM for one format."""
+
+  default: bool          # impl=None runs "native" on compute capability NATIVE_MAJOR.x
+  basis: str             # what the choice rests on today
+  missing: str           # the evidence a device run still has to give (scripts/gpu_check.py, native rows)
+
+
+NATIVE_MAJOR = 10   # datacenter Blackwell (B200/GB200 sm_100, B300 sm_103); not 12.x (consumer Blackwell)
+_NO_DEVICE_RUN = ("no device run yet: gpu_check.py's native rows on a B200 (result vs the XLA path, "
+                  "expected equal up to float32 summation order; time vs the bf16 GEMM) confirm or revoke it")
+# fmt -> the choice. Chosen without a device run, on the issue's decision (the native FP4 GEMM is why
+# FP4 training exists) and on recorded compiles: deviceless sm_100 compiles put every GEMM of these
+# formats on __cudnn$blockScaledDot (tests/test_gpu_aot_native.py), and the cost model predicts it
+# faster than the bf16 XLA path (docs/PERF.md, issue 23). sm_12x is excluded until a device run shows
+# it exact (Transformer Engine reported all-zero gradients there).
+NATIVE_DEFAULTS: dict[str, NativeChoice] = {
+    "nvfp4": NativeChoice(True, "deviceless sm_100 compiles; B200 cost model: dot 8192^3 and steps",
+                          _NO_DEVICE_RUN),
+    "nvfp4_eden": NativeChoice(True, "deviceless sm_100 compiles; B200 cost model (quartet2 dot)",
+                               _NO_DEVICE_RUN),
+    "nvfp4_dbq": NativeChoice(False, "one block-scaled GEMM per 128-chunk of K: each writes and rescales "
+                              "an (M, N) float32 partial, which the cost model puts near the bf16 XLA "
+                              "path's chunked GEMMs, not faster (docs/PERF.md, issue 23)",
+                              "a fused kernel that rescales the accumulator per K-chunk, then a device run"),
+}
+
+
+def native_device(capability: tuple[int, int] | None = None) -> bool:
+  """Whether this process's default device is a GPU of compute capability NATIVE_MAJOR.x (``capability``
+  overrides what the device says, for tests)."""
+  cc = nc.cuda_compute_capability() if capability is None else capability
+  return cc is not None and cc[0] == NATIVE_MAJOR
+
+
+def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None) -> str | None:
+  """What ``fp4jax.gemm.scaled_matmul(backend=None)`` runs for ``fmt``: "native" where NATIVE_DEFAULTS
+  chooses it and the device has compute capability 10.x, or everywhere the native GEMM exists when
+  FP4JAX_DEFAULT_IMPL=native (deviceless sm_100 compiles, the device check); None otherwise (the
+  primitives' default, ``default_impl``). FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
+  forced = _forced()
+  if forced == "native":
+    return "native" if fmt in NATIVE_DEFAULTS else None
+  if forced:
+    return None
+  choice = NATIVE_DEFAULTS.get(fmt)
+  return "native" if choice is not None and choice.default and native_device(capability) else None
+
+
 def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
   """Whether the Pallas kernels can run compiled here: an FP4 format on a CUDA GPU with Triton.
 
@@ -54,7 +108,7 @@ def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
   kernel that can run here (or when FP4JAX_DEFAULT_IMPL=pallas forces it), else "xla"."""
   if op not in KERNEL_OPS:
     raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
-  forced = _forced()
+  forced = _forced()   # "native" is a GEMM backend (default_gemm_backend): the primitives keep theirs
   if forced == "xla" or fmt not in formats.KERNEL_FORMATS:
     return "xla"
   if forced == "pallas":
@@ -64,8 +118,8 @@ def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
 
 def _forced() -> str:
   forced = os.environ.get(DEFAULT_IMPL_ENV, "").strip().lower()
-  if forced not in ("", *IMPLS):
-    raise ValueError(f"{DEFAULT_IMPL_ENV}={forced!r}; set it to 'xla', 'pallas' or leave it unset")
+  if forced not in ("", *FORCEABLE):
+    raise ValueError(f"{DEFAULT_IMPL_ENV}={forced!r}; set it to 'xla', 'pallas', 'native' or leave it unset")
   return forced
 
 
@@ -74,7 +128,8 @@ def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | Non
   given, else returned as None (the primitive's wrapper resolves it, knowing the op).
 
   FP4JAX_DEFAULT_IMPL=xla makes None mean "xla" everywhere (runs that must not depend on the kernels);
-  =pallas forces the kernels wherever they exist, verified or not (for the device check).
+  =pallas forces the kernels wherever they exist, verified or not (for the device check); =native
+  concerns ``fp4jax.gemm``'s backend only and leaves the primitives at their default.
   """
   if impl is None:
     if fmt not in formats.KERNEL_FORMATS:
@@ -82,7 +137,7 @@ def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | Non
     if op is not None:
       return default_impl(op, fmt)
     forced = _forced()
-    return forced or None
+    return forced if forced in IMPLS else None
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r}; use 'pallas', 'xla' or None (the verified default)")
   if impl == "pallas" and fmt not in formats.KERNEL_FORMATS:

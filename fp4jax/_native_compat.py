@@ -1,0 +1,86 @@
+"""Every jax-version-specific piece of the native block-scaled GEMM (``fp4jax.native``), in one place.
+
+Written against jax 0.10.2, whose ``jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales,
+preferred_element_type)`` takes lhs (B, M, K) and rhs (B, N, K), both contracted over their last axis
+K with B a batch axis, and scales (B, M, K/blk), (B, N, K/blk) laid out like the operands (row-major;
+XLA inserts the swizzle to the tensor cores' scale layout itself). Its CUDA lowering is the custom
+call ``__op$block_scaled_dot``, which XLA compiles for sm_100 into ``__cudnn$blockScaledDot`` (cuDNN's
+block-scaled GEMM) when the operands are float4_e2m1fn with float8_e4m3fn scales per 16 (NVFP4) or
+float8 with float8_e8m0fnu scales per 32 (MXFP8). Measured on this jax with deviceless sm_100
+compiles: float4_e2m1fn with float8_e8m0fnu scales per 32 (MXFP4) is *not* taken; XLA rewrites it to a
+float32 dequantize and a float32 cuBLASLt GEMM. There is no CPU lowering (NotImplementedError at
+lowering).
+
+The GPU image runs jax 0.11.2; jax's current documentation gives ``jax.nn.scaled_matmul`` the same
+signature and the same cuDNN operand rules. Not yet run on a device: scripts/gpu_check.py's native
+rows are that check.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The optimized-HLO custom call of a block-scaled GEMM on Blackwell (what the compile tests count).
+BLOCK_SCALED_TARGET = "__cudnn$blockScaledDot"
+# What jax lowers scaled_matmul to before XLA's GPU passes (the StableHLO / unoptimized HLO).
+BLOCK_SCALED_OP = "__op$block_scaled_dot"
+
+
+def has_block_scaled_matmul() -> bool:
+  """Whether this jax has ``jax.nn.scaled_matmul`` and the float4_e2m1fn dtype."""
+  return hasattr(jax.nn, "scaled_matmul") and hasattr(jnp, "float4_e2m1fn")
+
+
+def to_float4(codes_u8):
+  """E2M1 codes (uint8 in 0..15, the standard sign-exponent-mantissa bits) as float4_e2m1fn, bit for
+  bit (the two encodings are the same four bits)."""
+  return lax.bitcast_convert_type(codes_u8.astype(jnp.uint4), jnp.float4_e2m1fn)
+
+
+def block_scaled_matmul(a, b, a_scales, b_scales):
+  """float32 (M, N) = Σ_k a[m, k]·a_scales[m, k/16] · b[n, k]·b_scales[n, k/16] on the hardware's
+  block-scaled GEMM: a (M, K), b (N, K) float4_e2m1fn, scales (M, K/16), (N, K/16) float8_e4m3fn."""
+  out = jax.nn.scaled_matmul(a[None], b[None], a_scales[None], b_scales[None],
+                             preferred_element_type=jnp.float32)
+  return out[0]
+
+
+def cuda_compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of this process's default device when it is a CUDA GPU, else None.
+
+  A deviceless compile (platforms cpu,cuda without a GPU) has CPU devices here: None."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:   # pragma: no cover - no backend at all
+    return None
+  return _capability(dev)
+
+
+def _capability(dev) -> tuple[int, int] | None:
+  if dev.platform not in ("gpu", "cuda"):
+    return None
+  cc = getattr(dev, "compute_capability", None)
+  if cc is None:
+    return None
+  parts = str(cc).split(".")
+  try:
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+  except ValueError:   # pragma: no cover - an unexpected format
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_lowering_exists() -> bool:
+  """Whether ``jax.nn.scaled_matmul`` lowers for the CPU in this jax (0.10.2: no)."""
+  if not has_block_scaled_matmul():
+    return False
+  a = jax.ShapeDtypeStruct((16, 16), jnp.float4_e2m1fn)
+  s = jax.ShapeDtypeStruct((16, 1), jnp.float8_e4m3fn)
+  try:
+    jax.jit(block_scaled_matmul).trace(a, a, s, s).lower(lowering_platforms=("cpu",))
+  except NotImplementedError:
+    return False
+  return True
