@@ -1,0 +1,172 @@
+"""The native path compiled for sm_100 (B200) on a machine without a GPU: every GEMM of a quantized
+dot is a block-scaled FP4 GEMM (``__cudnn$blockScaledDot``) and none is a bf16 GEMM of its operands.
+
+The compile runs in a deviceless subprocess (as tests/test_gpu_aot.py's) with FP4JAX_DEFAULT_IMPL=native,
+which is what impl=None selects on a GPU of compute capability 10.x. The optimized HLO is read per
+recipe: each preset's value_and_grad(fp4jax.dot) runs inside a named scope, so its GEMMs carry the
+preset's name in their op_name. Deviceless, XLA's GPU compile finishes with the cuDNN custom call in
+the HLO; whether cuDNN accepts the graph (and its numbers) only a device run shows
+(scripts/gpu_check.py's native rows).
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import fp4jax
+from fp4jax import _native_compat as nc
+from fp4jax import _platform, native
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_plugin = pytest.mark.skipif(
+    _platform.cuda_plugin() is None, reason="jax's CUDA plugin is not installed, so XLA's GPU compiler "
+    "is absent (pip install -e '.[dev]' installs it)")
+SHAPE = (256, 512, 256)   # M, K, N: the quantized dot's x (M, K), w (K, N)
+
+_PROGRAM = r'''
+import collections, json, re, sys
+sys.path.insert(0, ROOT)
+from fp4jax import _platform
+_platform.enable_deviceless()
+import jax
+from bench import gpu_aot, hlo_cost
+recipes, shape = RECIPES, SHAPE
+dev = gpu_aot.gpu_devices("b200", 1)[0]
+single = jax.sharding.SingleDeviceSharding(dev)
+progs = []
+for r in recipes:
+  p = gpu_aot.dot_program(r, shape, single)
+  def scoped(*args, _fn=p.fn, _r=r):
+    with jax.named_scope(f"recipe_{_r}"):
+      return _fn(*args)
+  progs.append(gpu_aot.Program(p.name, scoped, p.args))
+res = gpu_aot.compile_program(gpu_aot.combined("native_dots", progs))
+if res.get("error"):
+  print(json.dumps(dict(error=res["error"]))); sys.exit(0)
+cost = hlo_cost.analyze(res["text"], gpu_aot.peaks("b200"))
+out = collections.defaultdict(lambda: collections.defaultdict(int))
+for o in cost["ops"]:
+  if o["kind"] == "gemm":
+    m = re.search(r"recipe_(\w+?)/", o["op_name"])
+    passes = re.findall(r"\b(fprop|dgrad|wgrad)\b", o["op_name"])
+    out[m.group(1) if m else "?"][f"{o['dtype']} {passes[-1] if passes else '?'}"] += o["count"]
+text = res["text"]
+print(json.dumps(dict(gemms=out, block_scaled_calls=text.count(TARGET), seconds=res["seconds"])))
+'''
+
+
+def _compile(recipes, timeout=900):
+  code = (_PROGRAM.replace("ROOT", repr(ROOT)).replace("RECIPES", repr(list(recipes)))
+          .replace("SHAPE", repr(SHAPE)).replace("TARGET", repr(nc.BLOCK_SCALED_TARGET)))
+  env = _platform.deviceless_env()
+  env["FP4JAX_DEFAULT_IMPL"] = "native"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=timeout, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert "error" not in report, report["error"][:3000]
+  return report
+
+
+def _quantized_gemms(recipe):
+  """The GEMMs of the preset's dot that quantize, and how many block-scaled GEMMs each becomes: one,
+  or one per 128-chunk of the contraction for DBQ (TetraJet-v2)."""
+  m, k, n = SHAPE
+  roles = fp4jax.recipes.get(recipe).roles
+  contraction = {"fprop": k, "dgrad": n, "wgrad": m}
+  first = {"fprop": roles.fprop_x, "dgrad": roles.dgrad_dy, "wgrad": roles.wgrad_x}
+  return {p: (contraction[p] // 128 if q.fmt == "nvfp4_dbq" else 1)
+          for p, q in first.items() if q is not None}
+
+
+NVFP4_PRESETS = [r for r in fp4jax.recipes.NAMES
+                 if _quantized_gemms(r) and all(
+                     q.fmt in native.FORMATS for q in (fp4jax.recipes.get(r).roles.fprop_x,
+                                                       fp4jax.recipes.get(r).roles.dgrad_dy) if q is not None)]
+
+
+def test_presets_listed():
+  assert set(NVFP4_PRESETS) == set(fp4jax.recipes.NAMES) - {"mxfp4", "fp8", "bf16"}
+  assert _quantized_gemms("nvfp4") == {"fprop": 1, "dgrad": 1, "wgrad": 1}
+  assert _quantized_gemms("nvfp4_bf16_fprop") == {"dgrad": 1, "wgrad": 1}
+  assert _quantized_gemms("tetrajet2") == {"fprop": 4, "dgrad": 2, "wgrad": 2}
+
+
+@needs_plugin
+def test_every_nvfp4_preset_dot_is_three_block_scaled_gemms():
+  """One module with every NVFP4 preset's value_and_grad(fp4jax.dot) (one compile, about a minute on
+  two idle cores): per preset, each quantized GEMM (fprop, dgrad, wgrad) is block-scaled FP4 and no
+  other GEMM runs, except the bf16 fprop of nvfp4_bf16_fprop."""
+  report = _compile(NVFP4_PRESETS)
+  f4 = "f4e2m1fnxf4e2m1fn"
+  total = 0
+  for recipe in NVFP4_PRESETS:
+    gemms = report["gemms"].get(recipe, {})
+    want = {f"{f4} {p}": n for p, n in _quantized_gemms(recipe).items()}
+    if recipe == "nvfp4_bf16_fprop":
+      want["bf16xbf16 fprop"] = 1
+    assert gemms == want, (recipe, gemms)
+    total += sum(n for key, n in want.items() if key.startswith(f4))
+  assert report["block_scaled_calls"] == total
+  assert set(report["gemms"]) == set(NVFP4_PRESETS)   # no GEMM outside a preset's scope
+
+
+_STEP = r'''
+import collections, json, re, sys
+sys.path.insert(0, ROOT)
+from fp4jax import _platform
+_platform.enable_deviceless()
+import jax, numpy as np
+from bench import gpu_aot, hlo_cost, scale
+from configs import small
+from training import sharding
+cfg = small.get_config()
+devices = gpu_aot.gpu_devices("b200", 1)
+mesh = jax.sharding.Mesh(np.asarray(devices).reshape(sharding.mesh_shape(cfg.mesh, 1)), sharding.MESH_AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
+built = scale.build_step(cfg, mesh, cfg.batch_size)
+res = gpu_aot.compile_program(gpu_aot.Program("step", built["step_fn"], (built["state_in"], built["tokens_in"])), mesh)
+if res.get("error"):
+  print(json.dumps(dict(error=res["error"]))); sys.exit(0)
+cost = hlo_cost.analyze(res["text"], gpu_aot.peaks("b200"))
+out = collections.defaultdict(lambda: collections.defaultdict(int))
+for o in cost["ops"]:
+  if o["kind"] == "gemm":
+    m = re.search(r"/(blocks_\d+/mixer/\w+)/", o["op_name"])
+    out[m.group(1) if m else "other"][o["dtype"]] += o["count"]
+print(json.dumps(dict(gemms=out, predicted_ms=cost["seconds"] * 1e3)))
+'''
+
+
+@needs_plugin
+@pytest.mark.slow   # about 2 minutes of compile on two idle cores
+def test_small_train_step_quantized_layers_are_block_scaled():
+  """configs/small.py's train step for one B200: each quantized linear layer (policy.layer_precision)
+  is exactly three block-scaled GEMMs; the bf16 blocks and the rest of the model have none."""
+  from configs import small   # pylint: disable=import-outside-toplevel
+  from models import policy   # pylint: disable=import-outside-toplevel
+  code = _STEP.replace("ROOT", repr(ROOT))
+  env = _platform.deviceless_env()
+  env["FP4JAX_DEFAULT_IMPL"] = "native"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=1800, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert "error" not in report, report["error"][:3000]
+  from training import config as config_lib   # pylint: disable=import-outside-toplevel
+  cfg = small.get_config()
+  model_cfg = config_lib.resolve_model_config(cfg.model)
+  f4 = "f4e2m1fnxf4e2m1fn"
+  quantized = {layer for layer in report["gemms"] if layer != "other"
+               and policy.layer_precision(model_cfg, cfg.recipe, layer) != "bf16"}
+  assert len(quantized) == 20, sorted(report["gemms"])       # 10 quantized blocks x 2 linear layers
+  for layer, gemms in report["gemms"].items():
+    if layer in quantized:
+      assert gemms == {f4: 3}, (layer, gemms)
+    else:
+      assert f4 not in gemms and gemms, (layer, gemms)       # bf16 layers keep their plain GEMMs
+  assert sum(g.get(f4, 0) for g in report["gemms"].values()) == 3 * len(quantized)
+  assert any(re.match(r"blocks_1[01]/", layer) for layer in report["gemms"])
