@@ -10,8 +10,11 @@ jax-triton). For every kernel and every XLA composition it
      same reference run on the host CPU (the scaled matmuls on operands whose float32 sums are exact
      in any order; at the timing size they are compared by relative error),
   3. times it against the yardsticks: a copy of the input (quantize GB/s) and a bf16 GEMM (TFLOP/s),
-then times one train step of the small config in bf16 and in nvfp4 (default impl, then every kernel
-forced). Beside each measured time stands the cost model's prediction for the same compiled
+then, on a Blackwell GPU (compute capability 10.x), the native block-scaled GEMM rows (fp4jax.native:
+each NVFP4-family pair against the XLA path on the device, bit for bit on exactly summable operands and
+by relative error at the timing size, timed against the bf16 GEMM; and value_and_grad of fp4jax.dot
+native vs bf16), which print "skipped: not Blackwell" elsewhere; then times one train step of the small
+config in bf16 and in nvfp4 (default impl, then every kernel forced). Beside each measured time stands the cost model's prediction for the same compiled
 executable (bench/hlo_cost.py on its HLO, the derated peaks of bench/gpu_aot.py for the device's
 kind), so the first device run tests the model too. Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
 $OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
@@ -44,14 +47,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fp4jax  # noqa: E402  (needs ROOT on the path when run as a script)
-from fp4jax import formats, primitives  # noqa: E402
+from fp4jax import formats, gemm as fgemm, native, primitives  # noqa: E402
+from fp4jax.quantizers import Quantizer  # noqa: E402
 from fp4jax.numerics.hadamard import rht  # noqa: E402
 from fp4jax.qtensor import QTensor  # noqa: E402
 from fp4jax.reference import scaled_matmul_reference  # noqa: E402
 from bench import gpu_aot, hlo_cost  # noqa: E402  (stdlib only: the cost model of the compiled HLO)
 from bench.timing import median_seconds, nbytes  # noqa: E402
 
-TARGETS = {"quantize_bw": 0.70, "gemm": 0.90, "step": 1.25}
+TARGETS = {"quantize_bw": 0.70, "gemm": 0.90, "step": 1.25, "native_gemm": 2.0, "native_dot": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +82,9 @@ REHEARSE_SIZES = Sizes(256, 256, (64, 128), (64, 64, 256), 1, "tiny", (("pattern
 
 @dataclasses.dataclass
 class Row:
-  section: str             # "yardstick" | "quantize" | "matmul" | "train"
+  section: str             # "yardstick" | "quantize" | "matmul" | "native" | "train"
   name: str
-  impl: str                # "xla" | "pallas" | "-"
+  impl: str                # "xla" | "pallas" | "native" | "default"
   shape: str
   status: str = "ok"       # ok | MISMATCH | ERROR | skipped
   exact: str = "-"         # how exactness was checked and the verdict
@@ -314,6 +318,130 @@ def matmul_rows(report: Report, impl: str, bf16_tflops: float, xla_outputs: dict
     _run_row(report, row, work)
 
 
+# ------------------------------------------------------------------------------------------ native
+
+NATIVE_OPS = {   # name -> (a quantizer, b quantizer); fmt and layout as the quantized dot uses them
+    "native nvfp4 1x16.16x16": (Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True)),
+    "native nvfp4 1x16.1x16 SR RHT": (Quantizer("nvfp4", rht_size=16),
+                                      Quantizer("nvfp4", stochastic=True, rht_size=16)),
+    "native nvfp4 4/6 1x16.16x16": (Quantizer("nvfp4", four_over_six=(256, "mse")),
+                                    Quantizer("nvfp4", tiled=True, four_over_six=(256, "mse"))),
+    "native nvfp4_eden 1x16.1x16": (Quantizer("nvfp4_eden"), Quantizer("nvfp4_eden")),
+    "native nvfp4_dbq 1x16.1x16": (Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True)),
+}
+
+
+def is_blackwell() -> bool:
+  """A GPU of compute capability 10.x, where impl=None runs the native GEMM."""
+  return primitives.impl.native_device()
+
+
+def _exact_native_operand(rows, k, a_q: Quantizer, seed):
+  """``_exact_operand`` in a_q's format: 4/6 as bound 256, MS-EDEN with s_dec 0.5, DBQ with power-of-two
+  outer scales, so that every float32 partial sum stays exact and any order gives the same bits."""
+  q = _exact_operand(rows, k, "nvfp4", a_q.tiled, seed)
+  if a_q.fmt == "nvfp4":
+    return q if a_q.four_over_six is None else dataclasses.replace(q, bound=a_q.four_over_six[0])
+  rng = np.random.default_rng(seed + 100)
+  if a_q.fmt == "nvfp4_eden":
+    return QTensor(q.data, q.scale, None, "nvfp4_eden", -1, 16, None, q.dtype, scale2=jnp.float32(0.5))
+  outer = jnp.asarray(rng.choice([0.25, 0.5, 1.0, 2.0], (rows, k // 128)), jnp.float32)
+  return QTensor(q.data, q.scale, None, "nvfp4_dbq", -1, 16, None, q.dtype, scale2=outer)
+
+
+def _quantized(quantizer: Quantizer, x, seed):
+  key = jax.random.key(seed)
+  if quantizer.rht_size:   # the wgrad operand: (T, C) -> RHT along T, quantized along T
+    return jax.jit(quantizer.quantize_t)(x.T, key if quantizer.needs_key else None)
+  return jax.jit(quantizer)(x, key) if quantizer.needs_key else jax.jit(quantizer)(x)
+
+
+def native_rows(report: Report, bf16_tflops: float, bf16_dot_ms: dict):
+  """The native GEMM of every NVFP4-family pair and one native fp4jax.dot, on Blackwell (and in the
+  CPU rehearsal, through the native path's CPU twin); "skipped: not Blackwell" elsewhere."""
+  s = report.sizes
+  n = s.gemm
+  run = report.rehearse or is_blackwell()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((n, n)) * 0.05, jnp.bfloat16)
+  cm, cn, ck = s.check_gemm
+  fn = lambda backend: jax.jit(lambda a, b: fgemm.scaled_matmul(a, b, out_dtype=jnp.bfloat16, backend=backend))
+  for name, (qa, qb) in NATIVE_OPS.items():
+    row = Row("native", name, "native", f"{n}^3")
+    if name == "native nvfp4 1x16.16x16":
+      row.target = f"ratio >= {TARGETS['native_gemm']:.2f} of bf16"
+    if not run:
+      row.status, row.exact = "skipped", "skipped: not Blackwell"
+      report.add(row)
+      continue
+
+    def work(row, qa=qa, qb=qb):
+      a, b = _quantized(qa, x, 5), _quantized(qb, w, 6)
+      f_native, f_xla = fn("native"), fn("xla")
+      row.predicted_ms = _predict(f_native.lower(a, b).compile())
+      out = f_native(a, b)
+      ea, eb = _exact_native_operand(cm, ck, qa, 3), _exact_native_operand(cn, ck, qb, 4)
+      exact = _same_bits(jax.device_get(f_native(ea, eb)), jax.device_get(f_xla(ea, eb)))
+      ref = np.asarray(f_xla(a, b), np.float32)
+      err = np.linalg.norm(np.asarray(out, np.float32) - ref) / max(np.linalg.norm(ref), 1e-30)
+      row.exact = f"{cm}x{cn}x{ck}: {'==' if exact else '!='} XLA, rel {err:.1e}"
+      if not exact or not err <= 2 ** -8:      # bf16 output: at most one rounding apart
+        row.status = "MISMATCH"
+      t = median_seconds(f_native, a, b, iters=max(1, s.iters // 2))
+      tflops = 2.0 * n ** 3 / t / 1e12
+      row.ms, row.rate, row.unit, row.ratio = t * 1e3, tflops, "TFLOP/s", tflops / bf16_tflops
+    _run_row(report, row, work)
+  for recipe in ("nvfp4", "bf16"):   # value_and_grad of fp4jax.dot: native (every GEMM) vs the bf16 recipe
+    row = Row("native", f"dot {recipe} y,dx,dw" + (", native" if recipe != "bf16" else ""),
+              "native" if recipe != "bf16" else "xla", f"{n}^3")
+    if recipe == "nvfp4":
+      row.target = f"ratio <= {TARGETS['native_dot']:.2f} of the bf16 dot"
+    if not run:
+      row.status, row.exact = "skipped", "skipped: not Blackwell"
+      report.add(row)
+      continue
+
+    def work(row, recipe=recipe):
+      dy = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
+
+      def dot(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=jax.random.key(2)), x, w)
+        return (y, *vjp(dy))
+
+      outs = {}
+      for impl in (("native", "xla") if recipe != "bf16" else ("xla",)):
+        saved = os.environ.get(primitives.DEFAULT_IMPL_ENV)
+        os.environ[primitives.DEFAULT_IMPL_ENV] = impl   # resolved while tracing: this compile only
+        try:
+          compiled = jax.jit(dot).lower(x, w, dy).compile()
+        finally:
+          if saved is None:
+            os.environ.pop(primitives.DEFAULT_IMPL_ENV, None)
+          else:
+            os.environ[primitives.DEFAULT_IMPL_ENV] = saved
+        outs[impl] = compiled
+      main = outs["native" if recipe != "bf16" else "xla"]
+      row.predicted_ms = _predict(main)
+      got = main(x, w, dy)
+      if recipe != "bf16":
+        want = outs["xla"](x, w, dy)
+        errs = [np.linalg.norm(np.asarray(g, np.float32) - np.asarray(r, np.float32))
+                / max(np.linalg.norm(np.asarray(r, np.float32)), 1e-30) for g, r in zip(got, want)]
+        row.exact = "vs XLA: rel " + "/".join(f"{e:.0e}" for e in errs)
+        if not all(e <= 2 ** -8 for e in errs):
+          row.status = "MISMATCH"
+      t = median_seconds(main, x, w, dy, iters=max(1, s.iters // 4))
+      row.ms = t * 1e3
+      if recipe == "bf16":
+        bf16_dot_ms["bf16"] = row.ms
+        row.ratio = 1.0
+    _run_row(report, row, work)
+  for r in report.rows:   # the native dot's ratio, once the bf16 dot is timed
+    if r.section == "native" and r.name.startswith("dot nvfp4") and r.ms and bf16_dot_ms.get("bf16"):
+      r.ratio = r.ms / bf16_dot_ms["bf16"]
+
+
 # ------------------------------------------------------------------------------------------ yardsticks
 
 def yardstick_rows(report: Report):
@@ -442,6 +570,20 @@ def verdicts(rows):
     if r and r.ratio is not None:
       lines.append(f"target emulated NVFP4 GEMM ({impl}): {r.ratio:.2f} of bf16 "
                    f"(target >= {TARGETS['gemm']:.2f}) -> {'met' if r.ratio >= TARGETS['gemm'] else 'NOT met'}")
+  for name in NATIVE_OPS:
+    r = by.get((name, "native"))
+    if r and r.status == "skipped":
+      lines.append(f"{name}: skipped: not Blackwell")
+    elif r and r.ratio is not None:
+      lines.append(f"{name}: {r.status}, {r.ratio:.2f} of bf16"
+                   + (f" (target >= {TARGETS['native_gemm']:.2f}) -> "
+                      f"{'met' if r.ratio >= TARGETS['native_gemm'] else 'NOT met'}"
+                      if name == "native nvfp4 1x16.16x16" else ""))
+  r = by.get(("dot nvfp4 y,dx,dw, native", "native"))
+  if r and r.ratio is not None:
+    verdict = "confirms" if r.status == "ok" and r.ratio <= TARGETS["native_dot"] else "revokes"
+    lines.append(f"native dot nvfp4: {r.status}, {r.ratio:.2f}x the bf16 dot -> {verdict} impl=None = native "
+                 "on cc 10.x (fp4jax.primitives.impl.NATIVE_DEFAULTS)")
   r = by.get(("train step nvfp4", "default"))
   if r and r.ratio is not None:
     lines.append(f"target small nvfp4 step: {r.ratio:.2f}x the bf16 step (target <= {TARGETS['step']:.2f}) "
@@ -561,6 +703,7 @@ def main(argv=None) -> int:
   matmul_rows(report, "xla", bf16_tflops, xla_matmul)
   quantize_rows(report, "pallas", copy_bw, xla_quantize)
   matmul_rows(report, "pallas", bf16_tflops, xla_matmul)
+  native_rows(report, bf16_tflops, {})
   train_rows(report)
   write_report(report, env)
   failed = [r for r in report.rows if r.status in ("ERROR", "MISMATCH")]

@@ -31,6 +31,19 @@ def _run(args, timeout):
                         timeout=timeout)
 
 
+def test_native_rows_say_not_blackwell_off_blackwell(tmp_path):
+  """On a machine that is not Blackwell and not rehearsing, the native rows are reported as skipped
+  (run in-process on the report object: no device needed)."""
+  import runpy   # pylint: disable=import-outside-toplevel
+  mod = runpy.run_path(SCRIPT)
+  report = mod["Report"](str(tmp_path), mod["REHEARSE_SIZES"], rehearse=False, budget_s=float("inf"))
+  mod["native_rows"](report, 1.0, {})
+  assert len(report.rows) == len(mod["NATIVE_OPS"]) + 2
+  assert all(r.status == "skipped" and r.exact == "skipped: not Blackwell" for r in report.rows)
+  lines, _ = mod["verdicts"](report.rows)
+  assert "native nvfp4 1x16.16x16: skipped: not Blackwell" in lines
+
+
 @pytest.mark.skipif(ON_GPU, reason="checks the refusal on a machine without a GPU")
 def test_refuses_without_a_gpu():
   proc = _run([], timeout=120)
@@ -48,17 +61,23 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert report["rehearse"] and not [r for r in rows if r["status"] != "ok"]
   keys = [(r["section"], r["name"], r["impl"]) for r in rows]
   assert [k[0] for k in keys] == (["yardstick"] * 2 + ["quantize"] * 5 + ["matmul"] * 3
-                                  + ["quantize"] * 5 + ["matmul"] * 3 + ["train"] * 3)
+                                  + ["quantize"] * 5 + ["matmul"] * 3 + ["native"] * 7 + ["train"] * 3)
   assert [k[2] for k in keys[2:10]] == ["xla"] * 8 and [k[2] for k in keys[10:18]] == ["pallas"] * 8
   for r in rows[2:18]:                     # every kernel and XLA composition checked bit for bit
     assert "==" in r["exact"] and r["ms"] > 0, r
-  assert [r["name"] for r in rows[18:]] == ["train step bf16", "train step nvfp4",
+  native_rows = rows[18:25]                # rehearsed through the native path's CPU twin
+  for r in native_rows[:5]:                # every NVFP4-family pair: bit for bit vs the XLA path
+    assert r["impl"] == "native" and "== XLA" in r["exact"] and r["ms"] > 0, r
+  assert [r["name"] for r in native_rows[5:]] == ["dot nvfp4 y,dx,dw, native", "dot bf16 y,dx,dw"]
+  assert native_rows[5]["exact"].startswith("vs XLA: rel ") and native_rows[5]["ratio"] > 0
+  assert any(v.startswith("native dot nvfp4: ok") for v in report["verdicts"])
+  assert [r["name"] for r in rows[25:]] == ["train step bf16", "train step nvfp4",
                                             "train step nvfp4, kernels forced"]
-  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[18:])
+  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[25:])
   assert all(r["predicted_ms"] > 0 for r in rows), [r["name"] for r in rows if not r["predicted_ms"]]
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked
   printed = [line.split()[1:3] for line in proc.stdout.splitlines()
-             if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "train")]
+             if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "native", "train")]
   assert len(printed) == len(rows)         # each row printed as it finished

@@ -259,7 +259,7 @@ def test_default_is_native_on_cc_10_only(cc, want, monkeypatch):
   assert impl.default_gemm_backend("nvfp4_eden", capability=cc) == want
   assert impl.default_gemm_backend("mxfp4", capability=cc) is None
   assert impl.default_gemm_backend("fp8", capability=cc) is None
-  assert impl.default_gemm_backend("nvfp4_dbq", capability=cc) is None   # not chosen: see NATIVE_DEFAULTS
+  assert impl.default_gemm_backend("nvfp4_dbq", capability=cc) == want
 
 
 def test_env_overrides(monkeypatch):
