@@ -573,16 +573,16 @@ def verdicts(rows):
   for name in NATIVE_OPS:
     r = by.get((name, "native"))
     if r and r.status == "skipped":
-      lines.append(f"{name}: skipped: not Blackwell")
+      lines.append(f"GEMM {name}: skipped: not Blackwell")
     elif r and r.ratio is not None:
-      lines.append(f"{name}: {r.status}, {r.ratio:.2f} of bf16"
+      lines.append(f"GEMM {name}: {r.status}, {r.ratio:.2f} of bf16"
                    + (f" (target >= {TARGETS['native_gemm']:.2f}) -> "
                       f"{'met' if r.ratio >= TARGETS['native_gemm'] else 'NOT met'}"
                       if name == "native nvfp4 1x16.16x16" else ""))
   r = by.get(("dot nvfp4 y,dx,dw, native", "native"))
   if r and r.ratio is not None:
     verdict = "confirms" if r.status == "ok" and r.ratio <= TARGETS["native_dot"] else "revokes"
-    lines.append(f"native dot nvfp4: {r.status}, {r.ratio:.2f}x the bf16 dot -> {verdict} impl=None = native "
+    lines.append(f"dot nvfp4 native: {r.status}, {r.ratio:.2f}x the bf16 dot -> {verdict} impl=None = native "
                  "on cc 10.x (fp4jax.primitives.impl.NATIVE_DEFAULTS)")
   r = by.get(("train step nvfp4", "default"))
   if r and r.ratio is not None:

@@ -170,3 +170,30 @@ def test_small_train_step_quantized_layers_are_block_scaled():
       assert f4 not in gemms and gemms, (layer, gemms)       # bf16 layers keep their plain GEMMs
   assert sum(g.get(f4, 0) for g in report["gemms"].values()) == 3 * len(quantized)
   assert any(re.match(r"blocks_1[01]/", layer) for layer in report["gemms"])
+
+
+BLOCK_SCALED = """HloModule bs, entry_computation_layout={()->f32[1,512,256]}
+
+ENTRY %main (a: f4e2m1fn[1,512,1024], b: f4e2m1fn[1,256,1024], sa: f8e4m3fn[1,512,64], sb: f8e4m3fn[1,256,64]) -> f32[1,512,256] {
+  %a = f4e2m1fn[1,512,1024]{2,1,0:E(4)} parameter(0)
+  %b = f4e2m1fn[1,256,1024]{2,1,0:E(4)} parameter(1)
+  %sa = f8e4m3fn[1,512,64]{2,1,0} parameter(2)
+  %sb = f8e4m3fn[1,256,64]{2,1,0} parameter(3)
+  %c = (f32[1,512,256]{2,1,0}, u8[0]{0}) custom-call(%a, %b, %sa, %sb), custom_call_target="__cudnn$blockScaledDot", metadata={op_name="jit(f)/fprop/scaled_matmul"}
+  ROOT %g = f32[1,512,256]{2,1,0} get-tuple-element(%c), index=0
+}
+"""
+
+
+def test_cost_model_charges_block_scaled_gemms_at_the_fp4_rate():
+  from bench import gpu_aot, hlo_cost   # pylint: disable=import-outside-toplevel
+  peaks = gpu_aot.peaks("b200", "spec")
+  (op,) = [o for o in hlo_cost.analyze(BLOCK_SCALED, peaks)["ops"] if o["kind"] == "gemm"]
+  flops = 2 * 512 * 256 * 1024
+  assert op["mnk"] == (512, 256, 1024) and op["flops"] == flops and op["dtype"] == "f4e2m1fnxf4e2m1fn"
+  assert hlo_cost.gemm_peak(peaks, op["dtype"]) == 9e15                 # B200 dense FP4
+  moved = (512 * 1024 + 256 * 1024) // 2 + (512 + 256) * 64 + 512 * 256 * 4
+  assert op["bytes"] == moved
+  assert op["seconds"] == pytest.approx(max(flops / 9e15, moved / 8e12))
+  assert hlo_cost.block_scaled_shape("f4e2m1fn[4,128,256]", "f4e2m1fn[4,64,256]") == (
+      2 * 4 * 128 * 64 * 256, "f4e2m1fnxf4e2m1fn", (4, 128, 64, 256))

@@ -41,7 +41,7 @@ def test_native_rows_say_not_blackwell_off_blackwell(tmp_path):
   assert len(report.rows) == len(mod["NATIVE_OPS"]) + 2
   assert all(r.status == "skipped" and r.exact == "skipped: not Blackwell" for r in report.rows)
   lines, _ = mod["verdicts"](report.rows)
-  assert "native nvfp4 1x16.16x16: skipped: not Blackwell" in lines
+  assert "GEMM native nvfp4 1x16.16x16: skipped: not Blackwell" in lines
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the refusal on a machine without a GPU")
@@ -70,7 +70,7 @@ def test_rehearsal_runs_every_row(tmp_path):
     assert r["impl"] == "native" and "== XLA" in r["exact"] and r["ms"] > 0, r
   assert [r["name"] for r in native_rows[5:]] == ["dot nvfp4 y,dx,dw, native", "dot bf16 y,dx,dw"]
   assert native_rows[5]["exact"].startswith("vs XLA: rel ") and native_rows[5]["ratio"] > 0
-  assert any(v.startswith("native dot nvfp4: ok") for v in report["verdicts"])
+  assert any(v.startswith("dot nvfp4 native: ok") for v in report["verdicts"])
   assert [r["name"] for r in rows[25:]] == ["train step bf16", "train step nvfp4",
                                             "train step nvfp4, kernels forced"]
   assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[25:])
