@@ -32,7 +32,6 @@ from jax import lax
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats, reference
-from fp4jax._exact import product
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels import _common as C
 
@@ -140,17 +139,20 @@ _ONE_PASS_MAX = 32   # RHT sizes run as one unrolled pass of row slices (16: nvf
 def _rht_rows(x_TxC, rht_size, rht_seed, rows_per_unit):
   """RHT along T of x (T, C) as ``rows_per_unit`` float32 row slices (T/L, C) of x viewed as
   (T/L, L, C): row i of unit u is token u·L + i. The butterfly is ``_butterfly`` (the op order of
-  ``hadamard.rht``), its last multiply rounded once (``product``, as ``hadamard.rht`` has it), so
-  every value is bit for bit the element of ``hadamard.rht(x, axis=0)`` at the same place."""
+  ``hadamard.rht``), so every value is bit for bit the element of ``hadamard.rht(x, axis=0)`` at the
+  same place. The last multiply by f32(1/sqrt n) is plain here: ``hadamard.rht`` rounds it through
+  ``fp4jax._exact.product`` so that a caller's sum cannot absorb it into an FMA, and no sum follows it
+  here (only |y|, maxima and further multiplies); the mask would also keep XLA from fusing it into the
+  butterfly's pass (an extra 512 MiB per 8192² operand on the GPU)."""
   t, c = x_TxC.shape
   n, L = rht_size, rows_per_unit
   x_UxLxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // L, L, c)
   signs = hadamard.signs(n, rht_seed)
+  scale = float(np.float32(1.0 / np.sqrt(n)))
   y = []
   for c0 in range(0, L, n):
-    y += _butterfly([x_UxLxC[:, c0 + i, :] for i in range(n)], signs, None)
-  scale = jnp.float32(1.0 / np.sqrt(n))
-  return [product(r, scale) for r in y]
+    y += _butterfly([x_UxLxC[:, c0 + i, :] for i in range(n)], signs, scale)
+  return y
 
 
 def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
@@ -196,7 +198,7 @@ def quantize_rht_t_rows(x, amax, bits=None, *, rht_size=16, rht_seed=None):
   u = t // L
   amax_g = jnp.asarray(amax, jnp.float32).reshape(())
   p = nvfp4.encode_shift(amax_g)
-  y = [r * p for r in _rht_rows(x, rht_size, rht_seed, L)]           # exact; p = 1 unless amax < 2^-64
+  y = _rht_rows(x, rht_size, rht_seed, L)
   bits_rows = None
   if bits is not None:
     bits_CxUxL = bits.reshape(c, u, L)
@@ -204,11 +206,13 @@ def quantize_rht_t_rows(x, amax, bits=None, *, rht_size=16, rht_seed=None):
   bytes_, scales = [], []
   for j in range(L // b):
     blk = range(j * b, (j + 1) * b)
-    amax_b = functools.reduce(jnp.maximum, [jnp.abs(y[i]) for i in blk])
+    # max |y·p| = p · max |y| exactly (p is a power of two that cannot overflow here); written this way
+    # the maximum is the one rht_amax forms for RHT-16, so XLA computes it once for both.
+    amax_b = functools.reduce(jnp.maximum, [jnp.abs(y[i]) for i in blk]) * p
     s_b, enc_b = nvfp4.block_scales(amax_b, amax_g * p)
     codes = []
     for i in blk:
-      scaled = jnp.clip(y[i] * enc_b, -e2m1.MAX, e2m1.MAX)
+      scaled = jnp.clip((y[i] * p) * enc_b, -e2m1.MAX, e2m1.MAX)     # y·p exact, as the reference
       codes.append(e2m1.encode_rne(scaled) if bits_rows is None
                    else e2m1.encode_stochastic(scaled, bits_rows[i]))
     bytes_ += [(codes[k] & 0xF) | ((codes[k + 1] & 0xF) << 4) for k in range(0, b, 2)]
