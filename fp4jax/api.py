@@ -245,8 +245,10 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T
   (in float32), and quantizes the result in 1D blocks along T. ``bits`` (stochastic rounding) have
   the output's shape (C, T). T must be a multiple of both ``rht_size`` and the format's block.
-  Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"); the tensor
-  amax after the transform is a separate reduction before it. impl: as for ``quantize``.
+  Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"; with "xla" for
+  nvfp4, ``kernels.quantize_rht_t.quantize_rht_t_rows``, the reference's bits in a form XLA fuses); the
+  tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``).
+  impl: as for ``quantize``.
   """
   x = as_array(x, "fp4jax.api.quantize_rht_transposed")
   if x.ndim != 2:
@@ -260,7 +262,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   if rounding == "stochastic" and bits is None:
     bits = random_bits.bits(key, x.T.shape, jnp.uint8)
   hadamard.signs(rht_size, rht_seed)   # validates rht_size
-  amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed) if fmt == "nvfp4" else None
+  amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed, one_pass=True) if fmt == "nvfp4" else None
   data, scale = primitives.quantize_rht_t(
       x, jnp.zeros((), jnp.float32) if amax is None else amax, bits, fmt=fmt, rht_size=rht_size,
       rht_seed=rht_seed, scale_rule=scale_rule, impl=impl)

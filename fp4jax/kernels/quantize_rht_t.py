@@ -32,7 +32,7 @@ from jax import lax
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats, reference
-from fp4jax.numerics import hadamard
+from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels import _common as C
 
 
@@ -48,7 +48,8 @@ DEFAULT_TILES = QuantizeRhtTTiles()
 
 
 def _butterfly(rows, signs, scale):
-  """RHT of a list of n row tiles: the float32 op order of ``hadamard.rht`` / ``fwht_last``."""
+  """RHT of a list of n row tiles: the float32 op order of ``hadamard.rht`` / ``fwht_last`` (scale
+  None: without the final multiply by f32(1/sqrt n))."""
   n = len(rows)
   rows = [r * jnp.float32(s) for r, s in zip(rows, signs)]
   h = 1
@@ -60,7 +61,7 @@ def _butterfly(rows, signs, scale):
         out[i], out[i + h] = a + b, a - b
     rows = out
     h *= 2
-  return [r * jnp.float32(scale) for r in rows]
+  return rows if scale is None else [r * jnp.float32(scale) for r in rows]
 
 
 def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochastic, interpret):
@@ -132,37 +133,94 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
   return q, s[:c, :u].reshape(c, t // b)
 
 
-_ONE_PASS_MAX = 32   # RHT sizes rht_amax runs as one unrolled pass (16: nvfp4's; 32: mxfp4's)
+_ONE_PASS_MAX = 32   # RHT sizes run as one unrolled pass of row slices (16: nvfp4's; 32: mxfp4's)
+
+
+def _rht_rows(x_TxC, rht_size, rht_seed, rows_per_unit):
+  """RHT along T of x (T, C) as ``rows_per_unit`` float32 row slices (T/L, C) of x viewed as
+  (T/L, L, C): row i of unit u is token u·L + i. The butterfly is ``_butterfly`` (the op order of
+  ``hadamard.rht``), so every value is bit for bit the element of ``hadamard.rht(x, axis=0)`` at the
+  same place. The last multiply by f32(1/sqrt n) is plain here: ``hadamard.rht`` rounds it through
+  ``fp4jax._exact.product`` so that a caller's sum cannot absorb it into an FMA, and no sum follows it
+  here (only |y|, maxima and further multiplies by run-time values)."""
+  t, c = x_TxC.shape
+  n, L = rht_size, rows_per_unit
+  x_UxLxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // L, L, c)
+  signs = hadamard.signs(n, rht_seed)
+  scale = float(np.float32(1.0 / np.sqrt(n)))
+  y = []
+  for c0 in range(0, L, n):
+    y += _butterfly([x_UxLxC[:, c0 + i, :] for i in range(n)], signs, scale)
+  return y
 
 
 def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
-  """max |RHT(x) along T| (float32): the separate reduction before the fused pass.
+  """max |RHT(x) along T| (float32): the NVFP4 tensor amax the transposed quantize needs first.
 
-  Default: ``max |hadamard.rht(x, axis=0)|``. The GPU compiler runs that as a transpose and one
-  materialized float32 tensor per butterfly stage, but in the XLA path (impl="xla") the reference
-  quantize computes the same ``hadamard.rht`` and XLA shares it, so there it costs little extra.
+  ``one_pass=False``: ``max |hadamard.rht(x, axis=0)|``, which the GPU compiler runs as a transpose and
+  one materialized float32 tensor per butterfly stage (5.7 GiB moved at 8192², docs/PERF.md).
 
-  ``one_pass=True`` is for the kernel path, where nothing shares it: the n token rows of each chunk
-  are strided slices of x viewed as (T/n, n, C), the butterfly runs on them as a list
-  (``_butterfly``, the op order of ``hadamard.rht``), and one max over the restacked (T, C) values
-  reduces them: the same values at the same places and the same reduction, so the same amax bit for
-  bit (NaN included, where the CPU's fast max is order-dependent). In the compiled H200 program at
-  8192², it moves 0.69 GiB instead of 1.6 GiB alone, and cuts the kernel path's dot from 5.88 to
-  5.35 ms (docs/PERF.md); in the XLA path it would add 0.19 ms, losing the shared transform. Sizes
-  above 32 keep ``hadamard.rht`` (n slices unrolled compile slowly). The caller (``fp4jax.api``)
-  chooses; today it passes nothing, so both impls run the default.
+  ``one_pass=True`` (what ``fp4jax.api`` uses, for both impls): the n token rows of each chunk are
+  strided slices of x viewed as (T/n, n, C), the butterfly runs on them as a list (``_rht_rows``), the
+  n magnitudes are combined by an elementwise maximum and one max reduces the (T/n, C) result. The
+  same values, and max is exact, so the same amax bit for bit, except with a NaN in RHT(x) (a NaN
+  input, or inf - inf in the butterfly): the elementwise maxima keep it (NaN, as the NaN policy says),
+  where XLA CPU's vectorized reduction of the materialized transform can drop it and return a finite
+  amax (tests/test_gpu_aot_cuts.py). On the GPU it is one reduction fusion that reads x once (the
+  kernel path's wgrad RHT: 1.19 -> 0.19 ms at 8192², docs/PERF.md). Sizes above 32 keep
+  ``hadamard.rht`` (n slices unrolled compile slowly).
   """
-  t, c = x_TxC.shape
+  t, _ = x_TxC.shape
   n = rht_size
   if not one_pass or n > _ONE_PASS_MAX or t % n:
     return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=n, seed=rht_seed)))
-  x_UxNxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // n, n, c)
-  scale = float(np.float32(1.0 / np.sqrt(n)))
-  y = _butterfly([x_UxNxC[:, i, :] for i in range(n)], hadamard.signs(n, rht_seed), scale)
-  # Re-stacked to (T, C), the values at the same places as hadamard.rht's result, and reduced by one
-  # max over the same shape: the same reduction, so the same result even where max meets a NaN (the
-  # CPU's fast min/max makes that order-dependent). XLA fuses the stack into the reduction.
-  return jnp.max(jnp.abs(jnp.stack(y, axis=1).reshape(t, c)))
+  y = _rht_rows(x_TxC, n, rht_seed, n)
+  return jnp.max(functools.reduce(jnp.maximum, [jnp.abs(r) for r in y]))
+
+
+def quantize_rht_t_rows(x, amax, bits=None, *, rht_size=16, rht_seed=None):
+  """NVFP4 codes (C, T/2) and E4M3 scales (C, T/16) of RHT(x)ᵀ quantized along T, x of shape (T, C):
+  ``fp4jax.reference.quantize_rht_t_reference`` bit for bit, written for XLA's GPU fusion.
+
+  The reference transposes x, runs ``hadamard.rht`` stage by stage and reduces each block along the
+  minor axis; the GPU compiler materializes a float32 tensor per stage and a transpose (about 3 GiB
+  per 128 MiB operand). Here everything runs on the L = max(16, rht_size) token rows of a unit as
+  (T/L, C) slices (``_rht_rows``): the block amax is an elementwise maximum of 16 rows, the scales and
+  encode factors are ``nvfp4.block_scales`` of it, each row is encoded with the reference's functions
+  (``e2m1.encode_rne`` / ``encode_stochastic`` of clip(y·p·enc_b, ±6)), and only the packed bytes and
+  the scales are stacked and transposed to the (C, T) orientation. The same operations on the same
+  values: the same bits (tests/test_gpu_aot_cuts.py). bits: uint8 (C, T) or None (nearest).
+  """
+  t, c = x.shape
+  b = formats.BLOCK["nvfp4"]
+  L = max(b, rht_size)
+  if t % L:
+    raise ValueError(f"token axis T={t} must be a multiple of {L} (rht_size={rht_size}); pad it")
+  u = t // L
+  amax_g = jnp.asarray(amax, jnp.float32).reshape(())
+  p = nvfp4.encode_shift(amax_g)
+  y = _rht_rows(x, rht_size, rht_seed, L)
+  bits_rows = None
+  if bits is not None:
+    bits_CxUxL = bits.reshape(c, u, L)
+    bits_rows = [bits_CxUxL[:, :, i].T for i in range(L)]
+  bytes_, scales = [], []
+  for j in range(L // b):
+    blk = range(j * b, (j + 1) * b)
+    # max |y·p| = p · max |y| exactly (p is a power of two that cannot overflow here); written this way
+    # the maximum is the one rht_amax forms for RHT-16, so XLA computes it once for both.
+    amax_b = functools.reduce(jnp.maximum, [jnp.abs(y[i]) for i in blk]) * p
+    s_b, enc_b = nvfp4.block_scales(amax_b, amax_g * p)
+    codes = []
+    for i in blk:
+      scaled = jnp.clip((y[i] * p) * enc_b, -e2m1.MAX, e2m1.MAX)     # y·p exact, as the reference
+      codes.append(e2m1.encode_rne(scaled) if bits_rows is None
+                   else e2m1.encode_stochastic(scaled, bits_rows[i]))
+    bytes_ += [(codes[k] & 0xF) | ((codes[k + 1] & 0xF) << 4) for k in range(0, b, 2)]
+    scales.append(s_b)
+  data = jnp.transpose(jnp.stack(bytes_, axis=1), (2, 0, 1)).reshape(c, t // 2)
+  scale = jnp.transpose(jnp.stack(scales, axis=1), (2, 0, 1)).reshape(c, t // b)
+  return data, scale
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,

@@ -37,6 +37,8 @@ def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_
     out = kernel.scaled_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
                                fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
                                interpret=platform != "cuda")
+  elif platform == "cuda" and fmt == "nvfp4" and jnp.dtype(out_dtype).itemsize < 4:
+    out = kernel.scaled_matmul_narrow_xla(a, b, out_dtype)   # the factor and cast fuse into the GEMM
   else:
     out = scaled_matmul_reference(a, b, out_dtype)
   return (out,)

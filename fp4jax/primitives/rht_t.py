@@ -35,6 +35,8 @@ def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl, platform):
     q, s = kernel.quantize_rht_t(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                  scale_rule=scale_rule, interpret=platform != "cuda")
     return q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt])
+  if fmt == "nvfp4":   # the reference's bits in a form XLA's GPU compiler fuses (issue 22)
+    return kernel.quantize_rht_t_rows(x, amax, bits, rht_size=rht_size, rht_seed=rht_seed)
   return quantize_rht_t_reference(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                   scale_rule=scale_rule)
 
