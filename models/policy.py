@@ -85,6 +85,10 @@ def super_last_blocks(n_blocks: int) -> int:
   return int(math.floor(n_blocks * _SUPER_LAST[0] / _SUPER_LAST[1] + 0.5))
 
 
+def _blocks(which: str, n: int) -> str:
+  return f"{which} block" if n == 1 else f"{which} {n} blocks"
+
+
 def _bf16(pattern: str, why: str) -> Rule:
   return Rule(pattern, "bf16", why=why, required=False)
 
@@ -99,15 +103,15 @@ def rules(config: ModelConfig) -> tuple[Rule, ...]:
   out = []
   if precision == "nemotron_h":
     if first:
-      out.append(_bf16(f"blocks_{{:{first}}}/*", f"first {first} block" + ("s" if first != 1 else "")))
+      out.append(_bf16(f"blocks_{{:{first}}}/*", _blocks("first", first)))
     if last:
-      out.append(_bf16(f"blocks_{{-{last}:}}/*", f"last {last} block" + ("s" if last != 1 else "")))
+      out.append(_bf16(f"blocks_{{-{last}:}}/*", _blocks("last", last)))
     out.append(_bf16("mtp_*", "MTP"))
   elif precision == "nemotron3_super":
     out.append(_bf16("mtp_*", "MTP"))
     n_last = super_last_blocks(config.n_blocks)
     if n_last:
-      out.append(_bf16(f"blocks_{{-{n_last}:}}/*", f"last {n_last} block" + ("s" if n_last != 1 else "")))
+      out.append(_bf16(f"blocks_{{-{n_last}:}}/*", _blocks("last", n_last)))
     out += [_bf16("blocks_*/mixer/qkv", "attention"), _bf16("blocks_*/mixer/out", "attention"),
             _bf16("blocks_*/mixer/fc1_latent_proj", "latent"), _bf16("blocks_*/mixer/fc2_latent_proj", "latent"),
             Rule("blocks_*/mixer/out_proj", "mxfp8", why="Mamba out_proj", required=False)]
@@ -141,12 +145,16 @@ class Decision:
   recipe: Recipe | Roles | None
   gemms: tuple[str, str, str]
   why: str
+  rank: int = -1            # the deciding rule's index (-1: no rule), to list the reasons in rule order
 
   @property
   def label(self) -> str:
-    """The recipe name when the three GEMMs agree, else "fprop bf16/dgrad nvfp4/wgrad nvfp4"."""
-    if len(set(self.gemms)) == 1:
-      return self.gemms[0]
+    """"bf16"; the Recipe's name (one recipe for the layer, e.g. "nvfp4", "mxfp8", "nvfp4_bf16_fprop"); or,
+    where a rule overrides single GEMMs, each GEMM's: "fprop bf16/dgrad nvfp4/wgrad nvfp4"."""
+    if self.recipe is None:
+      return "bf16"
+    if isinstance(self.recipe, Recipe):
+      return self.recipe.name
     return "/".join(f"{g} {r}" for g, r in zip(rules_lib.GEMMS, self.gemms))
 
 
@@ -196,10 +204,10 @@ def _decide(config: ModelConfig, recipe: Recipe, name: str) -> Decision:
   base = _resolve(rule.recipe, recipe)
   if not rule.overrides:
     if not base.quantizes_anything:
-      return Decision(None, _BF16_GEMMS, rule.label)
-    return Decision(base, _gemm_names(base), rule.label)
+      return Decision(None, _BF16_GEMMS, rule.label, index)
+    return Decision(base, _gemm_names(base), rule.label, index)
   roles, names = _compose(rule, base, recipe)
-  return Decision(roles if roles.quantizes_anything else None, names, rule.label)
+  return Decision(roles if roles.quantizes_anything else None, names, rule.label, index)
 
 
 def decide(config: ModelConfig, recipe: Recipe | str, path: str | Sequence[str]) -> Decision:
@@ -271,11 +279,12 @@ def summarize(decisions: Sequence[Decision]) -> str:
   """"nvfp4 8 layers, mxfp8 2, bf16 6 (attention, last 1 blocks)": layers per label, most first, bf16 last
   with the rules that kept them in bf16."""
   counts: dict[str, int] = {}
-  whys: list[str] = []
+  whys: dict[str, int] = {}
   for d in decisions:
     counts[d.label] = counts.get(d.label, 0) + 1
-    if d.label == "bf16" and d.why not in whys:
-      whys.append(d.why)
+    if d.label == "bf16":
+      whys.setdefault(d.why, d.rank)
+  whys = sorted(whys, key=lambda w: whys[w])
   order = sorted((k for k in counts if k != "bf16"), key=lambda k: -counts[k]) + (["bf16"] if "bf16" in counts else [])
   parts = [f"{k} {counts[k]}" + (" layers" if j == 0 else "") for j, k in enumerate(order)]
   text = ", ".join(parts)

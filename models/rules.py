@@ -185,6 +185,7 @@ def compile_pattern(pattern: str):
                                "'blocks_', e.g. 'blocks_{-14:}/*'")
     out.append(_glob(literal))
     out.append(r"(\d+)")
+    _index_set(match.group(1), 1, pattern)   # its syntax, checked now
     specs.append(match.group(1))
     pos = match.end()
   rest = pattern[pos:]
