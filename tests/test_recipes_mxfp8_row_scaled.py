@@ -219,3 +219,29 @@ class TestRowScaledNvfp4:
     assert not np.all(np.isfinite(y_row[3])) and np.all(np.isfinite(np.delete(y_row, 3, axis=0)))
     assert not np.all(np.isfinite(y_nv[np.arange(6) != 3]))   # per tensor, the Inf reaches every row
     assert np.all(y_row[0] == 0)                               # the row of zeros
+
+
+def test_the_documented_row_scaled_vectors():
+  """docs/NUMERICS.md, "Row-scaled NVFP4 activations": the table's rows, bit for bit."""
+  x = np.zeros((3, 32), F32)
+  x[1, :16], x[1, 16:] = np.linspace(-1, 1, 16), np.linspace(0, 3, 16)
+  x[1, 20] = 12.0
+  x[2, :16], x[2, 16:] = np.linspace(-1, 1, 16), np.linspace(0, 3, 16)
+  x[2, 3] = np.inf
+  q = recipes.get("nvfp4_row_scaled").roles.fprop_x(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(q.amax), [0.0, 12.0, np.inf])
+  np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8)),
+                                [[0x00, 0x00], [0x61, 0x7E], [0x7E, 0x30]])
+  codes = np.asarray(reference.codes_of(q))
+  assert codes[1, :16].tolist() == [15, 15, 14, 14, 13, 12, 10, 9, 1, 2, 4, 5, 6, 6, 7, 7]
+  assert codes[2].tolist() == [8, 8, 8, 7, 8, 8, 8, 8] + [0] * 9 + [1, 2, 2, 3, 4, 4, 5, 5, 6, 6, 6, 6, 7, 7, 7]
+  assert not codes[0].any()
+  for i in range(3):
+    vals, s_b = nvfp4_row(x[i], np.max(np.abs(x[i])))
+    np.testing.assert_array_equal(np.asarray(e2m1.decode(codes[i]), np.float64), vals)
+    np.testing.assert_array_equal(np.asarray(q.scale[i], np.float32), s_b)
+  q_w = recipes.nvfp4().roles.fprop_w(jnp.asarray(np.eye(32, 16, dtype=F32).T))
+  y = np.asarray(gemm.scaled_matmul(q, q_w))
+  acc = F32(-6 * 36) * F32(6 * 448)                      # the identity weight: code 6, tile scale 448, amax 1
+  assert y[1, 0] == (acc * (F32(12.0) * F32(1.0) * F32(1.0 / (36 * 448 * 448)))).astype(F32) == F32(-0.9642857)
+  assert np.all(y[0] == 0) and not np.any(np.isfinite(y[2, :3])) and np.all(np.isfinite(y[:2]))
