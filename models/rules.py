@@ -5,6 +5,8 @@ ordered sequence of rules, first match wins. A rule, as plain data (a config fil
   {"pattern": "blocks_*/mixer/out_proj", "recipe": "mxfp8"}
   {"pattern": "*/qkv", "recipe": "recipe", "fprop": "bf16"}      # per-GEMM override: forward in bf16
   ("blocks_{-2:}/*", "bf16")                                      # (pattern, recipe[, {gemm: recipe}])
+On the command line the list is a Python literal:
+``--config.model.precision="[('*/mixer/out_proj', 'mxfp8'), ('*', 'recipe')]"``.
 A recipe is a name of ``fp4jax.recipes`` ("nvfp4", "mxfp8", "bf16", ...), "recipe" (the model's own
 recipe: ``LanguageModel(config, recipe=...)``, the training config's ``recipe``), an ``fp4jax.Recipe``, or
 a dict of Recipe fields. fprop / dgrad / wgrad (optional) take that GEMM's two role quantizers from another
@@ -19,6 +21,7 @@ A leaf of ``models``: it imports only fp4jax's public recipes.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import re
@@ -126,6 +129,13 @@ def parse_rule(value: Any, index: int) -> Rule:
 
 def parse(value: Any) -> str | tuple[Rule, ...]:
   """``ModelConfig.precision`` in canonical, hashable form: a preset name or a tuple of Rules."""
+  if isinstance(value, str) and value.strip()[:1] in "[(":   # rules from the command line, as a literal
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      raise PrecisionRuleError(f"precision={value!r} is not a Python literal list of rules; write e.g. "
+                               "\"[('*/qkv', 'bf16'), ('*', 'recipe')]\"") from None
+    return parse(value)
   if isinstance(value, str):
     if value not in PRESETS:
       raise PrecisionRuleError(f"precision={value!r} is not a preset; use one of {PRESETS} or a list of rules "

@@ -261,6 +261,14 @@ class TestConfigFile:
     assert m0.precision == m1.precision and len(m0.precision) == 4
     assert json.loads(json.dumps(config_lib.to_plain(again))) == plain
 
+  def test_rules_from_the_command_line_are_a_literal(self):
+    from training import config as config_lib
+    c = self._config("[('blocks_*/mixer/out_proj', 'mxfp8'), ('*', 'recipe')]")
+    m = config_lib.resolve_model_config(c.model)
+    assert [r.pattern for r in m.precision] == ["blocks_*/mixer/out_proj", "*"]
+    with pytest.raises(PrecisionRuleError, match="is not a Python literal list of rules"):
+      rules.parse("[('*/qkv', 'bf16'")
+
   def test_bad_precision_is_a_config_error(self):
     from training import config as config_lib
     from training.errors import ConfigError
