@@ -2,7 +2,10 @@
 
 Not meant to be run directly; see ``configs/tiny.py``. Fields:
   recipe            fp4jax.recipes name: nvfp4, mxfp4, fp8, bf16, nvfp4_no_sr, nvfp4_no_rht, nvfp4_no_2d, ...
-  model             a models.presets name (``model.preset``) and overrides of any ModelConfig field
+  model             a models.presets name (``model.preset``) and overrides of any ModelConfig field;
+                    ``model.precision``: which recipe each linear layer runs, a preset ("nemotron_h", the
+                    default; "nemotron3_super"; "all_fp4") or ordered rules (docs/TRAINING.md, "Choosing
+                    precision per layer"), e.g. [("blocks_*/mixer/out_proj", "mxfp8"), ("*", "recipe")]
   steps, batch_size global optimizer steps and global batch (sequences); tokens/step = batch_size * seq_len
   halt_after        stop (with a checkpoint) after this many steps of this run; 0: run to ``steps``
   data.sources      comma-separated files, globs or directories (text, .jsonl, .npy/.bin tokens); empty:
@@ -48,7 +51,9 @@ def model_section(preset: str, **overrides) -> config_dict.ConfigDict:
     if field.name in TRAINER_MODEL_FIELDS:
       continue
     value = getattr(defaults, field.name)
-    if value is None:  # an Optional field: its annotation names the type
+    if field.name == "precision":   # a preset name or a list of rules (models.rules): any plain data
+      kind = object
+    elif value is None:  # an Optional field: its annotation names the type
       annotation = str(field.type)
       kind = int if "int" in annotation else float if "float" in annotation else str
     elif isinstance(value, type) or field.name.endswith("dtype"):

@@ -56,6 +56,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "quartet2_rtn": {"recipe": "quartet2_rtn"},
     "quartet2": {"recipe": "quartet2"},
     "tetrajet2": {"recipe": "tetrajet2"},
+    # Nemotron 3 Super's per-module policy (models.policy) with the paper's recipe, against nvfp4's.
+    "nvfp4_super": {"recipe": "nvfp4", "model.precision": "nemotron3_super"},
+    # Half of it: the paper's policy plus Mamba out_proj in MXFP8 (Super minus this = attention in bf16).
+    "nvfp4_mxfp8_out_proj": {"recipe": "nvfp4", "model.precision": [
+        ("blocks_{-1:}/*", "bf16"), ("blocks_*/mixer/out_proj", "mxfp8"), ("*", "recipe")]},
 }
 # The newer methods with every linear layer in FP4, the setting of their published comparisons.
 for _name in ("nvfp4_4over6", "quartet2_rtn", "quartet2", "tetrajet2"):
@@ -75,6 +80,9 @@ DESCRIPTIONS = {
     "quartet2_rtn": "Quartet II: 1x16 RTN forward, MS-EDEN backward after RHT-128 on both backward GEMMs",
     "quartet2": "Quartet II with a Four Over Six forward",
     "tetrajet2": "TetraJet-v2: double-block scales, SR backward after RHT-16 on both backward GEMMs",
+    "nvfp4_super": "nvfp4 with Nemotron 3 Super's policy: attention bf16, Mamba out_proj MXFP8, last "
+                   "round(14/88 n) blocks bf16",
+    "nvfp4_mxfp8_out_proj": "nvfp4 (last block bf16) with Mamba out_proj in MXFP8, attention in nvfp4",
 }
 DESCRIPTIONS.update({f"{n}_all_fp4": f"{DESCRIPTIONS[n]}; every linear layer in FP4"
                      for n in ("nvfp4_4over6", "quartet2_rtn", "quartet2", "tetrajet2")})

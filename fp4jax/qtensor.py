@@ -263,7 +263,9 @@ def _check_amax(q: QTensor, where: str, scalar_amax: bool, axis: int):
                      ">= 0")
   if np.any(amax == 0):
     scale = _concrete(q.scale)
-    if scale is not None and np.any(scale.view(np.uint8) != 0):
+    # One amax per leading slice (vmapped, or row-scaled): each zero amax needs its own slice's scales 0.
+    nonzero = None if scale is None else (scale.view(np.uint8) != 0).reshape(amax.shape + (-1,)).any(-1)
+    if nonzero is not None and np.any(nonzero & (amax == 0)):
       raise ValueError(f"{where}: QTensor.amax is 0 but some block scales are not; amax 0 means an "
                        "all-zero tensor (all scales 0), and would dequantize every block to 0. Pass "
                        "the amax the scales were computed with")

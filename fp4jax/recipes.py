@@ -15,7 +15,8 @@ weights are always 1x32 blocks); ``stochastic_grad`` and ``rht`` to the FP4 form
 to nearest and skip the RHT, as the paper's FP8 baseline does). ``fp4jax.dot`` implements the recipe.
 
 Presets and ablations are keywords: ``nvfp4(rht=False)``, ``nvfp4(stochastic_grad=False)``,
-``nvfp4(weight_2d=False)``. Beyond the paper (docs/RECIPES.md): ``nvfp4(four_over_six="all")`` (Four
+``nvfp4(weight_2d=False)``, ``nvfp4(row_scaled_activation=True)`` (one amax per token of the fprop
+activation); ``mxfp8()`` is MXFP8 on all three GEMMs. Beyond the paper (docs/RECIPES.md): ``nvfp4(four_over_six="all")`` (Four
 Over Six block scales), ``quartet2()`` (MS-EDEN backward), ``tetrajet2()`` (double-block scales). ``get(name)`` parses the names the training configs use (``NAMES``).
 """
 from __future__ import annotations
@@ -58,6 +59,9 @@ class Recipe:
   four_over_six_metric: Literal["mse", "mae"] = "mse"
   four_over_six_bound: int = 256  # E4M3 bound B of the tensor scale (6·B); 448 is plain NVFP4's
   eden_group: int = 128           # Quartet II's EDEN correction per 128 values (16: per block)
+  # NVFP4 fprop activations with one float32 amax per row (token) instead of one per tensor; the GEMM's
+  # second-level factor is then per output row (docs/NUMERICS.md, "Row-scaled NVFP4 activations").
+  row_scaled_activation: bool = False
   name: str = "custom"
 
   def __post_init__(self):
@@ -70,7 +74,7 @@ class Recipe:
       raise ValueError(f"Recipe.rht_size={size!r} must be a power of two between 2 and 256")
     if self.mxfp4_scale_rule not in formats.SCALE_RULES:
       raise ValueError(f"Recipe.mxfp4_scale_rule={self.mxfp4_scale_rule!r}; use 'rceil' or 'floor'")
-    for switch in ("weight_2d", "stochastic_grad", "rht"):
+    for switch in ("weight_2d", "stochastic_grad", "rht", "row_scaled_activation"):
       if not isinstance(getattr(self, switch), bool):
         raise TypeError(f"Recipe.{switch}={getattr(self, switch)!r} must be True or False")
     if self.rht_seed is not None and (isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int)):
@@ -123,9 +127,9 @@ def fp8(**overrides) -> Recipe:
 
 
 def mxfp8(**overrides) -> Recipe:
-  """MXFP8 (E4M3 elements, E8M0 scales per 32 along each GEMM's contraction, rounded up): every operand
-  quantized in the orientation its GEMM reads (no transposed reuse), nearest rounding, no RHT. Not yet a
-  named preset (the precision-policy issue names it)."""
+  """MXFP8 (OCP MX v1.0 elements and blocks, TE's MXFP8 recipe): E4M3 elements with one E8M0 scale per 32
+  along each GEMM's contraction, the scale amax_32/448 rounded up to a power of two; every operand quantized
+  in the orientation its GEMM reads (no transposed reuse), nearest even, no RHT (docs/NUMERICS.md)."""
   base = dict(fprop="mxfp8", dgrad="mxfp8", wgrad="mxfp8", weight_2d=False, stochastic_grad=False, rht=False,
               name="mxfp8")
   return Recipe(**{**base, **overrides})
@@ -160,10 +164,13 @@ _NAMED = {
     "nvfp4": nvfp4,
     "mxfp4": mxfp4,
     "fp8": fp8,
+    "mxfp8": mxfp8,
     "bf16": bf16,
     "nvfp4_no_sr": lambda: nvfp4(stochastic_grad=False, name="nvfp4_no_sr"),
     "nvfp4_no_rht": lambda: nvfp4(rht=False, name="nvfp4_no_rht"),
     "nvfp4_no_2d": lambda: nvfp4(weight_2d=False, name="nvfp4_no_2d"),
+    # Transformer Engine's row_scaled_activation: the fprop activation's amax per row (per token).
+    "nvfp4_row_scaled": lambda: nvfp4(row_scaled_activation=True, name="nvfp4_row_scaled"),
     # Precision switch variants (spec §6): forward in bf16, backward as the paper's recipe; or all bf16.
     "nvfp4_bf16_fprop": lambda: nvfp4(fprop="bf16", name="nvfp4_bf16_fprop"),
     # Beyond the paper (docs/RECIPES.md): Four Over Six, Quartet II, TetraJet-v2.
@@ -201,6 +208,11 @@ def check_recipe(recipe):
     raise ValueError(f"Recipe.eden_group={recipe.eden_group!r}; use 128 (the Quartet II reference) or 16 "
                      "(its CUDA kernels)")
   name = recipe.name
+  if recipe.row_scaled_activation:
+    if recipe.scheme != "nvidia" or recipe.fprop != "nvfp4" or recipe.four_over_six in ("activations", "all"):
+      raise ValueError(f"recipe {name!r}: row_scaled_activation=True is one amax per row of the NVFP4 fprop "
+                       f"activation; it needs scheme='nvidia', fprop='nvfp4' and no 4/6 on activations (got "
+                       f"scheme={recipe.scheme!r}, fprop={recipe.fprop!r}, four_over_six={recipe.four_over_six!r})")
   if recipe.four_over_six != "off":
     if recipe.scheme == "tetrajet2":
       raise ValueError(f"recipe {name!r}: four_over_six={recipe.four_over_six!r} with scheme='tetrajet2': "
@@ -237,7 +249,7 @@ def _paper_roles(recipe) -> Roles:
   """The paper's recipe (spec §6), its ablations, MXFP4, FP8, and NVFP4 with 4/6 on some roles."""
   f, d, g = recipe.fprop, recipe.dgrad, recipe.wgrad
 
-  def q(fmt, *, tiled=False, stochastic=False, four_over_six=None, rht=False):
+  def q(fmt, *, tiled=False, stochastic=False, four_over_six=None, rht=False, row_scaled=False):
     if fmt == "bf16":
       return None
     rht = rht and recipe.rht and fmt in formats.FP4
@@ -245,7 +257,8 @@ def _paper_roles(recipe) -> Roles:
                      stochastic=stochastic and recipe.stochastic_grad and fmt in formats.FP4,
                      four_over_six=four_over_six if fmt == "nvfp4" else None,
                      rht_size=recipe.rht_size if rht else None, rht_seed=recipe.rht_seed if rht else None,
-                     scale_rule=recipe.mxfp4_scale_rule if fmt == "mxfp4" else "rceil")
+                     scale_rule=recipe.mxfp4_scale_rule if fmt == "mxfp4" else "rceil",
+                     row_scaled=row_scaled and fmt == "nvfp4")
 
   fos_w, fos_x = _fos(recipe, "weights"), _fos(recipe, "activations")
   fprop_w = q(f, tiled=True, four_over_six=fos_w)
@@ -254,7 +267,7 @@ def _paper_roles(recipe) -> Roles:
   if recipe.four_over_six != "off":   # 4/6 pads every GEMM as it always has (16, RHT size along M)
     align = (max(16, recipe.rht_size) if recipe.rht else 16, 16, 16)
   return Roles(
-      fprop_x=q(f, four_over_six=fos_x), fprop_w=fprop_w,
+      fprop_x=q(f, four_over_six=fos_x, row_scaled=recipe.row_scaled_activation), fprop_w=fprop_w,
       dgrad_dy=q(d, stochastic=True),
       dgrad_w=TRANSPOSED if shares and d != "bf16" else q(d, tiled=True, four_over_six=fos_w),
       wgrad_x=q(g, four_over_six=fos_x, rht=True), wgrad_dy=q(g, stochastic=True, rht=True),

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from models import rules
+
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
 
 
@@ -51,7 +53,10 @@ class ModelConfig:
   init_std: float = 0.02          # residual-output projections use init_std / sqrt(2 * n_blocks)
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.bfloat16       # compute dtype of linears, attention and the residual stream
-  # Precision policy: these blocks keep every linear layer in bf16 whatever the recipe says.
+  # Precision policy (models.policy, models.rules): a preset name or ordered rules, first match wins, e.g.
+  # [("blocks_*/mixer/out_proj", "mxfp8"), ("*/qkv", "bf16"), ("*", "recipe")]. The default preset
+  # "nemotron_h" keeps the first bf16_first_blocks and last bf16_last_blocks blocks in bf16.
+  precision: Any = "nemotron_h"
   bf16_first_blocks: int = 0
   bf16_last_blocks: int = 0
   # TetraJet-v2 OutControl: once calibrated, this fraction of the input channels of every FP4 layer of a
@@ -88,6 +93,7 @@ class ModelConfig:
       raise ValueError(f"attention_block={self.attention_block} must be > 0 (keys per block)")
     if self.loss_chunk <= 0:
       raise ValueError(f"loss_chunk={self.loss_chunk} must be > 0 (vocabulary columns per chunk of logits)")
+    object.__setattr__(self, "precision", rules.parse(self.precision))
     if self.bf16_first_blocks < 0 or self.bf16_last_blocks < 0:
       raise ValueError(f"{self.bf16_first_blocks=} and {self.bf16_last_blocks=} must be >= 0")
     if not 0.0 <= self.outcontrol_ratio <= 1.0:

@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 
 import fp4jax
-from models import ModelConfig, layer_precision
+from models import ModelConfig, policy
 from models.config import BLOCK_KINDS
 
 PREFIX = "backbone."                       # NVIDIA's checkpoints; transformers also reads "model."
@@ -491,13 +491,18 @@ def modelopt_tensors(q: fp4jax.QTensor, n: int, k: int) -> dict[str, np.ndarray]
 
 
 def quantized_paths(c: ModelConfig, recipe) -> set[tuple[str, ...]]:
-  """Module paths of the linear layers the precision policy runs in ``recipe``'s FP4 format."""
+  """Module paths of the linear layers whose forward pass the precision policy runs in NVFP4 (a layer that a
+  rule gives another format, e.g. the MXFP8 ``out_proj`` of ``precision="nemotron3_super"``, is exported
+  unquantized with the excluded modules)."""
   recipe = fp4jax.recipes.get(recipe)
   if recipe.fprop != "nvfp4":
     raise ConversionError(f"recipe {recipe.name!r} runs its forward pass in {recipe.fprop}; the NVFP4 export "
                           "writes the weights an nvfp4 forward pass uses (pass --recipe nvfp4)")
   linears, _ = layout(c)
-  return {lin.path for lin in linears if layer_precision(c, recipe, lin.path) != "bf16"}
+  def nvfp4_forward(path):
+    layer = policy.decide(c, recipe, path).recipe
+    return layer is not None and layer.roles.fprop_w is not None and layer.roles.fprop_w.fmt == "nvfp4"
+  return {lin.path for lin in linears if nvfp4_forward(lin.path)}
 
 
 def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tuple, float] | None = None,

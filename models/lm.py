@@ -28,6 +28,7 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy
 from models.mamba2 import Mamba2
 from models.mlp import MLP
+from models import policy
 from models.policy import layer_precision
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP}
@@ -75,7 +76,7 @@ def block_groups(config: ModelConfig) -> list[tuple[int, int, int]]:
   Greedy: the run that saves the most blocks, ``unit x (repeats - 1)``, then the same on what is left on
   either side. The 12B pattern (bf16 first 2, last 8) gives (0, 2, 1), (2, 9, 5), (47, 2, 2), (51, 3, 1),
   (54, 2, 4): 18 distinct blocks to compile instead of 62."""
-  signature = [(kind, config.is_bf16_block(i)) for i, kind in enumerate(config.pattern)]
+  signature = [(kind, policy.block_signature(config, i)) for i, kind in enumerate(config.pattern)]
 
   def split(lo: int, hi: int) -> list[tuple[int, int, int]]:
     best = (0, lo, hi - lo, 1)     # (blocks saved, start, unit, repeats)
@@ -176,7 +177,10 @@ class LanguageModel(nn.Module):
         x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
                                name=f"blocks_{start}_{repeats}x{unit}")(x_BxLxD, None)
     x_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x_BxLxD)
-    return LMHead(cfg, name="lm_head")(x_BxLxD, targets_BxL)
+    out = LMHead(cfg, name="lm_head")(x_BxLxD, targets_BxL)
+    if self.is_initializing():   # every layer exists now: a precision rule that matches none is a typo
+      policy.check_rules(cfg, traverse_util.flatten_dict(nn.unbox(self.variables.get("params", {}))))
+    return out
 
 
 def abstract_variables(model: LanguageModel, batch_size: int = 1, length: int = 1, *, decode=False):

@@ -7,7 +7,8 @@ K > 128, with leading and batch axes, float32 and bfloat16.
 
 The file holds, per case, the SHA-256 of each result's bytes (dtype, shape and every bit), and the arrays
 themselves for the smallest shape (so that a mismatch can be looked at). Recorded from commit 5b55ef4,
-the last commit before the one-quantized-dot redesign (issue 21).
+the last commit before the one-quantized-dot redesign (issue 21); the presets added since (mxfp8,
+nvfp4_row_scaled: issue 24) with ``--add`` from the commit that named them.
 """
 from __future__ import annotations
 
@@ -100,9 +101,17 @@ def compute(recipe, shape_name, mode):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default="tests/data/dot_golden.npz")
+  parser.add_argument("--add", action="store_true", help="keep the file's cases and record only the presets "
+                      "it lacks (a new preset joins the freeze without re-recording the others)")
   args = parser.parse_args()
   store = {}
+  if args.add:
+    with np.load(args.out) as old:
+      store = {k: old[k] for k in old.files}
+  recorded = {k.split("/")[0] for k in store}
   for recipe, shape_name, mode in cases():
+    if recipe in recorded:
+      continue
     name = case_name(recipe, shape_name, mode)
     y, dx, dw = compute(recipe, shape_name, mode)
     for tag, a in (("y", y), ("dx", dx), ("dw", dw)):

@@ -13,7 +13,7 @@ from ml_collections import config_dict
 
 import fp4jax
 from fp4jax import osci_reset
-from models import presets
+from models import presets, rules
 from training import optim
 from training.errors import ConfigError
 
@@ -34,6 +34,8 @@ def resolve_model_config(section: config_dict.ConfigDict):
     overrides[key] = tuple(value) if isinstance(value, list) else value
   try:
     return dataclasses.replace(base, **overrides)
+  except rules.PrecisionRuleError as e:
+    raise ConfigError(f"config.model.precision: {e}") from None
   except (TypeError, ValueError) as e:
     raise ConfigError(f"config.model (preset {section.preset!r} with {overrides}): {e}") from None
 
@@ -179,8 +181,12 @@ def validate(config) -> None:
 
 def to_plain(value: Any) -> Any:
   """A JSON-friendly copy of a ConfigDict (for the run's config.json)."""
-  if isinstance(value, config_dict.ConfigDict):
-    return {k: to_plain(v) for k, v in value.items()}
+  if isinstance(value, (config_dict.ConfigDict, dict)):
+    return {str(k): to_plain(v) for k, v in value.items()}
+  if isinstance(value, rules.Rule):
+    return value.to_plain()
+  if isinstance(value, fp4jax.Recipe):
+    return rules.Rule("*", value).to_plain()["recipe"]
   if isinstance(value, (list, tuple)):
     return [to_plain(v) for v in value]
   if isinstance(value, (str, int, float, bool)) or value is None:

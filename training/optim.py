@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from fp4jax import osci_reset, outcontrol
+from fp4jax import osci_reset, outcontrol, recipes
 from models import layer_precision
 
 
@@ -77,7 +77,8 @@ def fp32_params(params):
 class OsciReset:
   """``fp4jax.osci_reset`` on the FP4 kernels of ``recipe`` under the model's precision policy.
 
-  Tracked: every ``kernel`` of a linear layer that ``models.layer_precision`` puts in the recipe (the
+  Tracked: every ``kernel`` of a linear layer that ``models.layer_precision`` puts in the recipe itself (not
+  the bf16 layers, nor those a precision rule gives another recipe such as MXFP8; the
   quantized ``nn.Dense`` kernels, ``in_features x out_features``, stacked on a leading axis when blocks
   are scanned); Q(w) runs along the input-feature axis (-2), as the forward GEMM quantizes the weight.
   The state is a nested dict holding ``osci_reset.LeafState`` only at those kernels' paths.
@@ -90,7 +91,7 @@ class OsciReset:
     """The paths (name tuples) of the tracked kernels in ``params`` (plain, unboxed)."""
     return [path for path, leaf in traverse_util.flatten_dict(params).items()
             if path[-1] == "kernel" and len(leaf.shape) >= 2
-            and layer_precision(self.model_config, self.recipe, path[:-1]) != "bf16"]
+            and layer_precision(self.model_config, self.recipe, path[:-1]) == recipes.get(self.recipe).name]
 
   def init(self, params) -> dict:
     """The zero state: an ``osci_reset.LeafState`` of zeros at each tracked kernel's path, nothing else."""

@@ -32,6 +32,8 @@ from jax.experimental import multihost_utils
 import fp4jax
 from fp4jax.outcontrol import k8 as outcontrol_k8
 from models.lm import scanned_params, unscanned_params
+from models.report import precision_summary
+from models.rules import PrecisionRuleError
 from training import checkpoint as ckpt_lib
 from training import config as config_lib
 from training import data as data_lib
@@ -160,6 +162,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
     model, late_model, tx, lr_fn, osci, init_fn, abstract, state_sh = _layout(
         config, model_fn, model_config, recipe, late_recipe, outcontrol, mesh)
 
+  say(f"precision ({_precision_name(model_config)}): {precision_summary(model_config, recipe, abstract['params'])}"
+      + (f"; from step {switch_step}: {precision_summary(model_config, late_recipe, abstract['params'])}"
+         if late_recipe else ""))
   if outcontrol is not None:
     say(f"OutControl: channel norms recorded in steps {outcontrol.record_start}..{outcontrol.on_step - 1}, "
         f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
@@ -193,7 +198,10 @@ def _layout(config, model_fn, model_config, recipe, late_recipe, outcontrol, mes
   osci = optim.OsciReset(osci_config, model_config, recipe) if osci_config is not None else None
   init_fn = functools.partial(init_state, model, tx, config.seed, seq_len, osci)
   with sharding.mesh_context(mesh):
-    abstract = jax.eval_shape(init_fn)
+    try:
+      abstract = jax.eval_shape(init_fn)
+    except PrecisionRuleError as e:   # a rule that matches no layer, or aims at a never-quantized one
+      raise ConfigError(f"config.model.precision: {e}") from None
     if late_model is not None:
       late_params = jax.eval_shape(lambda: init_state(late_model, tx, config.seed, seq_len)["params"])
       shapes = functools.partial(jax.tree.map, lambda x: (x.shape, x.dtype))
@@ -208,6 +216,11 @@ def _layout(config, model_fn, model_config, recipe, late_recipe, outcontrol, mes
                         f"ratio={outcontrol.ratio}); widen the model (d_model, mlp_dim >= 128) or turn it off")
     state_sh["outcontrol"] = jax.tree.map(lambda _: sharding.replicated(mesh), abstract["outcontrol"])
   return model, late_model, tx, lr_fn, osci, init_fn, abstract, state_sh
+
+
+def _precision_name(model_config) -> str:
+  precision = model_config.precision
+  return precision if isinstance(precision, str) else f"{len(precision)} rules"
 
 
 def _outcontrol_summary(abstract_outcontrol, ratio: float) -> str:

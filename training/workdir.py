@@ -69,8 +69,10 @@ def config_changes(before: dict, config) -> dict[str, tuple]:
   """{dotted field: (old, new)} for every field of ``config`` that differs from the plain config ``before``."""
   old, new = _flat(before), _flat(config_lib.to_plain(config))
   missing = object()
+  # A model field added since the run started (absent before, None now: the preset's value) is no change.
   return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-          if old.get(k, missing) != new.get(k, missing)}
+          if old.get(k, missing) != new.get(k, missing)
+          and not (k not in old and k.startswith("model.") and new.get(k) is None)}
 
 
 def is_free(field: str) -> bool:
