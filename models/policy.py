@@ -20,7 +20,9 @@ from typing import Any, Sequence
 from fp4jax import Recipe, recipes
 from models.config import ModelConfig
 
-QUANTIZABLE_LAYERS = ("in_proj", "out_proj", "qkv", "out", "gate", "up", "down")
+# MoE blocks: experts/up, experts/down and shared_experts/up, /down end in "up"/"down"; the router never.
+QUANTIZABLE_LAYERS = ("in_proj", "out_proj", "qkv", "out", "gate", "up", "down", "fc1_latent_proj",
+                      "fc2_latent_proj")
 _BLOCK = re.compile(r"blocks_(\d+)")
 
 
