@@ -227,3 +227,11 @@ class SharedExperts(nn.Module):
     dense = lambda name, features, axes, **kw: linear(self, name, features, axes, config=cfg, recipe=self.recipe, **kw)
     h_TxF = jnp.square(jax.nn.relu(dense("up", cfg.moe_shared_expert_intermediate_size, ("embed", "mlp"))(x_TxD)))
     return dense("down", cfg.d_model, ("mlp", "embed"), std=residual_std(cfg))(h_TxF)
+
+
+def inactive_params(config: ModelConfig) -> int:
+  """Parameters a token does not use: the routed experts it is not sent to, in every ``E`` block."""
+  q = config.moe_latent_size or config.d_model
+  per_expert = 2 * q * config.moe_intermediate_size
+  idle = config.n_routed_experts - config.num_experts_per_tok
+  return config.pattern.count("E") * idle * per_expert
