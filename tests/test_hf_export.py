@@ -285,7 +285,7 @@ def test_import_rejects_missing_and_foreign_tensors(tmp_path):
   del missing["backbone.layers.0.mixer.A_log"]
   with pytest.raises(hf.ConversionError, match="lacks 'backbone.layers.0.mixer.A_log'"):
     hf.from_hf(missing, CONFIG)
-  with pytest.raises(hf.ConversionError, match="mixture-of-experts"):
+  with pytest.raises(hf.ConversionError, match="no place"):   # expert tensors for a dense config
     hf.from_hf(dict(tensors, **{"backbone.layers.2.mixer.experts.0.up_proj.weight": np.zeros((2, 2))}), CONFIG)
   for name in ("backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.k_proj.weight",
                "backbone.layers.0.mixer.conv1d.weight"):
