@@ -13,6 +13,7 @@ def get_config():
   c.name = "moe_tiny"
   c.recipe = "nvfp4"
   c.model.preset = "moe_tiny"
+  c.model.moe_bias_update_rate = 1e-2   # γ: the toy runs few steps, so a faster balance than the 1e-3 default
   c.steps = 200
   c.batch_size = 8
   c.data.seq_len = 128

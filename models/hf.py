@@ -549,8 +549,10 @@ def quantized_paths(c: ModelConfig, recipe) -> set[tuple[str, ...]]:
   if recipe.fprop != "nvfp4":
     raise ConversionError(f"recipe {recipe.name!r} runs its forward pass in {recipe.fprop}; the NVFP4 export "
                           "writes the weights an nvfp4 forward pass uses (pass --recipe nvfp4)")
-  linears, _ = layout(c)
-  return {lin.path for lin in linears if layer_precision(c, recipe, lin.path) != "bf16"}
+  linears, tensors = layout(c)
+  experts = {t.path[:-1] for t in tensors if _expert_path(t.path)}
+  return ({lin.path for lin in linears if layer_precision(c, recipe, lin.path) != "bf16"}
+          | {path for path in experts if layer_precision(c, recipe, path) != "bf16"})
 
 
 def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tuple, float] | None = None,
@@ -579,8 +581,35 @@ def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tupl
       amax = np.float32(input_amax[lin.path])
       out[module + ".input_scale"] = np.asarray(amax / np.float32(_E4M3_X_E2M1_MAX), np.float32)
   for t in tensors:
-    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(dtype)
+    if _expert_path(t.path) and layer_precision(c, recipe, t.path[:-1]) != "bf16":
+      out.update(_nvfp4_experts(t, _get(params, t.path), c, input_amax))
+      continue
+    keep = np.float32 if t.hf_name.endswith(ROUTER_TENSORS) else dtype
+    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(keep)
   return out, excluded
+
+
+def _expert_path(path) -> bool:
+  return len(path) >= 2 and path[-1] == "kernel" and "experts" in path and path[-2] in ("up", "down")
+
+
+def _nvfp4_experts(t: Tensor, kernel_ExKxN, c: ModelConfig, input_amax) -> dict[str, np.ndarray]:
+  """The routed experts of one GEMM in ModelOpt's per-expert layout, ``...experts.<e>.up_proj.weight`` etc.:
+  each expert quantized as its own tensor, as the training forward pass does (``fp4jax.grouped``: its own
+  amax and 16x16 tiles). ``input_scale`` (with ``input_amax``) is the amax over all experts' inputs, the
+  same for each: the calibration sees the experts' rows together."""
+  out = {}
+  base = t.hf_name[:-len("_proj")].rsplit(".", 1)[0]   # ...mixer.experts
+  proj = t.hf_name.rsplit(".", 1)[1]                   # up_proj / down_proj
+  n_e, k, n = kernel_ExKxN.shape
+  for e in range(n_e):
+    tensors = modelopt_tensors(fprop_weight(kernel_ExKxN[e], c), n, k)
+    for suffix, value in tensors.items():
+      out[f"{base}.{e}.{proj}.{suffix}"] = value
+    if input_amax is not None:
+      amax = np.float32(input_amax[t.path[:-1]])
+      out[f"{base}.{e}.{proj}.input_scale"] = np.asarray(amax / np.float32(_E4M3_X_E2M1_MAX), np.float32)
+  return out
 
 
 def nvfp4_quant_configs(excluded: Iterable[str], *, producer_version: str) -> tuple[dict, dict]:

@@ -16,7 +16,7 @@ from models import LanguageModel, ModelConfig, hf, moe
 
 BASE = dict(vocab_size=64, d_model=32, mlp_dim=48, n_heads=4, n_kv_heads=2, head_dim=8, n_groups=1, d_state=8,
             ssm_head_dim=8, expand=2, chunk_size=4, dtype=jnp.float32, n_routed_experts=8, num_experts_per_tok=2,
-            moe_intermediate_size=24, moe_shared_expert_intermediate_size=16, n_group=4, topk_group=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=16, n_group=4, topk_group=2,
             routed_scaling_factor=2.5)
 CONFIGS = {"latent": ModelConfig(pattern="ME*E", moe_latent_size=16, **BASE),
            "no_latent": ModelConfig(pattern="E*-E", moe_latent_size=None, norm_topk_prob=False, **BASE)}
@@ -76,8 +76,8 @@ def test_export_import_round_trip_is_exact(tmp_path):
   config = CONFIGS["latent"]
   _, params = _params(config)
   tensors = hf.to_hf(params, config)
-  assert tensors["backbone.layers.1.mixer.experts.up_proj"].shape == (8, 24, 16)     # (E, out, in)
-  assert tensors["backbone.layers.1.mixer.experts.down_proj"].shape == (8, 16, 24)
+  assert tensors["backbone.layers.1.mixer.experts.up_proj"].shape == (8, 32, 16)     # (E, out, in)
+  assert tensors["backbone.layers.1.mixer.experts.down_proj"].shape == (8, 16, 32)
   assert tensors["backbone.layers.1.mixer.gate.weight"].shape == (8, 32)
   assert tensors["backbone.layers.1.mixer.gate.e_score_correction_bias"].dtype == np.float32
   back = hf.from_hf(tensors, hf.from_hf_config(hf.to_hf_config(config)))
@@ -97,3 +97,23 @@ def test_bf16_export_keeps_the_router_in_float32():
   tensors = hf.to_hf(params, config, dtype=ml_dtypes.bfloat16)
   assert tensors["backbone.layers.0.mixer.gate.weight"].dtype == np.float32
   assert tensors["backbone.layers.0.mixer.experts.up_proj"].dtype == ml_dtypes.bfloat16
+
+
+def test_nvfp4_export_covers_the_experts_bit_identical_to_training():
+  config = CONFIGS["latent"]
+  _, params = _params(config)
+  tensors, excluded = hf.to_hf_nvfp4(params, config, "nvfp4")
+  fprop_w = fp4jax.recipes.get("nvfp4").roles.fprop_w
+  for name, (k, n) in (("up", (16, 32)), ("down", (32, 16))):
+    kernel = params["blocks_1"]["mixer"]["experts"][name]["kernel"]
+    assert f"backbone.layers.1.mixer.experts.{name}_proj" not in tensors
+    for e in range(config.n_routed_experts):
+      # What fp4jax.grouped_dot's forward pass quantizes for expert e: its kernel, padded to whole tiles.
+      w_NxK = jnp.pad(kernel[e].astype(config.dtype).T, ((0, -n % 16), (0, -k % 16)))
+      q = fprop_w(w_NxK)
+      prefix = f"backbone.layers.1.mixer.experts.{e}.{name}_proj."
+      np.testing.assert_array_equal(tensors[prefix + "weight"], np.asarray(q.data)[:n, :k // 2])
+      np.testing.assert_array_equal(tensors[prefix + "weight_scale"].view(np.uint8),
+                                    np.repeat(np.asarray(q.scale), 16, axis=0)[:n, :k // 16].view(np.uint8))
+      assert tensors[prefix + "weight_scale_2"] == np.float32(q.amax) / np.float32(6 * 448)
+  assert tensors["backbone.layers.1.mixer.gate.weight"].dtype == np.float32
