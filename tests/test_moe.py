@@ -82,6 +82,7 @@ def test_train_step_moves_the_bias_not_by_gradient():
   model = LanguageModel(CONFIG.replace(moe_aux_loss_weight=0.01), "bf16")
   tx = optax.adamw(1e-3)
   state = step_lib.init_state(model, tx, 0, 8)
+  state = dict(state, params=nn.unbox(state["params"]))   # as the trainer runs it (training.run)
   bias_path = ("blocks_0", "mixer", "router", "e_score_correction_bias")
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (4, 9)), jnp.int32)
 
