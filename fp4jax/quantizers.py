@@ -78,13 +78,24 @@ class Quantizer:
     spec = formats.TABLE[self.fmt]
     return math.lcm(spec.tile[0] if self.tiled else spec.block, spec.outer or 1)
 
-  def __call__(self, t_RxC, key=None, signs=None) -> QTensor:
-    """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first."""
+  def __call__(self, t_RxC, key=None, signs=None, amax=None) -> QTensor:
+    """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first. ``amax``: the
+    tensor amax of the transformed t to use instead of its own (nvfp4, nvfp4_eden; fp4jax.grouped passes
+    an expert's amax to each piece of it). ``key`` may be a ``random_bits.Window``."""
+    return self._quantize(self.prepare(t_RxC, signs), key, amax)
+
+  def prepare(self, t_RxC, signs=None):
+    """What ``__call__`` quantizes: t after the random (``signs``) or fixed Hadamard transform along C."""
     if signs is not None:
-      t_RxC = eden.rht(t_RxC, signs)
-    elif self.rht_size:
-      t_RxC = hadamard.rht(t_RxC.astype(jnp.float32), axis=-1, size=self.rht_size, seed=self.rht_seed)
-    return self._quantize(t_RxC, key)
+      return eden.rht(t_RxC, signs)
+    if self.rht_size:
+      return hadamard.rht(t_RxC.astype(jnp.float32), axis=-1, size=self.rht_size, seed=self.rht_seed)
+    return t_RxC
+
+  @property
+  def has_tensor_amax(self) -> bool:
+    """Whether the quantization reads one amax of the whole tensor (nvfp4, with or without 4/6; MS-EDEN)."""
+    return self.fmt in ("nvfp4", "nvfp4_eden") and not self.row_scaled
 
   def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
@@ -97,8 +108,10 @@ class Quantizer:
       t_TxC = t_TxC.astype(jnp.float32)
     return self(t_TxC.T, key, signs)
 
-  def _quantize(self, t, key):
+  def _quantize(self, t, key, amax=None):
     fmt = self.fmt
+    if amax is not None and not self.has_tensor_amax:
+      raise ValueError(f"Quantizer(fmt={fmt!r}, row_scaled={self.row_scaled}) has no tensor amax to replace")
     if self.row_scaled:   # each row its own tensor: the second level is amax_row (R,)
       plain = dataclasses.replace(self, row_scaled=False)
       if not self.stochastic:
@@ -107,17 +120,22 @@ class Quantizer:
     if fmt in formats.NAMES and self.four_over_six is None:
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if fmt == "mxfp4" else {}
+      if amax is not None:
+        kw["amax"] = amax
+      bits = None
+      if self.stochastic and isinstance(key, random_bits.Window):
+        bits, key = random_bits.bits(key, t.shape, jnp.uint8), None
       return quantize(t, fmt, axis=-1, tile=formats.TILE[fmt] if self.tiled else None, rounding=rounding,
-                      key=key if self.stochastic else None, **kw)
+                      key=key if self.stochastic else None, bits=bits, **kw)
     t32 = t.astype(jnp.float32)
     block = None if self.tiled else formats.BLOCK[fmt]
     tile = formats.TILE[fmt] if self.tiled else None
     if fmt == "nvfp4":                   # Four Over Six
       bound, metric = self.four_over_six
-      codes, scale, amax = fos.quantize(t32, tiled=self.tiled, bound=bound, metric=metric)
+      codes, scale, amax = fos.quantize(t32, tiled=self.tiled, bound=bound, metric=metric, amax=amax)
       return QTensor(e2m1.pack(codes), scale, amax, fmt, -1, block, tile, t.dtype, bound=bound)
     if fmt == "nvfp4_eden":
-      e = eden.quantize(t32, eden.scale_bits(key, t.shape), group=self.eden_group)
+      e = eden.quantize(t32, eden.scale_bits(key, t.shape), group=self.eden_group, amax=amax)
       return QTensor(e2m1.pack(e.codes), e.scale, None, fmt, -1, block, None, t.dtype, scale2=e.s_dec)
     if fmt == "nvfp4_dbq":
       bits = random_bits.bits(key, t.shape, jnp.uint8) if self.stochastic else None

@@ -18,7 +18,10 @@ returns ``jax.random.bits`` itself. This module is the only place that relies on
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +40,10 @@ _WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, np.dtype(np.uint32): 
 def bits(key, shape, dtype=jnp.uint32):
   """Uniform random bits of ``shape`` and unsigned ``dtype`` (uint8, uint16, uint32), equal to
   ``jax.random.bits(key, shape, dtype)`` bit for bit. ``key``: one typed key (``jax.random.key``) or a legacy
-  uint32 key (``jax.random.PRNGKey``)."""
+  uint32 key (``jax.random.PRNGKey``); or a ``Window``: then its rectangle of a larger draw."""
   shape = tuple(shape)
+  if isinstance(key, Window):
+    return key.bits(shape, dtype)
   key_data = _threefry_key_data(key)
   if key_data is None or not _tied_form_applies(shape, dtype):
     return jax.random.bits(key, shape, dtype)
@@ -127,3 +132,59 @@ def _add_u64(a, b):
   lo = a_lo + b_lo
   carry = (lo < a_lo).astype(_U32)
   return a_hi + b_hi + carry, lo
+
+
+# ---------------------------------------------------------------------------------------------------
+# A rectangle of a larger draw, with traced sizes (fp4jax.grouped: one expert's tensor inside the sorted rows)
+# ---------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("key_data", "full", "start"),
+                   meta_fields=("shape",))
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """Stands for a key: ``bits(window, shape, dtype)`` is the rectangle ``[start : start + shape]`` of
+  ``jax.random.bits(key, full, dtype)``, bit for bit, where ``full`` and ``start`` may be traced (a
+  segment of dynamic length). 2-D: ``key_data`` the key's two uint32 words, ``full`` and ``start`` two
+  integers each, ``shape`` the static rectangle. A request of shape (R, C / r) (one draw per r elements
+  along the last axis, as MS-EDEN's scale bits) reads the same rectangle of ``full`` (R_full, C_full / r)."""
+
+  key_data: Any
+  full: Any
+  start: Any
+  shape: tuple[int, int]
+
+  @classmethod
+  def of(cls, key, full, start, shape):
+    data = _threefry_key_data(key)
+    if data is None:
+      raise ValueError("random_bits.Window needs threefry2x32 keys with jax_threefry_partitionable=True "
+                       "(JAX's default): the counters of another PRNG do not cut into rectangles")
+    as_u32 = lambda v: jnp.stack([jnp.asarray(x).astype(_U32) for x in v])
+    return cls(data, as_u32(full), as_u32(start), tuple(int(d) for d in shape))
+
+  def bits(self, shape, dtype=jnp.uint32):
+    shape = tuple(int(d) for d in shape)
+    rows, cols = self.shape
+    if np.dtype(dtype) not in _WIDTHS or len(shape) != 2 or shape[0] != rows or cols % shape[1]:
+      raise ValueError(f"a Window of shape {self.shape} draws (rows, cols / r) uint8/16/32 bits; got {shape} "
+                       f"{np.dtype(dtype).name}")
+    r = cols // shape[1]
+    full_c, start_r, start_c = self.full[1] // _U32(r), self.start[0], self.start[1] // _U32(r)
+    i = lax.broadcasted_iota(_U32, shape, 0) + start_r
+    j = lax.broadcasted_iota(_U32, shape, 1) + start_c
+    hi, lo = _add_u64(_mul_u32(i, full_c), (jnp.zeros_like(j), j))
+    bits1, bits2 = _THREEFRY2X32_P.bind(self.key_data[0], self.key_data[1], hi, lo)
+    mixed = bits1 ^ bits2
+    return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
+
+
+def _mul_u32(i, c):
+  """(high, low) of the 64-bit product of uint32 arrays ``i`` and ``c`` (traced), from 16-bit halves."""
+  c = jnp.broadcast_to(c, i.shape)
+  i_lo16, i_hi16 = i & _U32(0xFFFF), i >> _U32(16)
+  c_lo16, c_hi16 = c & _U32(0xFFFF), c >> _U32(16)
+  p0, p1, p2, p3 = i_lo16 * c_lo16, i_lo16 * c_hi16, i_hi16 * c_lo16, i_hi16 * c_hi16
+  mid = (p0 >> _U32(16)) + (p1 & _U32(0xFFFF)) + (p2 & _U32(0xFFFF))
+  lo = (p0 & _U32(0xFFFF)) | (mid << _U32(16))
+  hi = p3 + (p1 >> _U32(16)) + (p2 >> _U32(16)) + (mid >> _U32(16))
+  return hi, lo

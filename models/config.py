@@ -1,7 +1,7 @@
 """ModelConfig: one frozen dataclass describes every model, from the CPU toy to the 12B hybrid.
 
 The layer pattern is Nemotron-H's: one character per block, each block pre-norm with a residual.
-  ``M`` Mamba-2 mixer, ``*`` attention (GQA), ``-`` MLP.
+  ``M`` Mamba-2 mixer, ``*`` attention (GQA), ``-`` MLP, ``E`` mixture of experts (``models.moe``).
 Variants are ``dataclasses.replace(config, field=value)``; presets live in ``models.presets``.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from models import rules
 
-BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,18 @@ class ModelConfig:
   dt_min: float = 0.001           # dt_bias init: softplus(dt_bias) log-uniform in [dt_min, dt_max]
   dt_max: float = 0.1
   a_init_range: tuple[float, float] = (1.0, 16.0)  # A = -exp(A_log), A_log init log(uniform(range))
+  # Mixture-of-experts blocks ("E"): transformers' NemotronHMoE fields, and the load balance (models.moe).
+  n_routed_experts: int = 8
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 256         # each routed expert's hidden width
+  moe_shared_expert_intermediate_size: int = 256   # the shared expert's; 0: none
+  moe_latent_size: int | None = None       # fc1/fc2_latent_proj around the routed experts; None: off
+  n_group: int = 1                         # group-limited routing: groups of experts ...
+  topk_group: int = 1                      # ... of which each token may use this many
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  moe_bias_update_rate: float = 1e-3       # γ of the aux-loss-free bias update after each step; 0: off
+  moe_aux_loss_weight: float = 0.0         # α of the sequence-wise balance loss; 0: off
   # Everything else.
   norm_eps: float = 1e-5
   init_std: float = 0.02          # residual-output projections use init_std / sqrt(2 * n_blocks)
@@ -74,7 +86,7 @@ class ModelConfig:
     bad = sorted(set(self.pattern) - set(BLOCK_KINDS))
     if not self.pattern or bad:
       raise ValueError(f"pattern={self.pattern!r} has unknown block characters {bad}; "
-                       f"use {''.join(BLOCK_KINDS)} (M mamba, * attention, - mlp)")
+                       f"use {''.join(BLOCK_KINDS)} (M mamba, * attention, - mlp, E moe)")
     if self.mlp_kind not in ("relu2", "swiglu"):
       raise ValueError(f"mlp_kind={self.mlp_kind!r}; use 'relu2' or 'swiglu'")
     if "*" in self.pattern and self.n_heads % self.n_kv_heads:
@@ -87,6 +99,8 @@ class ModelConfig:
                          f"ssm_head_dim={self.ssm_head_dim}")
       if self.ssm_n_heads % self.n_groups:
         raise ValueError(f"ssm_n_heads={self.ssm_n_heads} must be a multiple of n_groups={self.n_groups}")
+    if "E" in self.pattern:
+      self._check_moe()
     if self.attention_impl not in ("auto", "chunked", "cudnn", "xla"):
       raise ValueError(f"attention_impl={self.attention_impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
     if self.attention_block <= 0:
@@ -101,13 +115,31 @@ class ModelConfig:
     for name in ("param_dtype", "dtype"):
       object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
 
+  def _check_moe(self):
+    e, k = self.n_routed_experts, self.num_experts_per_tok
+    if e < 2 or not 1 <= k <= e:
+      raise ValueError(f"n_routed_experts={e} must be >= 2 and num_experts_per_tok={k} in [1, {e}]")
+    if self.n_group < 1 or e % self.n_group or (self.n_group > 1 and e // self.n_group < 2):
+      raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={e} into groups of >= 2 experts "
+                       "(a group's score is the sum of its two best)")
+    if not 1 <= self.topk_group <= self.n_group or k > self.topk_group * (e // self.n_group):
+      raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}] and keep at least "
+                       f"num_experts_per_tok={k} experts")
+    if self.moe_intermediate_size <= 0 or self.moe_shared_expert_intermediate_size < 0:
+      raise ValueError(f"{self.moe_intermediate_size=} must be > 0 and {self.moe_shared_expert_intermediate_size=}"
+                       " >= 0 (0: no shared expert)")
+    if self.moe_latent_size is not None and self.moe_latent_size <= 0:
+      raise ValueError(f"moe_latent_size={self.moe_latent_size} must be > 0, or None (no latent projections)")
+    if self.moe_bias_update_rate < 0 or self.moe_aux_loss_weight < 0:
+      raise ValueError(f"{self.moe_bias_update_rate=} and {self.moe_aux_loss_weight=} must be >= 0 (0: off)")
+
   @property
   def n_blocks(self) -> int:
     return len(self.pattern)
 
   @property
   def block_kinds(self) -> tuple[str, ...]:
-    """``"mamba" | "attention" | "mlp"`` for each block, in order."""
+    """``"mamba" | "attention" | "mlp" | "moe"`` for each block, in order."""
     return tuple(BLOCK_KINDS[c] for c in self.pattern)
 
   @property

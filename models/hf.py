@@ -231,11 +231,41 @@ def layout(c: ModelConfig) -> tuple[list[Linear], list[Tensor]]:
       linears += [Linear(layer + f"mixer.{name}.weight", (*mixer, "qkv"), rows)
                   for name, rows in _qkv_rows(c).items()]
       linears.append(Linear(layer + "mixer.o_proj.weight", (*mixer, "out")))
+    elif char == "E":
+      linears += _moe_linears(c, layer, mixer)
+      tensors += _moe_tensors(layer, mixer)
     else:
       linears += [Linear(layer + "mixer.up_proj.weight", (*mixer, "up")),
                   Linear(layer + "mixer.down_proj.weight", (*mixer, "down"))]
   linears.append(Linear("lm_head.weight", ("lm_head",)))
   return linears, tensors
+
+
+def _moe_linears(c: ModelConfig, layer: str, mixer: tuple[str, ...]) -> list[Linear]:
+  """An ``E`` block's dense linears: the shared expert and the latent projections."""
+  out = [Linear(layer + "mixer.shared_experts.up_proj.weight", (*mixer, "shared_experts", "up")),
+         Linear(layer + "mixer.shared_experts.down_proj.weight", (*mixer, "shared_experts", "down"))]
+  if c.moe_latent_size:
+    out += [Linear(layer + "mixer.fc1_latent_proj.weight", (*mixer, "fc1_latent_proj")),
+            Linear(layer + "mixer.fc2_latent_proj.weight", (*mixer, "fc2_latent_proj"))]
+  return out
+
+
+def _swap_last(x):
+  return np.swapaxes(x, -1, -2)
+
+
+def _moe_tensors(layer: str, mixer: tuple[str, ...]) -> list[Tensor]:
+  """An ``E`` block's router (transformers' ``gate``: weight [E, D], float32, and the bias buffer) and the
+  routed experts, stored as transformers stores them, (E, out, in): ours are (E, in, out)."""
+  return [Tensor(layer + "mixer.gate.weight", (*mixer, "router", "kernel"), _swap_last, _swap_last),
+          Tensor(layer + "mixer.gate.e_score_correction_bias", (*mixer, "router", "e_score_correction_bias"),
+                 _same, _same),
+          Tensor(layer + "mixer.experts.up_proj", (*mixer, "experts", "up", "kernel"), _swap_last, _swap_last),
+          Tensor(layer + "mixer.experts.down_proj", (*mixer, "experts", "down", "kernel"), _swap_last, _swap_last)]
+
+
+ROUTER_TENSORS = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")   # float32 in any export
 
 
 def check_exportable(c: ModelConfig) -> None:
@@ -246,6 +276,9 @@ def check_exportable(c: ModelConfig) -> None:
   if c.rope:
     raise ConversionError("rope=True: Nemotron-H attention has no position encoding; only rope=False models "
                           "export")
+  if "E" in c.pattern and not c.moe_shared_expert_intermediate_size:
+    raise ConversionError("moe_shared_expert_intermediate_size=0: transformers' NemotronHMoE always has a shared "
+                          "expert; only MoE models with one export")
   if "-" in c.pattern and c.mlp_kind != "relu2":
     raise ConversionError(f"mlp_kind={c.mlp_kind!r}: Nemotron-H MLPs are squared ReLU without a gate; only "
                           "mlp_kind='relu2' models export")
@@ -275,6 +308,13 @@ def to_hf_config(c: ModelConfig, *, dtype: str = "float32", eos_token_id: int | 
       "time_step_min": 0.0,       # transformers clamps dt >= time_step_min; this model never clamps
       "time_step_max": c.dt_max, "time_step_floor": 1e-4, "mamba_ssm_cache_dtype": "float32",
       "use_cache": True, "num_logits_to_keep": 1,
+      # MoE blocks (NemotronHMoE); no multi-token-prediction layers
+      "n_routed_experts": c.n_routed_experts, "num_experts_per_tok": c.num_experts_per_tok,
+      "moe_intermediate_size": c.moe_intermediate_size,
+      "moe_shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
+      "moe_latent_size": c.moe_latent_size, "n_group": c.n_group, "topk_group": c.topk_group,
+      "norm_topk_prob": c.norm_topk_prob, "routed_scaling_factor": c.routed_scaling_factor,
+      "n_shared_experts": 1, "num_nextn_predict_layers": 0,
       "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
   }
   config["fp4jax"] = {"model": model_config_to_json(c), **(extra or {})}
@@ -295,6 +335,23 @@ def model_config_from_json(plain: dict) -> ModelConfig:
   names = {f.name for f in dataclasses.fields(ModelConfig)}
   kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in plain.items() if k in names}
   return ModelConfig(**kwargs)
+
+
+def _moe_fields(hf: dict, pattern: str) -> dict:
+  """The ModelConfig MoE fields of a Nemotron-H config.json (transformers' defaults where absent)."""
+  if "E" not in pattern:
+    return {}
+  if hf.get("mlp_hidden_act", "relu2") != "relu2":
+    raise ConversionError(f"mlp_hidden_act={hf.get('mlp_hidden_act')!r}; only relu2 experts import")
+  n_shared = hf.get("n_shared_experts", 1)
+  if n_shared != 1:
+    raise ConversionError(f"n_shared_experts={n_shared}: transformers' NemotronHMoE builds one shared expert")
+  return dict(n_routed_experts=hf.get("n_routed_experts", 8), num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+              moe_intermediate_size=hf.get("moe_intermediate_size", 7688),
+              moe_shared_expert_intermediate_size=hf.get("moe_shared_expert_intermediate_size", 7688),
+              moe_latent_size=hf.get("moe_latent_size"), n_group=hf.get("n_group", 1),
+              topk_group=hf.get("topk_group", 1), norm_topk_prob=hf.get("norm_topk_prob", True),
+              routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
 
 
 def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: int = 0,
@@ -318,9 +375,6 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
       raise ConversionError(f"config.json layers_block_type has the unknown layer type {e}") from None
   if not pattern:
     raise ConversionError("config.json has neither hybrid_override_pattern nor layers_block_type")
-  if "E" in pattern:
-    raise ConversionError(f"the pattern {pattern!r} has mixture-of-experts layers ('E'); this model has no MoE "
-                          "blocks, so only dense Nemotron-H checkpoints (M, *, - layers) import")
   unknown = sorted(set(pattern) - set(BLOCK_KINDS))
   if unknown:
     raise ConversionError(f"the pattern {pattern!r} has layer kinds {unknown} this model does not have")
@@ -354,6 +408,7 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
         conv_bias=hf.get("use_conv_bias", True), chunk_size=hf.get("chunk_size", 128),
         dt_min=hf.get("time_step_min") or 0.001, dt_max=hf.get("time_step_max", 0.1),
         norm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02),
+        **_moe_fields(hf, pattern),
         param_dtype=jnp.float32, dtype=dtype, bf16_first_blocks=bf16_first_blocks,
         bf16_last_blocks=bf16_last_blocks)
   except KeyError as e:
@@ -364,7 +419,8 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
   if ours:
     exact = model_config_from_json(ours)
     dims = ("vocab_size", "d_model", "pattern", "n_heads", "n_kv_heads", "head_dim", "n_groups", "d_state",
-            "ssm_head_dim", "expand", "conv_width", "conv_bias")
+            "ssm_head_dim", "expand", "conv_width", "conv_bias", "n_routed_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "moe_latent_size")
     if any(getattr(exact, d) != getattr(config, d) for d in dims):
       raise ConversionError("config.json's fp4jax.model disagrees with its Nemotron-H dimensions; remove the "
                             "'fp4jax' entry to import from the Nemotron-H fields alone")
@@ -392,7 +448,8 @@ def to_hf(params, c: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
     w_NxK = _numpy(_get(params, lin.path)["kernel"]).T
     out[lin.hf_name] = np.ascontiguousarray(w_NxK if lin.rows is None else w_NxK[lin.rows]).astype(dtype)
   for t in tensors:
-    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(dtype)
+    keep = np.float32 if t.hf_name.endswith(ROUTER_TENSORS) else dtype
+    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(keep)
   return out
 
 
@@ -405,10 +462,6 @@ def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
     if name.startswith("model."):
       name = PREFIX + name[len("model."):]
     named[name] = value
-  experts = sorted(n for n in named if ".experts." in n or ".gate.weight" in n)
-  if experts:
-    raise ConversionError(f"the checkpoint has mixture-of-experts tensors ({experts[0]}, ...); this model has "
-                          "no MoE layers")
   quantized = sorted(n for n in named if n.endswith(("weight_scale", "weight_scale_2", "input_scale")))
   if quantized:
     raise ConversionError(f"the checkpoint holds quantized tensors ({quantized[0]}, ...); import the bf16/fp32 "
@@ -498,11 +551,16 @@ def quantized_paths(c: ModelConfig, recipe) -> set[tuple[str, ...]]:
   if recipe.fprop != "nvfp4":
     raise ConversionError(f"recipe {recipe.name!r} runs its forward pass in {recipe.fprop}; the NVFP4 export "
                           "writes the weights an nvfp4 forward pass uses (pass --recipe nvfp4)")
-  linears, _ = layout(c)
-  def nvfp4_forward(path):
-    layer = policy.decide(c, recipe, path).recipe
-    return layer is not None and layer.roles.fprop_w is not None and layer.roles.fprop_w.fmt == "nvfp4"
-  return {lin.path for lin in linears if nvfp4_forward(lin.path)}
+  linears, tensors = layout(c)
+  experts = {t.path[:-1] for t in tensors if _expert_path(t.path)}
+  return ({lin.path for lin in linears if _nvfp4_forward(c, recipe, lin.path)}
+          | {path for path in experts if _nvfp4_forward(c, recipe, path)})
+
+
+def _nvfp4_forward(c: ModelConfig, recipe, path) -> bool:
+  """Whether the policy runs the forward pass of the layer at ``path`` with NVFP4 weights."""
+  layer = policy.decide(c, recipe, path).recipe
+  return layer is not None and layer.roles.fprop_w is not None and layer.roles.fprop_w.fmt == "nvfp4"
 
 
 def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tuple, float] | None = None,
@@ -531,8 +589,35 @@ def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tupl
       amax = np.float32(input_amax[lin.path])
       out[module + ".input_scale"] = np.asarray(amax / np.float32(_E4M3_X_E2M1_MAX), np.float32)
   for t in tensors:
-    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(dtype)
+    if _expert_path(t.path) and t.path[:-1] in quantized:
+      out.update(_nvfp4_experts(t, _get(params, t.path), c, input_amax))
+      continue
+    keep = np.float32 if t.hf_name.endswith(ROUTER_TENSORS) else dtype
+    out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(keep)
   return out, excluded
+
+
+def _expert_path(path) -> bool:
+  return len(path) >= 2 and path[-1] == "kernel" and "experts" in path and path[-2] in ("up", "down")
+
+
+def _nvfp4_experts(t: Tensor, kernel_ExKxN, c: ModelConfig, input_amax) -> dict[str, np.ndarray]:
+  """The routed experts of one GEMM in ModelOpt's per-expert layout, ``...experts.<e>.up_proj.weight`` etc.:
+  each expert quantized as its own tensor, as the training forward pass does (``fp4jax.grouped``: its own
+  amax and 16x16 tiles). ``input_scale`` (with ``input_amax``) is the amax over all experts' inputs, the
+  same for each: the calibration sees the experts' rows together."""
+  out = {}
+  base = t.hf_name[:-len("_proj")].rsplit(".", 1)[0]   # ...mixer.experts
+  proj = t.hf_name.rsplit(".", 1)[1]                   # up_proj / down_proj
+  n_e, k, n = kernel_ExKxN.shape
+  for e in range(n_e):
+    tensors = modelopt_tensors(fprop_weight(kernel_ExKxN[e], c), n, k)
+    for suffix, value in tensors.items():
+      out[f"{base}.{e}.{proj}.{suffix}"] = value
+    if input_amax is not None:
+      amax = np.float32(input_amax[t.path[:-1]])
+      out[f"{base}.{e}.{proj}.input_scale"] = np.asarray(amax / np.float32(_E4M3_X_E2M1_MAX), np.float32)
+  return out
 
 
 def nvfp4_quant_configs(excluded: Iterable[str], *, producer_version: str) -> tuple[dict, dict]:

@@ -1,7 +1,7 @@
 """The hybrid language model: embedding -> blocks from the pattern string -> RMSNorm -> LM head.
 
 Each block is ``x + mixer(rmsnorm(x))`` with the mixer chosen by the pattern character
-(``M`` Mamba-2, ``*`` attention, ``-`` MLP); block i is the module ``blocks_<i>``, and its linear
+(``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` mixture of experts); block i is the module ``blocks_<i>``, and its linear
 layers get their dot_general from ``models.policy``. Embedding and LM head are untied and stay in
 bf16 (the head accumulates in float32); logits are float32.
 
@@ -29,9 +29,10 @@ from models.layers import RMSNorm, chunked_cross_entropy
 from models.mamba2 import Mamba2
 from models.mlp import MLP
 from models import policy
+from models.moe import STATS as MOE_STATS, MoE
 from models.policy import layer_precision
 
-_MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP}
+_MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP, "moe": MoE}
 _RESIDUAL = ("activation_batch", "activation_seq", "activation_embed")
 
 
@@ -171,7 +172,7 @@ class LanguageModel(nn.Module):
           for i in range(start, start + unit):
             x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
           continue
-        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0, "outcontrol": 0},
+        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0, "outcontrol": 0, MOE_STATS: 0},
                             split_rngs={"params": True, "fp4": True}, length=repeats,
                             metadata_params={nn.PARTITION_NAME: None})
         x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
@@ -237,7 +238,8 @@ def compute_params(model: LanguageModel, params):
   ``config.dtype`` where they live: the cast is constrained to the parameter's own logical sharding, so an
   FSDP all-gather moves the compute dtype rather than float32, and the gradient comes back through the
   cast in float32 as before (the GEMMs and their rounding are unchanged). Quantized layers keep their
-  float32 kernels (fp4jax quantizes the shard and gathers the codes); the LM head casts per vocabulary
+  float32 kernels (fp4jax quantizes the shard and gathers the codes), as does an MoE router (float32 by
+  definition); the LM head casts per vocabulary
   chunk itself; norms, conv and SSM parameters stay float32. Every parameter's gradient is reduced to its
   shard as soon as it is complete (``_shard_gradient``)."""
   cfg = model.config
@@ -245,7 +247,7 @@ def compute_params(model: LanguageModel, params):
   flat = traverse_util.flatten_dict(nn.unbox(params))
   for path, p in flat.items():
     p = _shard_gradient(p, axes[path])
-    gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head"
+    gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head" and "router" not in path
     if gemm_weight and p.dtype != cfg.dtype and layer_precision(cfg, model.recipe, path[:-1]) == "bf16":
       p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
     flat[path] = p

@@ -37,7 +37,9 @@ from models import rules as rules_lib
 from models.config import ModelConfig
 from models.rules import MODEL_RECIPE, PrecisionRuleError, Rule
 
-QUANTIZABLE_LAYERS = ("in_proj", "out_proj", "qkv", "out", "gate", "up", "down")
+# MoE blocks: experts/up, experts/down and shared_experts/up, /down end in "up"/"down"; the router never.
+QUANTIZABLE_LAYERS = ("in_proj", "out_proj", "qkv", "out", "gate", "up", "down", "fc1_latent_proj",
+                      "fc2_latent_proj")
 _BLOCK = re.compile(r"blocks_(\d+)")
 _GROUP = re.compile(r"blocks_\d+_\d+x\d+")     # a scanned group of blocks (models.lm.BlockGroup)
 _MTP = re.compile(r"mtp_\d+")

@@ -57,12 +57,25 @@ def nemotron_h_12b() -> ModelConfig:
       dtype=jnp.bfloat16, bf16_first_blocks=2, bf16_last_blocks=8)
 
 
-_PRESETS = {"tiny": tiny, "small": small, "hybrid_8b": hybrid_8b, "nemotron_h_12b": nemotron_h_12b}
+def moe_tiny() -> ModelConfig:
+  """The mixture-of-experts toy for CPU runs: Mamba, MLP, attention and two ``E`` blocks (8 routed experts,
+  2 per token, a shared expert, the latent projections to 64); byte vocabulary; last block bf16."""
+  return ModelConfig(
+      vocab_size=256, d_model=128, pattern="M-E*-ME", mlp_dim=256, mlp_kind="relu2",
+      n_heads=4, n_kv_heads=2, head_dim=32,
+      n_groups=1, d_state=16, ssm_head_dim=32, expand=2, chunk_size=32,
+      n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+      moe_shared_expert_intermediate_size=128, moe_latent_size=64, n_group=2, topk_group=2,
+      routed_scaling_factor=1.0, moe_bias_update_rate=1e-3,
+      dtype=jnp.float32, bf16_first_blocks=0, bf16_last_blocks=1)
+
+
+_PRESETS = {"tiny": tiny, "moe_tiny": moe_tiny, "small": small, "hybrid_8b": hybrid_8b, "nemotron_h_12b": nemotron_h_12b}
 NAMES = tuple(_PRESETS)
 
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
-  """A preset by name (``tiny``, ``small``, ``hybrid_8b``, ``nemotron_h_12b``), with field overrides."""
+  """A preset by name (``tiny``, ``moe_tiny``, ``small``, ``hybrid_8b``, ``nemotron_h_12b``), with field overrides."""
   try:
     config = _PRESETS[name]()
   except KeyError:

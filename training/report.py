@@ -210,7 +210,8 @@ class Reporter:
       self.train_curve.append((step, mean))
       record = dict(kind="train", step=step, loss=mean, last_loss=loss, grad_norm=float(metrics["grad_norm"]),
                     lr=float(metrics["lr"]), nonfinite_total=int(metrics["nonfinite_total"]),
-                    tokens_per_second=self.tokens_per_second, step_time=self.step_time, recipe=recipe)
+                    tokens_per_second=self.tokens_per_second, step_time=self.step_time, recipe=recipe,
+                    **{k: float(v) for k, v in metrics.items() if k.startswith("moe/")})   # MoE blocks
       self._last_train_record = record
       self._record(record)
 

@@ -36,6 +36,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("conv_width", None),
     ("ssm_inner", "tensor"),
     ("ssm_heads", "tensor"),
+    ("experts", None),
+    ("moe_latent", None),
     # Activations: the batch over (data, fsdp), model axes over tensor, d_model whole.
     ("activation_batch", BATCH_AXES),
     ("activation_seq", None),

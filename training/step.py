@@ -10,7 +10,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
+from models import moe
 from models.layers import OUTCONTROL
 from models.lm import LanguageModel, compute_params
 from training import optim
@@ -27,17 +29,27 @@ def build_model(model_config, recipe) -> nn.Module:
 def model_loss(model, params, inputs_BxL, targets_BxL, key):
   """Mean next-token cross entropy of ``model``. A ``LanguageModel`` computes it inside (vocabulary-chunked,
   no B x L x V float32 logits) from ``compute_params`` (bf16 weights gathered in bf16); any other module
-  returns logits for ``cross_entropy``."""
-  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False)[0]
+  returns logits for ``cross_entropy``. With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added."""
+  return model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)[0]
+
+
+def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key):
+  """(loss, the MoE blocks' routing statistics ``moe_stats``, {} without MoE blocks)."""
+  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False)
+  return loss, stats
+
+
+def _has_moe(model) -> bool:
+  return isinstance(model, LanguageModel) and "E" in model.config.pattern
 
 
 def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool):
-  """(loss, OutControl state after the call) of ``model`` with its ``"outcontrol"`` collection: with
+  """(loss, (OutControl state after the call, MoE stats)) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
   the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came)."""
-  loss, updated = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
-                              mutable=[OUTCONTROL] if record else False)
-  return loss, (updated[OUTCONTROL] if record else outcontrol)
+  loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
+                                     mutable=[OUTCONTROL] if record else False)
+  return loss, ((updated[OUTCONTROL] if record else outcontrol), stats)
 
 
 def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable):
@@ -46,9 +58,46 @@ def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mut
   is_lm = isinstance(model, LanguageModel)
   variables = {"params": compute_params(model, params) if is_lm else params, **collections}
   kwargs = dict(targets_BxL=targets_BxL) if is_lm else {}
-  out = model.apply(variables, inputs_BxL, rngs={"fp4": key}, mutable=mutable, **kwargs)
-  out, updated = out if mutable else (out, None)
-  return (out if is_lm else cross_entropy(out, targets_BxL)), updated
+  with_moe = _has_moe(model)
+  collect = (list(mutable) if mutable else []) + ([moe.STATS] if with_moe else [])
+  out = model.apply(variables, inputs_BxL, rngs={"fp4": key}, mutable=collect or False, **kwargs)
+  out, updated = out if collect else (out, None)
+  loss = out if is_lm else cross_entropy(out, targets_BxL)
+  stats = {}
+  if with_moe:
+    updated = dict(updated)
+    stats = updated.pop(moe.STATS, {})
+    aux = [v for path, v in traverse_util.flatten_dict(stats).items() if path[-1] == "aux_loss"]
+    if aux and model.config.moe_aux_loss_weight:
+      loss = loss + model.config.moe_aux_loss_weight * sum(jnp.sum(jnp.stack(a)) for a in aux)
+  return loss, (updated if mutable else None), stats
+
+
+def moe_balance(params, stats, rate: float):
+  """(params with every MoE router's ``e_score_correction_bias`` moved by the aux-loss-free update
+  ``bias += rate · sign(mean load - load)`` (``models.moe.bias_update``) from this step's loads, and the
+  per-layer metrics ``moe/<block>/max_vio``, ``entropy``, ``dropped`` (0: the blocks are dropless))."""
+  flat_stats = traverse_util.flatten_dict(stats)
+  if not flat_stats:
+    return params, {}
+  is_box = lambda v: isinstance(v, nn.Partitioned)
+  flat = traverse_util.flatten_dict(params, is_leaf=lambda _, v: is_box(v))
+  metrics = {}
+  for path, loads in flat_stats.items():
+    if path[-1] != "load":
+      continue
+    load = loads[0]
+    target = (*path[:-2], "mixer", "router", "e_score_correction_bias")
+    if rate:
+      leaf = flat[target]
+      bias = leaf.unbox() if is_box(leaf) else leaf
+      new = jax.lax.stop_gradient(moe.bias_update(bias, load, rate)).astype(bias.dtype)
+      flat[target] = leaf.replace_boxed(new) if is_box(leaf) else new
+    block = path[-3]
+    for name, value in moe.load_metrics(load).items():
+      metrics[f"moe/{block}/{name}"] = jnp.mean(value)
+    metrics[f"moe/{block}/dropped"] = jnp.zeros((), jnp.float32)
+  return traverse_util.unflatten_dict(flat), metrics
 
 
 # ------------------------------------------------------------------------------------- pure functions
@@ -90,7 +139,7 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   key = jax.random.fold_in(state["rng"], state["step"])
 
   def loss_fn(params):
-    return model_loss(model, params, inputs_BxL, targets_BxL, key)
+    return model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)
 
   def outcontrol_loss_fn(params):
     return model_loss_outcontrol(model, params, state["outcontrol"], inputs_BxL, targets_BxL, key,
@@ -98,15 +147,18 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
 
   with jax.named_scope("forward_backward"):
     if outcontrol_phase == optim.PLAIN:
-      loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+      (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
       outcontrol = state.get("outcontrol")
     else:
-      (loss, outcontrol), grads = jax.value_and_grad(outcontrol_loss_fn, has_aux=True)(state["params"])
+      (loss, (outcontrol, stats)), grads = jax.value_and_grad(outcontrol_loss_fn, has_aux=True)(state["params"])
   grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+  with jax.named_scope("moe_balance"):   # after the step, from its loads: not a gradient
+    rate = model.config.moe_bias_update_rate if _has_moe(model) else 0.0
+    params, moe_metrics = moe_balance(params, stats, rate)
   keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
   applied = state["step"] - state["nonfinite_total"]
   if osci is not None:
@@ -126,7 +178,7 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   if outcontrol is not None:
     new_state["outcontrol"] = keep(outcontrol, state["outcontrol"])
   metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
-                 nonfinite_streak=new_state["nonfinite_streak"])
+                 nonfinite_streak=new_state["nonfinite_streak"], **moe_metrics)
   return new_state, metrics
 
 

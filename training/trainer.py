@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 
+from models import moe
 from training import preempt
 from training.errors import ConfigError, TrainingDiverged
 from training.loop import Loop
@@ -38,7 +39,10 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
       with run.reporter.phase("restoring the latest checkpoint" if run.checkpoints.steps()
                               else "initializing the state"):
         state, step = init_or_restore(run)
-      run.say(f"parameters: {run.num_params:,}")
+      active = ""
+      if "E" in run.model.config.pattern:   # MoE: the routed experts a token skips are not active
+        active = f" ({run.num_params - moe.inactive_params(run.model.config):,} active per token)"
+      run.say(f"parameters: {run.num_params:,}{active}")
       loop = Loop(run, state, step, stop)
       status = loop.run_to_end()
     except BaseException:

@@ -1,0 +1,81 @@
+"""fp4jax.grouped_dot against its contract: per expert e, fp4jax.dot(X_e, w[e], key=fold_in(key, e)),
+value, dx and dw bit for bit, for nvfp4, mxfp4, quartet2 and tetrajet2 (and the unquantized recipe)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import grouped, random_bits
+
+RECIPES = ("nvfp4", "mxfp4", "quartet2", "tetrajet2")
+
+
+def _case(recipe, counts, k=64, n=48, seed=0):
+  """Sorted rows with each expert's segment padded to the recipe's alignment, and the per-expert tokens."""
+  a = grouped.alignment(recipe)
+  rng = np.random.default_rng(seed)
+  sizes = [-(-c // a) * a for c in counts]
+  s = sum(sizes) + a            # one spare chunk past the groups
+  x = np.zeros((s, k), np.float32)
+  start, tokens = 0, []
+  for c, size in zip(counts, sizes):
+    block = rng.standard_normal((c, k)).astype(np.float32) * rng.uniform(0.5, 4)
+    x[start:start + c] = block
+    tokens.append((start, c))
+    start += size
+  w = (rng.standard_normal((len(counts), k, n)) * 0.1).astype(np.float32)
+  dy = rng.standard_normal((s, n)).astype(np.float32)
+  for (st, c), size in zip(tokens, sizes):
+    dy[st + c:st + size] = 0.0     # padded rows get no cotangent (the model never reads them)
+  dy[sum(sizes):] = 0.0
+  return jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32), jnp.asarray(dy), tokens
+
+
+# nvfp4 in the default suite (~15 s, one compile per expert's fp4jax.dot); the others ~20-140 s each.
+@pytest.mark.parametrize("recipe", [r if r == "nvfp4" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
+def test_grouped_equals_per_expert_dots(recipe):
+  counts = (5, 0, 21) if recipe == "nvfp4" else (5, 0, 21, 16) if recipe == "mxfp4" else (5, 0, 130)
+  x, w, sizes, dy, tokens = _case(recipe, counts, k=32 if recipe == "nvfp4" else 64)
+  key = jax.random.key(7)
+
+  def grouped_loss(x, w):
+    return jnp.sum(grouped.grouped_dot(x, w, sizes, recipe=recipe, key=key) * dy)
+
+  y = jax.jit(lambda x, w: grouped.grouped_dot(x, w, sizes, recipe=recipe, key=key))(x, w)
+  dx, dw = jax.jit(jax.grad(grouped_loss, argnums=(0, 1)))(x, w)
+  for e, (start, c) in enumerate(tokens):
+    if c == 0:
+      np.testing.assert_array_equal(dw[e], 0.0)
+      continue
+    x_e, dy_e = x[start:start + c], dy[start:start + c]
+    key_e = jax.random.fold_in(key, e)
+    f = lambda x_e, w_e: fp4jax.dot(x_e, w_e, recipe=recipe, key=key_e)
+    y_e, vjp = jax.vjp(f, x_e, w[e])
+    dx_e, dw_e = vjp(dy_e)
+    np.testing.assert_array_equal(np.asarray(y[start:start + c]), np.asarray(y_e), err_msg=f"y of expert {e}")
+    np.testing.assert_array_equal(np.asarray(dx[start:start + c]), np.asarray(dx_e), err_msg=f"dx of {e}")
+    np.testing.assert_array_equal(np.asarray(dw[e]), np.asarray(dw_e), err_msg=f"dw of expert {e}")
+
+
+def test_unquantized_is_ragged_dot():
+  x, w, sizes, _, tokens = _case("bf16", (3, 4, 0, 2))
+  y = grouped.grouped_dot(x, w, sizes, recipe="bf16")
+  for e, (start, c) in enumerate(tokens):
+    np.testing.assert_allclose(y[start:start + c], x[start:start + c] @ w[e], rtol=1e-6, atol=1e-6)
+
+
+def test_misaligned_groups_are_refused():
+  with pytest.raises(ValueError, match="multiple of 16"):
+    grouped.grouped_dot(jnp.zeros((20, 16)), jnp.zeros((2, 16, 16)), jnp.array([4, 16]), recipe="nvfp4")
+
+
+def test_window_is_a_rectangle_of_the_full_draw():
+  key = jax.random.key(3)
+  for dtype in (jnp.uint8, jnp.uint16, jnp.uint32):
+    full = jax.random.bits(key, (48, 40), dtype)
+    window = random_bits.Window.of(key, (48, 40), (16, 8), (16, 24))
+    np.testing.assert_array_equal(random_bits.bits(window, (16, 24), dtype), full[16:32, 8:32])
+  scale_bits = jax.random.bits(key, (40, 3), jnp.uint16)     # one per 16 along the last axis
+  window = random_bits.Window.of(key, (40, 48), (0, 16), (40, 16))
+  np.testing.assert_array_equal(random_bits.bits(window, (40, 1), jnp.uint16), scale_bits[:, 1:2])
