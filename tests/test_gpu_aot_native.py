@@ -89,7 +89,7 @@ NVFP4_PRESETS = [r for r in fp4jax.recipes.NAMES
 
 
 def test_presets_listed():
-  assert set(NVFP4_PRESETS) == set(fp4jax.recipes.NAMES) - {"mxfp4", "fp8", "bf16"}
+  assert set(NVFP4_PRESETS) == set(fp4jax.recipes.NAMES) - {"mxfp4", "mxfp8", "fp8", "bf16"}
   assert _quantized_gemms("nvfp4") == {"fprop": 1, "dgrad": 1, "wgrad": 1}
   assert _quantized_gemms("nvfp4_bf16_fprop") == {"dgrad": 1, "wgrad": 1}
   assert _quantized_gemms("tetrajet2") == {"fprop": 4, "dgrad": 2, "wgrad": 2}

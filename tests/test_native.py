@@ -183,7 +183,7 @@ NVFP4_PRESETS = [n for n in fp4jax.recipes.NAMES if _formats(n) and _formats(n) 
 
 
 def test_every_nvfp4_preset_is_covered():
-  assert set(NVFP4_PRESETS) == set(fp4jax.recipes.NAMES) - {"mxfp4", "fp8", "bf16"}
+  assert set(NVFP4_PRESETS) == set(fp4jax.recipes.NAMES) - {"mxfp4", "mxfp8", "fp8", "bf16"}
 
 
 # One preset per scheme and weight layout in the default suite (seconds each); the others under -m slow.
