@@ -172,20 +172,23 @@ class TestRuleErrors:
       policy.decide(config, "nvfp4", "blocks_1/mixer/up")
 
 
+def _dot_and_grads(recipe, x_shape, w_shape):
+  """(y, dx, dw) of fp4jax.dot_general(x, w) with ``recipe`` (a Recipe, a name or a Roles table), fixed inputs,
+  key and cotangent of ones."""
+  x = jax.random.normal(jax.random.key(0), x_shape)
+  w = jax.random.normal(jax.random.key(1), w_shape)
+  y, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, (((1,), (0,)), ((), ())), recipe=recipe,
+                                                     key=jax.random.key(3)), x, w)
+  return (y, *vjp(jnp.ones_like(y)))
+
+
 class TestPerGemm:
 
   def test_forward_only_bf16_equals_the_recipe_nvfp4_bf16_fprop(self):
     config = _tiny(precision=[{"pattern": "*", "recipe": "recipe", "fprop": "bf16"}])
     d = policy.decide(config, "nvfp4", "blocks_0/mixer/in_proj")
     assert d.gemms == ("bf16", "nvfp4", "nvfp4") and d.label == "fprop bf16/dgrad nvfp4/wgrad nvfp4"
-    x = jax.random.normal(jax.random.key(0), (24, 48))
-    w = jax.random.normal(jax.random.key(1), (48, 40))
-    key = jax.random.key(3)
-    outs = []
-    for r in (d.recipe, "nvfp4_bf16_fprop"):
-      y, vjp = jax.vjp(lambda a, b, r=r: fp4jax.dot_general(a, b, (((1,), (0,)), ((), ())), recipe=r, key=key),
-                       x, w)
-      outs.append((y, *vjp(jnp.ones_like(y))))
+    outs = [_dot_and_grads(r, (24, 48), (48, 40)) for r in (d.recipe, "nvfp4_bf16_fprop")]
     for a, b in zip(*outs):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -196,15 +199,7 @@ class TestPerGemm:
     assert d.recipe.wgrad_x.fmt == "mxfp8" and d.recipe.fprop_x.fmt == "nvfp4"
     assert d.recipe.dgrad_w == "fprop tiles, transposed"     # fprop and dgrad from one recipe: shared tiles
     # The layer's dot: fprop and dgrad are nvfp4's bit for bit, only wgrad changes (and stays finite).
-    x = jax.random.normal(jax.random.key(0), (32, 64))
-    w = jax.random.normal(jax.random.key(1), (64, 48))
-    key = jax.random.key(3)
-    outs = []
-    for r in (d.recipe, "nvfp4"):
-      y, vjp = jax.vjp(lambda a, b, r=r: fp4jax.dot_general(a, b, (((1,), (0,)), ((), ())), recipe=r, key=key),
-                       x, w)
-      outs.append((y, *vjp(jnp.ones_like(y))))
-    (y, dx, dw), (y_ref, dx_ref, dw_ref) = outs
+    (y, dx, dw), (y_ref, dx_ref, dw_ref) = [_dot_and_grads(r, (32, 64), (64, 48)) for r in (d.recipe, "nvfp4")]
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_ref))
     assert np.all(np.isfinite(np.asarray(dw))) and not np.array_equal(np.asarray(dw), np.asarray(dw_ref))
