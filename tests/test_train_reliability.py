@@ -67,6 +67,17 @@ CASES = {
     "test_changed_recipe_is_refused": ("resume with another recipe", CLEAR, 6),
     "test_changed_optimizer_and_data_are_refused": ("resume with another lr and seq_len", CLEAR, 6),
     "test_allowed_config_change_is_recorded": ("resume with --allow_config_change", CORRECT, 0),
+    "test_unreadable_config_json_falls_back_to_history": ("config.json truncated, empty, not JSON or not a "
+                                                          "config: the last config_history.jsonl entry, a "
+                                                          "warning naming the file", CORRECT, None),
+    "test_history_line_cut_short_is_skipped": ("config.json unreadable and config_history.jsonl's last line cut "
+                                               "short: its last complete entry", CORRECT, None),
+    "test_resume_with_unreadable_config_json_trains_on": ("resume with an unreadable config.json: exact, and "
+                                                          "the record rewritten", CORRECT, 0),
+    "test_unreadable_run_record_is_refused": ("config.json and config_history.jsonl both unreadable: refused "
+                                              "with the fix", CLEAR, 6),
+    "test_cli_unreadable_run_record": ("train.py resume with {\"broken config.json: --config.recipe=mxfp4 "
+                                       "refused; both files broken: refused", CLEAR, 6),
     "test_failed_save_keeps_earlier_checkpoints": ("checkpoint write fails (ENOSPC)", CLEAR, 7),
     "test_full_disk": ("work directory on a full file system (tmpfs; root only)", CLEAR, 7),
     "test_init_from_takes_params_and_starts_fresh": ("config.init_from = a run's work directory", CORRECT, 0),
@@ -398,6 +409,76 @@ def test_allowed_config_change_is_recorded(finished, tmp_path, capsys):
   assert history[-1]["changes"]["optim.lr"] == [0.003, 0.001] and history[-1]["step"] == 4
   with open(os.path.join(workdir, workdir_lib.CONFIG_FILE), encoding="utf-8") as f:
     assert json.load(f)["optim"]["lr"] == 0.001
+
+
+# A corrupt run record (issue 32): config.json unreadable falls back to config_history.jsonl; both: refused.
+CORRUPT_RECORDS = {"truncated": '{"broken', "empty": "", "not JSON": "\x00\x01garbage", "not a config": "[1, 2]"}
+
+
+def _corrupt(workdir, name, text):
+  with open(os.path.join(workdir, name), "w", encoding="utf-8") as f:
+    f.write(text)
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPT_RECORDS))
+def test_unreadable_config_json_falls_back_to_history(finished, tmp_path, kind):
+  workdir = _copy(finished, tmp_path)
+  _corrupt(workdir, workdir_lib.CONFIG_FILE, CORRUPT_RECORDS[kind])
+  with pytest.raises(errors.ConfigChangedError, match=r"recipe: 'bf16' -> 'mxfp4'"):   # the guard still holds
+    workdir_lib.check_resume(workdir, _config(steps=6, recipe="mxfp4"), 4)
+  resume = workdir_lib.check_resume(workdir, _config(steps=6), 4)
+  assert resume.changes == {"halt_after": (4, 0)}   # the recorded start halted after step 4
+  [warning] = resume.messages
+  assert warning.startswith(f"warning: {os.path.join(workdir, workdir_lib.CONFIG_FILE)} cannot be read ("), warning
+  assert f"taken from {os.path.join(workdir, workdir_lib.HISTORY_FILE)}, line 1" in warning, warning
+
+
+def test_history_line_cut_short_is_skipped(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  _corrupt(workdir, workdir_lib.CONFIG_FILE, "")
+  with open(os.path.join(workdir, workdir_lib.HISTORY_FILE), "a", encoding="utf-8") as f:
+    f.write('{"time": "2026-12-01T00:00:00+00:00", "event": "resume", "config": {"reci')   # a crash mid-append
+  with pytest.raises(errors.ConfigChangedError, match=r"recipe: 'bf16' -> 'mxfp4'"):
+    workdir_lib.check_resume(workdir, _config(steps=6, recipe="mxfp4"), 4)
+  assert "line 1 instead" in workdir_lib.check_resume(workdir, _config(steps=6), 4).messages[0]
+
+
+def test_resume_with_unreadable_config_json_trains_on(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  _corrupt(workdir, workdir_lib.CONFIG_FILE, CORRUPT_RECORDS["truncated"])
+  summary = trainer.train_and_evaluate(_config(steps=6), workdir)
+  out = capsys.readouterr().out
+  assert f"{workdir_lib.CONFIG_FILE} cannot be read" in out and "instead" in out, out
+  assert (summary["status"], summary["step"]) == ("done", 6)
+  _assert_same(_state(workdir, 6), _state(finished[1], 6))   # resumed exactly
+  with open(os.path.join(workdir, workdir_lib.CONFIG_FILE), encoding="utf-8") as f:
+    assert json.load(f)["recipe"] == "bf16"   # the record is whole again
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPT_RECORDS))
+def test_unreadable_run_record_is_refused(finished, tmp_path, kind):
+  workdir = _copy(finished, tmp_path)
+  _corrupt(workdir, workdir_lib.CONFIG_FILE, CORRUPT_RECORDS[kind])
+  _corrupt(workdir, workdir_lib.HISTORY_FILE, CORRUPT_RECORDS[kind])
+  with pytest.raises(errors.RunRecordUnreadable) as info:
+    workdir_lib.check_resume(workdir, _config(steps=6), 4)
+  message = str(info.value)
+  assert info.value.exit_code == 6
+  for phrase in (workdir_lib.CONFIG_FILE, workdir_lib.HISTORY_FILE, "at step 4", "--allow_config_change",
+                 "a new --workdir"):
+    assert phrase in message, message
+  allowed = _config(steps=6, allow_config_change=True)
+  [warning] = workdir_lib.check_resume(workdir, allowed, 4).messages
+  assert "without checking the config (allowed by allow_config_change)" in warning, warning
+  assert workdir_lib.check_resume(workdir, _config(steps=6), None).step is None   # a fresh start needs no record
+
+
+def test_cli_unreadable_run_record(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  _corrupt(workdir, workdir_lib.CONFIG_FILE, CORRUPT_RECORDS["truncated"])
+  _assert_clear(_shrunken_cli(workdir, "--config.recipe=mxfp4", steps=6), 6, "recipe: 'bf16' -> 'mxfp4'")
+  _corrupt(workdir, workdir_lib.HISTORY_FILE, CORRUPT_RECORDS["truncated"])
+  _assert_clear(_shrunken_cli(workdir, steps=6), 6, "config record cannot be read", "--allow_config_change")
 
 
 def _disk_full_at_step(monkeypatch, step):

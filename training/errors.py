@@ -11,7 +11,8 @@ without a traceback (``--debug`` shows the traceback; it is also written to ``<w
   4     WorkdirError        the work directory cannot be created or written (a file, read-only, ...), or
                             another run holds it (WorkdirInUse)
   5     CheckpointError     no checkpoint of the work directory (or of ``init_from``) can be restored
-  6     ConfigChangedError  resuming with another recipe, optimizer, data or model config than the run's
+  6     ConfigChangedError  resuming with another recipe, optimizer, data or model config than the run's,
+                            or with a run record that cannot be read (RunRecordUnreadable)
   7     StorageError        a checkpoint could not be written (no space left, I/O error)
   8     DistributedError    the multi-process set-up failed (coordinator unreachable, wrong process count)
   9     TrainingDiverged    the loss or gradient norm was non-finite too many steps in a row
@@ -53,6 +54,11 @@ class CheckpointError(TrainingError):
 class ConfigChangedError(TrainingError):
   """A resume whose config differs from the run's in a field that changes the result."""
   exit_code = 6
+
+
+class RunRecordUnreadable(ConfigChangedError):
+  """A resume whose run record (config.json and config_history.jsonl) cannot be read, so its config cannot
+  be checked."""
 
 
 class StorageError(TrainingError):

@@ -6,7 +6,9 @@
 
 A resume must use the config the checkpoints were made with: ``config_changes`` lists every field that
 differs from the last start, and ``check_resume`` refuses the ones that change the result (recipe, model,
-optimizer, data, seed, batch, steps) unless ``config.allow_config_change`` says it is intended. Fields that
+optimizer, data, seed, batch, steps) unless ``config.allow_config_change`` says it is intended. An
+unreadable config.json falls back to the last complete entry of config_history.jsonl (with a warning
+naming the file); when neither can be read, a resume refuses (``RunRecordUnreadable``). Fields that
 only change how the run is watched or stored (``FREE_FIELDS``) may change freely.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 
 from training import config as config_lib
 from training import extend
-from training.errors import ConfigChangedError, WorkdirError
+from training.errors import ConfigChangedError, RunRecordUnreadable, WorkdirError
 
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.jsonl"
@@ -56,13 +58,71 @@ def _flat(value, prefix="") -> dict:
   return {prefix[:-1]: value}
 
 
-def last_config(workdir: str) -> dict | None:
-  """The config (plain) of the run's latest start, or None when there is none (or it is unreadable)."""
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """The run's last recorded config, as read back: ``config`` (plain) or None when nothing readable is
+  there; ``source`` the file it came from; ``problems`` one line per record file that exists but cannot be
+  read (truncated, empty, not JSON, not a config)."""
+  config: dict | None
+  source: str | None = None
+  problems: tuple = ()
+
+  @property
+  def unreadable(self) -> bool:
+    """Something was recorded, yet no config could be read back from it."""
+    return self.config is None and bool(self.problems)
+
+
+def _read_config_file(path: str) -> dict:
+  """The plain config in ``path``; OSError or ValueError (with the reason) when it cannot be read."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if not text.strip():
+    raise ValueError("the file is empty")
+  value = json.loads(text)
+  if not isinstance(value, dict):
+    raise ValueError(f"it holds a JSON {type(value).__name__}, not a config")
+  return value
+
+
+def _last_history_config(path: str) -> tuple[dict, int]:
+  """(config, line number) of the last complete entry of config_history.jsonl; OSError or ValueError."""
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  for number in range(len(lines), 0, -1):
+    try:
+      entry = json.loads(lines[number - 1])
+    except ValueError:
+      continue   # a line cut short by a crash while appending: an earlier start's entry is the last one
+    if isinstance(entry, dict) and isinstance(entry.get("config"), dict):
+      return entry["config"], number
+  raise ValueError("no line holds a complete entry" if lines else "the file is empty")
+
+
+def _why(error: Exception) -> str:
+  if isinstance(error, OSError):
+    return error.strerror or str(error)
+  return str(error) or type(error).__name__
+
+
+def last_config(workdir: str) -> Record:
+  """The config of the run's latest start: config.json, else (unreadable or missing) the last complete
+  entry of config_history.jsonl, with a problem line for each record file that could not be read."""
+  problems = []
+  config_path, history_path = os.path.join(workdir, CONFIG_FILE), os.path.join(workdir, HISTORY_FILE)
   try:
-    with open(os.path.join(workdir, CONFIG_FILE), encoding="utf-8") as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
+    return Record(_read_config_file(config_path), config_path)
+  except FileNotFoundError:
+    pass
+  except (OSError, ValueError) as e:
+    problems.append(f"{config_path} cannot be read ({_why(e)})")
+  try:
+    config, line = _last_history_config(history_path)
+  except FileNotFoundError:
+    return Record(None, None, tuple(problems))
+  except (OSError, ValueError) as e:
+    return Record(None, None, (*problems, f"{history_path} cannot be read ({_why(e)})"))
+  return Record(config, f"{history_path}, line {line}", tuple(problems))
 
 
 def config_changes(before: dict, config) -> dict[str, tuple]:
@@ -94,15 +154,30 @@ def check_resume(workdir: str, config, step: int | None) -> Resume:
   A different ``steps`` is allowed as an extension (or an earlier end) when it keeps the learning rate and
   recipe of every step done so far (``training.extend``); its schedule rule is printed.
   """
-  before = last_config(workdir)
+  record = last_config(workdir)
+  allowed = config.get("allow_config_change", False)
+  messages = [f"warning: {p}; the run's config is taken from {record.source} instead"
+              for p in record.problems if record.config is not None]
+  before = record.config
   if before is None:
-    return Resume(step, {})
+    if step is not None and record.unreadable:
+      problems = "; ".join(record.problems)
+      if not allowed:
+        raise RunRecordUnreadable(
+            f"the work directory {workdir} holds a run at step {step}, but its config record cannot be read: "
+            f"{problems}. Without it the resume cannot check that the config is the run's; pass "
+            "--allow_config_change (or --config.allow_config_change=True) if the config given is the run's, "
+            "or use a new --workdir")
+      messages.append(f"warning: {problems}; resuming at step {step} without checking the config "
+                      "(allowed by allow_config_change)")
+    elif step is not None:
+      messages.append(f"warning: the work directory {workdir} has checkpoints but no config record "
+                      f"({CONFIG_FILE}, {HISTORY_FILE}); the resume cannot check the config")
+    return Resume(step, {}, tuple(messages))
   changes = config_changes(before, config)
   if step is None:
-    return Resume(None, changes)
+    return Resume(None, changes, tuple(messages))
   guarded = {k: v for k, v in changes.items() if not is_free(k)}
-  allowed = config.get("allow_config_change", False)
-  messages = []
   if "steps" in guarded and "steps" in before:
     verdict = extend.plan(before, config, step)
     if verdict.accepted:
