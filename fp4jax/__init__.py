@@ -16,6 +16,8 @@ from fp4jax.recipes import Recipe
 
 __version__ = "0.1.0"
 
+from fp4jax import proof  # noqa: E402,F401  registers the on-device prover impl=None consults (verdicts)
+
 __all__ = ["QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht"]
 __all__ += ["dot", "dot_general", "flax", "scaled_matmul", "transpose_tiles"]
 

@@ -4,7 +4,9 @@
   python scripts/gpu_check.py --rehearse    # the same flow on CPU (interpreted kernels, tiny shapes)
 
 Needs only jax and numpy (plus flax and optax for the train-step rows; no pytest, grain or
-jax-triton). For every kernel and every XLA composition it
+jax-triton). Its first lines are the on-device proof (issue 30, item 1; ``fp4jax.proof``): each
+candidate kernel against its XLA twin, bit for bit on NaN/inf and extreme-amax cases, and timed; on a
+GPU the verdicts are cached, so impl=None follows them. Then, for every kernel and every XLA composition it
   1. compiles it (an error is reported in its row and the check goes on),
   2. checks it bit for bit on the device: a kernel against the XLA path, an XLA path against the
      same reference run on the host CPU (the scaled matmuls on operands whose float32 sums are exact
@@ -47,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fp4jax  # noqa: E402  (needs ROOT on the path when run as a script)
-from fp4jax import formats, gemm as fgemm, native, primitives  # noqa: E402
+from fp4jax import formats, gemm as fgemm, native, primitives, proof  # noqa: E402
 from fp4jax.quantizers import Quantizer  # noqa: E402
 from fp4jax.numerics.hadamard import rht  # noqa: E402
 from fp4jax.qtensor import QTensor  # noqa: E402
@@ -104,6 +106,7 @@ class Report:
     self.out_dir, self.sizes, self.rehearse = out_dir, sizes, rehearse
     self.start = time.perf_counter()
     self.budget_s = budget_s
+    self.proof: dict = {}      # "<op>/<fmt>" -> fp4jax.proof entry (verdict, summary, evidence)
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.start
@@ -187,19 +190,7 @@ def _input(shape, seed=0):
   return jnp.asarray(x.astype(np.float32), jnp.bfloat16)
 
 
-def _exact_operand(rows, k, fmt, tiled, seed):
-  """QTensor of random codes with scales 0.5 or 1: every float32 partial sum of a GEMM of two of them
-  is exact (products are multiples of 2^-4, |sum| <= 36·K), so any summation order gives the same bits."""
-  rng = np.random.default_rng(seed)
-  data = jnp.asarray(rng.integers(0, 256, (rows, k // 2)), jnp.uint8)
-  tile = formats.TILE[fmt] if tiled else None
-  s_shape = (rows // tile[0], k // tile[1]) if tiled else (rows, k // formats.BLOCK[fmt])
-  choices = np.array([0x30, 0x38] if fmt == "nvfp4" else [126, 127], np.uint8)
-  scale = jax.lax.bitcast_convert_type(jnp.asarray(rng.choice(choices, s_shape)),
-                                       formats.SCALE_DTYPE[fmt])
-  amax = jnp.float32(rng.uniform(1, 100)) if fmt == "nvfp4" else None
-  return QTensor(data, scale, amax, fmt, -1, None if tiled else formats.BLOCK[fmt], tile,
-                 jnp.dtype(jnp.float32), "rceil" if fmt == "mxfp4" else None)
+_exact_operand = proof.exact_operand   # random codes, scales 0.5 or 1: float32 sums exact in any order
 
 
 # ------------------------------------------------------------------------------------------ quantize
@@ -320,15 +311,9 @@ def matmul_rows(report: Report, impl: str, bf16_tflops: float, xla_outputs: dict
 
 # ------------------------------------------------------------------------------------------ native
 
-NATIVE_OPS = {   # name -> (a quantizer, b quantizer); fmt and layout as the quantized dot uses them
-    "native nvfp4 1x16.16x16": (Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True)),
-    "native nvfp4 1x16.1x16 SR RHT": (Quantizer("nvfp4", rht_size=16),
-                                      Quantizer("nvfp4", stochastic=True, rht_size=16)),
-    "native nvfp4 4/6 1x16.16x16": (Quantizer("nvfp4", four_over_six=(256, "mse")),
-                                    Quantizer("nvfp4", tiled=True, four_over_six=(256, "mse"))),
-    "native nvfp4_eden 1x16.1x16": (Quantizer("nvfp4_eden"), Quantizer("nvfp4_eden")),
-    "native nvfp4_dbq 1x16.1x16": (Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True)),
-}
+# name -> (a quantizer, b quantizer); fmt and layout as the quantized dot uses them (fp4jax.proof's table)
+NATIVE_OPS = {f"native {v.fmt} {v.name}": v.pair for (op, _), vs in proof.VARIANTS.items() if op == "native_gemm"
+              for v in vs}
 
 
 def is_blackwell() -> bool:
@@ -336,17 +321,7 @@ def is_blackwell() -> bool:
   return primitives.impl.native_device()
 
 
-def _exact_native_operand(rows, k, a_q: Quantizer, seed):
-  """``_exact_operand`` in a_q's format: 4/6 as bound 256, MS-EDEN with s_dec 0.5, DBQ with power-of-two
-  outer scales, so that every float32 partial sum stays exact and any order gives the same bits."""
-  q = _exact_operand(rows, k, "nvfp4", a_q.tiled, seed)
-  if a_q.fmt == "nvfp4":
-    return q if a_q.four_over_six is None else dataclasses.replace(q, bound=a_q.four_over_six[0])
-  rng = np.random.default_rng(seed + 100)
-  if a_q.fmt == "nvfp4_eden":
-    return QTensor(q.data, q.scale, None, "nvfp4_eden", -1, 16, None, q.dtype, scale2=jnp.float32(0.5))
-  outer = jnp.asarray(rng.choice([0.25, 0.5, 1.0, 2.0], (rows, k // 128)), jnp.float32)
-  return QTensor(q.data, q.scale, None, "nvfp4_dbq", -1, 16, None, q.dtype, scale2=outer)
+_exact_native_operand = proof.exact_native_operand   # the same in each NVFP4-family format
 
 
 def _quantized(quantizer: Quantizer, x, seed):
@@ -631,7 +606,7 @@ def write_report(report: Report, env: dict):
     print("# no kernel was both exact and faster than its XLA path: VERIFIED_KERNELS stays empty")
   data = dict(env=env, sizes=dataclasses.asdict(report.sizes), rehearse=report.rehearse,
               elapsed_s=report.elapsed(), targets=TARGETS, rows=[dataclasses.asdict(r) for r in report.rows],
-              verdicts=lines, verified_kernels_candidates=evidence)
+              verdicts=lines, verified_kernels_candidates=evidence, proof=report.proof)
   os.makedirs(report.out_dir, exist_ok=True)
   with open(os.path.join(report.out_dir, "gpu_check.json"), "w") as f:
     json.dump(data, f, indent=1)
@@ -646,6 +621,9 @@ def write_report(report: Report, env: dict):
               f"{fmt(r.ms, '.3f')} | {fmt(r.predicted_ms, '.3f')} | {fmt(r.rate, '.2f')} | {r.unit} | "
               f"{fmt(r.ratio, '.2f')} | {r.target} |")
   md += ["", *[f"- {line}" for line in lines]]
+  if report.proof:
+    md += ["", "On-device proof (fp4jax.proof, printed first):", ""]
+    md += [f"- {proof.describe(*name.split('/'), entry)}" for name, entry in report.proof.items()]
   if evidence:
     md += ["", "VERIFIED_KERNELS candidates:", "```", *evidence, "```"]
   errors = [r for r in report.rows if r.error]
@@ -676,6 +654,9 @@ def main(argv=None) -> int:
   parser.add_argument("--budget_s", type=float, default=None,
                       help="rows starting after this many seconds are skipped (default 270 on a GPU, "
                       "none in a rehearsal, which must exercise every row)")
+  parser.add_argument("--proof_budget_s", type=float, default=None,
+                      help="seconds for the on-device proof printed first (fp4jax.proof; default 60 on a GPU, "
+                      "none in a rehearsal)")
   args = parser.parse_args(argv)
   gpu = jax.default_backend() == "gpu" and any(d.platform == "gpu" for d in jax.devices())
   if not gpu and not args.rehearse:
@@ -692,6 +673,14 @@ def main(argv=None) -> int:
   out_dir = args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="fp4jax_gpu_check_")
   budget = args.budget_s if args.budget_s is not None else (float("inf") if args.rehearse else 270.0)
   report = Report(out_dir, sizes, args.rehearse, budget)
+  # Item 1 of issue 30 first: every candidate proved on this device now (cached for impl=None on a GPU).
+  if not (args.rehearse or is_blackwell()):
+    print("proof native_gemm: skipped: not Blackwell (compute capability 10.x)", flush=True)
+  report.proof = proof.prove_all(proof.candidates(native=args.rehearse or is_blackwell()),
+                                 budget_s=args.proof_budget_s if args.proof_budget_s is not None
+                                 else (float("inf") if args.rehearse else 60.0),
+                                 sizes=proof.TINY_SIZES if args.rehearse else None, save=not args.rehearse,
+                                 echo=lambda line: print(line, flush=True))
   env = _environment()
   print(f"# fp4jax gpu_check{' --rehearse' if args.rehearse else ''}: {env['device']} x{env['devices']}, "
         f"jax {env['jax']}, Triton backend {'yes' if env['triton'] else 'NO'}, "

@@ -8,6 +8,12 @@ showed that kernel bit-exact with the reference *and* faster than the XLA path. 
 XLA path runs: quantize as the reference, the scaled matmul as dequantize-to-bf16 then one bf16 GEMM
 with float32 accumulation (exact: E2M1 x E4M3 products fit bf16). ``scripts/gpu_check.py`` prints the
 rows that justify (or refute) an entry.
+
+On the user's GPU, the device's own verdict (``verdicts``, proved by ``fp4jax.proof`` the first time a
+process meets its device key) adds to that evidence: exact and faster there turns a kernel on, "differs",
+"error" or "slower" there turns it off (even a VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS
+choice; no verdict (FP4JAX_PROOF=off, no GPU, budget spent) leaves the recorded evidence in charge.
+FP4JAX_DEFAULT_IMPL still wins over both.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import os
 from fp4jax import _native_compat as nc
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
+from fp4jax.primitives import verdicts
 
 IMPLS = ("xla", "pallas")
 FORCEABLE = IMPLS + ("native",)   # what FP4JAX_DEFAULT_IMPL takes; "native" is a GEMM backend only
@@ -90,7 +97,9 @@ def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None)
   if forced:
     return None
   choice = NATIVE_DEFAULTS.get(fmt)
-  return "native" if choice is not None and choice.default and native_device(capability) else None
+  if choice is None or not choice.default or not native_device(capability):
+    return None   # an on-device verdict only revokes: "differs" / "slower" there runs the XLA path
+  return None if verdicts.decide(verdicts.NATIVE_OP, fmt) is False else "native"
 
 
 def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
@@ -107,8 +116,9 @@ def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
 
 
 def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
-  """What impl=None runs for ``op`` (one of KERNEL_OPS) and ``fmt``: "pallas" only for a verified
-  kernel that can run here (or when FP4JAX_DEFAULT_IMPL=pallas forces it), else "xla"."""
+  """What impl=None runs for ``op`` (one of KERNEL_OPS) and ``fmt``: "pallas" for a kernel that can run
+  here and that this device proved exact and faster (``verdicts.decide``), or, without a device
+  verdict, that VERIFIED_KERNELS records (or when FP4JAX_DEFAULT_IMPL=pallas forces it); else "xla"."""
   if op not in KERNEL_OPS:
     raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
   forced = _forced()   # "native" is a GEMM backend (default_gemm_backend): the primitives keep theirs
@@ -116,7 +126,10 @@ def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
     return "xla"
   if forced == "pallas":
     return "pallas"
-  return "pallas" if (op, fmt) in VERIFIED_KERNELS and can_use_pallas(fmt, platform=platform) else "xla"
+  if not can_use_pallas(fmt, platform=platform):
+    return "xla"
+  proved = verdicts.decide(op, fmt)   # None: no verdict here; False revokes even a VERIFIED entry
+  return "pallas" if ((op, fmt) in VERIFIED_KERNELS if proved is None else proved) else "xla"
 
 
 def _forced() -> str:

@@ -1,0 +1,272 @@
+"""The on-device proof (fp4jax.proof) and its verdicts (fp4jax.primitives.verdicts), on the CPU.
+
+A fake device table (``fake_gpu``: a fake device kind and driver, the Pallas kernels reported usable)
+makes the prover run here, the kernels in Pallas interpret mode at tiny sizes. Timing on the CPU says
+nothing about a GPU, so tests that need a "faster" verdict replace ``proof.time_pair``; exactness is
+never faked: a deliberately wrong kernel is monkeypatched in and must be refused.
+"""
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import _pallas_compat as plc
+from fp4jax import native, proof
+from fp4jax.kernels import quantize_1d as k1d
+from fp4jax.primitives import impl, quantize_last, verdicts
+
+FAKE = proof.Device("Fake GPU 9000", "999.99 CUDA 99.9")
+OP, FMT = "quantize_1d", "nvfp4"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+  """This process looks like a GPU to the prover; verdicts go to tmp_path; nothing forced."""
+  for name in (impl.DEFAULT_IMPL_ENV, verdicts.PROOF_ENV):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
+  monkeypatch.setenv(verdicts.BUDGET_ENV, "600")
+  monkeypatch.setattr(proof, "this_device", lambda: FAKE)
+  monkeypatch.setattr(plc, "gpu_available", lambda: True)
+  previous = verdicts.register(proof.DeviceProver())
+  verdicts.forget()
+  yield tmp_path
+  verdicts.forget()
+  verdicts.register(previous)
+
+
+@pytest.fixture
+def kernel_faster(monkeypatch):
+  """Timings as if the kernel took half the XLA path's time (exactness is still checked for real)."""
+  monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (1e-3, 2e-3))
+
+
+def _count_proofs(monkeypatch):
+  calls = []
+  real = proof.prove
+
+  def counted(op, fmt, **kw):
+    calls.append((op, fmt))
+    return real(op, fmt, **kw)
+  monkeypatch.setattr(proof, "prove", counted)
+  return calls
+
+
+def _file(tmp_path):
+  files = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+  assert len(files) == 1, files
+  return tmp_path / files[0]
+
+
+def _wrong_on_tiny_amax(monkeypatch):
+  """quantize_1d that flips code bits whenever the tensor amax is below 2^-100 (a wrong kernel that
+  only the extreme-amax case catches)."""
+  real = k1d.quantize_1d
+
+  def wrong(x, amax, bits=None, **kw):
+    q, s = real(x, amax, bits, **kw)
+    return jnp.where(jnp.asarray(amax) < 2.0 ** -100, q ^ 0x11, q), s
+  monkeypatch.setattr(k1d, "quantize_1d", wrong)
+
+
+def test_no_gpu_no_proof(monkeypatch, tmp_path):
+  """On the CPU, without the fake table, impl=None stays on the XLA path and nothing is proved."""
+  monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
+  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  calls = _count_proofs(monkeypatch)
+  verdicts.forget()
+  assert proof.device_key() is None
+  assert impl.default_impl(OP, FMT) == "xla" and impl.default_gemm_backend(FMT) is None
+  assert verdicts.decide(OP, FMT) is None and not calls and not os.listdir(tmp_path)
+
+
+def test_exact_kernel_is_proved_cached_and_used(fake_gpu, kernel_faster, monkeypatch, capsys):
+  calls = _count_proofs(monkeypatch)
+  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+  # impl=None asks while the program is traced: the proof runs then (on its own thread) ...
+  jaxpr = jax.make_jaxpr(lambda x: quantize_last(x, jnp.max(jnp.abs(x)).astype(jnp.float32), fmt=FMT))(x)
+  assert calls == [(OP, FMT)]
+  assert "impl='pallas'" in str(jaxpr) or 'impl=pallas' in str(jaxpr)
+  data = json.loads(_file(fake_gpu).read_text())
+  assert data["key"] == proof.device_key(FAKE) and data["key"]["device"] == FAKE.kind
+  assert set(data["key"]) == {"device", "driver", "jax", "jaxlib", "fp4jax"}
+  entry = data["verdicts"][f"{OP}/{FMT}"]
+  assert entry["verdict"] == "faster" and entry["attempts"] == 1 and entry["date"]
+  cases = [c["case"] for v in entry["evidence"]["variants"] for c in v["cases"]]
+  assert {"random", "tiny 2^-120", "huge 2^118", "nan/inf, finite amax", "nan/inf, amax inf", "amax nan",
+          "zeros"} <= set(cases)
+  assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16", "1x16 SR"]
+  assert all(c["mismatches"] == 0 and c["compared"] > 0 for v in entry["evidence"]["variants"] for c in v["cases"])
+  # ... once: the same process asks again without proving again,
+  assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]
+  # and a new process (what it knows forgotten) reads the file instead of proving.
+  verdicts.forget()
+  assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]
+  assert "differs" not in capsys.readouterr().err
+
+
+def test_exact_but_slower_is_not_used_even_if_verified(fake_gpu, monkeypatch):
+  monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (2e-3, 1e-3))
+  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert impl.default_impl(OP, FMT) == "xla"
+  assert verdicts.entry_for(OP, FMT)["verdict"] == "slower"
+
+
+def test_wrong_kernel_is_refused_with_the_reproduction_command(fake_gpu, kernel_faster, monkeypatch, capsys):
+  _wrong_on_tiny_amax(monkeypatch)
+  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert impl.default_impl(OP, FMT) == "xla"        # "differs" revokes even a VERIFIED_KERNELS entry
+  err = capsys.readouterr().err
+  assert f"{OP}/{FMT} differs" in err and "tiny 2^-120" in err and FAKE.kind in err
+  assert "Reproduce: python -m fp4jax.proof --op quantize_1d --fmt nvfp4" in err
+  assert impl.default_impl(OP, FMT) == "xla"
+  assert capsys.readouterr().err == ""              # printed once per process
+  entry = json.loads(_file(fake_gpu).read_text())["verdicts"][f"{OP}/{FMT}"]
+  case = entry["evidence"]["variants"][0]["cases"][-1]
+  assert entry["verdict"] == "differs" and case["case"] == "tiny 2^-120" and case["mismatches"] > 0
+  assert case["first"].startswith("code byte")
+  # the printed command reproduces it (in-process, so the wrong kernel is still patched in)
+  assert proof.main(["--op", OP, "--fmt", FMT, "--no_save"]) == 1
+  out = capsys.readouterr().out
+  assert f"proof {OP}/{FMT}: differs" in out and "tiny 2^-120" in out
+
+
+def test_budget_is_respected_and_undecided_falls_back(fake_gpu, monkeypatch):
+  calls = _count_proofs(monkeypatch)
+  monkeypatch.setenv(verdicts.BUDGET_ENV, "0")
+  start = time.perf_counter()
+  assert impl.default_impl(OP, FMT) == "xla"        # undecided, nothing verified: the XLA path
+  assert time.perf_counter() - start < 5
+  entry = verdicts.entry_for(OP, FMT)
+  assert entry["verdict"] == "undecided" and "budget" in entry["summary"] and entry["attempts"] == 1
+  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert impl.default_impl(OP, FMT) == "pallas"     # undecided: the lab evidence decides
+  assert len(calls) == 1                            # not retried by the same process
+  for attempt in (2, 3):                            # later processes retry, MAX_ATTEMPTS in all
+    verdicts.forget()
+    assert verdicts.entry_for(OP, FMT)["attempts"] == attempt
+  verdicts.forget()
+  assert verdicts.entry_for(OP, FMT)["attempts"] == 3 and len(calls) == 3
+
+
+def test_budget_stops_between_steps(fake_gpu):
+  """A budget that the first variant spends: the proof stops there, undecided, about on time."""
+  start = time.perf_counter()
+  entry = proof.prove("quantize_2d", FMT, sizes=proof.TINY_SIZES, deadline=start + 0.5)
+  assert entry["verdict"] == "undecided" and len(entry["evidence"]["variants"]) < 2
+  assert entry["evidence"]["seconds"] < 60        # one step (a compile) may overrun the deadline
+
+
+def test_opt_out(fake_gpu, monkeypatch):
+  calls = _count_proofs(monkeypatch)
+  monkeypatch.setenv(verdicts.PROOF_ENV, "off")
+  assert impl.default_impl(OP, FMT) == "xla" and verdicts.decide(OP, FMT) is None and not calls
+  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert impl.default_impl(OP, FMT) == "pallas" and not calls
+  monkeypatch.setenv(verdicts.PROOF_ENV, "maybe")
+  with pytest.raises(ValueError, match="FP4JAX_PROOF='maybe'.*'off'"):
+    impl.default_impl(OP, FMT)
+
+
+def test_default_impl_env_wins(fake_gpu, kernel_faster, monkeypatch):
+  _wrong_on_tiny_amax(monkeypatch)
+  assert impl.default_impl(OP, FMT) == "xla"        # proved: differs
+  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "pallas")
+  assert impl.default_impl(OP, FMT) == "pallas"     # forced, over the device's verdict
+
+
+def test_default_impl_xla_wins_over_a_faster_verdict(fake_gpu, kernel_faster, monkeypatch):
+  calls = _count_proofs(monkeypatch)
+  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  assert impl.default_impl(OP, FMT) == "xla" and not calls   # forced: nothing is even proved
+  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV)
+  assert impl.default_impl(OP, FMT) == "pallas" and len(calls) == 1
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"schema": 1, "key": {"device": "other"},
+                                                                "verdicts": {}}), "corrupt-entry"])
+def test_corrupt_cache_file_is_ignored(fake_gpu, kernel_faster, monkeypatch, capsys, content):
+  key = proof.device_key(FAKE)
+  path = verdicts.path_for(key)
+  if content == "corrupt-entry":   # the right key, but an entry no prover writes: a forged "faster"
+    content = json.dumps({"schema": 1, "key": key, "verdicts": {f"{OP}/{FMT}": {"verdict": "faster"}}})
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(content)
+  _wrong_on_tiny_amax(monkeypatch)
+  calls = _count_proofs(monkeypatch)
+  assert impl.default_impl(OP, FMT) == "xla" and calls == [(OP, FMT)]   # re-proved, never trusted
+  assert "ignoring the kernel verdict file" in capsys.readouterr().err
+  data = json.loads(open(path).read())
+  assert data["key"] == key and data["verdicts"][f"{OP}/{FMT}"]["verdict"] == "differs"
+
+
+def test_native_default_confirmed_or_revoked(fake_gpu, monkeypatch, capsys):
+  """The native GEMM's default on cc 10.x: kept when this device proves it exact and faster, revoked
+  when slower or when it differs (here its CPU twin, made wrong by one element)."""
+  fmt = "nvfp4_eden"
+  monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (1e-3, 2e-3))
+  assert impl.default_gemm_backend(fmt, capability=(10, 0)) == "native"
+  entry = verdicts.entry_for(verdicts.NATIVE_OP, fmt)
+  assert entry["verdict"] == "faster"
+  bound = entry["evidence"]["variants"][0]["cases"][-1]
+  assert bound["case"].startswith("random") and bound["violations"] == 0 and bound["k"] == proof.TINY_SIZES.gemm
+
+  verdicts.forget()
+  os.remove(_file(fake_gpu))
+  monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (2e-3, 1e-3))
+  assert impl.default_gemm_backend(fmt, capability=(10, 0)) is None     # exact but slower here
+
+  verdicts.forget()
+  os.remove(_file(fake_gpu))
+  monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (1e-3, 2e-3))
+  real = native._twin
+  monkeypatch.setattr(native, "_twin", lambda *a: real(*a).at[0, 0].multiply(1 + 2.0 ** -10))
+  assert impl.default_gemm_backend(fmt, capability=(10, 0)) is None
+  err = capsys.readouterr().err
+  assert f"native_gemm/{fmt} differs" in err and "--op native_gemm --fmt nvfp4_eden" in err
+  assert impl.default_gemm_backend(fmt, capability=(8, 0)) is None      # not Blackwell: never native
+
+
+def test_compare_quantized_ignores_codes_under_a_nan_scale():
+  v = proof.Variant("quantize_1d", "mxfp4", "1x32")
+  codes = np.zeros((2, 32), np.uint8)
+  scales = np.array([[0xFF, 127], [127, 127]], np.uint8)      # block (0, 0) is NaN
+  other = codes.copy()
+  other[0, 3] = 0x88                                          # under the NaN scale: don't care
+  compare_quantized = proof.compare_quantized
+  got = compare_quantized((other, scales), (codes, scales), v)
+  assert got["mismatches"] == 0 and got["dont_care"] == 16
+  other[1, 20] = 0x01                                         # a real difference
+  got = compare_quantized((other, scales), (codes, scales), v)
+  assert got["mismatches"] == 1 and got["first"] == "code byte (1, 20): kernel 0x01, XLA 0x00"
+  bad_scales = scales.copy()
+  bad_scales[1, 1] = 126
+  assert compare_quantized((codes, bad_scales), (codes, scales), v)["first"].startswith("scale byte (1, 1)")
+
+
+def test_compare_floats_nan_equals_nan():
+  a = np.array([1.0, np.nan, np.inf], np.float32)
+  b = np.array([1.0, -np.nan, np.inf], np.float32)
+  assert proof.compare_floats(a, b)["mismatches"] == 0
+  b[0] = np.nextafter(np.float32(1), np.float32(2))
+  assert proof.compare_floats(a, b)["mismatches"] == 1
+
+
+def test_bound_check_catches_a_wrong_element_not_an_order():
+  """The summation-order bound passes a result summed in another order and refuses a 0.1% error."""
+  n = 256
+  a, b = proof._random_operands(proof.VARIANTS[("scaled_matmul", "nvfp4")][1], n)  # pylint: disable=protected-access
+  want = jax.jit(lambda a, b: proof.api.scaled_matmul(a, b, out_dtype=jnp.float32, impl="xla"))(a, b)
+  xa = proof.api.dequantize(a, jnp.float32, impl="xla")
+  xb = proof.api.dequantize(b, jnp.float32, impl="xla")
+  # another summation order: K in reverse, pairwise in halves
+  other = xa[:, n // 2:][:, ::-1] @ xb[:, n // 2:][:, ::-1].T + xa[:, :n // 2] @ xb[:, :n // 2].T
+  check = proof.bound_check(other, want, a, b)
+  assert check["violations"] == 0 and check["k"] == n, check
+  i = np.unravel_index(int(jnp.argmax(jnp.abs(want))), want.shape)
+  assert proof.bound_check(want.at[i].multiply(1.001), want, a, b)["violations"] == 1
