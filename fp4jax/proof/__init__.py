@@ -268,15 +268,17 @@ def _nan_scale(scale_bytes: np.ndarray, fmt: str) -> np.ndarray:
 
 def nan_blocks(x, v: Variant) -> np.ndarray:
   """Which blocks (the scales' shape) hold a NaN input: after the RHT, every block its 16-row chunk
-  reaches."""
-  nan = np.isnan(np.asarray(jax.device_get(x), np.float32))
+  reaches. Reduced on the device; only the block mask comes back."""
+  nan = jnp.isnan(jnp.asarray(x))
   if v.op == "quantize_rht_t":     # (T, C) -> (C, T); the transform mixes each chunk of 16 along T
     nan = nan.T
-    nan = np.repeat(nan.reshape(nan.shape[0], -1, 16).any(-1), 16, axis=-1)
+    nan = jnp.repeat(nan.reshape(nan.shape[0], -1, 16).any(-1), 16, axis=-1)
   if v.op == "quantize_2d":
     r, c = nan.shape
-    return nan.reshape(r // 16, 16, c // 16, 16).any(axis=(1, 3))
-  return nan.reshape(nan.shape[0], -1, formats.BLOCK[v.fmt]).any(-1)
+    nan = nan.reshape(r // 16, 16, c // 16, 16).any(axis=(1, 3))
+  else:
+    nan = nan.reshape(nan.shape[0], -1, formats.BLOCK[v.fmt]).any(-1)
+  return np.asarray(jax.device_get(nan))
 
 
 def compare_quantized(got, want, v: Variant, x=None) -> dict:
