@@ -2,7 +2,8 @@
 
 The rehearsal runs in a subprocess in which pytest, grain, jax-triton, ml_collections, tensorboardX and
 matplotlib cannot be imported (the device image has none of them), so the first device run cannot die
-on an import or a Python error. It takes about 45 s of CPU time (2-3 minutes on a loaded 2-core VM).
+on an import or a Python error. It takes about 45 s of CPU time (2-3 minutes on a loaded 2-core VM), plus
+the on-device proof it prints first (fp4jax.proof, every candidate at tiny sizes: about 2 minutes there).
 """
 import json
 import os
@@ -77,6 +78,8 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert all(r["predicted_ms"] > 0 for r in rows), [r["name"] for r in rows if not r["predicted_ms"]]
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
+  proof = report["proof"]                  # issue 30 item 1: every candidate proved (kernels interpreted)
+  assert len(proof) == 10 and all(e["verdict"] in ("faster", "slower") for e in proof.values()), proof
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked
   printed = [line.split()[1:3] for line in proc.stdout.splitlines()
              if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "native", "train")]
