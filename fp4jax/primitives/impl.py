@@ -2,6 +2,8 @@
 reference / the XLA composition), for a user's ``impl=`` (None = the default, decided by evidence);
 and which backend ``fp4jax.gemm.scaled_matmul`` (the quantized dot's GEMMs) runs by default, where
 "native" (the block-scaled tensor cores, ``fp4jax.native``) is chosen on compute capability 10.x.
+Each choice is made for the devices the program is compiled for (``fp4jax.target``: the mesh's,
+or an explicit target), not for the process's default backend.
 
 The default on a CUDA GPU is a kernel only where ``VERIFIED_KERNELS`` holds a recorded device run that
 showed that kernel bit-exact with the reference *and* faster than the XLA path. Everywhere else the
@@ -14,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from fp4jax import _native_compat as nc
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
+from fp4jax import target as target_lib
 
 IMPLS = ("xla", "pallas")
 FORCEABLE = IMPLS + ("native",)   # what FP4JAX_DEFAULT_IMPL takes; "native" is a GEMM backend only
@@ -72,29 +74,35 @@ NATIVE_DEFAULTS: dict[str, NativeChoice] = {
 }
 
 
-def native_device(capability: tuple[int, int] | None = None) -> bool:
-  """Whether this process's default device is a GPU of compute capability NATIVE_MAJOR.x (``capability``
-  overrides what the device says, for tests)."""
-  cc = nc.cuda_compute_capability() if capability is None else capability
+def native_device(capability: tuple[int, int] | None = None, *,
+                  target: target_lib.Target | None = None) -> bool:
+  """Whether the program's devices (``target``, default ``fp4jax.target.current()``) are GPUs of compute
+  capability NATIVE_MAJOR.x; ``capability`` overrides the target's, for tests."""
+  cc = target_lib.resolve(target).capability if capability is None else capability
   return cc is not None and cc[0] == NATIVE_MAJOR
 
 
-def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None) -> str | None:
+def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
+                         target: target_lib.Target | None = None) -> str | None:
   """What ``fp4jax.gemm.scaled_matmul(backend=None)`` runs for ``fmt``: "native" where NATIVE_DEFAULTS
-  chooses it and the device has compute capability 10.x, or everywhere the native GEMM exists when
-  FP4JAX_DEFAULT_IMPL=native (deviceless sm_100 compiles, the device check); None otherwise (the
-  primitives' default, ``default_impl``). FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
+  chooses it and the program's devices (``target``, default ``fp4jax.target.current()``) have compute
+  capability 10.x, or everywhere the native GEMM exists when FP4JAX_DEFAULT_IMPL=native; None otherwise
+  (the primitives' default, ``default_impl``). FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
   forced = _forced()
   if forced == "native":
     return "native" if fmt in NATIVE_DEFAULTS else None
   if forced:
     return None
   choice = NATIVE_DEFAULTS.get(fmt)
-  return "native" if choice is not None and choice.default and native_device(capability) else None
+  return ("native" if choice is not None and choice.default and native_device(capability, target=target)
+          else None)
 
 
-def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
-  """Whether the Pallas kernels can run compiled here: an FP4 format on a CUDA GPU with Triton.
+def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None,
+                   target: target_lib.Target | None = None) -> bool:
+  """Whether the Pallas kernels can run compiled on the program's devices: an FP4 format on a CUDA GPU
+  with Triton. ``platform`` ("cuda" | "gpu" | "cpu"...) says it directly; else ``target`` (default
+  ``fp4jax.target.current()``: the devices the trace is for, not the process's).
 
   Says nothing about whether they are the default (``default_impl``). On CPU this is False;
   impl="pallas" still works there, through the Pallas interpreter (slow, for tests).
@@ -102,13 +110,15 @@ def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
   if fmt not in formats.KERNEL_FORMATS or not plc.has_triton():
     return False
   if platform is None:
-    return plc.gpu_available()
+    return target_lib.resolve(target).cuda
   return platform in ("cuda", "gpu")
 
 
-def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
+def default_impl(op: str, fmt: str, *, platform: str | None = None,
+                 target: target_lib.Target | None = None) -> str:
   """What impl=None runs for ``op`` (one of KERNEL_OPS) and ``fmt``: "pallas" only for a verified
-  kernel that can run here (or when FP4JAX_DEFAULT_IMPL=pallas forces it), else "xla"."""
+  kernel that can run on the program's devices (``platform`` / ``target`` as in ``can_use_pallas``), or
+  when FP4JAX_DEFAULT_IMPL=pallas forces it; else "xla"."""
   if op not in KERNEL_OPS:
     raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
   forced = _forced()   # "native" is a GEMM backend (default_gemm_backend): the primitives keep theirs
@@ -116,7 +126,8 @@ def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
     return "xla"
   if forced == "pallas":
     return "pallas"
-  return "pallas" if (op, fmt) in VERIFIED_KERNELS and can_use_pallas(fmt, platform=platform) else "xla"
+  verified = (op, fmt) in VERIFIED_KERNELS
+  return "pallas" if verified and can_use_pallas(fmt, platform=platform, target=target) else "xla"
 
 
 def _forced() -> str:
