@@ -369,14 +369,15 @@ _FMHA_WINDOW = re.compile(r'"sliding_window_length"\s*:\s*"?(\d+)')
 
 
 def visible_pairs(L: int, S: int, causal: bool, window: int = 0) -> int:
-  """(query, key) pairs an attention computes: all L·S, or with a causal mask (query i sees keys
-  0..i, cuDNN's top-left alignment) sum_i min(i + 1, S), and with a sliding window of W keys at most W
-  of them: sum_i min(i + 1, M), M = min(S, W)."""
-  M = min(S, window) if window else S
+  """(query, key) pairs an attention computes: all L·S (a window of W keys: each query's last W), or
+  with a causal mask (query i sees keys 0..i, cuDNN's top-left alignment) and a window of W keys, the
+  keys j with max(0, i - W + 1) <= j <= min(i, S - 1)."""
   if not causal:
-    return L * M
-  ramp = min(L, M)   # queries 0..ramp-1 see i + 1 keys, the rest M
-  return ramp * (ramp + 1) // 2 + (L - ramp) * M
+    return L * (min(S, window) if window else S)
+  if not window:
+    ramp = min(L, S)   # queries 0..ramp-1 see i + 1 keys, the rest all S
+    return ramp * (ramp + 1) // 2 + (L - ramp) * S
+  return sum(max(0, min(i, S - 1) - max(0, i - window + 1) + 1) for i in range(L))
 
 
 def fmha_shape(ins: Instr, shapes: dict):

@@ -316,7 +316,7 @@ ENTRY %main (q: bf16[2,512,8,128], k: bf16[2,512,2,128], v: bf16[2,512,2,128], d
 
 def test_visible_pairs_counts_the_mask():
   brute = lambda L, S, W: sum(1 for i in range(L) for j in range(S) if j <= i and (not W or i - j < W))
-  for L, S, W in [(512, 512, 0), (7, 3, 0), (3, 7, 0), (64, 64, 16), (10, 4, 6)]:
+  for L, S, W in [(512, 512, 0), (7, 3, 0), (3, 7, 0), (64, 64, 16), (10, 4, 6), (10, 4, 2)]:
     assert hlo_cost.visible_pairs(L, S, True, W) == brute(L, S, W), (L, S, W)
   assert hlo_cost.visible_pairs(512, 384, False) == 512 * 384
   assert hlo_cost.visible_pairs(8192, 8192, True) == 8192 * 8193 // 2   # about half of L²
