@@ -3,7 +3,8 @@
   python bench/gpu_aot.py --target h200 --what dot --shape 8192,8192,8192 --recipe nvfp4
   python bench/gpu_aot.py --target b200 --what quantize --shape 8192,8192 --impl pallas
   python bench/gpu_aot.py --target h200 --what step --config configs/small.py
-  python bench/gpu_aot.py --target b200 --what dot --impl native     # the block-scaled FP4 GEMMs
+  python bench/gpu_aot.py --target b200 --what dot     # the B200 default: the block-scaled FP4 GEMMs
+  python bench/gpu_aot.py --target b200 --what dot --impl xla     # the XLA path (bf16 GEMMs) instead
   python bench/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
   python bench/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
 
@@ -12,6 +13,10 @@ the process compiles for a ``GpuTargetConfigProto`` (bench/gpu_targets/<target>.
 ``jax.experimental.topologies``, so XLA's GPU pipeline, Triton and ptxas all run. ``--devices N`` makes
 a topology of N GPUs (8 per host); ``--mesh.<axis>=k`` / ``--config.<field>=v`` as in bench/scale.py,
 whose step builder (``scale.build_step``) is the one used here.
+
+Every automatic choice is made for the target's devices, as a GPU process makes it (``fp4jax.target``):
+attention_impl="auto" traces cuDNN's fused attention, and on the B200 the quantized dot's GEMMs are
+native; ``--impl`` forces one instead.
 
 ``--what``: one op (``quantize``, ``quantize_sr``, ``quantize_2d``, ``quantize_rht_t``,
 ``dequantize``, ``scaled_matmul``; ``--fmt``, ``--impl``), ``dot`` (``value_and_grad`` of
@@ -111,19 +116,33 @@ class Program:
   kernels: int = 0
 
 
+def program_devices(args) -> list:
+  """The devices a program's arguments are placed on (their shardings'): what it is compiled for."""
+  import jax   # pylint: disable=import-outside-toplevel
+  for leaf in jax.tree.leaves(args):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      return sorted(sharding.device_set, key=lambda d: d.id)
+  return []
+
+
 def compile_program(prog: Program, mesh=None) -> dict:
   """Lowers and compiles; returns the compiled executable's text, memory and times (never raises:
-  an error is returned in ``error``)."""
+  an error is returned in ``error``). Every automatic choice (attention's kernel, the GEMM backend,
+  the primitives' impl) is traced for the program's devices (``fp4jax.target``): the mesh's, else its
+  arguments', the GPU topology's, as a GPU process would decide, not this CPU process's."""
   import jax   # pylint: disable=import-outside-toplevel
+  import fp4jax   # pylint: disable=import-outside-toplevel
   t0, c0 = time.perf_counter(), time.process_time()
   try:
     fn = prog.fn if hasattr(prog.fn, "lower") else jax.jit(prog.fn)
     if mesh is not None:
       from training import sharding   # pylint: disable=import-outside-toplevel
-      with sharding.mesh_context(mesh):
+      with sharding.mesh_context(mesh), fp4jax.target.use(mesh):
         lowered = fn.lower(*prog.args)
     else:
-      lowered = fn.lower(*prog.args)
+      with fp4jax.target.use(program_devices(prog.args) or None):
+        lowered = fn.lower(*prog.args)
     t1 = time.perf_counter()
     compiled = lowered.compile()
   except Exception as e:   # pylint: disable=broad-except  (reported per program)
@@ -163,7 +182,7 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
   from fp4jax.api import quantize_rht_transposed   # pylint: disable=import-outside-toplevel
   key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
   kern = 1 if impl == "pallas" else 0
-  tag = f"{what}_{fmt}_{impl}"
+  tag = f"{what}_{fmt}_{impl or 'auto'}"
   if what in ("quantize", "quantize_sr", "quantize_2d"):
     m, k = shape
     tile = (16, 16) if what == "quantize_2d" else None
@@ -270,6 +289,7 @@ def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
   gemms = [o for o in cost["ops"] if o["kind"] == "gemm"]
   out["cost"] = dict(
       predicted_ms=cost["seconds"] * 1e3, gemm_ms=cost["gemm_seconds"] * 1e3,
+      attention_ms=cost["attention_seconds"] * 1e3, attention_tflop=cost["attention_flops"] / 1e12,
       other_ms=cost["other_seconds"] * 1e3, gemm_tflop=cost["gemm_flops"] / 1e12,
       other_gib=cost["other_bytes"] / GiB, naive_gib=hlo_cost.naive_bytes(res["text"]) / GiB,
       counts=cost["counts"], collectives=cost["collectives"],
@@ -293,7 +313,8 @@ def report(s: dict, twin: dict | None = None) -> str:
            f"{m['temp_bytes'] / GiB:.3f} GiB",
            f"  launches per step: " + ", ".join(f"{k} {v}" for k, v in sorted(c["counts"].items())),
            f"  predicted {c['predicted_ms']:.3f} ms = GEMMs {c['gemm_ms']:.3f} ms ({c['gemm_tflop']:.2f} "
-           f"TFLOP) + other ops {c['other_ms']:.3f} ms ({c['other_gib']:.2f} GiB moved; a walk without "
+           f"TFLOP) + cuDNN attention {c['attention_ms']:.3f} ms ({c['attention_tflop']:.2f} TFLOP) + "
+           f"other ops {c['other_ms']:.3f} ms ({c['other_gib']:.2f} GiB moved; a walk without "
            f"slice accounting: {c['naive_gib']:.2f} GiB)"]
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
@@ -348,8 +369,11 @@ def _flags():
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each).")
   flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
-  flags.DEFINE_string("impl", "xla", "xla | pallas (ops; dot and step: FP4JAX_DEFAULT_IMPL for the run, "
-                      "also native: the block-scaled GEMMs of fp4jax.native, for --target b200).")
+  flags.DEFINE_enum("impl", "auto", ("auto", "xla", "pallas", "native"),
+                    "auto: every default decided for --target as a GPU process decides it (fp4jax.target: "
+                    "on b200 the native GEMMs); xla | pallas force an op's impl, and for dot and step "
+                    "FP4JAX_DEFAULT_IMPL for the run; native (dot, step): every GEMM that has one "
+                    "block-scaled, FP4JAX_DEFAULT_IMPL=native.")
   flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
@@ -388,8 +412,7 @@ def main(argv):
       results.append(_compiled(F, p))
       print(report(results[-1]), flush=True)
   elif F.what == "dot":
-    if F.impl in ("pallas", "native"):
-      os.environ["FP4JAX_DEFAULT_IMPL"] = F.impl
+    _force_impl(F.impl)
     shape = shape or (8192, 8192, 8192)
     results.append(_compiled(F, dot_program(F.recipe, shape, single)))
     if F.twin:
@@ -399,7 +422,10 @@ def main(argv):
     results, twin, mesh = _step(F, devices)
   else:
     shape = shape or ((8192, 8192, 8192) if F.what == "scaled_matmul" else (8192, 8192))
-    results.append(_compiled(F, op_program(F.what, shape, F.fmt, F.impl, single)))
+    if F.impl == "native":
+      raise ValueError("--impl native is a GEMM backend (--what dot or step); ops take auto, xla or pallas")
+    results.append(_compiled(F, op_program(F.what, shape, F.fmt, None if F.impl == "auto" else F.impl,
+                                           single)))
     print(report(results[0]))
   out = dict(target=F.target, peaks=peaks(F.target, F.peaks), peaks_kind=F.peaks, what=F.what,
              devices=len(devices), jax_version=jax.__version__, results=results, twin=twin)
@@ -413,6 +439,12 @@ def main(argv):
   for p in problems:
     print("BUDGET/ERROR:", p)
   return 1 if problems or any(r.get("error") for r in results) else 0
+
+
+def _force_impl(impl: str) -> None:
+  """--impl for dot and step: "auto" leaves every default to the target; the others force it."""
+  if impl != "auto":
+    os.environ["FP4JAX_DEFAULT_IMPL"] = impl
 
 
 _HLO_WRITTEN: list[str] = []
@@ -439,8 +471,7 @@ def _step(F, devices):
                            axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
   ranks = mesh.shape["data"] * mesh.shape["fsdp"]
   bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // ranks)
-  if F.impl in ("pallas", "native"):
-    os.environ["FP4JAX_DEFAULT_IMPL"] = F.impl
+  _force_impl(F.impl)
 
   def one(cfg, name):
     built = scale.build_step(cfg, mesh, bpd)

@@ -9,6 +9,12 @@ integer constant):
 - a GEMM (a fusion that XLA hands to a GEMM emitter, a cuBLAS/cuDNN custom call, or a fusion whose
   computation holds a ``dot``/``scaled-dot``) at max(flops / peak of its operand dtype, bytes / HBM
   bandwidth);
+- a cuDNN fused attention (``__cudnn$fmha*`` custom calls, forward and backward) at max(flops / peak of
+  its operand dtype, bytes / HBM bandwidth), kind "attention": the forward is two batched products,
+  Q·Kᵀ and P·V, 2·B·H·(L·S visible)·(P + Pv) flops, the backward five (the scores recomputed, dV, dP,
+  dQ, dK), 2·B·H·(visible)·(3P + 2Pv) (2.5x the forward at Pv = P); a causal mask keeps
+  L·(L+1)/2 of the L·S pairs (about half), a sliding window fewer. The scores never reach HBM: its
+  bytes are its operands and outputs;
 - any other fusion, Pallas/Triton kernel, copy or standalone op at the bytes it moves / HBM bandwidth:
   its operands and outputs, except that an operand the fused computation only reads through
   dynamic-slice/slice is charged the slices, and an output built by dynamic-update-slice into an
@@ -148,7 +154,8 @@ def nbytes(shape: str) -> int:
 
 @dataclasses.dataclass
 class Op:
-  """One charged instruction: its kind ("gemm", "kernel" = Pallas/Triton custom call, "fusion",
+  """One charged instruction: its kind ("gemm", "attention" = cuDNN fused attention, "kernel" =
+  Pallas/Triton custom call, "fusion",
   "copy", "other", or a collective), executions per step, bytes per execution, and for a GEMM its
   flops, operand dtype and (M, N, K)."""
   name: str
@@ -354,6 +361,55 @@ class Module:
 
 
 BLOCK_SCALED_TARGET = 'custom_call_target="__cudnn$blockScaledDot"'
+FMHA_TARGET = "__cudnn$fmha"   # cuDNN fused attention: fmhaSoftmax, fmhaSoftmaxBackward, ...Dropout, ...
+_FMHA_SCORES = re.compile(r'"intermediate_tensor_shape"\s*:\s*\{\s*"element_type"\s*:\s*"\w+"\s*,\s*'
+                          r'"dimensions"\s*:\s*\[([^\]]*)\]')
+_FMHA_MASK = re.compile(r'"mask_type"\s*:\s*"(\w+)"')
+_FMHA_WINDOW = re.compile(r'"sliding_window_length"\s*:\s*"?(\d+)')
+
+
+def visible_pairs(L: int, S: int, causal: bool, window: int = 0) -> int:
+  """(query, key) pairs an attention computes: all L·S (a window of W keys: each query's last W), or
+  with a causal mask (query i sees keys 0..i, cuDNN's top-left alignment) and a window of W keys, the
+  keys j with max(0, i - W + 1) <= j <= min(i, S - 1)."""
+  if not causal:
+    return L * (min(S, window) if window else S)
+  if not window:
+    ramp = min(L, S)   # queries 0..ramp-1 see i + 1 keys, the rest all S
+    return ramp * (ramp + 1) // 2 + (L - ramp) * S
+  return sum(max(0, min(i, S - 1) - max(0, i - window + 1) + 1) for i in range(L))
+
+
+def fmha_shape(ins: Instr, shapes: dict):
+  """(flops, operand dtypes, (B·H, L, S, P)) of a cuDNN fused attention custom call, or None.
+
+  Read from its backend config: the scores' shape (B, H, L, S) and the mask; the head dims from the
+  operands q (B·L·H·P elements), k (B·S·K·P) and v (B·S·K·Pv), whatever their layout."""
+  target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+  scores = _FMHA_SCORES.search(ins.attrs)
+  if not (target and target.group(1).startswith(FMHA_TARGET) and scores and len(ins.operands) >= 3):
+    return None
+  dims = [int(d.strip('" ')) for d in scores.group(1).split(",") if d.strip('" ')]
+  q, k, v = (arrays(shapes.get(o, "")) for o in ins.operands[:3])
+  if len(dims) != 4 or not (q and k and v):
+    return None
+  numel = lambda a: _prod(a[0][1])
+  B, H, L, S = dims
+  P = numel(q) // (B * H * L)
+  kv_heads = numel(k) // (B * S * P)
+  Pv = numel(v) // (B * S * max(1, kv_heads))
+  mask = _FMHA_MASK.search(ins.attrs)
+  window = _FMHA_WINDOW.search(ins.attrs)
+  pairs = visible_pairs(L, S, bool(mask) and "CAUSAL" in mask.group(1), int(window.group(1)) if window else 0)
+  per_pair = 3 * P + 2 * Pv if "Backward" in target.group(1) else P + Pv
+  return 2 * B * H * pairs * per_pair, f"{q[0][0]}x{k[0][0]}", (B * H, L, S, P)
+
+
+def _prod(dims) -> int:
+  n = 1
+  for d in dims:
+    n *= d
+  return n
 
 
 def block_scaled_shape(lhs_shape: str, rhs_shape: str):
@@ -417,6 +473,12 @@ def analyze(text: str, peaks: dict) -> dict:
         continue
       if ins.opcode in FREE or ins.opcode.endswith("-done") or ins.opcode in ("async-start",):
         continue
+      fmha = fmha_shape(ins, mod.shapes) if ins.opcode == "custom-call" else None
+      if fmha is not None:
+        flops, dtype, mnk = fmha
+        ops.append(Op(ins.name, "attention", m, mod.plain_bytes(ins), ins.op_name, flops=flops,
+                      dtype=dtype, mnk=mnk))
+        continue
       gemm = mod.gemm_shape(ins)
       if gemm is not None:
         flops, dtype, mnk = gemm
@@ -430,7 +492,7 @@ def analyze(text: str, peaks: dict) -> dict:
       ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name))
   for op in ops:
     mem_s = op.bytes / peaks["hbm"]
-    if op.kind == "gemm":
+    if op.kind in ("gemm", "attention"):
       peak = gemm_peak(peaks, op.dtype, highest=op.highest)
       flop_s = op.flops / peak
       op.seconds = max(flop_s, mem_s) * op.count
@@ -441,16 +503,18 @@ def analyze(text: str, peaks: dict) -> dict:
   collectives = [dict(kind=k, dtype=d, count=c, bytes=b, bytes_per_step=t)
                  for (k, d), (c, b, t) in sorted(coll.items())]
   gemm_s = sum(o.seconds for o in ops if o.kind == "gemm")
-  other_s = sum(o.seconds for o in ops if o.kind != "gemm")
+  attention_s = sum(o.seconds for o in ops if o.kind == "attention")
+  other_s = sum(o.seconds for o in ops if o.kind not in ("gemm", "attention"))
   counts = collections.Counter()
   for o in ops:
     counts[o.kind] += o.count
   link = peaks.get("link")
   coll_bytes = sum(c["bytes_per_step"] for c in collectives)
   return dict(
-      seconds=gemm_s + other_s, gemm_seconds=gemm_s, other_seconds=other_s,
-      gemm_flops=sum(o.flops * o.count for o in ops if o.kind == "gemm"),
-      other_bytes=sum(o.bytes * o.count for o in ops if o.kind != "gemm"),
+      seconds=gemm_s + attention_s + other_s, gemm_seconds=gemm_s, attention_seconds=attention_s,
+      other_seconds=other_s, gemm_flops=sum(o.flops * o.count for o in ops if o.kind == "gemm"),
+      attention_flops=sum(o.flops * o.count for o in ops if o.kind == "attention"),
+      other_bytes=sum(o.bytes * o.count for o in ops if o.kind not in ("gemm", "attention")),
       counts=dict(counts), collectives=collectives,
       collective_bytes=coll_bytes, collective_seconds=coll_bytes / link if link else None,
       ops=[dataclasses.asdict(o) for o in ops])
@@ -483,10 +547,11 @@ def label(op_name: str) -> str:
 
 
 def by_label(cost: dict) -> list[tuple[str, float, int]]:
-  """``[(label, seconds, bytes per step)]`` of the non-GEMM ops, largest first."""
+  """``[(label, seconds, bytes per step)]`` of the ops that are neither GEMMs nor fused attention,
+  largest first."""
   acc = collections.defaultdict(lambda: [0.0, 0])
   for o in cost["ops"]:
-    if o["kind"] == "gemm":
+    if o["kind"] in ("gemm", "attention"):
       continue
     row = acc[label(o["op_name"])]
     row[0] += o["seconds"]

@@ -25,7 +25,7 @@ def get_config():
   c = base.get_config()
   c.name = "nemotron_h_12b"
   c.model.preset = "nemotron_h_12b"
-  c.model.remat = True
+  c.model.remat = "full"
   c.model.scan_blocks = True
   c.steps = 1_658_000
   c.batch_size = 736

@@ -6,6 +6,7 @@ from fp4jax import _platform
 _platform.configure()   # before anything starts a backend: CPU-only jax where a CUDA plugin has no GPU
 
 from fp4jax import recipes  # noqa: E402  pylint: disable=wrong-import-position
+from fp4jax import target
 from fp4jax.api import dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
 from fp4jax.numerics import hadamard
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 
 from fp4jax import proof  # noqa: E402,F401  registers the on-device prover impl=None consults (verdicts)
 
-__all__ = ["QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht"]
+__all__ = ["QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht",
+           "target"]
 __all__ += ["dot", "dot_general", "flax", "scaled_matmul", "transpose_tiles"]
 
 

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax import target
+
 # The optimized-HLO custom call of a block-scaled GEMM on Blackwell (what the compile tests count).
 BLOCK_SCALED_TARGET = "__cudnn$blockScaledDot"
 # What jax lowers scaled_matmul to before XLA's GPU passes (the StableHLO / unoptimized HLO).
@@ -51,25 +53,9 @@ def block_scaled_matmul(a, b, a_scales, b_scales):
 def cuda_compute_capability() -> tuple[int, int] | None:
   """(major, minor) of this process's default device when it is a CUDA GPU, else None.
 
-  A deviceless compile (platforms cpu,cuda without a GPU) has CPU devices here: None."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:   # pragma: no cover - no backend at all
-    return None
-  return _capability(dev)
-
-
-def _capability(dev) -> tuple[int, int] | None:
-  if dev.platform not in ("gpu", "cuda"):
-    return None
-  cc = getattr(dev, "compute_capability", None)
-  if cc is None:
-    return None
-  parts = str(cc).split(".")
-  try:
-    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-  except ValueError:   # pragma: no cover - an unexpected format
-    return None
+  A deviceless compile (platforms cpu,cuda without a GPU) has CPU devices here: None. The automatic
+  choices read the program's devices instead (``fp4jax.target``)."""
+  return target.Target.here().capability
 
 
 @functools.lru_cache(maxsize=None)

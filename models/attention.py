@@ -4,7 +4,8 @@ Scores and the value product are never quantized; only the ``qkv`` and ``out`` p
 precision policy. ``config.attention_impl`` picks the kernel: ``"chunked"`` (``chunked_attention`` below:
 flash-style online softmax over key blocks, memory O(L x block) instead of O(L x L), any backend),
 ``"cudnn"`` / ``"xla"`` (``jax.nn.dot_product_attention`` with that implementation; XLA's holds the L x L
-scores), ``"auto"`` (cuDNN for training on a GPU in bf16/fp16 with head_dim <= 128, else chunked).
+scores), ``"auto"`` (cuDNN for training on an sm_80+ CUDA GPU in bf16/fp16 with head_dim <= 128, else chunked),
+decided for the devices the program is compiled for (``fp4jax.target.current()``), not the process's.
 The fused QKV weight is KV-group-major, ``D x (K, R + 2, P)``: each KV head's R query heads, its key
 and its value are contiguous, so query head h = k R + r uses KV head k, as GQA expects.
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import fp4jax
 from models.config import ModelConfig
 from models.layers import linear, residual_std, rope
 
@@ -86,14 +88,15 @@ class Attention(nn.Module):
 
 # ------------------------------------------------------------------------------------------ kernels
 
-def resolve_attention_impl(config: ModelConfig, dtype) -> str:
-  """``config.attention_impl`` with ``"auto"`` decided: cuDNN's fused kernel where it applies (a GPU
-  backend, bf16/fp16, head_dim <= 128), else the chunked online-softmax attention."""
+def resolve_attention_impl(config: ModelConfig, dtype, target: fp4jax.target.Target | None = None) -> str:
+  """``config.attention_impl`` with ``"auto"`` decided: cuDNN's fused kernel where it applies (the
+  program's devices, ``target`` or ``fp4jax.target.current()``, are CUDA GPUs of compute capability 8.0
+  or later; bf16/fp16; head_dim <= 128), else the chunked online-softmax attention."""
   impl = config.attention_impl
   if impl != "auto":
     return impl
-  fits_cudnn = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-                and config.head_dim <= 128)
+  fits_cudnn = (fp4jax.target.resolve(target).at_least(8, 0)
+                and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and config.head_dim <= 128)
   return "cudnn" if fits_cudnn else "chunked"
 
 

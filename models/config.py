@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from models import remat as remat_lib
 from models import rules
 
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -75,7 +76,9 @@ class ModelConfig:
   # tetrajet2 recipe (rounded up to 128s, models.policy.outcontrol_fp8_channels) runs in MXFP8; 0: off. Set
   # by the trainer from config.outcontrol (it is not a config.model field).
   outcontrol_ratio: float = 0.0
-  remat: bool = False             # rematerialize each block in the backward pass
+  # What each block keeps for the backward pass (models.remat): "none", "full" (recompute the block),
+  # "save_linear" (keep the linear layers' outputs); True / False mean "full" / "none".
+  remat: Any = "none"
   # lax.scan over repeated groups of blocks (models.lm.block_groups): fewer blocks to compile, but the
   # parameter tree changes (a group's blocks get a leading repeat axis), so it is opt-in.
   scan_blocks: bool = False
@@ -108,6 +111,7 @@ class ModelConfig:
     if self.loss_chunk <= 0:
       raise ValueError(f"loss_chunk={self.loss_chunk} must be > 0 (vocabulary columns per chunk of logits)")
     object.__setattr__(self, "precision", rules.parse(self.precision))
+    object.__setattr__(self, "remat", remat_lib.normalize(self.remat))
     if self.bf16_first_blocks < 0 or self.bf16_last_blocks < 0:
       raise ValueError(f"{self.bf16_first_blocks=} and {self.bf16_last_blocks=} must be >= 0")
     if not 0.0 <= self.outcontrol_ratio <= 1.0:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import outcontrol
-from models import policy
+from models import policy, remat
 from models.config import ModelConfig
 
 OUTCONTROL = "outcontrol"   # the variable collection of OutControl's per-layer state
@@ -44,21 +44,24 @@ def residual_std(config: ModelConfig) -> float:
 
 
 def linear(parent: nn.Module, name: str, features: int, kernel_axes: Sequence[str], *,
-           config: ModelConfig, recipe: Any, std: float | None = None) -> nn.Dense:
-  """A bias-free ``nn.Dense`` child of ``parent`` whose dot_general the precision policy picks; an
-  ``OutControlDense`` where the policy gives the layer an OutControl ratio (``config.outcontrol_ratio``).
+           config: ModelConfig, recipe: Any, std: float | None = None):
+  """``x -> y`` through a bias-free ``nn.Dense`` child of ``parent`` whose dot_general the precision
+  policy picks; an ``OutControlDense`` where the policy gives the layer an OutControl ratio
+  (``config.outcontrol_ratio``).
 
-  Call inside ``parent``'s compact method; the policy sees the layer's full module path.
+  Call inside ``parent``'s compact method; the policy sees the layer's full module path. The returned
+  callable names its output ``models.remat.LINEAR_OUT`` (what the "save_linear*" remat policies keep).
   """
   path = (*parent.path, name)
   ratio = policy.outcontrol_ratio(config, recipe, path)
   cls = functools.partial(OutControlDense, outcontrol_ratio=ratio) if ratio else nn.Dense
-  return cls(
+  dense = cls(
       features, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
       kernel_init=nn.with_logical_partitioning(
           nn.initializers.normal(config.init_std if std is None else std), tuple(kernel_axes)),
       dot_general_cls=policy.dot_general_cls(config, recipe, path),
       name=name)
+  return lambda x: remat.tag_linear(dense(x))
 
 
 class OutControlDense(nn.Dense):

@@ -28,7 +28,7 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy
 from models.mamba2 import Mamba2
 from models.mlp import MLP
-from models import policy
+from models import policy, remat
 from models.moe import STATS as MOE_STATS, MoE
 from models.policy import layer_precision
 
@@ -65,7 +65,7 @@ class BlockGroup(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, _) -> tuple[jax.Array, None]:
     cfg = self.config
-    block_cls = nn.remat(Block) if cfg.remat else Block
+    block_cls = remat.block_class(Block, cfg.remat)
     for i in range(self.start, self.start + self.unit):
       x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, self.decode, name=f"blocks_{i}")(x_BxLxD)
     return x_BxLxD, None
@@ -162,7 +162,7 @@ class LanguageModel(nn.Module):
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
     x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL).astype(cfg.dtype), _RESIDUAL)
-    block_cls = nn.remat(Block) if cfg.remat else Block
+    block_cls = remat.block_class(Block, cfg.remat)
     if not cfg.scan_blocks:
       for i, kind in enumerate(cfg.block_kinds):
         x_BxLxD = block_cls(cfg, kind, self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)

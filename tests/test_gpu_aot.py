@@ -108,6 +108,30 @@ def test_small_train_step_compiles_for_one_h200(tmp_path):
   assert report["results"][0]["memory"]["temp_bytes"] > 0
 
 
+@needs_plugin
+def test_12b_slice_compiles_with_cudnn_attention(tmp_path):
+  """The 12B as an H200 runs it, compiled without one: attention_impl="auto" is decided for the
+  topology's sm_90 devices (fp4jax.target), so the step's HLO holds cuDNN's fused attention forward
+  and backward, not the chunked attention that this CPU process would pick. The 12B's dimensions
+  (d_model 5120, 40/8 heads of 128, 8192 tokens, vocabulary 131072) over three of its 62 blocks
+  (Mamba, attention, MLP: the full depth compiles for minutes on two cores); about 30 s of compile."""
+  hlo = tmp_path / "step.hlo"
+  proc, report = _gpu_aot(tmp_path, "--target", "h200", "--what", "step", "--config",
+                          os.path.join(ROOT, "configs", "nemotron_h_12b.py"), "--config.model.pattern=M*-",
+                          "--batch_per_device=1", "--twin=false", "--hlo", str(hlo), timeout=1200)
+  _check(proc, report, COMPILE_BUDGET_S)
+  text = hlo.read_text()
+  assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text
+  assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in text
+  assert "chunked_attention" not in text
+  B, H, L, P = 1, 40, 8192, 128
+  forward = 2 * B * H * (L * (L + 1) // 2) * 2 * P   # Q·Kᵀ and P·V over the causal half
+  cost = report["results"][0]["cost"]
+  assert cost["counts"]["attention"] >= 2
+  assert cost["attention_tflop"] * 1e12 >= 0.999 * (1 + 2.5) * forward   # forward + backward (+ remat)
+  assert cost["attention_ms"] > 0
+
+
 def test_cpu_user_sees_no_plugin_error():
   """``import fp4jax`` first, no JAX_PLATFORMS: jax runs on the CPU (on a machine without a GPU) and
   prints nothing about the CUDA plugin. Meaningful where the plugin is installed; passes anywhere."""
@@ -266,3 +290,59 @@ def test_hlo_walk_knows_pallas_gemm_kernels():
   g = ops["g"]
   assert g["kind"] == "gemm" and g["flops"] == 2 * 1024 * 512 * 256 and g["mnk"] == (1024, 512, 256)
   assert g["bytes"] == (1024 * 256 + 512 * 256 + 1024 * 512) * 2 + 16
+
+
+# Two cuDNN fused-attention calls as XLA's GPU compile writes them (from a deviceless sm_90 compile of
+# jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) and its vjp; backend configs cut
+# to the fields the cost model reads): GQA, B 2, L = S 512, H 8 query and K 2 KV heads of P 128.
+_FMHA_CONFIG = ('backend_config={"cudnn_fmha_backend_config": {"fmha_scale": 0.088, '
+                '"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "8", "512", "512"]}, '
+                '"is_flash_attention": true, "mask_type": "CAUSAL", "sliding_window_length": 0}}')
+FMHA = f"""HloModule fmha, entry_computation_layout={{()->bf16[2,8,512,128]}}
+
+ENTRY %main (q: bf16[2,512,8,128], k: bf16[2,512,2,128], v: bf16[2,512,2,128], do: bf16[2,512,8,128]) -> bf16[2,8,512,128] {{
+  %q = bf16[2,512,8,128]{{3,2,1,0}} parameter(0)
+  %k = bf16[2,512,2,128]{{3,2,1,0}} parameter(1)
+  %v = bf16[2,512,2,128]{{3,2,1,0}} parameter(2)
+  %do = bf16[2,512,8,128]{{3,2,1,0}} parameter(3)
+  %fwd = (bf16[2,8,512,128]{{3,1,2,0}}, f32[2,8,512]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", metadata={{op_name="jit(f)/jvp()/dot_product_attention_fwd"}}, {_FMHA_CONFIG}
+  %o = bf16[2,8,512,128]{{3,1,2,0}} get-tuple-element(%fwd), index=0
+  %lse = f32[2,8,512]{{2,1,0}} get-tuple-element(%fwd), index=1
+  %bwd = (bf16[2,8,512,128]{{3,1,2,0}}, bf16[2,2,512,128]{{3,1,2,0}}, bf16[2,2,512,128]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %k, %v, %lse, %do, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={{op_name="jit(f)/transpose(jvp())/dot_product_attention_bwd"}}, {_FMHA_CONFIG}
+  ROOT %dq = bf16[2,8,512,128]{{3,1,2,0}} get-tuple-element(%bwd), index=0
+}}
+"""
+
+
+def test_visible_pairs_counts_the_mask():
+  brute = lambda L, S, W: sum(1 for i in range(L) for j in range(S) if j <= i and (not W or i - j < W))
+  for L, S, W in [(512, 512, 0), (7, 3, 0), (3, 7, 0), (64, 64, 16), (10, 4, 6), (10, 4, 2)]:
+    assert hlo_cost.visible_pairs(L, S, True, W) == brute(L, S, W), (L, S, W)
+  assert hlo_cost.visible_pairs(512, 384, False) == 512 * 384
+  assert hlo_cost.visible_pairs(8192, 8192, True) == 8192 * 8193 // 2   # about half of L²
+
+
+def test_hlo_walk_charges_cudnn_attention_by_flops_and_bytes():
+  """Forward: Q·Kᵀ and P·V over the causal half, 2·B·H·L(L+1)/2·2P; backward five products, 2.5x;
+  bytes: operands and outputs (the scores stay on chip); at the bf16 peak or HBM, whichever binds."""
+  cost = hlo_cost.analyze(FMHA, PEAKS)
+  ops = {o["name"]: o for o in cost["ops"]}
+  fwd, bwd = ops["fwd"], ops["bwd"]
+  B, H, K, L, P = 2, 8, 2, 512, 128
+  pairs = L * (L + 1) // 2
+  assert fwd["kind"] == bwd["kind"] == "attention"
+  assert fwd["flops"] == 2 * B * H * pairs * 2 * P        # half of 4·B·H·L²·P, up to the diagonal
+  assert bwd["flops"] == 2 * B * H * pairs * 5 * P == 2.5 * fwd["flops"]
+  assert fwd["mnk"] == (B * H, L, L, P) and fwd["dtype"] == "bf16xbf16"
+  q, kv, lse = B * L * H * P * 2, B * L * K * P * 2, B * H * L * 4
+  assert fwd["bytes"] == (q + 2 * kv) + (q + lse)
+  assert bwd["bytes"] == (q + 2 * kv + lse + q + q) + (q + 2 * kv)
+  for o in (fwd, bwd):
+    assert o["seconds"] == pytest.approx(max(o["flops"] / 1e15, o["bytes"] / 1e12))
+    assert o["bound"] == ("compute" if o["flops"] / 1e15 >= o["bytes"] / 1e12 else "memory")
+  assert cost["attention_seconds"] == pytest.approx(fwd["seconds"] + bwd["seconds"])
+  assert cost["attention_flops"] == fwd["flops"] + bwd["flops"]
+  assert cost["seconds"] == pytest.approx(cost["attention_seconds"] + cost["gemm_seconds"] + cost["other_seconds"])
+  assert cost["other_bytes"] == 0 and hlo_cost.by_label(cost) == []   # charged apart from "other"
+  full = hlo_cost.analyze(FMHA.replace('"CAUSAL"', '"NO_MASK"'), PEAKS)
+  assert full["attention_flops"] == cost["attention_flops"] * L * L // pairs   # no mask: all L² pairs

@@ -1,8 +1,9 @@
 """The native path compiled for sm_100 (B200) on a machine without a GPU: every GEMM of a quantized
 dot is a block-scaled FP4 GEMM (``__cudnn$blockScaledDot``) and none is a bf16 GEMM of its operands.
 
-The compile runs in a deviceless subprocess (as tests/test_gpu_aot.py's) with FP4JAX_DEFAULT_IMPL=native,
-which is what impl=None selects on a GPU of compute capability 10.x. The optimized HLO is read per
+The compile runs in a deviceless subprocess (as tests/test_gpu_aot.py's) without FP4JAX_DEFAULT_IMPL: the
+native GEMM is what impl=None selects for the program's devices, the B200 topology's (fp4jax.target), as
+on a GPU of compute capability 10.x, though the compiling process runs on the CPU. The optimized HLO is read per
 recipe: each preset's value_and_grad(fp4jax.dot) runs inside a named scope, so its GEMMs carry the
 preset's name in their op_name. Deviceless, XLA's GPU compile finishes with the cuDNN custom call in
 the HLO; whether cuDNN accepts the graph (and its numbers) only a device run shows
@@ -62,7 +63,7 @@ def _compile(recipes, timeout=900):
   code = (_PROGRAM.replace("ROOT", repr(ROOT)).replace("RECIPES", repr(list(recipes)))
           .replace("SHAPE", repr(SHAPE)).replace("TARGET", repr(nc.BLOCK_SCALED_TARGET)))
   env = _platform.deviceless_env()
-  env["FP4JAX_DEFAULT_IMPL"] = "native"
+  env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=timeout, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -150,7 +151,7 @@ def test_small_train_step_quantized_layers_are_block_scaled():
   from models import policy   # pylint: disable=import-outside-toplevel
   code = _STEP.replace("ROOT", repr(ROOT))
   env = _platform.deviceless_env()
-  env["FP4JAX_DEFAULT_IMPL"] = "native"
+  env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=1800, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-4000:]

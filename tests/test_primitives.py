@@ -92,10 +92,11 @@ def _every_op(x):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-  """The backend check says "a CUDA GPU with Triton" (nothing is compiled: make_jaxpr only traces)."""
-  monkeypatch.setattr(plc, "gpu_available", lambda: True)
+  """The program is traced for an H200 with Triton (nothing is compiled: make_jaxpr only traces)."""
   monkeypatch.setattr(plc, "has_triton", lambda: True)
   monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
+  with fp4jax.target.use(fp4jax.target.Target("gpu", "NVIDIA H200", (9, 0))):
+    yield
 
 
 def test_default_on_gpu_is_xla_until_a_kernel_is_verified(fake_gpu, monkeypatch):
@@ -132,10 +133,10 @@ def test_default_impl_env_override(fake_gpu, monkeypatch):
 
 def test_default_on_cpu_is_xla(monkeypatch):
   monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
-  monkeypatch.setattr(plc, "gpu_available", lambda: False)
   monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
                       primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
-  assert set(_impls_in_jaxpr(_every_op, _x((32, 64))).values()) == {"xla"}
+  with fp4jax.target.use(fp4jax.target.Target("cpu", "cpu")):
+    assert set(_impls_in_jaxpr(_every_op, _x((32, 64))).values()) == {"xla"}
 
 
 CASES = [

@@ -16,6 +16,7 @@ import pytest
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import native, proof
+from fp4jax import target as target_lib
 from fp4jax.kernels import quantize_1d as k1d
 from fp4jax.primitives import impl, quantize_last, verdicts
 
@@ -31,7 +32,8 @@ def fake_gpu(monkeypatch, tmp_path):
   monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
   monkeypatch.setenv(verdicts.BUDGET_ENV, "600")
   monkeypatch.setattr(proof, "this_device", lambda: FAKE)
-  monkeypatch.setattr(plc, "gpu_available", lambda: True)
+  # The program's devices (fp4jax.target) are this fake GPU too: the kernels can run, the verdicts apply.
+  monkeypatch.setattr(target_lib.Target, "here", classmethod(lambda cls: target_lib.Target("gpu", FAKE.kind, (9, 0))))
   previous = verdicts.register(proof.DeviceProver())
   verdicts.forget()
   yield tmp_path
@@ -271,3 +273,13 @@ def test_bound_check_catches_a_wrong_element_not_an_order():
   assert check["violations"] == 0 and check["k"] == n, check
   i = np.unravel_index(int(jnp.argmax(jnp.abs(want))), want.shape)
   assert proof.bound_check(want.at[i].multiply(1.001), want, a, b)["violations"] == 1
+
+
+def test_no_verdict_for_a_program_compiled_for_other_devices(fake_gpu, kernel_faster, monkeypatch):
+  """A program for another kind of device (a deviceless compile for a topology) is decided by the lab
+  evidence alone: nothing is proved here for it, and this device's verdicts do not apply to it."""
+  calls = _count_proofs(monkeypatch)
+  other = target_lib.Target("gpu", "NVIDIA B200", (10, 0))
+  assert impl.default_impl(OP, FMT, target=other) == "xla" and not calls
+  assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]     # this device: proved, faster
+  assert impl.default_impl(OP, FMT, target=other) == "xla"

@@ -2,6 +2,8 @@
 reference / the XLA composition), for a user's ``impl=`` (None = the default, decided by evidence);
 and which backend ``fp4jax.gemm.scaled_matmul`` (the quantized dot's GEMMs) runs by default, where
 "native" (the block-scaled tensor cores, ``fp4jax.native``) is chosen on compute capability 10.x.
+Each choice is made for the devices the program is compiled for (``fp4jax.target``: the mesh's,
+or an explicit target), not for the process's default backend.
 
 The default on a CUDA GPU is a kernel only where ``VERIFIED_KERNELS`` holds a recorded device run that
 showed that kernel bit-exact with the reference *and* faster than the XLA path. Everywhere else the
@@ -20,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from fp4jax import _native_compat as nc
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
+from fp4jax import target as target_lib
 from fp4jax.primitives import verdicts
 
 IMPLS = ("xla", "pallas")
@@ -79,31 +81,36 @@ NATIVE_DEFAULTS: dict[str, NativeChoice] = {
 }
 
 
-def native_device(capability: tuple[int, int] | None = None) -> bool:
-  """Whether this process's default device is a GPU of compute capability NATIVE_MAJOR.x (``capability``
-  overrides what the device says, for tests)."""
-  cc = nc.cuda_compute_capability() if capability is None else capability
+def native_device(capability: tuple[int, int] | None = None, *,
+                  target: target_lib.Target | None = None) -> bool:
+  """Whether the program's devices (``target``, default ``fp4jax.target.current()``) are GPUs of compute
+  capability NATIVE_MAJOR.x; ``capability`` overrides the target's, for tests."""
+  cc = target_lib.resolve(target).capability if capability is None else capability
   return cc is not None and cc[0] == NATIVE_MAJOR
 
 
-def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None) -> str | None:
+def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
+                         target: target_lib.Target | None = None) -> str | None:
   """What ``fp4jax.gemm.scaled_matmul(backend=None)`` runs for ``fmt``: "native" where NATIVE_DEFAULTS
-  chooses it and the device has compute capability 10.x, or everywhere the native GEMM exists when
-  FP4JAX_DEFAULT_IMPL=native (deviceless sm_100 compiles, the device check); None otherwise (the
-  primitives' default, ``default_impl``). FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
+  chooses it and the program's devices (``target``, default ``fp4jax.target.current()``) have compute
+  capability 10.x, or everywhere the native GEMM exists when FP4JAX_DEFAULT_IMPL=native; None otherwise
+  (the primitives' default, ``default_impl``). FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
   forced = _forced()
   if forced == "native":
     return "native" if fmt in NATIVE_DEFAULTS else None
   if forced:
     return None
   choice = NATIVE_DEFAULTS.get(fmt)
-  if choice is None or not choice.default or not native_device(capability):
+  if choice is None or not choice.default or not native_device(capability, target=target):
     return None   # an on-device verdict only revokes: "differs" / "slower" there runs the XLA path
-  return None if verdicts.decide(verdicts.NATIVE_OP, fmt) is False else "native"
+  return None if _device_verdict(verdicts.NATIVE_OP, fmt, target) is False else "native"
 
 
-def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
-  """Whether the Pallas kernels can run compiled here: an FP4 format on a CUDA GPU with Triton.
+def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None,
+                   target: target_lib.Target | None = None) -> bool:
+  """Whether the Pallas kernels can run compiled on the program's devices: an FP4 format on a CUDA GPU
+  with Triton. ``platform`` ("cuda" | "gpu" | "cpu"...) says it directly; else ``target`` (default
+  ``fp4jax.target.current()``: the devices the trace is for, not the process's).
 
   Says nothing about whether they are the default (``default_impl``). On CPU this is False;
   impl="pallas" still works there, through the Pallas interpreter (slow, for tests).
@@ -111,14 +118,16 @@ def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None) -> bool:
   if fmt not in formats.KERNEL_FORMATS or not plc.has_triton():
     return False
   if platform is None:
-    return plc.gpu_available()
+    return target_lib.resolve(target).cuda
   return platform in ("cuda", "gpu")
 
 
-def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
+def default_impl(op: str, fmt: str, *, platform: str | None = None,
+                 target: target_lib.Target | None = None) -> str:
   """What impl=None runs for ``op`` (one of KERNEL_OPS) and ``fmt``: "pallas" for a kernel that can run
-  here and that this device proved exact and faster (``verdicts.decide``), or, without a device
-  verdict, that VERIFIED_KERNELS records (or when FP4JAX_DEFAULT_IMPL=pallas forces it); else "xla"."""
+  on the program's devices (``platform`` / ``target`` as in ``can_use_pallas``) and that this device
+  proved exact and faster (``verdicts.decide``), or, without a device verdict, that VERIFIED_KERNELS
+  records (or when FP4JAX_DEFAULT_IMPL=pallas forces it); else "xla"."""
   if op not in KERNEL_OPS:
     raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
   forced = _forced()   # "native" is a GEMM backend (default_gemm_backend): the primitives keep theirs
@@ -126,10 +135,17 @@ def default_impl(op: str, fmt: str, *, platform: str | None = None) -> str:
     return "xla"
   if forced == "pallas":
     return "pallas"
-  if not can_use_pallas(fmt, platform=platform):
+  if not can_use_pallas(fmt, platform=platform, target=target):
     return "xla"
-  proved = verdicts.decide(op, fmt)   # None: no verdict here; False revokes even a VERIFIED entry
+  proved = _device_verdict(op, fmt, target)   # None: no verdict; False revokes a VERIFIED entry
   return "pallas" if ((op, fmt) in VERIFIED_KERNELS if proved is None else proved) else "xla"
+
+
+def _device_verdict(op: str, fmt: str, target: target_lib.Target | None) -> bool | None:
+  """This process's on-device verdict (``verdicts.decide``) for a program compiled for this process's
+  kind of device; None for a program compiled for other devices (a deviceless compile), which no
+  device here has proved anything on."""
+  return verdicts.decide(op, fmt, device_kind=target_lib.resolve(target).device_kind)
 
 
 def _forced() -> str:

@@ -180,13 +180,14 @@ def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def entry_for(op: str, fmt: str) -> dict | None:
+def entry_for(op: str, fmt: str, device_kind: str | None = None) -> dict | None:
   """The verdict entry for (op, fmt) on this device, proving it first when this process meets it
-  without one (within the budget); None when off, with no prover, or with no device to prove."""
+  without one (within the budget); None when off, with no prover, with no device to prove, or when
+  ``device_kind`` (the kind the program is compiled for) is not this process's device."""
   if _busy[0] or _prover is None or not enabled():
     return None
   key = _prover.key()
-  if key is None:
+  if key is None or (device_kind is not None and key.get("device") != device_kind):
     return None
   path, name = path_for(key), name_of(op, fmt)
   if path not in _files:
@@ -217,10 +218,11 @@ def _prove(key: dict, op: str, fmt: str, attempts: int) -> dict:
   return dict(entry, attempts=attempts, date=_now())
 
 
-def decide(op: str, fmt: str) -> bool | None:
+def decide(op: str, fmt: str, device_kind: str | None = None) -> bool | None:
   """True: this device proved it exact and faster; False: it differs, failed or is not faster here;
-  None: no verdict (off, no GPU, no prover, undecided): the lab evidence decides."""
-  entry = entry_for(op, fmt)
+  None: no verdict (off, no GPU, no prover, undecided, or a program for another ``device_kind`` than
+  this process's, as a deviceless compile is): the lab evidence decides."""
+  entry = entry_for(op, fmt, device_kind)
   if entry is None or entry["verdict"] == "undecided":
     return None
   return entry["verdict"] == "faster"

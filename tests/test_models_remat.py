@@ -1,0 +1,67 @@
+"""``ModelConfig.remat`` as a policy (models.remat): every policy gives the loss and gradients of "none",
+each re-runs what it says (counted in the gradient's jaxpr), and an unknown name is refused with the list."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import LanguageModel, get_model_config, remat
+
+CONFIG = get_model_config("tiny", pattern="M*-", chunk_size=8, bf16_last_blocks=0)
+KEY = jax.random.key(7)
+
+
+def _loss_fn(config, recipe):
+  model = LanguageModel(config, recipe=recipe)
+
+  def loss(params, tokens):
+    logits = model.apply({"params": params}, tokens, rngs={"fp4": KEY})
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * logits.std())
+  return model, loss
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model, _ = _loss_fn(CONFIG, "nvfp4")
+  tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, CONFIG.vocab_size)
+  params = jax.jit(model.init)({"params": jax.random.key(0), "fp4": KEY}, tokens)["params"]
+  return params, tokens
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4"])
+def test_every_policy_gives_the_loss_and_grads_of_none(setup, recipe):
+  params, tokens = setup
+  results = {}
+  for name in remat.POLICIES:
+    _, loss = _loss_fn(CONFIG.replace(remat=name), recipe)
+    results[name] = jax.jit(jax.value_and_grad(loss))(params, tokens)
+  loss0, grads0 = results["none"]
+  for name, (loss, grads) in results.items():
+    # The same operations on the same values: equal up to the order XLA sums in (its fusions of a
+    # recomputation may differ from the forward's), far below any quantization step.
+    np.testing.assert_allclose(loss, loss0, rtol=1e-6, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=name),
+                 grads, grads0)
+
+
+def _count(config, primitive, setup):
+  params, tokens = setup
+  _, loss = _loss_fn(config, "nvfp4")
+  return str(jax.make_jaxpr(jax.grad(loss))(params, tokens)).count(f"{primitive}[")
+
+
+def test_each_policy_re_runs_what_it_says(setup):
+  """GEMMs of the quantized dots (fp4jax_scaled_matmul) and their quantize passes (fp4jax_quantize) in
+  the gradient: "full" re-runs both, "save_linear" only quantize passes."""
+  count = lambda name, prim: _count(CONFIG.replace(remat=name), prim, setup)
+  gemms = {name: count(name, "fp4jax_scaled_matmul") for name in remat.POLICIES}
+  quant = {name: count(name, "fp4jax_quantize") for name in remat.POLICIES}
+  assert gemms["full"] > gemms["none"] and quant["full"] > quant["none"]
+  assert gemms["save_linear"] == gemms["none"] and quant["save_linear"] > quant["none"]
+
+
+def test_remat_names_and_booleans():
+  assert CONFIG.replace(remat=True).remat == "full" and CONFIG.replace(remat=False).remat == "none"
+  assert get_model_config("tiny").remat == "none"
+  with pytest.raises(ValueError, match=r"remat='fast'.*\['full', 'none', 'save_linear'\]"):
+    CONFIG.replace(remat="fast")
