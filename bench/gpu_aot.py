@@ -195,7 +195,33 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
     # the kernel path: its two dequantize passes and its GEMM are kernels
     return Program(tag, lambda a, b: fp4jax.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl),
                    (qa, qb), 3 * kern)
+  if what == "ssd":
+    return ssd_program(shape, impl, sharding)
   raise ValueError(f"unknown op {what!r}")
+
+
+SSD_12B_MIXER = (1, 8192, 160, 64, 8, 128)   # B, L, H, P, G, N of one 12B Mamba-2 mixer per GPU
+
+
+def ssd_program(shape, impl: str, sharding, chunk_size: int = 256) -> Program:
+  """The Mamba-2 SSD (``models.ssd_pallas.ssd``: y = SSD + D x) forward and backward, as the mixer
+  calls it (float32 x, B, C after the conv), for a cotangent input: y, dx, ddt, da, dB, dC, dD.
+  ``shape``: (B, L, H, P, G, N); impl "xla" is ``ssd_chunked`` at ``chunk_size`` (the 12B's 256)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from models import ssd_pallas   # pylint: disable=import-outside-toplevel
+  b, l, h, p, g, n = shape or SSD_12B_MIXER
+
+  def fn(x, dt, a, bm, cm, d, dy):
+    def f(x, dt, a, bm, cm, d):
+      return ssd_pallas.ssd(x, dt, a, bm, cm, chunk_size=chunk_size, d_H=d, impl=impl)[0]
+    y, vjp = jax.vjp(f, x, dt, a, bm, cm, d)
+    return (y, *vjp(dy))
+
+  f32 = jnp.float32
+  args = tuple(_spec(s, f32, sharding) for s in ((b, l, h, p), (b, l, h), (h,), (b, l, g, n), (b, l, g, n),
+                                                 (h,), (b, l, h, p)))
+  return Program(f"ssd_{impl}", fn, args, len(ssd_pallas.KERNEL_NAMES) + 1 if impl == "pallas" else 0)
 
 
 def dot_program(recipe: str, shape, sharding) -> Program:
@@ -343,10 +369,11 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | dequantize | scaled_matmul | dot | step | kernels | ops | dots "
+                      "quantize_rht_t_sr | dequantize | scaled_matmul | ssd | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
-                      "scaled_matmul, M,K,N for dot (default 8192 each).")
+                      "scaled_matmul, M,K,N for dot (default 8192 each), B,L,H,P,G,N for ssd "
+                      "(default the 12B mixer's).")
   flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
   flags.DEFINE_string("impl", "xla", "xla | pallas (ops; dot and step: FP4JAX_DEFAULT_IMPL for the run, "
                       "also native: the block-scaled GEMMs of fp4jax.native, for --target b200).")
@@ -398,7 +425,7 @@ def main(argv):
   elif F.what == "step":
     results, twin, mesh = _step(F, devices)
   else:
-    shape = shape or ((8192, 8192, 8192) if F.what == "scaled_matmul" else (8192, 8192))
+    shape = shape or {"scaled_matmul": (8192, 8192, 8192), "ssd": None}.get(F.what, (8192, 8192))
     results.append(_compiled(F, op_program(F.what, shape, F.fmt, F.impl, single)))
     print(report(results[0]))
   out = dict(target=F.target, peaks=peaks(F.target, F.peaks), peaks_kind=F.peaks, what=F.what,

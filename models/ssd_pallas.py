@@ -183,15 +183,20 @@ def _dims(x_BxLpxHxP, b_BxLpxGxN, tiles):
   return B, Lp, H, P, G, N, H // G, C, Lp // C, min(P, tiles.state_p)
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret):
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, dims):
+  """The pallas_call, named ``models_<name>_<flops>flop``: the HLO's op_name then carries the analytic
+  FLOP count (``kernel_flops``) that bench/hlo_cost.py charges (the Triton backend drops
+  ``pl.CostEstimate``)."""
+  B, Lp, H, P, G, N, _, C, _, _ = dims
+  flops = kernel_flops(name, B, Lp, H, P, G, N, C)
   return plc.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                         interpret=interpret, name=f"models_{name}", num_warps=tiles.num_warps,
+                         interpret=interpret, name=f"models_{name}_{flops}flop", num_warps=tiles.num_warps,
                          num_stages=tiles.num_stages)
 
 
 def _states_call(x, dt, cs, b, s0, tiles, interpret):
   """Entering states (B, Q, H P, N) and the final state (B, H P, N), float32."""
-  B, Lp, H, P, G, N, R, C, Q, Pb = _dims(x, b, tiles)
+  dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(x, b, tiles)
   nb = P // Pb
   spec = plc.BlockSpec
   in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
@@ -203,7 +208,7 @@ def _states_call(x, dt, cs, b, s0, tiles, interpret):
                spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
   out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
   return _call(functools.partial(_states_kernel, C=C, Q=Q), "ssd_states", (B, H, nb), in_specs,
-               out_specs, out_shape, tiles, interpret)(
+               out_specs, out_shape, tiles, interpret, dims)(
                    x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), s0.reshape(B, H * P, N))
 
 
@@ -219,17 +224,17 @@ def _group_specs(B, Lp, H, P, G, N, R, C):
 
 def _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret):
   """y (B, Lp, H P) in x's dtype."""
-  B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
+  dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
   xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
   return _call(functools.partial(_scan_kernel, R=R, P=P), "ssd_scan", (B, G, Q),
                [xs, ts, ts, bs, bs, ss, ds], xs, jax.ShapeDtypeStruct((B, Lp, H * P), x.dtype),
-               tiles, interpret)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
+               tiles, interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
                                  c.reshape(B, Lp, G * N), st, d_HxP.reshape(1, H * P))
 
 
 def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
   """Gradients of the states leaving each chunk (B, Q, H P, N) and of the initial state (B, H P, N)."""
-  B, Lp, H, P, G, N, R, C, Q, Pb = _dims(dy, c, tiles)
+  dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(dy, c, tiles)
   nb = P // Pb
   spec = plc.BlockSpec
   in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
@@ -240,20 +245,20 @@ def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
                spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
   out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
   return _call(functools.partial(_dstates_kernel, C=C, Q=Q), "ssd_dstates", (B, H, nb), in_specs,
-               out_specs, out_shape, tiles, interpret)(
+               out_specs, out_shape, tiles, interpret, dims)(
                    dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs, dfinal.reshape(B, H * P, N))
 
 
 def _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret):
   """dx (B, Lp, H P) in x's dtype; ddt, dcs, ddot (B, Lp, H); db, dc (B, Lp, G N), float32."""
-  B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
+  dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
   xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
   S = jax.ShapeDtypeStruct
   out_shape = (S((B, Lp, H * P), x.dtype), S((B, Lp, H), _f32), S((B, Lp, H), _f32),
                S((B, Lp, H), _f32), S((B, Lp, G * N), _f32), S((B, Lp, G * N), _f32))
   return _call(functools.partial(_dchunk_kernel, R=R, P=P), "ssd_dchunk", (B, G, Q),
                [xs, ts, ts, bs, bs, ss, ss, xs, ds], (xs, ts, ts, ts, bs, bs), out_shape, tiles,
-               interpret)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
+               interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
                           c.reshape(B, Lp, G * N), st, dso, dy.reshape(B, Lp, H * P),
                           d_HxP.reshape(1, H * P))
 
