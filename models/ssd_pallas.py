@@ -19,7 +19,8 @@ dt a, computed in XLA, which also differentiates it back to dt and a):
                         (through x dt), dcs, dD and dB, dC summed over the group's heads in registers
 The kernel's chunk is a tile (``SsdTiles.chunk``), not the model's ``chunk_size``: every chunk length
 gives the same function, and the chunk-by-chunk matrices (C x C float32) must fit in registers.
-Everything computes in float32 (the dots at IEEE float32 precision); x, B and C may be bfloat16.
+Everything computes in float32 (the dots' inputs at TF32 by default, as XLA's float32 dots on a GPU,
+or IEEE float32: ``SsdTiles.precision``); x, B and C may be bfloat16.
 
 Axis legend: B batch, L sequence (Lp padded to a multiple of C), H SSM heads, P head dim, G groups,
 R heads per group (H = G R), N state size, Q chunks, C chunk length, Pb a block of P.
@@ -47,6 +48,9 @@ class SsdTiles:
   state_p: int = 32        # Pb: P per program of the sequential kernels (states, dstates)
   num_warps: int = 4
   num_stages: int = 2
+  # The dots' input precision: "tf32" (tensor cores, as XLA runs the float32 einsums of ssd_chunked
+  # on a GPU by default) or "ieee" (full float32 products, CUDA cores). The interpreter is exact.
+  precision: str = "tf32"
 
 
 DEFAULT_TILES = SsdTiles()
@@ -54,16 +58,16 @@ _f32 = jnp.float32
 pl_ds = plc.ds
 
 
-def _dot(a, b):                       # a (m, k) @ b (k, n)
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_f32)
+PRECISIONS = {"tf32": lax.Precision.DEFAULT, "ieee": lax.Precision.HIGHEST}
 
 
-def _dot_nt(a, b):                    # a (m, k) @ b (n, k)ᵀ
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_f32)
-
-
-def _dot_tn(a, b):                    # a (k, m)ᵀ @ b (k, n)
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_f32)
+def _dots(precision: str):
+  """a @ b, a @ bᵀ and aᵀ @ b of 2-D float32 tiles, float32 accumulation, at ``precision``."""
+  prec = PRECISIONS[precision]
+  dot = lambda a, b, dims: lax.dot_general(a, b, (dims, ((), ())), precision=prec,
+                                           preferred_element_type=_f32)
+  return (lambda a, b: dot(a, b, ((1,), (0,))), lambda a, b: dot(a, b, ((1,), (1,))),
+          lambda a, b: dot(a, b, ((0,), (0,))))
 
 
 def _causal_decay(cs_Cx1):
@@ -76,8 +80,9 @@ def _causal_decay(cs_Cx1):
 
 # ---------------------------------------------------------------------------------------- kernels
 
-def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, st_ref, final_ref, *, C, Q):
+def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, st_ref, final_ref, *, C, Q, precision):
   """Refs: x (Lp, Pb), dt/cs (Lp, 1), b (Lp, N), s0 (Pb, N) -> st (Q, Pb, N) entering, final (Pb, N)."""
+  _, _, _dot_tn = _dots(precision)
   def chunk(q, s_PbxN):
     st_ref[pl_ds(q, 1)] = s_PbxN[None]
     rows = pl_ds(q * C, C)
@@ -89,8 +94,9 @@ def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, st_ref, final_ref, *, C
   final_ref[...] = lax.fori_loop(0, Q, chunk, s0_ref[...])
 
 
-def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, y_ref, *, R, P):
+def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, y_ref, *, R, P, precision):
   """Refs: x (C, R P), dt/cs (C, R), b/c (C, N), st (R P, N), d (1, R P) -> y (C, R P)."""
+  _dot, _dot_nt, _ = _dots(precision)
   c_CxN = c_ref[...].astype(_f32)
   cb_CxC = _dot_nt(c_CxN, b_ref[...].astype(_f32))
   c = cb_CxC.shape[0]
@@ -107,9 +113,10 @@ def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, y_ref, *, R
   lax.fori_loop(0, R, head, 0)
 
 
-def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, dso_ref, ds0_ref, *, C, Q):
+def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, dso_ref, ds0_ref, *, C, Q, precision):
   """Refs: dy (Lp, Pb), c (Lp, N), cs (Lp, 1), dfinal (Pb, N) -> dso (Q, Pb, N), the gradient of the
   state leaving each chunk, and ds0 (Pb, N), that of the initial state."""
+  _, _, _dot_tn = _dots(precision)
   def chunk(i, ds_PbxN):
     q = Q - 1 - i
     dso_ref[pl_ds(q, 1)] = ds_PbxN[None]
@@ -121,7 +128,7 @@ def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, dso_ref, ds0_ref, *, C, Q
 
 
 def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref, d_ref,
-                   dx_ref, ddt_ref, dcs_ref, ddot_ref, db_ref, dc_ref, *, R, P):
+                   dx_ref, ddt_ref, dcs_ref, ddot_ref, db_ref, dc_ref, *, R, P, precision):
   """Refs: x/dy (C, R P), dt/cs (C, R), b/c (C, N), st/dso (R P, N), d (1, R P) ->
   dx (C, R P), ddt/dcs/ddot (C, R), db/dc (C, N) summed over the group's R heads.
 
@@ -131,6 +138,7 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
     dcs_l = Σ_s T_ls - Σ_s T_sl + Σ_p dy (exp(cs) C Sᵀ) - g,  T = dy uᵀ ∘ M,  g = Σ_p u w (B dSoᵀ);
     the last position also takes exp(cs_end) <S, dSo> + Σ g (cs_end's share).
   """
+  _dot, _dot_nt, _dot_tn = _dots(precision)
   c_CxN, b_CxN = c_ref[...].astype(_f32), b_ref[...].astype(_f32)
   cb_CxC = _dot_nt(c_CxN, b_CxN)
   c, n = cb_CxC.shape[0], b_CxN.shape[1]
@@ -184,14 +192,20 @@ def _dims(x_BxLpxHxP, b_BxLpxGxN, tiles):
 
 
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, dims):
-  """The pallas_call, named ``models_<name>_<flops>flop``: the HLO's op_name then carries the analytic
-  FLOP count (``kernel_flops``) that bench/hlo_cost.py charges (the Triton backend drops
-  ``pl.CostEstimate``)."""
+  """The pallas_call, named ``models_<name>_<precision>_<flops>flop``: the HLO's op_name then carries
+  the analytic FLOP count (``kernel_flops``) and the dots' precision that bench/hlo_cost.py charges
+  (the Triton backend drops ``pl.CostEstimate``)."""
   B, Lp, H, P, G, N, _, C, _, _ = dims
   flops = kernel_flops(name, B, Lp, H, P, G, N, C)
-  return plc.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                         interpret=interpret, name=f"models_{name}_{flops}flop", num_warps=tiles.num_warps,
-                         num_stages=tiles.num_stages)
+  call = lambda interpret: plc.pallas_call(
+      kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+      name=f"models_{name}_{tiles.precision}_{flops}flop", num_warps=tiles.num_warps,
+      num_stages=tiles.num_stages)
+  if interpret is not None:
+    return call(interpret)
+  # None: decided by the platform the program is lowered for (a deviceless CUDA compile included):
+  # the compiled kernel for CUDA, the interpreter elsewhere.
+  return lambda *args: lax.platform_dependent(*args, cuda=call(False), default=call(True))
 
 
 def _states_call(x, dt, cs, b, s0, tiles, interpret):
@@ -207,7 +221,7 @@ def _states_call(x, dt, cs, b, s0, tiles, interpret):
   out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
                spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
   out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
-  return _call(functools.partial(_states_kernel, C=C, Q=Q), "ssd_states", (B, H, nb), in_specs,
+  return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", (B, H, nb), in_specs,
                out_specs, out_shape, tiles, interpret, dims)(
                    x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), s0.reshape(B, H * P, N))
 
@@ -226,7 +240,7 @@ def _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret):
   """y (B, Lp, H P) in x's dtype."""
   dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
   xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
-  return _call(functools.partial(_scan_kernel, R=R, P=P), "ssd_scan", (B, G, Q),
+  return _call(functools.partial(_scan_kernel, R=R, P=P, precision=tiles.precision), "ssd_scan", (B, G, Q),
                [xs, ts, ts, bs, bs, ss, ds], xs, jax.ShapeDtypeStruct((B, Lp, H * P), x.dtype),
                tiles, interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
                                  c.reshape(B, Lp, G * N), st, d_HxP.reshape(1, H * P))
@@ -244,7 +258,7 @@ def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
   out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
                spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
   out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
-  return _call(functools.partial(_dstates_kernel, C=C, Q=Q), "ssd_dstates", (B, H, nb), in_specs,
+  return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", (B, H, nb), in_specs,
                out_specs, out_shape, tiles, interpret, dims)(
                    dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs, dfinal.reshape(B, H * P, N))
 
@@ -256,7 +270,7 @@ def _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret):
   S = jax.ShapeDtypeStruct
   out_shape = (S((B, Lp, H * P), x.dtype), S((B, Lp, H), _f32), S((B, Lp, H), _f32),
                S((B, Lp, H), _f32), S((B, Lp, G * N), _f32), S((B, Lp, G * N), _f32))
-  return _call(functools.partial(_dchunk_kernel, R=R, P=P), "ssd_dchunk", (B, G, Q),
+  return _call(functools.partial(_dchunk_kernel, R=R, P=P, precision=tiles.precision), "ssd_dchunk", (B, G, Q),
                [xs, ts, ts, bs, bs, ss, ss, xs, ds], (xs, ts, ts, ts, bs, bs), out_shape, tiles,
                interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
                           c.reshape(B, Lp, G * N), st, dso, dy.reshape(B, Lp, H * P),
@@ -317,6 +331,8 @@ def unsupported(x_shape, b_shape, tiles: SsdTiles = DEFAULT_TILES) -> str | None
                   ("tiles.state_p", min(P, tiles.state_p))):
     if not _is_pow2(v) or v < 16:
       return f"{name}={v} must be a power of two >= 16 for the Pallas SSD kernel; use impl='xla'"
+  if tiles.precision not in PRECISIONS:
+    return f"tiles.precision={tiles.precision!r}; use one of {tuple(PRECISIONS)}"
   if P % min(P, tiles.state_p):
     return f"tiles.state_p={tiles.state_p} must divide the head dim P={P}"
   return None
@@ -341,10 +357,11 @@ def default_impl(x_shape, b_shape, *, platform: str | None = None) -> str:
 
 
 def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, initial_state_BxHxPxN=None,
-               tiles: SsdTiles = DEFAULT_TILES, interpret: bool = False):
+               tiles: SsdTiles = DEFAULT_TILES, interpret: bool | None = None):
   """``ssd_chunked(...)`` + D x with the Pallas kernels. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``:
   y in x's dtype, the state float32. L need not be a multiple of the chunk (padded with dt = 0, an
-  identity step). ``interpret=True`` runs the Pallas interpreter (any machine)."""
+  identity step). ``interpret``: True the Pallas interpreter, False the compiled kernels, None the
+  kernels where the program is lowered for CUDA and the interpreter elsewhere (``lax.platform_dependent``)."""
   B, L, H, P, G, N = ssd_xla._check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
   why = unsupported(x_BxLxHxP.shape, b_BxLxGxN.shape, tiles)
   if why:
@@ -365,16 +382,16 @@ def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, init
 
 def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=None,
         initial_state_BxHxPxN=None, impl: str | None = None, tiles: SsdTiles = DEFAULT_TILES,
-        interpret: bool = False):
+        interpret: bool | None = None):
   """y = SSD(x, dt, a, B, C) + D x and the final state, by ``impl``: "xla" (``ssd_chunked`` at
-  ``chunk_size``), "pallas" (the kernels, at ``tiles.chunk``) or None (``default_impl``)."""
-  if impl is None:
+  ``chunk_size``), "pallas" (the kernels, at ``tiles.chunk``) or None / "auto" (``default_impl``)."""
+  if impl is None or impl == "auto":
     impl = default_impl(x_BxLxHxP.shape, b_BxLxGxN.shape)
   if impl == "pallas":
     return ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, d_H=d_H,
                       initial_state_BxHxPxN=initial_state_BxHxPxN, tiles=tiles, interpret=interpret)
   if impl != "xla":
-    raise ValueError(f"ssd impl={impl!r}; use 'xla', 'pallas' or None (the recorded default)")
+    raise ValueError(f"ssd impl={impl!r}; use 'xla', 'pallas', 'auto' or None (the recorded default)")
   y, final = ssd_xla.ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=chunk_size,
                                  initial_state_BxHxPxN=initial_state_BxHxPxN)
   if d_H is not None:
