@@ -304,7 +304,11 @@ def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
       gemms=[dict(name=o["name"], op_name=o["op_name"], dtype=o["dtype"], mnk=list(o["mnk"]),
                   count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
                   flops=o["flops"], highest=o["highest"]) for o in gemms],
-      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)])
+      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)],
+      # Pallas kernels that declare their FLOPs (the SSD's): charged by FLOPs and bytes
+      flop_kernels=[dict(name=o["name"], op_name=o["op_name"], count=o["count"], ms=o["seconds"] * 1e3,
+                         bound=o["bound"], bytes=o["bytes"], flops=o["flops"])
+                    for o in cost["ops"] if o["kind"] == "kernel" and o["flops"]])
   return out
 
 

@@ -23,7 +23,8 @@ def test_ssd_kernels_compile_forward_and_backward(tmp_path, target):
   _check(proc, report, KERNEL_BUDGET_S)
   (r,) = report["results"]
   assert r["kernels"] == 5   # states, scan; states (recomputed), dstates, dchunk
-  kernels = [o for o in r["cost"]["ops"] if o["kind"] == "kernel"]
+  kernels = r["cost"]["flop_kernels"]
+  assert len(kernels) == 5 and all(o["ms"] > 0 for o in kernels)
   B, L, H, P, G, N = map(int, SHAPE.split(","))
   C = ssd_pallas.DEFAULT_TILES.chunk
   want = sum(ssd_pallas.kernel_flops(k, B, L, H, P, G, N, C)
