@@ -282,8 +282,7 @@ def _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _ssd_core(x, dt, cs, b, c, d_H, s0, tiles, interpret):
   """Padded inputs (Lp a multiple of tiles.chunk; dt, cs float32) -> y (B, Lp, H, P), final (B, H, P, N)."""
-  y, final, _ = _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
-  return y, final
+  return _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
 
 
 def _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret):
@@ -291,12 +290,12 @@ def _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret):
   st, final = _states_call(x, dt, cs, b, s0, tiles, interpret)
   d_HxP = jnp.broadcast_to(d_H[:, None], (H, P))
   y = _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret)
-  return y.reshape(B, Lp, H, P), final.reshape(s0.shape), st
+  return y.reshape(B, Lp, H, P), final.reshape(s0.shape)
 
 
 def _ssd_fwd(x, dt, cs, b, c, d_H, s0, tiles, interpret):
-  y, final, _ = _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
-  return (y, final), (x, dt, cs, b, c, d_H, s0)   # the states are recomputed in the backward
+  out = _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
+  return out, (x, dt, cs, b, c, d_H, s0)   # the states are recomputed in the backward
 
 
 def _ssd_bwd(tiles, interpret, residuals, cotangents):
@@ -305,10 +304,9 @@ def _ssd_bwd(tiles, interpret, residuals, cotangents):
   B, Lp, H, P = x.shape
   G, N = b.shape[2:]
   st, _ = _states_call(x, dt, cs, b, s0, tiles, interpret)
-  dso, ds0 = _dstates_call(dy.astype(_f32), c, cs, dfinal.astype(_f32), tiles, interpret)
+  dso, ds0 = _dstates_call(dy, c, cs, dfinal.astype(_f32), tiles, interpret)   # dy: x's dtype
   d_HxP = jnp.broadcast_to(d_H[:, None], (H, P))
-  dx, ddt, dcs, ddot, db, dc = _dchunk_call(x, dt, cs, b, c, st, dso, dy.astype(_f32), d_HxP, tiles,
-                                            interpret)
+  dx, ddt, dcs, ddot, db, dc = _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret)
   return (dx.reshape(x.shape), ddt, dcs, db.reshape(b.shape).astype(b.dtype),
           dc.reshape(c.shape).astype(c.dtype), jnp.sum(ddot, axis=(0, 1)).astype(d_H.dtype),
           ds0.reshape(s0.shape).astype(s0.dtype))
