@@ -214,7 +214,33 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
     # the kernel path: its two dequantize passes and its GEMM are kernels
     return Program(tag, lambda a, b: fp4jax.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl),
                    (qa, qb), 3 * kern)
+  if what == "ssd":
+    return ssd_program(shape, impl, sharding)
   raise ValueError(f"unknown op {what!r}")
+
+
+SSD_12B_MIXER = (1, 8192, 160, 64, 8, 128)   # B, L, H, P, G, N of one 12B Mamba-2 mixer per GPU
+
+
+def ssd_program(shape, impl: str, sharding, chunk_size: int = 256) -> Program:
+  """The Mamba-2 SSD (``models.ssd_pallas.ssd``: y = SSD + D x) forward and backward, as the mixer
+  calls it (float32 x, B, C after the conv), for a cotangent input: y, dx, ddt, da, dB, dC, dD.
+  ``shape``: (B, L, H, P, G, N); impl "xla" is ``ssd_chunked`` at ``chunk_size`` (the 12B's 256)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from models import ssd_pallas   # pylint: disable=import-outside-toplevel
+  b, l, h, p, g, n = shape or SSD_12B_MIXER
+
+  def fn(x, dt, a, bm, cm, d, dy):
+    def f(x, dt, a, bm, cm, d):
+      return ssd_pallas.ssd(x, dt, a, bm, cm, chunk_size=chunk_size, d_H=d, impl=impl)[0]
+    y, vjp = jax.vjp(f, x, dt, a, bm, cm, d)
+    return (y, *vjp(dy))
+
+  f32 = jnp.float32
+  args = tuple(_spec(s, f32, sharding) for s in ((b, l, h, p), (b, l, h), (h,), (b, l, g, n), (b, l, g, n),
+                                                 (h,), (b, l, h, p)))
+  return Program(f"ssd_{impl}", fn, args, len(ssd_pallas.KERNEL_NAMES) + 1 if impl == "pallas" else 0)
 
 
 def dot_program(recipe: str, shape, sharding) -> Program:
@@ -298,7 +324,11 @@ def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
       gemms=[dict(name=o["name"], op_name=o["op_name"], dtype=o["dtype"], mnk=list(o["mnk"]),
                   count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
                   flops=o["flops"], highest=o["highest"]) for o in gemms],
-      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)])
+      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)],
+      # Pallas kernels that declare their FLOPs (the SSD's): charged by FLOPs and bytes
+      flop_kernels=[dict(name=o["name"], op_name=o["op_name"], count=o["count"], ms=o["seconds"] * 1e3,
+                         bound=o["bound"], bytes=o["bytes"], flops=o["flops"])
+                    for o in cost["ops"] if o["kind"] == "kernel" and o["flops"]])
   return out
 
 
@@ -364,10 +394,11 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | dequantize | scaled_matmul | dot | step | kernels | ops | dots "
+                      "quantize_rht_t_sr | dequantize | scaled_matmul | ssd | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
-                      "scaled_matmul, M,K,N for dot (default 8192 each).")
+                      "scaled_matmul, M,K,N for dot (default 8192 each), B,L,H,P,G,N for ssd "
+                      "(default the 12B mixer's).")
   flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
   flags.DEFINE_enum("impl", "auto", ("auto", "xla", "pallas", "native"),
                     "auto: every default decided for --target as a GPU process decides it (fp4jax.target: "
@@ -421,7 +452,7 @@ def main(argv):
   elif F.what == "step":
     results, twin, mesh = _step(F, devices)
   else:
-    shape = shape or ((8192, 8192, 8192) if F.what == "scaled_matmul" else (8192, 8192))
+    shape = shape or {"scaled_matmul": (8192, 8192, 8192), "ssd": None}.get(F.what, (8192, 8192))
     if F.impl == "native":
       raise ValueError("--impl native is a GEMM backend (--what dot or step); ops take auto, xla or pallas")
     results.append(_compiled(F, op_program(F.what, shape, F.fmt, None if F.impl == "auto" else F.impl,

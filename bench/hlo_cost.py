@@ -15,6 +15,8 @@ integer constant):
   dQ, dK), 2·B·H·(visible)·(3P + 2Pv) (2.5x the forward at Pv = P); a causal mask keeps
   L·(L+1)/2 of the L·S pairs (about half), a sliding window fewer. The scores never reach HBM: its
   bytes are its operands and outputs;
+- a Pallas kernel that declares its FLOPs in its name (``declared_flops``: the SSD kernels) at
+  max(flops / the TF32 or float32 peak it declares, bytes / HBM bandwidth);
 - any other fusion, Pallas/Triton kernel, copy or standalone op at the bytes it moves / HBM bandwidth:
   its operands and outputs, except that an operand the fused computation only reads through
   dynamic-slice/slice is charged the slices, and an output built by dynamic-update-slice into an
@@ -435,6 +437,18 @@ def _is_pallas_gemm(ins: Instr) -> bool:
           and bool(_PALLAS_GEMM.search(ins.op_name)))
 
 
+_DECLARED_FLOPS = re.compile(r"_(tf32|ieee)_(\d+)flop/pallas_call")
+
+
+def declared_flops(ins: Instr) -> tuple[int, bool]:
+  """(FLOPs, at IEEE float32) a Pallas kernel declares in its name, ``<name>_<tf32|ieee>_<n>flop``
+  (models.ssd_pallas's SSD kernels: an analytic count from their shapes, ``ssd_pallas.kernel_flops``);
+  (0, False) when it declares none. The name is the carrier because the Triton backend drops
+  ``pl.CostEstimate``."""
+  m = _DECLARED_FLOPS.search(ins.op_name) if ins.opcode == "custom-call" else None
+  return (int(m.group(2)), m.group(1) == "ieee") if m else (0, False)
+
+
 def _kind_of(mod: Module, ins: Instr) -> str:
   if ins.opcode == "custom-call":
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
@@ -489,10 +503,13 @@ def analyze(text: str, peaks: dict) -> dict:
                       highest=highest))
         continue
       b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
-      ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name))
+      flops, ieee = declared_flops(ins)
+      ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name, flops=flops, dtype="f32" if flops else "",
+                    highest=ieee))
   for op in ops:
     mem_s = op.bytes / peaks["hbm"]
-    if op.kind in ("gemm", "attention"):
+    if op.kind in ("gemm", "attention") or op.flops:
+      # a kernel that declares its FLOPs: float32 dots, TF32 or (highest) IEEE
       peak = gemm_peak(peaks, op.dtype, highest=op.highest)
       flop_s = op.flops / peak
       op.seconds = max(flop_s, mem_s) * op.count

@@ -46,6 +46,9 @@ class ModelConfig:
   conv_width: int = 4
   conv_bias: bool = True          # Mamba-2 / Nemotron-H keep the depthwise conv bias; linears have none
   chunk_size: int = 64
+  # The SSD scan: "xla" (models.ssd.ssd_chunked), "pallas" (models.ssd_pallas, the GPU kernels; the
+  # Pallas interpreter on a CPU), "auto" (fp4jax.primitives.impl's recorded rule: "xla" until a device run).
+  ssd_impl: str = "auto"
   dt_min: float = 0.001           # dt_bias init: softplus(dt_bias) log-uniform in [dt_min, dt_max]
   dt_max: float = 0.1
   a_init_range: tuple[float, float] = (1.0, 16.0)  # A = -exp(A_log), A_log init log(uniform(range))
@@ -106,6 +109,8 @@ class ModelConfig:
       self._check_moe()
     if self.attention_impl not in ("auto", "chunked", "cudnn", "xla"):
       raise ValueError(f"attention_impl={self.attention_impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
+    if self.ssd_impl not in ("auto", "xla", "pallas"):
+      raise ValueError(f"ssd_impl={self.ssd_impl!r}; use 'auto', 'xla' or 'pallas'")
     if self.attention_block <= 0:
       raise ValueError(f"attention_block={self.attention_block} must be > 0 (keys per block)")
     if self.loss_chunk <= 0:

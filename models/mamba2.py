@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import ssd
+from models import ssd, ssd_pallas
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -105,14 +105,14 @@ class Mamba2(nn.Module):
     if use_cache and L == 1:
       y_BxHxP, state_BxHxPxN = ssd.ssd_step(ssm_state.value, x_BxLxHxP[:, 0], dt_BxLxH[:, 0], a_H,
                                             b_BxLxGxN[:, 0], c_BxLxGxN[:, 0])
-      y_BxLxHxP = y_BxHxP[:, None]
-    else:
-      y_BxLxHxP, state_BxHxPxN = ssd.ssd_chunked(
+      y_BxLxHxP = y_BxHxP[:, None] + d_H.astype(f32)[:, None] * x_BxLxHxP
+    else:   # the scan and the D skip: ssd_chunked, or the Pallas kernels (cfg.ssd_impl)
+      y_BxLxHxP, state_BxHxPxN = ssd_pallas.ssd(
           x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=cfg.chunk_size,
-          initial_state_BxHxPxN=ssm_state.value if use_cache else None)
+          d_H=d_H.astype(f32), initial_state_BxHxPxN=ssm_state.value if use_cache else None,
+          impl=cfg.ssd_impl)
     if use_cache:
       conv_state.value, ssm_state.value = new_conv_state_BxW1xE, state_BxHxPxN
-    y_BxLxHxP = y_BxLxHxP + d_H.astype(f32)[:, None] * x_BxLxHxP
 
     # Gated RMSNorm, normalized per group so tensor-parallel shards of whole groups need no reduction.
     norm_scale_GxRP = param("norm_scale", nn.initializers.ones, (H * P,), ("ssm_inner",)).reshape(G, R * P)

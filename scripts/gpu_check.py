@@ -16,7 +16,8 @@ then, on a Blackwell GPU (compute capability 10.x), the native block-scaled GEMM
 each NVFP4-family pair against the XLA path on the device, bit for bit on exactly summable operands and
 by relative error at the timing size, timed against the bf16 GEMM; and value_and_grad of fp4jax.dot
 native vs bf16), which print "skipped: not Blackwell" elsewhere; then times one train step of the small
-config in bf16 and in nvfp4 (default impl, then every kernel forced). Beside each measured time stands the cost model's prediction for the same compiled
+config in bf16 and in nvfp4 (default impl, then every kernel forced); before those, the Mamba-2
+SSD forward+backward at the 12B mixer's shape, XLA path then the Pallas kernels (models.ssd_pallas). Beside each measured time stands the cost model's prediction for the same compiled
 executable (bench/hlo_cost.py on its HLO, the derated peaks of bench/gpu_aot.py for the device's
 kind), so the first device run tests the model too. Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
 $OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
@@ -84,7 +85,7 @@ REHEARSE_SIZES = Sizes(256, 256, (64, 128), (64, 64, 256), 1, "tiny", (("pattern
 
 @dataclasses.dataclass
 class Row:
-  section: str             # "yardstick" | "quantize" | "matmul" | "native" | "train"
+  section: str             # "yardstick" | "quantize" | "matmul" | "native" | "ssd" | "train"
   name: str
   impl: str                # "xla" | "pallas" | "native" | "default"
   shape: str
@@ -529,6 +530,69 @@ def train_rows(report: Report):
     _run_row(report, row, work)
 
 
+# ------------------------------------------------------------------------------------------ SSD
+
+# The Mamba-2 SSD forward+backward (models.ssd_pallas.ssd: y = SSD + D x, then dx, ddt, dA, dB, dC, dD):
+# the 12B mixer's shape (B, L, H, P, G, N) on a device, a tiny one in the rehearsal; the XLA path at
+# the 12B's chunk of 256 (16 in the rehearsal). Tolerance: both paths run their float32 dots at TF32
+# on a GPU, in different orders, so each output of the kernel must be within SSD_TOL x the largest
+# magnitude of the XLA path's (exact float32 in the rehearsal, where SSD_TOL is far above the error).
+SSD_SHAPES = {False: ((1, 8192, 160, 64, 8, 128), 256), True: ((1, 40, 4, 16, 2, 16), 16)}
+SSD_TOL = 1e-2
+SSD_OUTPUTS = ("y", "dx", "ddt", "dA", "dB", "dC", "dD")
+
+
+def ssd_rows(report: Report):
+  from models import ssd_pallas   # pylint: disable=g-import-not-at-top  (flax-free, but models/ imports flax)
+  (shape, chunk), s = SSD_SHAPES[report.rehearse], report.sizes
+  tiles = ssd_pallas.SsdTiles(chunk=16, state_p=16) if report.rehearse else ssd_pallas.DEFAULT_TILES
+  B, L, H, P, G, N = shape
+  k = jax.random.split(jax.random.key(3), 7)
+  args = (jax.random.normal(k[0], (B, L, H, P)), jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 2.0),
+          -jnp.exp(jax.random.uniform(k[2], (H,), minval=0.0, maxval=2.5)),
+          jax.random.normal(k[3], (B, L, G, N)) / np.sqrt(N), jax.random.normal(k[4], (B, L, G, N)) / np.sqrt(N),
+          jax.random.normal(k[5], (H,)), jax.random.normal(k[6], (B, L, H, P)))
+  outputs = {}
+
+  def fn_of(impl):
+    def fn(x, dt, a, b, c, d, dy):
+      f = lambda *p: ssd_pallas.ssd(*p[:5], chunk_size=chunk, d_H=p[5], impl=impl, tiles=tiles)[0]
+      y, vjp = jax.vjp(f, x, dt, a, b, c, d)
+      return (y, *vjp(dy))
+    return jax.jit(fn)
+
+  for impl in ("xla", "pallas"):
+    row = Row("ssd", "ssd fwd+bwd (+D x)", impl, "x".join(map(str, (L, H, P, G, N))))
+    row.target = "kernel within tol, faster" if impl == "pallas" else ""
+
+    def work(row, impl=impl):
+      fn = fn_of(impl)
+      row.predicted_ms = _predict(fn.lower(*args).compile())
+      out = jax.block_until_ready(fn(*args))
+      outputs[impl] = out
+      if impl == "pallas":
+        if "xla" not in outputs:
+          row.exact = "no XLA row"
+        else:
+          errs = [float(jnp.max(jnp.abs(o - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
+                  for o, r in zip(out, outputs["xla"])]
+          worst = int(np.argmax(errs))
+          row.exact = f"vs XLA: {SSD_OUTPUTS[worst]} {errs[worst]:.1e} (tol {SSD_TOL:.0e})"
+          if not np.isfinite(errs[worst]) or errs[worst] > SSD_TOL:
+            row.status = "MISMATCH"
+      else:
+        finite = all(bool(jnp.isfinite(o).all()) for o in out)
+        row.exact = "finite" if finite else "NOT FINITE"
+        if not finite:
+          row.status = "MISMATCH"
+      t = median_seconds(fn, *args, iters=max(1, s.iters // 4))
+      row.ms = t * 1e3
+      if impl == "pallas" and report.rows and report.rows[-1].name == row.name and report.rows[-1].ms:
+        row.ratio = report.rows[-1].ms / row.ms   # the XLA path's time / the kernel's
+        row.unit = "x xla"
+    _run_row(report, row, work)
+
+
 # ------------------------------------------------------------------------------------------ report
 
 def verdicts(rows):
@@ -559,6 +623,12 @@ def verdicts(rows):
     verdict = "confirms" if r.status == "ok" and r.ratio <= TARGETS["native_dot"] else "revokes"
     lines.append(f"dot nvfp4 native: {r.status}, {r.ratio:.2f}x the bf16 dot -> {verdict} impl=None = native "
                  "on cc 10.x (fp4jax.primitives.impl.NATIVE_DEFAULTS)")
+  r, x = by.get(("ssd fwd+bwd (+D x)", "pallas")), by.get(("ssd fwd+bwd (+D x)", "xla"))
+  if r and x and r.ms and x.ms:
+    ok = r.status == "ok" and x.ms > r.ms
+    lines.append(f"kernel ssd: {r.status} ({r.exact}), {x.ms / r.ms:.2f}x the XLA path"
+                 + (f" -> candidate: fp4jax.primitives.impl.VERIFIED_MODEL_KERNELS['ssd'] = Evidence(...)"
+                    if ok else " -> stays impl='xla'"))
   r = by.get(("train step nvfp4", "default"))
   if r and r.ratio is not None:
     lines.append(f"target small nvfp4 step: {r.ratio:.2f}x the bf16 step (target <= {TARGETS['step']:.2f}) "
@@ -693,6 +763,7 @@ def main(argv=None) -> int:
   quantize_rows(report, "pallas", copy_bw, xla_quantize)
   matmul_rows(report, "pallas", bf16_tflops, xla_matmul)
   native_rows(report, bf16_tflops, {})
+  ssd_rows(report)
   train_rows(report)
   write_report(report, env)
   failed = [r for r in report.rows if r.status in ("ERROR", "MISMATCH")]

@@ -175,3 +175,27 @@ def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | Non
   if impl == "pallas" and fmt not in formats.KERNEL_FORMATS:
     raise ValueError(f"there are no Pallas kernels for fmt={fmt!r}; use impl='xla'")
   return impl
+
+
+# ---------------------------------------------------------------- kernels outside the library
+# Model ops with a Pallas kernel (``models.ssd_pallas``: "ssd", the Mamba-2 SSD forward and backward)
+# follow the same rule as VERIFIED_KERNELS: the kernel becomes impl=None's choice on a GPU only once
+# scripts/gpu_check.py's rows for it show it within its stated tolerance of the XLA path and faster.
+# Empty: the SSD kernel compiles deviceless for sm_90 and sm_100 (docs/PERF.md, issue 29) but has no
+# device run, so the model runs ``ssd_chunked`` (XLA) everywhere by default.
+VERIFIED_MODEL_KERNELS: dict[str, Evidence] = {}
+MODEL_KERNEL_OPS = ("ssd",)
+
+
+def model_kernel_default(op: str) -> str:
+  """"pallas" where VERIFIED_MODEL_KERNELS records a device run for ``op`` (one of MODEL_KERNEL_OPS)
+  or FP4JAX_DEFAULT_IMPL=pallas forces the kernels, else "xla". Whether the kernel can run here
+  (platform, shapes) is the caller's predicate."""
+  if op not in MODEL_KERNEL_OPS:
+    raise ValueError(f"unknown model kernel op {op!r}; one of {MODEL_KERNEL_OPS}")
+  forced = _forced()
+  if forced == "pallas":
+    return "pallas"
+  if forced == "xla":
+    return "xla"
+  return "pallas" if op in VERIFIED_MODEL_KERNELS else "xla"

@@ -1,0 +1,414 @@
+"""The Mamba-2 SSD scan as four Pallas kernels (Triton backend), forward and backward: ``ssd_pallas``.
+
+The same function as ``models.ssd.ssd_chunked`` (its twin, the CPU path and the default) plus the
+mixer's D skip, y = SSD(x, dt, a, B, C) + D x, with an initial and a final state. ``ssd(..., impl=)``
+is the one switch the mixer calls. Per chunk of C steps (cs = the within-chunk cumulative sum of
+dt a, computed in XLA, which also differentiates it back to dt and a):
+
+  forward   1. states   sequential over chunks, one program per (batch, head, block of P): the state
+                        entering every chunk, S_{q+1} = exp(cs_end) S_q + (x dt exp(cs_end - cs))ᵀ B
+                        (chunk state and state passing in one pass), and the final state
+            2. scan     one program per (batch, group, chunk), a loop over the group's heads, C·Bᵀ
+                        computed once per group: y = (C·Bᵀ ∘ exp(cs_l - cs_s) ∘ dt_s) x     intra-chunk
+                                                   + exp(cs) C Sᵀ                         state to output
+                                                   + D x                                  skip
+  backward  1. states   again (recomputed, not saved: the residuals are the inputs only)
+            3. dstates  sequential over chunks in reverse: the gradient of the state leaving every
+                        chunk, dS_q = exp(cs_end) dS_{q+1} + (dy exp(cs))ᵀ C, and d initial state
+            4. dchunk   one program per (batch, group, chunk), a loop over the group's heads: dx, ddt
+                        (through x dt), dcs, dD and dB, dC summed over the group's heads in registers
+The kernel's chunk is a tile (``SsdTiles.chunk``), not the model's ``chunk_size``: every chunk length
+gives the same function, and the chunk-by-chunk matrices (C x C float32) must fit in registers.
+Everything computes in float32 (the dots' inputs at TF32 by default, as XLA's float32 dots on a GPU,
+or IEEE float32: ``SsdTiles.precision``); x, B and C may be bfloat16.
+
+Axis legend: B batch, L sequence (Lp padded to a multiple of C), H SSM heads, P head dim, G groups,
+R heads per group (H = G R), N state size, Q chunks, C chunk length, Pb a block of P.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import pallas_compat as plc
+from fp4jax import target as fp4_target
+from fp4jax.primitives import impl as fp4_impl
+from models import ssd as ssd_xla
+
+IMPLS = ("xla", "pallas")
+KERNEL_NAMES = ("ssd_states", "ssd_scan", "ssd_dstates", "ssd_dchunk")
+
+
+@dataclasses.dataclass(frozen=True)
+class SsdTiles:
+  chunk: int = 64          # C: the kernel's chunk (power of two >= 16)
+  state_p: int = 32        # Pb: P per program of the sequential kernels (states, dstates)
+  num_warps: int = 4
+  num_stages: int = 2
+  # The dots' input precision: "tf32" (tensor cores, as XLA runs the float32 einsums of ssd_chunked
+  # on a GPU by default) or "ieee" (full float32 products, CUDA cores). The interpreter is exact.
+  precision: str = "tf32"
+
+
+DEFAULT_TILES = SsdTiles()
+_f32 = jnp.float32
+pl_ds = plc.ds
+
+
+PRECISIONS = {"tf32": lax.Precision.DEFAULT, "ieee": lax.Precision.HIGHEST}
+
+
+def _dots(precision: str):
+  """a @ b, a @ bᵀ and aᵀ @ b of 2-D float32 tiles, float32 accumulation, at ``precision``."""
+  prec = PRECISIONS[precision]
+  dot = lambda a, b, dims: lax.dot_general(a, b, (dims, ((), ())), precision=prec,
+                                           preferred_element_type=_f32)
+  return (lambda a, b: dot(a, b, ((1,), (0,))), lambda a, b: dot(a, b, ((1,), (1,))),
+          lambda a, b: dot(a, b, ((0,), (0,))))
+
+
+def _causal_decay(cs_Cx1):
+  """exp(cs_l - cs_s) for s <= l, else 0: the decay from step s to step l of one chunk (C x C)."""
+  c = cs_Cx1.shape[0]
+  seg_CxC = cs_Cx1 - cs_Cx1.reshape(1, c)
+  causal = lax.broadcasted_iota(jnp.int32, (c, c), 0) >= lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  return jnp.where(causal, jnp.exp(jnp.minimum(seg_CxC, 0.0)), 0.0)
+
+
+# ---------------------------------------------------------------------------------------- kernels
+
+def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, st_ref, final_ref, *, C, Q, precision):
+  """Refs: x (Lp, Pb), dt/cs (Lp, 1), b (Lp, N), s0 (Pb, N) -> st (Q, Pb, N) entering, final (Pb, N)."""
+  _, _, _dot_tn = _dots(precision)
+  def chunk(q, s_PbxN):
+    st_ref[pl_ds(q, 1)] = s_PbxN[None]
+    rows = pl_ds(q * C, C)
+    cs_Cx1 = cs_ref[rows, :]
+    cs_end_1x1 = cs_ref[pl_ds(q * C + C - 1, 1), :]
+    w_Cx1 = jnp.exp(cs_end_1x1 - cs_Cx1) * dt_ref[rows, :]
+    xw_CxPb = x_ref[rows, :].astype(_f32) * w_Cx1
+    return jnp.exp(cs_end_1x1) * s_PbxN + _dot_tn(xw_CxPb, b_ref[rows, :].astype(_f32))
+  final_ref[...] = lax.fori_loop(0, Q, chunk, s0_ref[...])
+
+
+def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, y_ref, *, R, P, precision):
+  """Refs: x (C, R P), dt/cs (C, R), b/c (C, N), st (R P, N), d (1, R P) -> y (C, R P)."""
+  _dot, _dot_nt, _ = _dots(precision)
+  c_CxN = c_ref[...].astype(_f32)
+  cb_CxC = _dot_nt(c_CxN, b_ref[...].astype(_f32))
+  c = cb_CxC.shape[0]
+
+  def head(r, carry):
+    cols, col = pl_ds(plc.multiple_of(r * P, P), P), pl_ds(r, 1)
+    cs_Cx1, dt_Cx1 = cs_ref[:, col], dt_ref[:, col]
+    x_CxP = x_ref[:, cols].astype(_f32)
+    scores_CxC = cb_CxC * _causal_decay(cs_Cx1) * dt_Cx1.reshape(1, c)
+    y_CxP = (_dot(scores_CxC, x_CxP) + jnp.exp(cs_Cx1) * _dot_nt(c_CxN, st_ref[cols, :])
+             + d_ref[:, cols] * x_CxP)
+    y_ref[:, cols] = y_CxP.astype(y_ref.dtype)
+    return carry
+  lax.fori_loop(0, R, head, 0)
+
+
+def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, dso_ref, ds0_ref, *, C, Q, precision):
+  """Refs: dy (Lp, Pb), c (Lp, N), cs (Lp, 1), dfinal (Pb, N) -> dso (Q, Pb, N), the gradient of the
+  state leaving each chunk, and ds0 (Pb, N), that of the initial state."""
+  _, _, _dot_tn = _dots(precision)
+  def chunk(i, ds_PbxN):
+    q = Q - 1 - i
+    dso_ref[pl_ds(q, 1)] = ds_PbxN[None]
+    rows = pl_ds(q * C, C)
+    dyw_CxPb = dy_ref[rows, :].astype(_f32) * jnp.exp(cs_ref[rows, :])
+    cs_end_1x1 = cs_ref[pl_ds(q * C + C - 1, 1), :]
+    return jnp.exp(cs_end_1x1) * ds_PbxN + _dot_tn(dyw_CxPb, c_ref[rows, :].astype(_f32))
+  ds0_ref[...] = lax.fori_loop(0, Q, chunk, dfinal_ref[...])
+
+
+def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref, d_ref,
+                   dx_ref, ddt_ref, dcs_ref, ddot_ref, db_ref, dc_ref, *, R, P, precision):
+  """Refs: x/dy (C, R P), dt/cs (C, R), b/c (C, N), st/dso (R P, N), d (1, R P) ->
+  dx (C, R P), ddt/dcs/ddot (C, R), db/dc (C, N) summed over the group's R heads.
+
+  Per head, with u = x dt, M = C·Bᵀ ∘ decay, w = exp(cs_end - cs):
+    du = Mᵀ dy + w (B dSoᵀ);  dx = dt du + D dy;  ddt = Σ_p du x;  dM = dy uᵀ ∘ decay
+    dC = dM B + exp(cs) dy S;  dB = dMᵀ C + w (u dSo)
+    dcs_l = Σ_s T_ls - Σ_s T_sl + Σ_p dy (exp(cs) C Sᵀ) - g,  T = dy uᵀ ∘ M,  g = Σ_p u w (B dSoᵀ);
+    the last position also takes exp(cs_end) <S, dSo> + Σ g (cs_end's share).
+  """
+  _dot, _dot_nt, _dot_tn = _dots(precision)
+  c_CxN, b_CxN = c_ref[...].astype(_f32), b_ref[...].astype(_f32)
+  cb_CxC = _dot_nt(c_CxN, b_CxN)
+  c, n = cb_CxC.shape[0], b_CxN.shape[1]
+  last_Cx1 = lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+
+  def head(r, acc):
+    db_CxN, dc_CxN = acc
+    cols, col = pl_ds(plc.multiple_of(r * P, P), P), pl_ds(r, 1)
+    cs_Cx1, dt_Cx1 = cs_ref[:, col], dt_ref[:, col]
+    cs_end_1x1 = cs_ref[pl_ds(c - 1, 1), col]
+    x_CxP, dy_CxP = x_ref[:, cols].astype(_f32), dy_ref[:, cols].astype(_f32)
+    s_PxN, dso_PxN = st_ref[cols, :], dso_ref[cols, :]
+    u_CxP = x_CxP * dt_Cx1
+    decay_CxC = _causal_decay(cs_Cx1)
+    m_CxC = cb_CxC * decay_CxC
+    w_Cx1 = jnp.exp(cs_end_1x1 - cs_Cx1)
+    in_Cx1 = jnp.exp(cs_Cx1)
+    bds_CxP = w_Cx1 * _dot_nt(b_CxN, dso_PxN)
+    du_CxP = _dot_tn(m_CxC, dy_CxP) + bds_CxP
+    dx_ref[:, cols] = (dt_Cx1 * du_CxP + d_ref[:, cols] * dy_CxP).astype(dx_ref.dtype)
+    ddt_ref[:, col] = jnp.sum(du_CxP * x_CxP, axis=1, keepdims=True)
+    ddot_ref[:, col] = jnp.sum(dy_CxP * x_CxP, axis=1, keepdims=True)
+    dyu_CxC = _dot_nt(dy_CxP, u_CxP)
+    dcb_CxC = dyu_CxC * decay_CxC
+    dc_CxN = dc_CxN + _dot(dcb_CxC, b_CxN) + in_Cx1 * _dot(dy_CxP, s_PxN)
+    db_CxN = db_CxN + _dot_tn(dcb_CxC, c_CxN) + w_Cx1 * _dot(u_CxP, dso_PxN)
+    t_CxC = dyu_CxC * m_CxC
+    yoff_CxP = in_Cx1 * _dot_nt(c_CxN, s_PxN)
+    g_Cx1 = jnp.sum(u_CxP * bds_CxP, axis=1, keepdims=True)
+    dcs_Cx1 = (jnp.sum(t_CxC, axis=1, keepdims=True) - jnp.sum(t_CxC, axis=0).reshape(c, 1)
+               + jnp.sum(dy_CxP * yoff_CxP, axis=1, keepdims=True) - g_Cx1)
+    end_1x1 = (jnp.exp(cs_end_1x1) * jnp.sum(s_PxN * dso_PxN, keepdims=True)
+               + jnp.sum(g_Cx1, keepdims=True))
+    dcs_ref[:, col] = dcs_Cx1 + jnp.where(last_Cx1, end_1x1, 0.0)
+    return db_CxN, dc_CxN
+
+  zeros = jnp.zeros((c, n), _f32)
+  db_CxN, dc_CxN = lax.fori_loop(0, R, head, (zeros, zeros))
+  db_ref[...] = db_CxN
+  dc_ref[...] = dc_CxN
+
+
+
+# ---------------------------------------------------------------------------------------- calls
+
+def _dims(x_BxLpxHxP, b_BxLpxGxN, tiles):
+  B, Lp, H, P = x_BxLpxHxP.shape
+  G, N = b_BxLpxGxN.shape[2:]
+  C = tiles.chunk
+  return B, Lp, H, P, G, N, H // G, C, Lp // C, min(P, tiles.state_p)
+
+
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, dims):
+  """The pallas_call, named ``models_<name>_<precision>_<flops>flop``: the HLO's op_name then carries
+  the analytic FLOP count (``kernel_flops``) and the dots' precision that bench/hlo_cost.py charges
+  (the Triton backend drops ``pl.CostEstimate``)."""
+  B, Lp, H, P, G, N, _, C, _, _ = dims
+  flops = kernel_flops(name, B, Lp, H, P, G, N, C)
+  call = lambda interpret: plc.pallas_call(
+      kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+      name=f"models_{name}_{tiles.precision}_{flops}flop", num_warps=tiles.num_warps,
+      num_stages=tiles.num_stages)
+  if interpret is not None:
+    return call(interpret)
+  # None: decided by the platform the program is lowered for (a deviceless CUDA compile included):
+  # the compiled kernel for CUDA, the interpreter elsewhere.
+  return lambda *args: lax.platform_dependent(*args, cuda=call(False), default=call(True))
+
+
+def _states_call(x, dt, cs, b, s0, tiles, interpret):
+  """Entering states (B, Q, H P, N) and the final state (B, H P, N), float32."""
+  dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(x, b, tiles)
+  nb = P // Pb
+  spec = plc.BlockSpec
+  in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
+              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
+              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
+              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
+              spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))]
+  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
+               spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
+  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
+  return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", (B, H, nb), in_specs,
+               out_specs, out_shape, tiles, interpret, dims)(
+                   x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), s0.reshape(B, H * P, N))
+
+
+def _group_specs(B, Lp, H, P, G, N, R, C):
+  """Block specs of one (batch, group, chunk) program: x-like, dt-like, b-like, state-like, d."""
+  spec = plc.BlockSpec
+  return (spec((None, C, R * P), lambda i, g, q: (i, q, g)),
+          spec((None, C, R), lambda i, g, q: (i, q, g)),
+          spec((None, C, N), lambda i, g, q: (i, q, g)),
+          spec((None, None, R * P, N), lambda i, g, q: (i, q, g, 0)),
+          spec((1, R * P), lambda i, g, q: (0, g)))
+
+
+def _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret):
+  """y (B, Lp, H P) in x's dtype."""
+  dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
+  xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
+  return _call(functools.partial(_scan_kernel, R=R, P=P, precision=tiles.precision), "ssd_scan", (B, G, Q),
+               [xs, ts, ts, bs, bs, ss, ds], xs, jax.ShapeDtypeStruct((B, Lp, H * P), x.dtype),
+               tiles, interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
+                                 c.reshape(B, Lp, G * N), st, d_HxP.reshape(1, H * P))
+
+
+def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
+  """Gradients of the states leaving each chunk (B, Q, H P, N) and of the initial state (B, H P, N)."""
+  dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(dy, c, tiles)
+  nb = P // Pb
+  spec = plc.BlockSpec
+  in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
+              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
+              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
+              spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))]
+  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
+               spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
+  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
+  return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", (B, H, nb), in_specs,
+               out_specs, out_shape, tiles, interpret, dims)(
+                   dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs, dfinal.reshape(B, H * P, N))
+
+
+def _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret):
+  """dx (B, Lp, H P) in x's dtype; ddt, dcs, ddot (B, Lp, H); db, dc (B, Lp, G N), float32."""
+  dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
+  xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
+  S = jax.ShapeDtypeStruct
+  out_shape = (S((B, Lp, H * P), x.dtype), S((B, Lp, H), _f32), S((B, Lp, H), _f32),
+               S((B, Lp, H), _f32), S((B, Lp, G * N), _f32), S((B, Lp, G * N), _f32))
+  return _call(functools.partial(_dchunk_kernel, R=R, P=P, precision=tiles.precision), "ssd_dchunk", (B, G, Q),
+               [xs, ts, ts, bs, bs, ss, ss, xs, ds], (xs, ts, ts, ts, bs, bs), out_shape, tiles,
+               interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
+                          c.reshape(B, Lp, G * N), st, dso, dy.reshape(B, Lp, H * P),
+                          d_HxP.reshape(1, H * P))
+
+
+# ------------------------------------------------------------------------------ the custom_vjp
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _ssd_core(x, dt, cs, b, c, d_H, s0, tiles, interpret):
+  """Padded inputs (Lp a multiple of tiles.chunk; dt, cs float32) -> y (B, Lp, H, P), final (B, H, P, N)."""
+  return _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
+
+
+def _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret):
+  B, Lp, H, P = x.shape
+  st, final = _states_call(x, dt, cs, b, s0, tiles, interpret)
+  d_HxP = jnp.broadcast_to(d_H[:, None], (H, P))
+  y = _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret)
+  return y.reshape(B, Lp, H, P), final.reshape(s0.shape)
+
+
+def _ssd_fwd(x, dt, cs, b, c, d_H, s0, tiles, interpret):
+  out = _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
+  return out, (x, dt, cs, b, c, d_H, s0)   # the states are recomputed in the backward
+
+
+def _ssd_bwd(tiles, interpret, residuals, cotangents):
+  x, dt, cs, b, c, d_H, s0 = residuals
+  dy, dfinal = cotangents
+  B, Lp, H, P = x.shape
+  G, N = b.shape[2:]
+  st, _ = _states_call(x, dt, cs, b, s0, tiles, interpret)
+  dso, ds0 = _dstates_call(dy, c, cs, dfinal.astype(_f32), tiles, interpret)   # dy: x's dtype
+  d_HxP = jnp.broadcast_to(d_H[:, None], (H, P))
+  dx, ddt, dcs, ddot, db, dc = _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret)
+  return (dx.reshape(x.shape), ddt, dcs, db.reshape(b.shape).astype(b.dtype),
+          dc.reshape(c.shape).astype(c.dtype), jnp.sum(ddot, axis=(0, 1)).astype(d_H.dtype),
+          ds0.reshape(s0.shape).astype(s0.dtype))
+
+
+_ssd_core.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+# ------------------------------------------------------------------------------------- public
+
+def _is_pow2(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def unsupported(x_shape, b_shape, tiles: SsdTiles = DEFAULT_TILES) -> str | None:
+  """Why the kernel cannot take these shapes, or None. Triton tensors need power-of-two sizes and its
+  dots at least 16 rows and columns: P, N and the chunk powers of two >= 16."""
+  P, N = x_shape[-1], b_shape[-1]
+  for name, v in (("head dim P", P), ("state size N", N), ("tiles.chunk", tiles.chunk),
+                  ("tiles.state_p", min(P, tiles.state_p))):
+    if not _is_pow2(v) or v < 16:
+      return f"{name}={v} must be a power of two >= 16 for the Pallas SSD kernel; use impl='xla'"
+  if tiles.precision not in PRECISIONS:
+    return f"tiles.precision={tiles.precision!r}; use one of {tuple(PRECISIONS)}"
+  if P % min(P, tiles.state_p):
+    return f"tiles.state_p={tiles.state_p} must divide the head dim P={P}"
+  return None
+
+
+def can_use_pallas(x_shape, b_shape, tiles: SsdTiles = DEFAULT_TILES, *, platform: str | None = None) -> bool:
+  """Whether the kernel can run compiled for these shapes on the program's devices (``platform``, else
+  ``fp4jax.target.current()``): a CUDA GPU with Pallas Triton and supported shapes. Says nothing about the default (``default_impl``); on the CPU impl="pallas"
+  runs through the Pallas interpreter (tests)."""
+  if unsupported(x_shape, b_shape, tiles) is not None or not plc.has_triton():
+    return False
+  return fp4_target.current().cuda if platform is None else platform in ("cuda", "gpu")
+
+
+def default_impl(x_shape, b_shape, *, platform: str | None = None) -> str:
+  """What impl=None runs: "pallas" where ``fp4jax.primitives.impl`` records device evidence for the
+  SSD kernel and it can run here, else "xla" (today, everywhere: no device run yet)."""
+  if fp4_impl.model_kernel_default("ssd") == "pallas" and can_use_pallas(x_shape, b_shape,
+                                                                          platform=platform):
+    return "pallas"
+  return "xla"
+
+
+def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, initial_state_BxHxPxN=None,
+               tiles: SsdTiles = DEFAULT_TILES, interpret: bool | None = None):
+  """``ssd_chunked(...)`` + D x with the Pallas kernels. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``:
+  y in x's dtype, the state float32. L need not be a multiple of the chunk (padded with dt = 0, an
+  identity step). ``interpret``: True the Pallas interpreter, False the compiled kernels, None the
+  kernels where the program is lowered for CUDA and the interpreter elsewhere (``lax.platform_dependent``)."""
+  B, L, H, P, G, N = ssd_xla._check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
+  why = unsupported(x_BxLxHxP.shape, b_BxLxGxN.shape, tiles)
+  if why:
+    raise ValueError(why)
+  C = tiles.chunk
+  pad = -L % C
+  Q = (L + pad) // C
+  padded = lambda t: t if not pad else jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
+  dt = padded(dt_BxLxH.astype(_f32))
+  cs = jnp.cumsum((dt * a_H.astype(_f32)).reshape(B, Q, C, H), axis=2).reshape(B, Q * C, H)
+  d_H = jnp.zeros((H,), _f32) if d_H is None else jnp.asarray(d_H, _f32)
+  s0 = (jnp.zeros((B, H, P, N), _f32) if initial_state_BxHxPxN is None
+        else initial_state_BxHxPxN.astype(_f32))
+  y, final = _ssd_core(padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0,
+                       tiles, interpret)
+  return y[:, :L], final
+
+
+def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=None,
+        initial_state_BxHxPxN=None, impl: str | None = None, tiles: SsdTiles = DEFAULT_TILES,
+        interpret: bool | None = None):
+  """y = SSD(x, dt, a, B, C) + D x and the final state, by ``impl``: "xla" (``ssd_chunked`` at
+  ``chunk_size``), "pallas" (the kernels, at ``tiles.chunk``) or None / "auto" (``default_impl``)."""
+  if impl is None or impl == "auto":
+    impl = default_impl(x_BxLxHxP.shape, b_BxLxGxN.shape)
+  if impl == "pallas":
+    return ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, d_H=d_H,
+                      initial_state_BxHxPxN=initial_state_BxHxPxN, tiles=tiles, interpret=interpret)
+  if impl != "xla":
+    raise ValueError(f"ssd impl={impl!r}; use 'xla', 'pallas', 'auto' or None (the recorded default)")
+  y, final = ssd_xla.ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=chunk_size,
+                                 initial_state_BxHxPxN=initial_state_BxHxPxN)
+  if d_H is not None:
+    y = y + d_H[:, None] * x_BxLxHxP
+  return y, final
+
+
+def kernel_flops(name: str, B: int, L: int, H: int, P: int, G: int, N: int, C: int) -> int:
+  """The analytic FLOP count of one call of kernel ``name`` (KERNEL_NAMES) on padded length L with
+  chunk C: 2 m n k per dot (the C x C, C x P and P x N products) plus the elementwise work of the
+  same order (counted once per output element of each dot's epilogue). The cost model charges the
+  kernels' custom calls by these and their operand bytes."""
+  Q = L // C
+  per_head_chunk = {
+      "ssd_states": 2 * C * P * N + 3 * C * P + 2 * P * N,
+      "ssd_scan": 2 * C * C * P + 2 * C * N * P + 4 * C * C + 4 * C * P,
+      "ssd_dstates": 2 * C * P * N + 2 * C * P + 2 * P * N,
+      "ssd_dchunk": 2 * C * C * (2 * P + 2 * N) + 2 * C * N * P * 4 + 12 * C * C + 16 * C * P + 2 * P * N,
+  }[name]
+  per_group_chunk = 2 * C * C * N if name in ("ssd_scan", "ssd_dchunk") else 0
+  return B * Q * (H * per_head_chunk + G * per_group_chunk)

@@ -1,0 +1,264 @@
+"""The Pallas SSD kernels (models/ssd_pallas.py) in the Pallas interpreter, against ``ssd_chunked``,
+``ssd_naive_reference`` and a float64 recurrence; their Triton lowering; the impl switch.
+
+The tolerance: both float32 forms (the kernel and ``ssd_chunked``) are compared with the same recurrence
+computed in float64, and the kernel's largest error must stay within ERR_RATIO times ``ssd_chunked``'s
+plus FLOOR times the largest magnitude (the floor covers a tensor that ``ssd_chunked`` happens to
+get nearly exact). Both differ from float64 only by float32 rounding in different summation orders, so
+their errors are of one size; a wrong term (a missing decay, a lost gradient path) is orders larger.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import pallas_compat as plc
+from fp4jax.primitives import impl as fp4_impl
+from models import ssd, ssd_pallas
+
+ERR_RATIO = 8.0
+FLOOR = 2e-6
+TILES = ssd_pallas.SsdTiles(chunk=16, state_p=16)
+BF16_TOL = dict(rtol=2e-2, atol=2e-2)
+NAMES = ("x", "dt", "a", "b", "c", "d", "s0")
+
+
+def _inputs(seed, B=2, L=40, H=4, P=16, G=2, N=16, with_state=True, dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(seed), 7)
+  x = jax.random.normal(k[0], (B, L, H, P)).astype(dtype)
+  dt = jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 1.0)
+  a = -jnp.exp(jax.random.uniform(k[2], (H,), minval=-1.0, maxval=1.5))
+  b = jax.random.normal(k[3], (B, L, G, N)).astype(dtype)
+  c = jax.random.normal(k[4], (B, L, G, N)).astype(dtype)
+  d = jax.random.normal(k[5], (H,))
+  s0 = jax.random.normal(k[6], (B, H, P, N)) if with_state else None
+  return x, dt, a, b, c, d, s0
+
+
+def _recurrence(x, dt, a, b, c, d, s0):
+  """y = SSD + D x by the recurrence, in the inputs' dtype (float64 under enable_x64)."""
+  B, L, H, P = x.shape
+  G, N = b.shape[2:]
+  heads = jnp.arange(H) // (H // G)
+  bh, ch = b[:, :, heads], c[:, :, heads]
+  state = jnp.zeros((B, H, P, N), x.dtype) if s0 is None else s0
+  ys = []
+  for t in range(L):
+    state = (jnp.exp(dt[:, t] * a)[:, :, None, None] * state
+             + (dt[:, t, :, None] * x[:, t])[..., None] * bh[:, t, :, None, :])
+    ys.append(jnp.einsum("bhpn,bhn->bhp", state, ch[:, t]) + d[:, None] * x[:, t])
+  return jnp.stack(ys, axis=1), state
+
+
+def _kernel(x, dt, a, b, c, d, s0):
+  return ssd_pallas.ssd_pallas(x, dt, a, b, c, d_H=d, initial_state_BxHxPxN=s0, tiles=TILES,
+                               interpret=True)
+
+
+def _chunked(x, dt, a, b, c, d, s0):
+  return ssd_pallas.ssd(x, dt, a, b, c, chunk_size=TILES.chunk, d_H=d, initial_state_BxHxPxN=s0,
+                        impl="xla")
+
+
+def _vjp(fn_, args, seed=11):
+  """(y, final) and the VJP w.r.t. every input (the initial state when given) for random cotangents."""
+  fn = fn_
+  if args[-1] is None:
+    fn, args = (lambda *a: fn_(*a, None)), args[:-1]   # pylint: disable=unnecessary-lambda-assignment
+  (y, final), pullback = jax.vjp(fn, *args)
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  cot = (jax.random.normal(k1, y.shape).astype(y.dtype), jax.random.normal(k2, final.shape))
+  return y, final, pullback(cot)
+
+
+@functools.cache
+def _float64(seed, L, G, with_state):
+  args = _inputs(seed, L=L, G=G, with_state=with_state)
+  with jax.enable_x64(True):
+    args64 = tuple(None if t is None else np.asarray(t, np.float64) for t in args)
+    args64 = tuple(None if t is None else jnp.asarray(t, jnp.float64) for t in args64)
+    y, final, grads = _vjp(_recurrence, args64)
+    return tuple(np.asarray(t) for t in (y, final, *grads))
+
+
+def _err(got, want):
+  return float(np.max(np.abs(np.asarray(got, np.float64) - want)))
+
+
+def _assert_as_close_as_chunked(name, got, chunked, want):
+  err, ref_err = _err(got, want), _err(chunked, want)
+  bound = ERR_RATIO * ref_err + FLOOR * float(np.max(np.abs(want)))
+  assert err <= bound, f"{name}: kernel error {err:.3g} > {bound:.3g} (ssd_chunked's {ref_err:.3g})"
+
+
+CASES = [dict(L=40, G=2, with_state=True),     # L not a multiple of the chunk; G < H; initial state
+         dict(L=32, G=1, with_state=False),    # whole chunks, one group, no initial state
+         dict(L=9, G=4, with_state=True)]      # shorter than one chunk, G = H
+
+
+class TestAgainstReferences:
+
+  @pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c['L']}_G{c['G']}_s0{int(c['with_state'])}")
+  def test_forward_gradients_and_final_state(self, case):
+    args = _inputs(0, **case)
+    want = _float64(0, case["L"], case["G"], case["with_state"])
+    got = jax.jit(functools.partial(_vjp, _kernel))(args)
+    via_xla = jax.jit(functools.partial(_vjp, _chunked))(args)
+    flat = lambda r: (r[0], r[1], *r[2])
+    names = ("y", "final") + NAMES[:len(want) - 2]
+    for name, g, x, w in zip(names, flat(got), flat(via_xla), want):
+      assert g.shape == w.shape and g.dtype == x.dtype, name
+      _assert_as_close_as_chunked(name, g, x, w)
+
+  def test_forward_matches_the_naive_loop(self):
+    x, dt, a, b, c, d, s0 = _inputs(1)
+    y, final = jax.jit(_kernel)(x, dt, a, b, c, d, s0)
+    y_loop, final_loop = jax.jit(ssd.ssd_naive_reference)(x, dt, a, b, c, initial_state_BxHxPxN=s0)
+    np.testing.assert_allclose(y, y_loop + d[:, None] * x, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(final, final_loop, rtol=2e-5, atol=2e-5)
+
+  def test_without_d_is_the_scan_alone(self):
+    x, dt, a, b, c, _, s0 = _inputs(2, L=20)
+    y, final = ssd_pallas.ssd_pallas(x, dt, a, b, c, initial_state_BxHxPxN=s0, tiles=TILES,
+                                     interpret=True)
+    y_ref, final_ref = ssd.ssd_chunked(x, dt, a, b, c, chunk_size=8, initial_state_BxHxPxN=s0)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(final, final_ref, rtol=2e-5, atol=2e-5)
+
+  def test_bf16_inputs_compute_in_f32(self):
+    args = _inputs(3, dtype=jnp.bfloat16)
+    y, final, grads = jax.jit(functools.partial(_vjp, _kernel))(args)
+    assert y.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    assert [g.dtype for g in grads] == [t.dtype for t in args]
+    # the same values in float32: only y's final rounding to bf16 differs
+    args32 = tuple(t.astype(jnp.float32) for t in args)
+    y32, final32 = jax.jit(_kernel)(*args32)
+    np.testing.assert_allclose(final, final32, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(y.astype(jnp.float32), y32, rtol=1e-2, atol=1e-2)   # bf16 rounding
+    y_x, final_x, grads_x = jax.jit(functools.partial(_vjp, _chunked))(args)
+    np.testing.assert_allclose(y.astype(jnp.float32), y_x.astype(jnp.float32), **BF16_TOL)
+    for name, g, gx in zip(NAMES, grads, grads_x):
+      scale = float(jnp.abs(gx.astype(jnp.float32)).max())
+      np.testing.assert_allclose(g.astype(jnp.float32), gx.astype(jnp.float32), rtol=2e-2,
+                                 atol=2e-2 * scale, err_msg=name)
+
+  def test_strong_decay_stays_finite_with_finite_gradients(self):
+    x, dt, a, b, c, d, _ = _inputs(4, with_state=False)
+    dt, a = dt * 300.0, a * 10.0   # dt a down to about -3000 per step
+
+    def loss(fn, dt, a):
+      y, final = fn(x, dt, a, b, c, d, None)
+      return jnp.sum(y ** 2) + jnp.sum(final ** 2)
+
+    value, grads = jax.jit(jax.value_and_grad(functools.partial(loss, _kernel), argnums=(0, 1)))(dt, a)
+    assert np.isfinite(value) and all(np.isfinite(g).all() for g in grads)
+    ref = jax.jit(jax.value_and_grad(functools.partial(loss, _chunked), argnums=(0, 1)))(dt, a)
+    np.testing.assert_allclose(value, ref[0], rtol=1e-5)
+    for g, gr in zip(grads, ref[1]):
+      np.testing.assert_allclose(g, gr, rtol=1e-4, atol=1e-4 * float(jnp.abs(gr).max()))
+
+
+class TestDecodeHandOff:
+
+  def test_prefill_with_the_kernel_then_steps(self):
+    """The final state of a kernel prefill carries into ssd_step as the XLA prefill's does."""
+    x, dt, a, b, c, d, _ = _inputs(5, L=24)
+    prompt = lambda t: t[:, :20]
+    _, state_k = jax.jit(_kernel)(*map(prompt, (x, dt)), a, *map(prompt, (b, c)), d, None)
+    _, state_x = jax.jit(_chunked)(*map(prompt, (x, dt)), a, *map(prompt, (b, c)), d, None)
+    np.testing.assert_allclose(state_k, state_x, rtol=2e-5, atol=2e-5)
+    step = jax.jit(ssd.ssd_step)
+    for t in range(20, 24):
+      y_k, state_k = step(state_k, x[:, t], dt[:, t], a, b[:, t], c[:, t])
+      y_x, state_x = step(state_x, x[:, t], dt[:, t], a, b[:, t], c[:, t])
+      np.testing.assert_allclose(y_k, y_x, rtol=2e-5, atol=2e-5)
+    y_all, final_all = jax.jit(_chunked)(x, dt, a, b, c, d, None)
+    np.testing.assert_allclose(state_k, final_all, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(y_k + d[:, None] * x[:, 23], y_all[:, 23], rtol=2e-5, atol=2e-5)
+
+
+class TestSwitch:
+
+  def test_the_default_is_xla_until_a_device_run(self):
+    assert fp4_impl.VERIFIED_MODEL_KERNELS == {}
+    assert ssd_pallas.default_impl((1, 64, 4, 64), (1, 64, 1, 128), platform="cuda") == "xla"
+    assert not ssd_pallas.can_use_pallas((1, 64, 4, 64), (1, 64, 1, 128), platform="cpu")
+
+  def test_forced_pallas_is_chosen_where_it_can_run(self, monkeypatch):
+    monkeypatch.setenv(fp4_impl.DEFAULT_IMPL_ENV, "pallas")
+    expected = "pallas" if plc.has_triton() else "xla"
+    assert ssd_pallas.default_impl((1, 64, 4, 64), (1, 64, 1, 128), platform="cuda") == expected
+    assert ssd_pallas.default_impl((1, 64, 4, 24), (1, 64, 1, 128), platform="cuda") == "xla"
+
+  def test_unsupported_shapes_and_impls_say_what_to_do(self):
+    x, dt, a, b, c, d, _ = _inputs(6, P=24)
+    with pytest.raises(ValueError, match="head dim P=24 must be a power of two"):
+      ssd_pallas.ssd_pallas(x, dt, a, b, c, tiles=TILES, interpret=True)
+    with pytest.raises(ValueError, match="impl='fast'"):
+      ssd_pallas.ssd(x, dt, a, b, c, chunk_size=8, impl="fast")
+    with pytest.raises(ValueError, match="ssd_impl"):
+      from models.config import ModelConfig   # pylint: disable=import-outside-toplevel
+      ModelConfig(ssd_impl="fast")
+
+  def test_the_xla_impl_is_ssd_chunked_plus_the_skip(self):
+    x, dt, a, b, c, d, s0 = _inputs(7)
+    y, final = ssd_pallas.ssd(x, dt, a, b, c, chunk_size=8, d_H=d, initial_state_BxHxPxN=s0, impl="xla")
+    y_ref, final_ref = ssd.ssd_chunked(x, dt, a, b, c, chunk_size=8, initial_state_BxHxPxN=s0)
+    np.testing.assert_array_equal(y, y_ref + d[:, None] * x)
+    np.testing.assert_array_equal(final, final_ref)
+
+
+@pytest.mark.skipif(not plc.has_triton(), reason="jax without the Pallas Triton backend")
+def test_forward_and_backward_lower_to_triton_for_cuda():
+  """Five kernels: states and scan forward; states (recomputed), dstates and dchunk backward."""
+  S = jax.ShapeDtypeStruct
+  B, L, H, P, G, N = 1, 200, 8, 64, 2, 128
+
+  def fn(x, dt, a, b, c, d, s0):
+    def loss(*args):
+      y, final = ssd_pallas.ssd_pallas(*args[:5], d_H=args[5], initial_state_BxHxPxN=args[6])
+      return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
+    return jax.value_and_grad(loss, argnums=tuple(range(7)))(x, dt, a, b, c, d, s0)
+
+  text = plc.export_for_cuda(fn, S((B, L, H, P), jnp.bfloat16), S((B, L, H), jnp.float32),
+                             S((H,), jnp.float32), S((B, L, G, N), jnp.bfloat16),
+                             S((B, L, G, N), jnp.bfloat16), S((H,), jnp.float32),
+                             S((B, H, P, N), jnp.float32))
+  assert text.count(plc.TRITON_CUSTOM_CALL) == 5
+  for name in ssd_pallas.KERNEL_NAMES:
+    assert f"models_{name}_" in text, name
+
+
+class TestInTheMixer:
+
+  def test_the_mixer_with_the_kernel_matches_xla_prefill_decode_and_gradients(self):
+    """ModelConfig(ssd_impl="pallas") in the Mamba-2 mixer (the interpreter on the CPU): the output and
+    the parameter gradients equal the XLA path's within float32 tolerance, and so does decoding two
+    tokens with ssd_step after a kernel prefill."""
+    import dataclasses   # pylint: disable=import-outside-toplevel
+    from models import presets   # pylint: disable=import-outside-toplevel
+    from models.mamba2 import Mamba2   # pylint: disable=import-outside-toplevel
+    cfg = presets.get_model_config("tiny", n_groups=2)
+    u = jax.random.normal(jax.random.key(0), (2, 21, cfg.d_model))
+    params = Mamba2(cfg).init(jax.random.key(1), u)
+    outs = {}
+    for impl in ("xla", "pallas"):
+      m = Mamba2(dataclasses.replace(cfg, ssd_impl=impl))
+      loss = lambda p, m=m: jnp.sum(m.apply(p, u).astype(jnp.float32) ** 2)
+      value, grads = jax.jit(jax.value_and_grad(loss))(params)
+      md = Mamba2(dataclasses.replace(cfg, ssd_impl=impl), decode=True)
+      cache = md.init(jax.random.key(1), u[:, :19])["cache"]
+      y, state = md.apply({"params": params["params"], "cache": cache}, u[:, :19], mutable=["cache"])
+      ys = [y]
+      for t in (19, 20):
+        y, state = md.apply({"params": params["params"], **state}, u[:, t:t + 1], mutable=["cache"])
+        ys.append(y)
+      outs[impl] = (value, grads, jnp.concatenate(ys, axis=1))
+    (v_x, g_x, y_x), (v_k, g_k, y_k) = outs["xla"], outs["pallas"]
+    np.testing.assert_allclose(v_k, v_x, rtol=1e-5)
+    np.testing.assert_allclose(y_k, y_x, rtol=1e-4, atol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_k), jax.tree.leaves(g_x)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()),
+                                 err_msg=jax.tree_util.keystr(path))
