@@ -16,9 +16,10 @@ detects (SLURM, MPI, ...).
 
 A failure prints one paragraph and exits with a status that names its kind (training/errors.py,
 docs/TRAINING.md): 2 config, 3 data, 4 work directory (also: another run holds it), 5 checkpoint, 6 config
-changed on resume, 7 storage, 8 distributed set-up, 9 diverged, 1 anything unexpected; stopped by a signal:
-143 SIGTERM, 130 SIGINT (128 + the signal number). The traceback goes to <workdir>/error.log (or to one
-fp4jax_error.log in the temp directory when the work directory is unusable); --debug also prints it.
+changed on resume, 7 storage, 8 distributed set-up, 9 diverged, 10 a peer of a multi-process run stopped
+answering (tools/supervise.py), 1 anything unexpected; stopped by a signal: 143 SIGTERM, 130 SIGINT (128 +
+the signal number). The traceback goes to <workdir>/error.log (or to one fp4jax_error.log in the temp
+directory when the work directory is unusable); --debug also prints it.
 """
 import collections
 import errno
