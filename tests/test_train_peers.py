@@ -284,3 +284,32 @@ def test_lost_line_without_a_checkpoint_and_with_one(tmp_path):
                          f"step 6 ({directory}/6); restarting every process")
   assert "no checkpoint is complete yet" in peers.lost_line("a peer", 2, str(tmp_path / "none"), "how")
   assert peers.other_process(0, 2) == "process 1" and peers.other_process(1, 2) == "process 0 (the coordinator)"
+
+
+def test_peer_failures_are_told_from_other_errors():
+  import jax  # pylint: disable=g-import-not-at-top
+  gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+                                    "Read error [127.0.0.1]:6036: Connection reset by peer")
+  assert peers.is_peer_failure(gloo)
+  assert not peers.is_peer_failure(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: the shapes differ"))
+  assert not peers.is_peer_failure(ValueError("Connection reset by peer"))  # not from a collective
+
+
+def test_supervisor_names_the_process_from_the_coordination_output(tmp_path):
+  """What JAX's coordination service writes when it aborts a process (lines as jax 0.10.2 prints them)."""
+  from tools import supervise  # pylint: disable=g-import-not-at-top
+  log = tmp_path / "error.log"
+  log.write_text(
+      "--- native stderr of process 0 (pid 1, now) ---\n"
+      "E1201 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: "
+      "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have crashed.\n"
+      "F1201 client.h:80] Terminating process because the JAX distributed service detected fatal errors.\n")
+  assert supervise._who(str(log), "0 2")[0] == "process 1"
+  log.write_text(
+      "--- native stderr of process 1 (pid 2, now) ---\n"
+      "Additional GRPC error information from remote target coordination_service while calling "
+      "/xla.coordination.CoordinationService/PollForError:\n:UNKNOWN:Error received from peer "
+      "{grpc_message:\"Socket closed\", grpc_status:14}\n")
+  assert supervise._who(str(log), "1 2") == ("process 0 (the coordinator)",
+                                              "the connection to the coordination service was lost")
+  assert supervise._who(None, "1 3")[0] == "a peer"
