@@ -101,6 +101,7 @@ class PeerWatch:
     self._cleanups = cleanups if cleanups is not None else []
     self._last = None             # monotonic time of the latest beat; None: not armed
     self._paused = 0
+    self._lost = False
     self._done = threading.Event()
     self._lock = threading.Lock()
     self._report_fd = _supervisor_fd()
@@ -144,8 +145,10 @@ class PeerWatch:
   def lost(self, step: int | None, how: str, error: BaseException | None = None) -> None:
     """Prints the line, appends ``error``'s traceback to error.log, runs the cleanups, exits 10 at once
     (``os._exit``: JAX's own shutdown would wait for the lost peer at a barrier, then abort)."""
-    if self._done.is_set() and error is None:
-      return
+    with self._lock:
+      if self._lost or (self._done.is_set() and error is None):
+        return  # another thread is ending the process already, or the run is over
+      self._lost = True
     self._done.set()
     who = other_process(self.process_index, self.process_count)
     self.stream.write(lost_line(who, step, self.workdir, how) + "\n")
