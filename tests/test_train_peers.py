@@ -245,6 +245,32 @@ def test_kill_after_a_save_resumes_from_it(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_a_hung_peer_ends_the_survivor_within_the_timeout(tmp_path):
+  """SIGSTOP of process 1's training process (its supervisor's child): process 0's collective waits; within
+  about config.peer_timeout_s the watchdog (or JAX's heartbeat, through the supervisor) ends it with the line."""
+  workdir = str(tmp_path / "w")
+  pair = Pair(workdir, steps=2000)
+  child = None
+  try:
+    pair.wait_until(lambda: 6 in peers.complete_checkpoints(os.path.join(workdir, "checkpoints")), "checkpoint 6")
+    pair.wait_until(_step_reached(pair, 8), "step 8")
+    child = int(subprocess.run(["pgrep", "-P", str(pair.procs[1].pid)], capture_output=True, text=True,
+                               check=True).stdout.split()[0])
+    os.kill(child, signal.SIGSTOP)
+    start = time.monotonic()
+    code = pair.wait(0, EXIT_BOUND_S)
+    seconds = time.monotonic() - start
+  finally:
+    if child is not None:
+      os.kill(child, signal.SIGKILL)
+    pair.kill()
+  assert code == peers.EXIT_PEER_LOST, pair.report()
+  line = _check_survivor_line(pair, 0, 1, peers.complete_checkpoints(os.path.join(workdir, "checkpoints"))[-1])
+  assert PEER_TIMEOUT_S - 2 < seconds < EXIT_BOUND_S, (seconds, line)
+  print(f"time to exit: {seconds:.2f} s; {line}")
+
+
+@pytest.mark.slow
 def test_sigterm_to_both_saves_one_step_and_resumes(tmp_path, reference):
   """SIGTERM to both supervisors, 0.3 s apart: both exit 143 after saving the same step (the loop's stop check
   is a collective at fixed steps, so every process stops after the same one)."""
