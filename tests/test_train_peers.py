@@ -9,6 +9,7 @@ cores); the rest restart the run and compare it with the reference, ``-m slow``.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -97,7 +98,8 @@ def _read(f) -> str:
 
 
 def _step_reached(pair: Pair, step: int):
-  return lambda: f"step {step:>4}/" in pair.out(0) or f"step {step}/" in pair.out(0)
+  """Process 0's progress shows step ``step`` (``step   8/2000``, ``step  8/24``)."""
+  return lambda: re.search(rf"^step +{step}/", pair.out(0), re.M) is not None
 
 
 def _losses(workdir) -> dict[int, float]:

@@ -37,8 +37,10 @@ _PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Connect
 
 def is_peer_failure(error: BaseException) -> bool:
   """Whether ``error`` (raised by a collective of a multi-process run) says that a peer is gone."""
-  text = " | ".join(str(e) for e in _chain(error))
-  return type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and any(m in text for m in _PEER_MARKS)
+  chain = _chain(error)
+  text = " | ".join(str(e) for e in chain)
+  return (any(type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") for e in chain)
+          and any(m in text for m in _PEER_MARKS))
 
 
 def _chain(error):

@@ -54,8 +54,7 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
           loop = Loop(run, state, step, stop, watch)
           status = loop.run_to_end()
         except Exception as e:  # pylint: disable=broad-except  (only a lost peer is handled here)
-          if run.process_count > 1 and peers.is_peer_failure(e):
-            watch.lost(watch.step, f"a collective failed: {_first_line(e)}", e)  # exits
+          _exit_if_peer_lost(run, watch, e)
           raise
     except BaseException:
       try:
@@ -63,7 +62,11 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
       except Exception:  # pylint: disable=broad-except  (the first error is the one to report)
         pass
       raise
-    png = run.close(draw=status != "stopped")
+    try:
+      png = run.close(draw=status != "stopped")  # waits for the last save: its barriers need every peer
+    except Exception as e:  # pylint: disable=broad-except
+      _exit_if_peer_lost(run, watch, e)
+      raise
   summary = loop.summary(status)
   if status == "stopped":
     return summary
@@ -72,6 +75,12 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
             + (f" (config.steps={config.steps})" if config.steps == summary["step"] else ""))
   run.say(_final_line(summary, png))
   return summary
+
+
+def _exit_if_peer_lost(run, watch: peers.PeerWatch, error: Exception) -> None:
+  """A collective of a multi-process run failed because a peer is gone: the line, exit 10 (never returns)."""
+  if run.process_count > 1 and peers.is_peer_failure(error):
+    watch.lost(watch.step, f"a collective failed: {_first_line(error)}", error)
 
 
 def _first_line(error: BaseException) -> str:
