@@ -142,8 +142,8 @@ def _check_survivor_line(pair: Pair, survivor: int, victim: int, last_complete: 
   return line
 
 
-def _restart_and_compare(tmp_path, workdir, reference, resumed_from: int | None) -> None:
-  again = Pair(workdir)
+def _restart_and_compare(tmp_path, workdir, reference, resumed_from: int | None, extra=()) -> None:
+  again = Pair(workdir, extra=extra)
   again.finish()
   out = again.out(0)
   if resumed_from is None:
@@ -188,7 +188,8 @@ def test_kill_the_coordinator_after_a_save(tmp_path):
 def test_kill_before_the_first_save_restarts_from_step_0(tmp_path, reference):
   victim = 1
   workdir = str(tmp_path / "w")
-  pair = Pair(workdir)
+  late = ["--config.checkpoint.every_steps=100"]  # (a free field) the first save would come at the end
+  pair = Pair(workdir, extra=late)
   try:
     pair.wait_until(_step_reached(pair, 3), "step 3")
     seconds = _kill_and_time(pair, victim)
@@ -197,7 +198,7 @@ def test_kill_before_the_first_save_restarts_from_step_0(tmp_path, reference):
   assert peers.complete_checkpoints(os.path.join(workdir, "checkpoints")) == []
   _check_survivor_line(pair, 1 - victim, victim, None)
   print(f"time to exit: {seconds:.2f} s")
-  _restart_and_compare(tmp_path, workdir, reference, None)
+  _restart_and_compare(tmp_path, workdir, reference, None, extra=late)
 
 
 @pytest.mark.slow
