@@ -324,6 +324,8 @@ def test_peer_failures_are_told_from_other_errors():
   assert peers.is_peer_failure(gloo)
   assert not peers.is_peer_failure(jax.errors.JaxRuntimeError("INVALID_ARGUMENT: the shapes differ"))
   assert not peers.is_peer_failure(ValueError("Connection reset by peer"))  # not from a collective
+  assert peers.is_peer_failure(ValueError(str(gloo)))  # orbax re-raises a save's failed collective so
+  assert not peers.is_peer_failure(OSError(28, "No space left on device"))
 
 
 def test_supervisor_names_the_process_from_the_coordination_output(tmp_path):

@@ -30,15 +30,20 @@ from typing import Callable
 
 EXIT_PEER_LOST = 10
 SUPERVISOR_FD = "FP4JAX_SUPERVISOR_FD"
-# What the CPU (Gloo) and GPU (NCCL) collectives and the coordination client say when a peer is gone.
+# What the CPU (Gloo) and GPU (NCCL) collectives and the coordination client say when a peer is gone: the
+# collectives' own names in any exception (orbax re-raises a failed save's collective as a ValueError), the
+# connection's words only in JAX's runtime errors.
+_COLLECTIVE_MARKS = ("Gloo", "NCCL", "heartbeat timeout", "stopped sending heartbeats")
 _PEER_MARKS = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Socket closed",
-               "Broken pipe", "heartbeat", "UNAVAILABLE", "unhealthy", "NCCL", "Gloo")
+               "Broken pipe", "UNAVAILABLE", "unhealthy")
 
 
 def is_peer_failure(error: BaseException) -> bool:
   """Whether ``error`` (raised by a collective of a multi-process run) says that a peer is gone."""
   chain = _chain(error)
   text = " | ".join(str(e) for e in chain)
+  if any(m in text for m in _COLLECTIVE_MARKS):
+    return True
   return (any(type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") for e in chain)
           and any(m in text for m in _PEER_MARKS))
 
