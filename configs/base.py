@@ -18,6 +18,10 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   allow_config_change  let a resume change the recipe, model, optimizer, data, seed, batch or steps
   preemption_grace_s  after SIGTERM/SIGINT the run exits within this many seconds: it saves after the
                     current step when the save fits in the time left, else exits without it, and says which
+  peer_timeout_s    multi-process runs: a peer that stops answering (dies or hangs) ends every other
+                    process within about this many seconds, with one line and exit 10 (the step watchdog;
+                    given on the command line it also sets JAX's heartbeat timeout); keep it above the
+                    longest step, save or evaluation
   lock_stale_s      another host's lock on the work directory counts as stale when its heartbeat is older
   checkpoint.fallback  restore the newest intact checkpoint when the latest cannot be read (else stop)
   osci_reset        TetraJet-v2's OsciReset after each update: enabled "auto" (on for tetrajet2 recipes) /
@@ -83,6 +87,7 @@ def get_config() -> config_dict.ConfigDict:
   c.init_from = ""
   c.allow_config_change = False
   c.preemption_grace_s = 30.0       # SIGTERM/SIGINT: exit within this many seconds (a cluster's grace period)
+  c.peer_timeout_s = 300.0          # multi-process: a silent peer ends the run after this (exit 10)
   c.lock_stale_s = 300.0            # a work-directory lock whose heartbeat is older than this is stale
 
   c.data = config_dict.ConfigDict()

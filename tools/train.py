@@ -16,9 +16,10 @@ detects (SLURM, MPI, ...).
 
 A failure prints one paragraph and exits with a status that names its kind (training/errors.py,
 docs/TRAINING.md): 2 config, 3 data, 4 work directory (also: another run holds it), 5 checkpoint, 6 config
-changed on resume, 7 storage, 8 distributed set-up, 9 diverged, 1 anything unexpected; stopped by a signal:
-143 SIGTERM, 130 SIGINT (128 + the signal number). The traceback goes to <workdir>/error.log (or to one
-fp4jax_error.log in the temp directory when the work directory is unusable); --debug also prints it.
+changed on resume, 7 storage, 8 distributed set-up, 9 diverged, 10 a peer of a multi-process run stopped
+answering (tools/supervise.py), 1 anything unexpected; stopped by a signal: 143 SIGTERM, 130 SIGINT (128 +
+the signal number). The traceback goes to <workdir>/error.log (or to one fp4jax_error.log in the temp
+directory when the work directory is unusable); --debug also prints it.
 """
 import collections
 import errno
@@ -37,9 +38,12 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from tools import supervise
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: configs/ lives there
 EXIT_USAGE, EXIT_UNEXPECTED, EXIT_INTERRUPTED = 2, 1, 130
 EXIT_DISTRIBUTED = 8  # training.errors.DistributedError.exit_code (not imported: see _initialize_distributed)
+PEER_TIMEOUT_S = 300.0  # configs/base.py's config.peer_timeout_s, for the heartbeat (see _peer_timeout)
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
 
 
@@ -105,12 +109,15 @@ def _initialize_distributed(argv) -> None:
       os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FP4JAX_DISTRIBUTED") == "1"):
     return
   kwargs = {k: v for k, v in explicit.items() if v is not None}
+  if supervise.supervised():
+    supervise.die_with_supervisor()
   try:
     if values.process_id is not None and not 0 <= values.process_id < (values.num_processes or 1):
       raise ValueError(f"--process_id={values.process_id} is not in [0, --num_processes={values.num_processes})")
     if values.coordinator_address and values.process_id:
       _wait_for_coordinator(values.coordinator_address, values.distributed_timeout)
-    jax.distributed.initialize(**kwargs, initialization_timeout=values.distributed_timeout)
+    jax.distributed.initialize(**kwargs, initialization_timeout=values.distributed_timeout,
+                               heartbeat_timeout_seconds=max(int(_peer_timeout(argv)), 1))
   except Exception as e:  # pylint: disable=broad-except  (jax raises RuntimeError, ValueError, XlaRuntimeError)
     sys.exit(_fail(
         f"the multi-process set-up failed: {str(e).strip().splitlines()[0][:300]} (coordinator "
@@ -118,6 +125,46 @@ def _initialize_distributed(argv) -> None:
         f"processes, this one {values.process_id}); check that process 0 runs and is reachable at the "
         "coordinator address, that every process got the same --num_processes, and that --process_id is in "
         "[0, --num_processes)", EXIT_DISTRIBUTED))
+
+
+def _wants_distributed(argv) -> bool:
+  """Whether the flags or the environment ask for a multi-process run (read before the flags are parsed)."""
+  return (any(a.lstrip("-").split("=")[0] in _DISTRIBUTED_FLAGS[:3] for a in argv[1:])
+          or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or os.environ.get("FP4JAX_DISTRIBUTED") == "1")
+
+
+def _peer_timeout(argv) -> float:
+  """``--config.peer_timeout_s`` from the command line, else the base config's default: JAX's heartbeat timeout
+  is set before the config file can be loaded (a config file's own value bounds the step watchdog only)."""
+  given = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--config.peer_timeout_s=")]
+  try:
+    return float(given[-1]) if given else PEER_TIMEOUT_S
+  except ValueError:
+    return PEER_TIMEOUT_S  # the flag parser reports the bad value
+
+
+def _native_stderr_to_log(workdir: str) -> None:
+  """A supervised process of a multi-process run: JAX's C++ and coordination output (file descriptor 2) goes
+  to <workdir>/error.log from here on; Python's own stderr (fp4jax's lines, tracebacks) stays on the console."""
+  path = os.path.abspath(workdir)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError:
+    pass
+  log = _error_log(path)
+  try:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  except OSError:
+    return
+  sys.stderr.flush()
+  console = os.dup(2)
+  sys.stderr = os.fdopen(console, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+  os.write(fd, f"--- native stderr of process {jax.process_index()} (pid {os.getpid()}, "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S %z')}) ---\n".encode())
+  os.dup2(fd, 2)
+  os.close(fd)
+  supervise.peers.report_to_supervisor(f"workdir {path}")
+  supervise.peers.report_to_supervisor(f"process {jax.process_index()} {jax.process_count()}")
 
 
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
@@ -278,6 +325,8 @@ def main(argv):
     _quiet_background_errors()
   config = _load_config()
   workdir = _WORKDIR.value or os.path.join("runs", config.name)
+  if supervise.supervised() and jax.process_count() > 1:
+    _native_stderr_to_log(workdir)
   import training  # pylint: disable=g-import-not-at-top  (after jax.distributed: see _initialize_distributed)
   from training import preempt  # pylint: disable=g-import-not-at-top
   from training import sharding  # pylint: disable=g-import-not-at-top
@@ -325,6 +374,9 @@ def main(argv):
 def run() -> None:
   """The ``fp4jax-train`` command (``python train.py`` and ``python -m tools.train`` call it too)."""
   sys.argv = [sys.argv[0]] + [_in_repository(a) for a in _joined(sys.argv[1:])]
+  if _wants_distributed(sys.argv) and not supervise.supervised() and not any(
+      a in ("-h", "--help", "-help", "--helpfull", "--helpshort") for a in sys.argv[1:]):
+    sys.exit(supervise.supervise(sys.argv))  # see tools/supervise.py: one line, even when JAX aborts
   app.run(main, flags_parser=_parse_flags)
 
 

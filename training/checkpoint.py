@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax import lax
 
+from training import peers
 from training import sharding
 from training.errors import CheckpointError, StorageError
 
@@ -124,6 +125,8 @@ class Checkpoints:
         self._manager.close()
 
   def _failed(self, step, error: Exception) -> None:
+    if jax.process_count() > 1 and peers.is_peer_failure(error):
+      raise error  # a lost peer, not the storage: its temporary directory stays (the other processes' part)
     for finish in (self._manager.wait_until_finished, self._manager.close):
       try:  # let every background write of the failed save end before its directory is removed
         finish()

@@ -16,6 +16,8 @@ without a traceback (``--debug`` shows the traceback; it is also written to ``<w
   7     StorageError        a checkpoint could not be written (no space left, I/O error)
   8     DistributedError    the multi-process set-up failed (coordinator unreachable, wrong process count)
   9     TrainingDiverged    the loss or gradient norm was non-finite too many steps in a row
+  10    -                   a peer of a multi-process run stopped answering (``training.peers``; the
+                            process exits at once with one line, it raises nothing)
   130   -                   stopped by SIGINT (Ctrl-C), 128 + 2 (``training.preempt``)
   143   -                   stopped by SIGTERM (a scheduler's preemption), 128 + 15
 """

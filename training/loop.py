@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from training import data as data_lib
+from training import peers
 from training import preempt
 from training import sharding
 from training.errors import TrainingDiverged
@@ -30,9 +31,12 @@ from training.step import eval_step, eval_step_outcontrol, jit_train_step
 class Loop:
   """The moving parts of a run: ``state`` at ``step``, the step's pending metrics, the non-finite streak."""
 
-  def __init__(self, run: Run, state: dict, step: int, stop: preempt.Preemption | None = None):
+  def __init__(self, run: Run, state: dict, step: int, stop: preempt.Preemption | None = None,
+               watch: peers.PeerWatch | None = None):
     self.run, self.state, self.step = run, state, step
     self.stop = stop or preempt.Preemption(run.config.get("preemption_grace_s", 30.0))
+    self.watch = watch or peers.PeerWatch(run.config.get("peer_timeout_s", 300.0), process_index=0,
+                                          process_count=1, workdir=run.workdir)  # (not started: no thread)
     self._compiled = set()               # the train and eval functions that have run once in this start
     self.start_step = step
     self.pending = None                  # (step, device metrics) of the latest step, not yet read
@@ -70,12 +74,13 @@ class Loop:
       self._compiled.add((name, phase))
       reporter = self.run.reporter
       what = "the train step" + (f" ({name}, {phase})" if len(self._train) > 1 else "")
-      with reporter.phase(f"compiling {what}", hint=_cache_hint):
-        self.state, metrics = fn(self.state, tokens)
-      self.stop.phase = preempt.TRAINING
-      with reporter.phase(f"step {self.step + 1} (the first of this start)" if self.step == self.start_step
-                          else f"step {self.step + 1} (the first with {what})"):
-        jax.block_until_ready(metrics)
+      with self.watch.paused():  # a peer that compiles slower is not a hung peer
+        with reporter.phase(f"compiling {what}", hint=_cache_hint):
+          self.state, metrics = fn(self.state, tokens)
+        self.stop.phase = preempt.TRAINING
+        with reporter.phase(f"step {self.step + 1} (the first of this start)" if self.step == self.start_step
+                            else f"step {self.step + 1} (the first with {what})"):
+          jax.block_until_ready(metrics)
       reporter.mark_start(self.step + 1)
     self.step += 1
     self.stop.step = self.step
@@ -89,6 +94,7 @@ class Loop:
     at_step, metrics = self.pending
     self.pending = None
     m = self.metrics = sharding.to_host(metrics)
+    self.watch.beat(at_step)
     config, say = self.run.config, self.run.say
     streak = int(m["nonfinite_streak"])
     note = ""
@@ -118,7 +124,7 @@ class Loop:
     batches = [sharding.host_batch_to_global(b, run.mesh) for b in run.val_batches]
     if key not in self._compiled:
       self._compiled.add(key)
-      with run.reporter.phase("compiling the evaluation step", hint=_cache_hint):
+      with self.watch.paused(), run.reporter.phase("compiling the evaluation step", hint=_cache_hint):
         losses = [jax.block_until_ready(fn(batches[0]))]
       losses += [fn(b) for b in batches[1:]]
     else:
@@ -131,6 +137,7 @@ class Loop:
   def save(self) -> None:
     self.run.checkpoints.save(self.step, self.state, dict(iterator=self.run.train_iter.get_state(),
                                                           process_count=self.run.process_count, step=self.step))
+    self.watch.beat(self.step)  # the save's barriers passed: every peer answered
 
   def save_before_deadline(self) -> bool:
     """The save after a stop signal: skipped (False) when the last save of this start took longer than the

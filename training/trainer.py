@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 import flax.linen as nn
 
+import jax
+
 from models import moe
+from training import peers
 from training import preempt
 from training.errors import ConfigError, TrainingDiverged
 from training.loop import Loop
@@ -34,24 +37,36 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
   """
   with preempt.Preemption(config.get("preemption_grace_s", 30.0)) as stop:
     run = setup(config, workdir, model_fn=model_fn, stop=stop)
+    watch = peers.PeerWatch(config.get("peer_timeout_s", 300.0), process_index=jax.process_index(),
+                            process_count=run.process_count, workdir=run.workdir,
+                            cleanups=[run.lock.release] if run.lock is not None else [])
     try:
-      stop.detail = "restoring or initializing the state"
-      with run.reporter.phase("restoring the latest checkpoint" if run.checkpoints.steps()
-                              else "initializing the state"):
-        state, step = init_or_restore(run)
-      active = ""
-      if "E" in run.model.config.pattern:   # MoE: the routed experts a token skips are not active
-        active = f" ({run.num_params - moe.inactive_params(run.model.config):,} active per token)"
-      run.say(f"parameters: {run.num_params:,}{active}")
-      loop = Loop(run, state, step, stop)
-      status = loop.run_to_end()
+      with watch:
+        try:
+          stop.detail = "restoring or initializing the state"
+          with run.reporter.phase("restoring the latest checkpoint" if run.checkpoints.steps()
+                                  else "initializing the state"):
+            state, step = init_or_restore(run)
+          active = ""
+          if "E" in run.model.config.pattern:   # MoE: the routed experts a token skips are not active
+            active = f" ({run.num_params - moe.inactive_params(run.model.config):,} active per token)"
+          run.say(f"parameters: {run.num_params:,}{active}")
+          loop = Loop(run, state, step, stop, watch)
+          status = loop.run_to_end()
+        except Exception as e:  # pylint: disable=broad-except  (only a lost peer is handled here)
+          _exit_if_peer_lost(run, watch, e)
+          raise
     except BaseException:
       try:
         run.close(draw=not stop.requested)
       except Exception:  # pylint: disable=broad-except  (the first error is the one to report)
         pass
       raise
-    png = run.close(draw=status != "stopped")
+    try:
+      png = run.close(draw=status != "stopped")  # waits for the last save: its barriers need every peer
+    except Exception as e:  # pylint: disable=broad-except
+      _exit_if_peer_lost(run, watch, e)
+      raise
   summary = loop.summary(status)
   if status == "stopped":
     return summary
@@ -60,6 +75,17 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
             + (f" (config.steps={config.steps})" if config.steps == summary["step"] else ""))
   run.say(_final_line(summary, png))
   return summary
+
+
+def _exit_if_peer_lost(run, watch: peers.PeerWatch, error: Exception) -> None:
+  """A collective of a multi-process run failed because a peer is gone: the line, exit 10 (never returns)."""
+  if run.process_count > 1 and peers.is_peer_failure(error):
+    watch.lost(watch.step, f"a collective failed: {_first_line(error)}", error)
+
+
+def _first_line(error: BaseException) -> str:
+  lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+  return (lines[0] if lines else type(error).__name__)[:200]
 
 
 def _final_line(summary: dict, png: str | None) -> str:
