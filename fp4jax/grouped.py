@@ -5,7 +5,8 @@ contraction, N output features, U chunks of A rows (A = the recipe's token align
 
 Rows ``[start_e, start_e + group_sizes[e])`` of x (start_e the sum of the sizes before e) are expert e's
 tokens, X_e, and ``y[rows of e] = X_e · w[e]``. Each group size is a multiple of A (the caller pads each
-expert's segment with zero rows; ``models.moe`` does), rows past the last group give zeros. The contract,
+expert's segment with zero rows; ``models.moe`` does); rows past the last group give zeros
+(y and dx) and are set to zero before any quantization, so they reach no expert's amax. The contract,
 forward and backward, bit for bit (tests/test_moe_grouped.py):
 
   grouped_dot(x, w, sizes, recipe=r, key=k)[rows of e]  ==  fp4jax.dot(X_e, w[e], recipe=r, key=fold_in(k, e))
@@ -75,6 +76,10 @@ class _Chunks:
   def expert_of_row(self):
     return jnp.repeat(self.expert, self.rows)
 
+  def inside(self, t_SxC):
+    """t with the rows past the last group set to zero: they reach no expert's quantization (amax)."""
+    return jnp.where(jnp.repeat(self.valid, self.rows)[:, None], t_SxC, jnp.zeros((), t_SxC.dtype))
+
 
 def _chunks(sizes_E, s: int, a: int) -> _Chunks:
   sizes_E = sizes_E.astype(jnp.int32)
@@ -120,7 +125,7 @@ def _check_quantizer(q):
 def _quantize_rows(q: Quantizer, t_SxC, ch: _Chunks, keys_E=None, signs_E=None) -> QTensor:
   """t quantized along C, each chunk of rows as part of its expert's (size_e, C) tensor; leading axis U."""
   s, c = t_SxC.shape
-  t_UxAxC = t_SxC.reshape(s // ch.rows, ch.rows, c)
+  t_UxAxC = ch.inside(t_SxC).reshape(s // ch.rows, ch.rows, c)
   if signs_E is None:
     prepared = jax.vmap(q.prepare)(t_UxAxC)
   else:
@@ -135,7 +140,7 @@ def _quantize_tokens(q: Quantizer, t_SxC, ch: _Chunks, keys_E=None, signs_E=None
   ``Quantizer.quantize_t`` quantizes it (the fused RHT path's order: xᵀ, then the transform in float32);
   leading axis U, each piece (C, A)."""
   s, c = t_SxC.shape
-  t_UxAxC = t_SxC.reshape(s // ch.rows, ch.rows, c)
+  t_UxAxC = ch.inside(t_SxC).reshape(s // ch.rows, ch.rows, c)
   fused = signs_E is None and q.rht_size and q.four_over_six is None and q.fmt in formats.FP4
   if fused:   # reference.quantize_rht_t_reference: hadamard.rht(x.T) along the tokens
     prepared = jax.vmap(lambda t: hadamard.rht(t.T, axis=-1, size=q.rht_size, seed=q.rht_seed))(t_UxAxC)
