@@ -12,11 +12,10 @@ capability 10.x, ``fp4jax.primitives.impl.default_gemm_backend``). Three steps:
 2. ``block_scaled_matmul``: Σ_k (e2m1·s)_a (e2m1·s)_b in float32, ``jax.nn.scaled_matmul`` on CUDA
    (cuDNN's ``__cudnn$blockScaledDot`` on sm_100). Elsewhere (the CPU) its twin: the same products,
    exact in bfloat16, one bf16 GEMM with float32 accumulation, which is the XLA path's GEMM.
-3. The format's second level on the float32 result, exactly as the XLA path applies it
-   (``fp4jax.gemm``): nvfp4 ``reference.apply_tensor_factor`` (bound 448; per output row for a
-   row-scaled a), ``four_over_six.gemm_factor`` with a 4/6 operand, MS-EDEN s_dec_a·s_dec_b, and DBQ
-   (TetraJet-v2) one block-scaled GEMM per 128-chunk of K, each rescaled by its outer scales
-   outer_a[m, c]·outer_b[n, c] and summed in float32 in ``dbq.gemm``'s order: the outer scale varies
+3. The format's second level on the float32 result, ``fp4jax.epilogue`` (the one the XLA path
+   applies): nvfp4's tensor factor (bound 448; per output row for a row-scaled a), 4/6's, MS-EDEN
+   s_dec_a·s_dec_b, and DBQ (TetraJet-v2) one block-scaled GEMM per 128-chunk of K, each rescaled by
+   its outer scales outer_a[m, c]·outer_b[n, c] and summed in order (``dbq.chunked_gemm``): the outer scale varies
    along both M and N within a chunk, so it fits neither the E4M3 block scale (not exact) nor one
    epilogue factor (not separable).
 
@@ -29,16 +28,14 @@ and per-tensor/128-block FP8 (not FP4). ``scaled_matmul`` raises for them, namin
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
-from fp4jax import formats, reference
-from fp4jax._exact import product
-from fp4jax.numerics import dbq, four_over_six as fos
+from fp4jax import epilogue, reference
+from fp4jax.numerics import dbq
 from fp4jax.qtensor import QTensor, validate
 
 FORMATS = ("nvfp4", "nvfp4_eden", "nvfp4_dbq")   # the formats with E2M1 codes and E4M3 scales per 16
@@ -108,30 +105,20 @@ def block_scaled_matmul(a: Operand, b: Operand):
 
 def _dbq(a: QTensor, b: QTensor, oa: Operand, ob: Operand):
   per = dbq.OUTER // BLOCK
-  out = None
-  for c in range(a.scale2.shape[-1]):
+
+  def part(c):
     k, s = slice(c * dbq.OUTER, (c + 1) * dbq.OUTER), slice(c * per, (c + 1) * per)
-    part = block_scaled_matmul(Operand(oa.values[:, k], oa.scales[:, s]),
+    return block_scaled_matmul(Operand(oa.values[:, k], oa.scales[:, s]),
                                Operand(ob.values[:, k], ob.scales[:, s]))
-    term = product(a.scale2[:, c][:, None] * b.scale2[:, c][None, :], part)   # as dbq.gemm
-    out = term if out is None else out + term
-  return out
+  return dbq.chunked_gemm(part, lambda c: a.scale2[:, c][:, None], lambda c: b.scale2[:, c][None, :],
+                          a.scale2.shape[-1])
 
 
 def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   """a (M, K) · b (N, K)ᵀ -> (M, N) on the block-scaled GEMM, the format's second level applied to the
-  float32 result as the XLA path applies it (module docstring)."""
+  float32 result as the XLA path applies it (``fp4jax.epilogue``)."""
   check(a, b)
   oa, ob = operand(a), operand(b)
   if a.fmt == "nvfp4_dbq":
     return _dbq(a, b, oa, ob).astype(out_dtype)
-  acc = block_scaled_matmul(oa, ob)
-  if a.fmt == "nvfp4_eden":
-    out = product(acc, a.scale2 * b.scale2)
-  elif _row_scaled(a):
-    out = reference.apply_tensor_factor(acc, dataclasses.replace(a, amax=a.amax[:, None]), b)
-  elif a.bound == b.bound == formats.NVFP4_BOUND:
-    out = reference.apply_tensor_factor(acc, a, b)
-  else:   # Four Over Six on one or both operands
-    out = product(acc, fos.gemm_factor(a.amax, b.amax, a.bound, b.bound))
-  return out.astype(out_dtype)
+  return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)

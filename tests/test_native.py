@@ -163,15 +163,12 @@ def test_extreme_amaxes_take_the_split_factor():
   assert np.isfinite(np.asarray(got)).all() and np.count_nonzero(np.asarray(got)) > M * N // 2
 
 
-def test_grouped_native_equals_xla():
-  sizes = (16, 32)
-  a = _q(Quantizer("nvfp4"), _x(14, (sum(sizes), K)))
-  a = dataclasses.replace(a, amax=jnp.stack([a.amax, a.amax * 2]))   # one tensor amax per group
-  ws = [_q(Quantizer("nvfp4", tiled=True), _x(15 + g, (N, K))) for g in range(2)]
-  b = jax.tree.map(lambda *l: jnp.stack(l), *ws)
-  run = lambda backend: jax.jit(lambda a, b: gemm.scaled_matmul(a, b, backend=backend,
-                                                                 group_sizes=sizes))(a, b)
-  np.testing.assert_array_equal(run("native"), run("xla"))
+def test_grouped_gemm_is_xla_only():
+  """The grouped GEMM (traced group sizes) has no native form; impl='native' says so and names 'xla'."""
+  a = jax.tree.map(lambda l: l[None], _q(Quantizer("nvfp4"), _x(14, (16, K))))
+  b = jax.tree.map(lambda l: l[None], _q(Quantizer("nvfp4", tiled=True), _x(15, (N, K))))
+  with pytest.raises(ValueError, match="impl='xla'"):
+    gemm.grouped_matmul(a, b, gemm.groups(jnp.array([16]), 16, 16), impl="native")
 
 
 def _formats(recipe):

@@ -93,19 +93,31 @@ def test_gemm_backends():
     gemm.scaled_matmul(qx, QUANTIZERS["dbq"](W))
 
 
+def _chunked(q, rows):
+  """A (R, K) QTensor as (R / rows, rows, K) chunks, its tensor-level second level repeated per chunk."""
+  u = q.data.shape[0] // rows
+  split = lambda leaf: (jnp.broadcast_to(leaf, (u,)) if leaf.ndim == 0 else leaf.reshape(u, rows, *leaf.shape[1:]))
+  return jax.tree.map(split, q)
+
+
 @pytest.mark.parametrize("name", ["4/6", "dbq", "eden"])
 def test_grouped_gemm_is_one_gemm_per_group(name):
+  """gemm.grouped_matmul with traced group sizes (an empty group, rows past the last one): per group the
+  dense GEMM of that group's rows, bit for bit on the CPU; zeros past the groups."""
   q = QUANTIZERS[name]
-  sizes = (16, 16, 48, 16)   # (an empty group: nvfp4 takes it, 4/6 has no amax of no elements)
-  xs = jnp.split(jax.random.normal(jax.random.key(6), (96, 256)), np.cumsum(sizes)[:-1])
+  sizes = (16, 0, 48, 16)
+  xs = jnp.split(jax.random.normal(jax.random.key(6), (80, 256)), np.cumsum(sizes)[:-1])
   ws = jax.random.normal(jax.random.key(7), (4, 48, 256)) * 0.1
-  parts = [q(x, jax.random.key(8)) for x in xs]
-  stack = lambda qs: jax.tree.map(lambda *l: jnp.stack(l) if l[0].ndim == 0 else jnp.concatenate(l), *qs)
-  a = stack(parts)                                     # rows of all groups, one second level per group
-  b = jax.tree.map(lambda *l: jnp.stack(l), *[q(ws[g], jax.random.key(9 + g)) for g in range(4)])
-  got = gemm.scaled_matmul(a, b, group_sizes=sizes)
-  want = jnp.concatenate([gemm.scaled_matmul(parts[g], q(ws[g], jax.random.key(9 + g))) for g in range(4)])
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  parts = [q(x, jax.random.key(8)) for x in xs if x.shape[0]]
+  past = _chunked(q(jnp.zeros((16, 256)), jax.random.key(8)), 16)   # one chunk past the last group
+  a = jax.tree.map(lambda *l: jnp.concatenate(l), *[_chunked(p, 16) for p in parts], past)
+  qw = [q(ws[g], jax.random.key(9 + g)) for g in range(4)]
+  b = jax.tree.map(lambda *l: jnp.stack(l), *qw)
+  run = jax.jit(lambda a, b, sizes: gemm.grouped_matmul(a, b, gemm.groups(sizes, 96, 16)))
+  got = run(a, b, jnp.asarray(sizes, jnp.int32))
+  want = jnp.concatenate([gemm.matmul(parts[i], qw[g]) for i, g in enumerate((0, 2, 3))])
+  np.testing.assert_array_equal(np.asarray(got[:80]), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got[80:]), 0.0)
 
 
 def test_every_preset_is_a_hashable_table_of_six_quantizers():

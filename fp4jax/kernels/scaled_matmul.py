@@ -196,7 +196,7 @@ def scaled_matmul_narrow_xla(a, b, out_dtype):
   run time from the amaxes (so nothing re-associates with a constant). tests/test_gpu_aot_cuts.py checks
   it against the reference bit for bit on the CPU; ``fp4jax.primitives`` uses it only on "cuda".
   """
-  acc = reference._contract_last(reference._scaled_codes_bf16(a), reference._scaled_codes_bf16(b),  # noqa: SLF001
+  acc = reference._contract_last(reference.scaled_codes_bf16(a), reference.scaled_codes_bf16(b),  # noqa: SLF001
                                  jnp.float32)
   f = reference.tensor_factor_parts(a, b)
   return ((((acc * f[0]) * f[1]) * f[2]) * f[3]).astype(out_dtype)
