@@ -16,7 +16,7 @@ and this one custom_vjp runs them all. A GEMM whose roles are None is a plain ``
 the unquantized operands. The residuals are FP4: the quantized wgrad x and dgrad w, or the fprop tiles,
 or the forward-quantized x̂ and ŵ that Quartet II and TetraJet-v2 re-quantize; an unquantized operand
 is saved only when a GEMM in "bf16" needs it. All three GEMMs accumulate in float32
-(``fp4jax.gemm.scaled_matmul``); dx and dw come back in the dtypes of x and w.
+(``fp4jax.gemm.matmul``); dx and dw come back in the dtypes of x and w.
 
 Shapes that are not multiples of the blocks (and of ``rht_size`` along M) are zero-padded in whole
 elements before quantization. Zeros change neither a tensor's amax nor any block's or tile's amax, so
@@ -138,10 +138,10 @@ class Dense:
     return values(t)
 
   def gemm(self, q_a, q_b, out_dtype):                   # rows of a times b, contracting both last axes
-    return gemm.scaled_matmul(q_a, q_b, out_dtype=out_dtype)
+    return gemm.matmul(q_a, q_b, out_dtype=out_dtype)
 
   def gemm_tokens(self, q_a, q_b, out_dtype):            # wgrad: both operands along the tokens
-    return gemm.scaled_matmul(q_a, q_b, out_dtype=out_dtype)
+    return gemm.matmul(q_a, q_b, out_dtype=out_dtype)
 
   def exact(self, a, b, gemm_name, precision):
     dims = {"fprop": ((1,), (0,)), "dgrad": ((1,), (1,)), "wgrad": ((0,), (0,))}[gemm_name]

@@ -69,34 +69,34 @@ def _xla_only(a: QTensor, b: QTensor):
 
 def _check(a, b, backend):
   if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
-    raise TypeError("fp4jax.gemm.scaled_matmul takes two QTensors; got "
+    raise TypeError("fp4jax.gemm.matmul takes two QTensors; got "
                     f"{type(a).__name__} and {type(b).__name__}")
   if a.fmt != b.fmt:
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
   if backend is not None and backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r}; use one of {BACKENDS} or None (the verified default)")
+    raise ValueError(f"impl={backend!r}; use one of {IMPLS} or None (the verified default)")
 
 
 def _row_scaled(q: QTensor) -> bool:
   return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == 1 and q.tile is None
 
 
-def _dense(a: QTensor, b: QTensor, out_dtype, backend):
-  if backend == "native":
-    return native.scaled_matmul(a, b, out_dtype=out_dtype)
+def _dense(a: QTensor, b: QTensor, out_dtype, impl):
+  if impl == "native":
+    return native.matmul(a, b, out_dtype=out_dtype)
   if _row_scaled(a) and not _row_scaled(b):   # row-scaled activations: the factor per output row
-    if backend == "pallas":
-      raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use backend='xla'")
-    validate(a, "fp4jax.gemm.scaled_matmul (lhs)")
-    validate(b, "fp4jax.gemm.scaled_matmul (rhs)", scalar_amax=True)
+    if impl == "pallas":
+      raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use impl='xla'")
+    validate(a, "fp4jax.gemm.matmul (lhs)")
+    validate(b, "fp4jax.gemm.matmul (rhs)", scalar_amax=True)
     return epilogue.apply(_contract(_bf16_products(a), _bf16_products(b)), a, b).astype(out_dtype)
   if a.fmt in formats.NAMES and a.bound == b.bound == formats.NVFP4_BOUND:
-    return api.scaled_matmul(a, b, out_dtype=out_dtype, impl=backend)
-  if backend == "pallas":
+    return api.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl)
+  if impl == "pallas":
     raise ValueError(f"there are no Pallas kernels for fmt={a.fmt!r}"
-                     + (" with the 4/6 bound" if a.fmt == "nvfp4" else "") + "; use backend='xla'")
-  validate(a, "fp4jax.gemm.scaled_matmul (lhs)", scalar_amax=True)
-  validate(b, "fp4jax.gemm.scaled_matmul (rhs)", scalar_amax=True)
+                     + (" with the 4/6 bound" if a.fmt == "nvfp4" else "") + "; use impl='xla'")
+  validate(a, "fp4jax.gemm.matmul (lhs)", scalar_amax=True)
+  validate(b, "fp4jax.gemm.matmul (rhs)", scalar_amax=True)
   if a.axis != -1 or b.axis != -1 or a.ndim != 2 or b.ndim != 2 or a.shape[-1] != b.shape[-1]:
     raise ValueError(f"scaled_matmul contracts the last axis of two 2-D operands; got shapes {a.shape}, "
                      f"{b.shape} quantized along axes {a.axis}, {b.axis}")

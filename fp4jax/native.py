@@ -1,6 +1,6 @@
 """The native GEMM: a pair of NVFP4-family QTensors on the hardware's block-scaled tensor cores.
 
-``fp4jax.gemm.scaled_matmul(a, b, backend="native")`` lands here (and impl=None on a GPU of compute
+``fp4jax.gemm.matmul(a, b, impl="native")`` lands here (and impl=None on a GPU of compute
 capability 10.x, ``fp4jax.primitives.impl.default_gemm_backend``). Three steps:
 
 1. ``operand(q)``: a (R, K) QTensor quantized along K becomes the block-scaled layout: its E2M1 codes
@@ -24,7 +24,7 @@ order of the float32 sums (bit for bit on the CPU, where the twin is the XLA pat
 
 Not native: MXFP4 (jax 0.10.2's XLA does not take E2M1 with E8M0 scales per 32 into cuDNN on sm_100:
 it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path), MXFP8
-and per-tensor/128-block FP8 (not FP4). ``scaled_matmul`` raises for them, naming backend="xla".
+and per-tensor/128-block FP8 (not FP4). ``matmul`` raises for them, naming impl="xla".
 """
 from __future__ import annotations
 
@@ -55,17 +55,17 @@ def check(a: QTensor, b: QTensor):
                     "a float32 GEMM on sm_100, not the block-scaled tensor cores",
            "mxfp8": "it is an FP8 format (its native GEMM is not built)",
            "fp8": "it is an FP8 format"}.get(a.fmt, "it is not an E2M1/E4M3 format")
-    raise ValueError(f"backend='native' takes {FORMATS}; fmt={a.fmt!r} has no native GEMM here ({why}); "
-                     "use backend='xla'")
+    raise ValueError(f"impl='native' takes {FORMATS}; fmt={a.fmt!r} has no native GEMM here ({why}); "
+                     "use impl='xla'")
   for name, q in (("lhs", a), ("rhs", b)):
-    validate(q, f"fp4jax.native.scaled_matmul ({name})")
+    validate(q, f"fp4jax.native.matmul ({name})")
     if q.axis != -1 or q.ndim != 2:
-      raise ValueError(f"backend='native' contracts the last axis of two 2-D operands quantized along "
+      raise ValueError(f"impl='native' contracts the last axis of two 2-D operands quantized along "
                        f"it; the {name} has shape {q.shape} quantized along axis {q.axis}")
   if a.shape[-1] != b.shape[-1]:
     raise ValueError(f"scaled_matmul contraction mismatch: a (M, K)={a.shape}, b (N, K)={b.shape}")
   if _row_scaled(b):
-    raise ValueError("backend='native' takes a row-scaled nvfp4 lhs only (one amax per output row); the "
+    raise ValueError("impl='native' takes a row-scaled nvfp4 lhs only (one amax per output row); the "
                      "rhs has one amax per row too, which no GEMM factor can apply; quantize the rhs "
                      "with one tensor amax")
 
@@ -114,7 +114,7 @@ def _dbq(a: QTensor, b: QTensor, oa: Operand, ob: Operand):
                           a.scale2.shape[-1])
 
 
-def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
+def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   """a (M, K) · b (N, K)ᵀ -> (M, N) on the block-scaled GEMM, the format's second level applied to the
   float32 result as the XLA path applies it (``fp4jax.epilogue``)."""
   check(a, b)
@@ -122,3 +122,6 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   if a.fmt == "nvfp4_dbq":
     return _dbq(a, b, oa, ob).astype(out_dtype)
   return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)
+
+
+scaled_matmul = matmul   # former name

@@ -35,7 +35,7 @@ def test_every_format_is_one_qtensor(name):
   vals = fp4jax.dequantize(qx)
   assert vals.shape == X.shape and bool(jnp.all(jnp.isfinite(vals)))
   assert float(jnp.mean((vals - X) ** 2) / jnp.mean(X ** 2)) < 0.05
-  y = gemm.scaled_matmul(qx, q(W, jax.random.key(3)))
+  y = gemm.matmul(qx, q(W, jax.random.key(3)))
   want = np.asarray(vals, np.float64) @ np.asarray(fp4jax.dequantize(q(W, jax.random.key(3))), np.float64).T
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
   leaves, tree = jax.tree.flatten(qx)
@@ -86,11 +86,11 @@ def test_bad_quantizers_and_bounds_fail_at_construction():
 def test_gemm_backends():
   qx, qw = QUANTIZERS["eden"](X, jax.random.key(1)), QUANTIZERS["eden"](W, jax.random.key(2))
   # the native backend (issue 23; on the CPU its exact twin): the XLA path's bits (tests/test_native.py)
-  assert jnp.array_equal(gemm.scaled_matmul(qx, qw, backend="native"), gemm.scaled_matmul(qx, qw, backend="xla"))
+  assert jnp.array_equal(gemm.matmul(qx, qw, impl="native"), gemm.matmul(qx, qw, impl="xla"))
   with pytest.raises(ValueError, match="no Pallas kernels"):
-    gemm.scaled_matmul(qx, qw, backend="pallas")
+    gemm.matmul(qx, qw, impl="pallas")
   with pytest.raises(ValueError, match="share a format"):
-    gemm.scaled_matmul(qx, QUANTIZERS["dbq"](W))
+    gemm.matmul(qx, QUANTIZERS["dbq"](W))
 
 
 def _chunked(q, rows):
@@ -157,8 +157,8 @@ def test_row_scaled_nvfp4_is_one_tensor_per_row():
   np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(qx)),
                                 np.concatenate([np.asarray(fp4jax.dequantize(r)) for r in rows]))
   qw = plain(W)
-  np.testing.assert_array_equal(np.asarray(gemm.scaled_matmul(qx, qw)),
-                                np.concatenate([np.asarray(gemm.scaled_matmul(r, qw)) for r in rows]))
+  np.testing.assert_array_equal(np.asarray(gemm.matmul(qx, qw)),
+                                np.concatenate([np.asarray(gemm.matmul(r, qw)) for r in rows]))
 
 
 def test_dot_takes_a_table_of_roles_with_one_role_replaced():

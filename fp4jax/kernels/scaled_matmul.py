@@ -159,7 +159,7 @@ def dequantize_bf16(data, scale, *, fmt="nvfp4", tiled=False, tiles=DEFAULT_TILE
                           interpret=interpret)
 
 
-def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_tiled=False,
+def pallas_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_tiled=False,
                   b_tiled=False, out_dtype=jnp.float32, tiles=DEFAULT_TILES, interpret=False):
   """a (..., M, K) · b (N, K)ᵀ from packed codes and scale bytes (uint8), times ``factor``.
 
@@ -177,6 +177,9 @@ def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_ti
                             a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype, tiles=tiles,
                             interpret=interpret)
   return out.reshape(*lead, m, b_data.shape[0])
+
+
+scaled_matmul = pallas_matmul   # former name
 
 
 def scaled_matmul_reference(a, b, out_dtype=jnp.float32):
