@@ -17,17 +17,18 @@ own stochastic-rounding bits (counters of its own (M_e, N) and (N, M_e) tensors:
 its own random signs, the RHT and every block along the tokens inside its segment (A is a multiple of each
 of them), and ``fp4jax.dot``'s zero padding of M_e to A, which is exact.
 
-How (no loop over experts): the operands are quantized chunk by chunk (U chunks of A rows, each inside one
-expert) with fp4jax's own ``Quantizer``s under ``vmap``: each chunk gets its expert's amax (a segment max of
-the chunks' amaxes) and its window of its expert's random bits; weights are quantized per expert under
-``vmap``. The GEMMs then run on the exact bfloat16 block products (e2m1 · block scale) as one grouped GEMM,
-``lax.ragged_dot`` (fprop, dgrad) or ``lax.ragged_dot_general`` with the token axis ragged (wgrad), float32
-accumulation, and each output gets the tensor factor of its expert's pair (the second level of the format),
-as ``fp4jax.gemm``'s xla backend applies it. TetraJet-v2's double-block format rescales each 128-chunk of
-the contraction: fprop and dgrad loop over those chunks (K / 128, static), wgrad runs a ``lax.scan`` over the
-token chunks, adding each into its expert's sum in order. The values equal the per-expert dots where both
-sum in float32 in the same order; on the CPU that holds (the test). On a GPU the grouped GEMM's summation
-order is the kernel's (``lax.ragged_dot``), as a dense dot's is cuBLAS's.
+How (no loop over experts): this is ``fp4jax.dot``'s one custom_vjp and role logic, run on the experts'
+operands (``Experts``, the operations of ``fp4jax.dot.Dense`` for groups of rows). What is specific to
+experts lives here: the operands are quantized chunk by chunk (U chunks of A rows, each inside one expert)
+with fp4jax's own ``Quantizer``s under ``vmap``: each chunk gets its expert's amax (a segment max of the
+chunks' amaxes) and its window of its expert's random bits; weights are quantized per expert under
+``vmap``; each expert's key is fold_in(key, e). The GEMMs are ``fp4jax.gemm``'s grouped GEMM
+(``grouped_matmul``: ``lax.ragged_dot``; ``grouped_matmul_t``: ``ragged_dot_general`` with the token axis
+ragged; the epilogue of each output's pair, ``fp4jax.epilogue``). Every role ``fp4jax.dot`` takes runs
+(nvfp4, 4/6, row-scaled activations, mxfp4, MS-EDEN, DBQ, fp8, mxfp8). The values equal the per-expert
+dots where both sum in float32 in the same order; on the CPU that holds for the FP4 formats (bfloat16
+products; the test), fp8 and mxfp8 (float32 products) are equal within float32 summation error. On a GPU
+the grouped GEMM's summation order is the kernel's (``lax.ragged_dot``), as a dense dot's is cuBLAS's.
 """
 from __future__ import annotations
 
