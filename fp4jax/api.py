@@ -321,7 +321,7 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | 
   impl = primitives.resolve_impl(impl, a.fmt)
   if a.fmt not in formats.KERNEL_FORMATS:
     return scaled_matmul_reference(a, b, out_dtype)
-  return primitives.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl)
+  return primitives.fp4_matmul(a, b, out_dtype=out_dtype, impl=impl)
 
 
 def transpose_tiles(q: QTensor) -> QTensor:

@@ -16,7 +16,7 @@ and this one custom_vjp runs them all. A GEMM whose roles are None is a plain ``
 the unquantized operands. The residuals are FP4: the quantized wgrad x and dgrad w, or the fprop tiles,
 or the forward-quantized x̂ and ŵ that Quartet II and TetraJet-v2 re-quantize; an unquantized operand
 is saved only when a GEMM in "bf16" needs it. All three GEMMs accumulate in float32
-(``fp4jax.gemm.scaled_matmul``); dx and dw come back in the dtypes of x and w.
+(``fp4jax.gemm.matmul``); dx and dw come back in the dtypes of x and w.
 
 Shapes that are not multiples of the blocks (and of ``rht_size`` along M) are zero-padded in whole
 elements before quantization. Zeros change neither a tensor's amax nor any block's or tile's amax, so
@@ -64,7 +64,7 @@ def _exact(a, b, dims, precision):
                          preferred_element_type=jnp.float32)
 
 
-def _values(t):
+def values(t):
   """The forward-quantized values the backward pass re-quantizes (float32): x̂, ŵ, or x, w unquantized."""
   return api.dequantize(t) if isinstance(t, QTensor) else t.astype(jnp.float32)
 
@@ -73,7 +73,7 @@ def _values(t):
 # The custom_vjp on aligned 2-D operands x_MxK, w_KxN, for any Roles
 # ---------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "w_dgrad", "x_wgrad"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "w_dgrad", "x_wgrad", "groups"),
                    meta_fields=("x_dtype", "w_dtype"))
 @dataclasses.dataclass(frozen=True)
 class Residuals:
@@ -85,6 +85,7 @@ class Residuals:
   x_wgrad: Any    # QTensor (K, M) along M; or the fprop QTensor x̂ (M, K) to re-quantize; or x
   x_dtype: Any
   w_dtype: Any
+  groups: Any = None   # the layout's traced operand (fp4jax.grouped: the group sizes); None for one dot
 
   @property
   def nbytes(self) -> int:
@@ -92,42 +93,7 @@ class Residuals:
     return sum(int(a.size) * a.dtype.itemsize for a in leaves)
 
 
-@jax.named_scope("fprop")
-def _fprop(roles: Roles, precision, out_dtype, x_MxK, w_KxN):
-  """y and the fprop-quantized operands (None when fprop runs unquantized)."""
-  if roles.fprop_x is None:
-    return _exact(x_MxK, w_KxN, ((1,), (0,)), precision).astype(out_dtype), None, None
-  q_x = roles.fprop_x(x_MxK)
-  q_wt = roles.fprop_w(w_KxN.T)                                                      # (N, K)
-  return gemm.scaled_matmul(q_x, q_wt, out_dtype=out_dtype), q_x, q_wt
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _qdot(roles, precision, out_dtype, x_MxK, w_KxN, key):
-  del key
-  return _fprop(roles, precision, out_dtype, x_MxK, w_KxN)[0]
-
-
-def _qdot_fwd(roles, precision, out_dtype, x_MxK, w_KxN, key):
-  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, x_MxK, w_KxN)
-  if roles.dgrad_dy is None:
-    w_dgrad = w_KxN
-  elif roles.dgrad_w == TRANSPOSED or roles.requantize:
-    w_dgrad = w_KxN.T if q_wt is None else q_wt   # transposed, or re-quantized, in the backward pass
-  else:
-    w_dgrad = roles.dgrad_w(w_KxN)                                                   # (K, N) along N
-  with jax.named_scope("wgrad"):
-    if roles.wgrad_x is None:
-      x_wgrad = x_MxK
-    elif roles.requantize:
-      x_wgrad = x_MxK if q_x is None else q_x
-    else:
-      x_wgrad = roles.wgrad_x.quantize_t(x_MxK)                                      # (K, M) along M
-  res = Residuals(key if roles.needs_key else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype)
-  return y_MxN, res
-
-
-def _gemm_keys(key, rht_size):
+def gemm_keys(key, rht_size):
   """(signs, key of the first operand, key of the second) of one backward GEMM: with a random
   transform its signs and both operands' bits come from one three-way split; else the gradient
   operand rounds with the GEMM's key itself."""
@@ -137,40 +103,132 @@ def _gemm_keys(key, rht_size):
   return eden.random_signs(k_sign, rht_size), k_a, k_b
 
 
-def _qdot_bwd(roles, precision, out_dtype, res, dy_MxN):
+class Dense:
+  """The operands of one dot: x (M, K), w (K, N), each one tensor, and the six operations the role logic
+  below runs on them. ``fp4jax.grouped`` gives the same operations for E experts' groups of rows (its
+  ``Experts``), so both run the one custom_vjp ``_qdot``. ``bind(groups, m)``: the operations for the
+  traced ``groups`` (None here) and m rows."""
+
+  def bind(self, groups, m):
+    del groups, m
+    return self
+
+  def rows(self, q, t_RxC, key=None, signs=None):        # t (R, C) along C: x, dy
+    return q(t_RxC, key, signs)
+
+  def tokens(self, q, t_TxC, key=None, signs=None):      # tᵀ (C, T) along the tokens T: x, dy of wgrad
+    return q.quantize_t(t_TxC, key, signs)
+
+  def weight(self, q, w, key=None, signs=None):          # w along its last axis
+    return q(w, key, signs)
+
+  def weight_t(self, q, w, key=None, signs=None):        # wᵀ along its first axis (ŵ re-quantized)
+    return q.quantize_t(w, key, signs)
+
+  def transpose(self, w):
+    return w.T
+
+  def transpose_tiles(self, q_w):
+    return transpose_tiles(q_w)
+
+  def values(self, t):
+    return values(t)
+
+  def weight_values(self, t):
+    return values(t)
+
+  def gemm(self, q_a, q_b, out_dtype):                   # rows of a times b, contracting both last axes
+    return gemm.matmul(q_a, q_b, out_dtype=out_dtype)
+
+  def gemm_tokens(self, q_a, q_b, out_dtype):            # wgrad: both operands along the tokens
+    return gemm.matmul(q_a, q_b, out_dtype=out_dtype)
+
+  def exact(self, a, b, gemm_name, precision):
+    dims = {"fprop": ((1,), (0,)), "dgrad": ((1,), (1,)), "wgrad": ((0,), (0,))}[gemm_name]
+    return _exact(a, b, dims, precision)
+
+  def split(self, key):
+    key_d, key_w = jax.random.split(key)   # independent streams for the two GEMMs
+    return key_d, key_w
+
+  def gemm_keys(self, key, rht_size):
+    return (None, None, None) if key is None else gemm_keys(key, rht_size)
+
+
+DENSE = Dense()
+
+
+@jax.named_scope("fprop")
+def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN):
+  """y and the fprop-quantized operands (None when fprop runs unquantized)."""
+  if roles.fprop_x is None:
+    return ops.exact(x_MxK, w_KxN, "fprop", precision).astype(out_dtype), None, None
+  q_x = ops.rows(roles.fprop_x, x_MxK)
+  q_wt = ops.weight(roles.fprop_w, ops.transpose(w_KxN))                             # (N, K)
+  return ops.gemm(q_x, q_wt, out_dtype), q_x, q_wt
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups):
+  del key
+  return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN)[0]
+
+
+def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups):
+  ops = layout.bind(groups, x_MxK.shape[0])
+  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN)
+  if roles.dgrad_dy is None:
+    w_dgrad = w_KxN
+  elif roles.dgrad_w == TRANSPOSED or roles.requantize:
+    w_dgrad = ops.transpose(w_KxN) if q_wt is None else q_wt   # transposed, or re-quantized, in backward
+  else:
+    w_dgrad = ops.weight(roles.dgrad_w, w_KxN)                                       # (K, N) along N
+  with jax.named_scope("wgrad"):
+    if roles.wgrad_x is None:
+      x_wgrad = x_MxK
+    elif roles.requantize:
+      x_wgrad = x_MxK if q_x is None else q_x
+    else:
+      x_wgrad = ops.tokens(roles.wgrad_x, x_MxK)                                     # (K, M) along M
+  res = Residuals(key if roles.needs_key else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype, groups)
+  return y_MxN, res
+
+
+def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
   del out_dtype
+  ops = layout.bind(res.groups, dy_MxN.shape[0])
   key_d = key_w = None
   if roles.needs_key:
     if res.key is None:
       raise ValueError(MISSING_KEY_MESSAGE if roles.key_reason is None else
                        MISSING_KEY_REASON_MESSAGE.format(name=roles.name, why=roles.key_reason))
-    key_d, key_w = jax.random.split(res.key)   # independent streams for the two GEMMs
+    key_d, key_w = ops.split(res.key)
   # Dgrad dx = dy · wᵀ, contracting N.
   with jax.named_scope("dgrad"):   # inside "fp4jax/dot" (the caller's scope)
     if roles.dgrad_dy is None:
-      dx_MxK = _exact(dy_MxN, res.w_dgrad, ((1,), (1,)), precision)
+      dx_MxK = ops.exact(dy_MxN, res.w_dgrad, "dgrad", precision)
     else:
-      signs, k_dy, k_w = _gemm_keys(key_d, roles.dgrad_rht) if key_d is not None else (None, None, None)
+      signs, k_dy, k_w = ops.gemm_keys(key_d, roles.dgrad_rht)
       if roles.dgrad_w == TRANSPOSED:
-        q_w = transpose_tiles(res.w_dgrad)                                           # (K, N)
+        q_w = ops.transpose_tiles(res.w_dgrad)                                       # (K, N)
       elif roles.requantize:
-        q_w = roles.dgrad_w.quantize_t(_values(res.w_dgrad), k_w, signs)              # ŵ (N, K) -> (K, N)
+        q_w = ops.weight_t(roles.dgrad_w, ops.weight_values(res.w_dgrad), k_w, signs)   # ŵ (N, K) -> (K, N)
       else:
         q_w = res.w_dgrad
-      q_dy = roles.dgrad_dy(dy_MxN, k_dy, signs)
-      dx_MxK = gemm.scaled_matmul(q_dy, q_w, out_dtype=res.x_dtype)
+      q_dy = ops.rows(roles.dgrad_dy, dy_MxN, k_dy, signs)
+      dx_MxK = ops.gemm(q_dy, q_w, res.x_dtype)
   # Wgrad dw = xᵀ · dy, both operands along the tokens.
   with jax.named_scope("wgrad"):
     if roles.wgrad_x is None:
-      dw_KxN = _exact(res.x_wgrad, dy_MxN, ((0,), (0,)), precision)
+      dw_KxN = ops.exact(res.x_wgrad, dy_MxN, "wgrad", precision)
     else:
-      signs, k_x, k_dy = _gemm_keys(key_w, roles.wgrad_rht) if key_w is not None else (None, None, None)
+      signs, k_x, k_dy = ops.gemm_keys(key_w, roles.wgrad_rht)
       if roles.requantize:
-        q_xt = roles.wgrad_x.quantize_t(_values(res.x_wgrad), k_x, signs)            # x̂ (M, K) -> (K, M)
+        q_xt = ops.tokens(roles.wgrad_x, ops.values(res.x_wgrad), k_x, signs)        # x̂ (M, K) -> (K, M)
       else:
         q_xt = res.x_wgrad
-      q_dyt = roles.wgrad_dy.quantize_t(dy_MxN, k_dy, signs)                         # (N, M)
-      dw_KxN = gemm.scaled_matmul(q_xt, q_dyt, out_dtype=res.w_dtype)
+      q_dyt = ops.tokens(roles.wgrad_dy, dy_MxN, k_dy, signs)                        # (N, M)
+      dw_KxN = ops.gemm_tokens(q_xt, q_dyt, res.w_dtype)
   # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
   # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM
   # (docs/PERF.md, issue 13: the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
@@ -178,15 +236,21 @@ def _qdot_bwd(roles, precision, out_dtype, res, dy_MxN):
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
   # epilogue instead of a separate float32 pass after the barrier (issue 22: 1.5 GiB less at 8192³).
   dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)))
-  return dx_MxK, dw_KxN, None
+  return dx_MxK, dw_KxN, None, None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
+def quantized_dot(roles: Roles, layout, x, w, key=None, groups=None, *, precision=None, out_dtype):
+  """The custom_vjp on aligned operands, for ``layout``'s operands (``DENSE``, or fp4jax.grouped's
+  experts with their traced ``groups``): the one role logic of every quantized dot."""
+  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups)
+
+
 def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
   """What the forward pass saves for the backward pass on aligned operands (byte counts, tests)."""
-  return _qdot_fwd(_as_recipe(recipe).roles, None, x_MxK.dtype, x_MxK, w_KxN, key)[1]
+  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None)[1]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,16 +263,20 @@ def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key):
   align_m, align_k, align_n = roles.alignment()
   x_MxK = pad_to_multiple(pad_to_multiple(x_MxK, 0, align_m), 1, align_k)
   w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
-  return _qdot(roles, precision, out_dtype, x_MxK, w_KxN, key)[:m, :n]
+  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None)[:m, :n]
 
 
-def _as_recipe(recipe) -> Recipe | Roles:
+def as_recipe(recipe) -> Recipe | Roles:
+  """A Recipe (or Roles) from a recipe, a preset's name or a Roles; TypeError for anything else."""
   if isinstance(recipe, str):
     return recipes.get(recipe)
   if not isinstance(recipe, (Recipe, Roles)):
     raise TypeError(f"recipe must be an fp4jax.Recipe or a preset name such as 'nvfp4' "
                     f"(one of {recipes.NAMES}); got {type(recipe).__name__}")
   return recipe
+
+
+_as_recipe = as_recipe   # the name fp4jax.flax imports
 
 
 @jax.named_scope("fp4jax/dot")   # names every op of the three GEMMs in XLA profiles
@@ -227,7 +295,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   ``lax.dot_general(lhs, rhs)``. ``precision`` applies to the GEMMs that run unquantized.
   A recipe that quantizes nothing is exactly ``lax.dot_general`` (values and gradients).
   """
-  recipe = _as_recipe(recipe)
+  recipe = as_recipe(recipe)
   lhs, rhs = check_dot_inputs(lhs, rhs, dimension_numbers, preferred_element_type, key,
                               recipe.quantizes_anything)
   if preferred_element_type is None and recipe.out_dtype is not None:

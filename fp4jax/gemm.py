@@ -1,16 +1,17 @@
-"""One GEMM for any pair of QTensors: ``scaled_matmul(a, b)``, a (M, K) · b (N, K)ᵀ, both quantized
-along K, with one switch of backends and an optional group axis.
+"""One GEMM for any pair of QTensors, and the grouped GEMM of mixture-of-experts layers:
 
-Backends (``backend=``):
-  "xla"     dequantize the block products e2m1·scale to bf16 (exact), one bf16 GEMM with float32
-            accumulation, then the format's second level on the float32 result:
-              nvfp4       (amax_a·amax_b)·f32(1/(36·448·448)), split as powers of two for extreme amaxes
-                          (``reference.apply_tensor_factor``); with 4/6 operands (bound 256)
-                          (amax_a·amax_b)·f32(1/(36·B_a·B_b)) (``four_over_six.gemm_factor``)
-              nvfp4_eden  s_dec_a·s_dec_b
-              nvfp4_dbq   one float32 rescale per 128-chunk of K, the chunks summed in order (``dbq.gemm``)
-              mxfp8       the float32 GEMM of the exact dequantized values (``mxfp8.gemm``)
-              mxfp4, fp8  as ``fp4jax.scaled_matmul``
+  matmul(a, b)                          a (M, K) · b (N, K)ᵀ -> (M, N), both quantized along K
+  grouped_matmul(a_U, b_E, groups)      rows of group e times b[e]: (S, N), the rows ragged (fprop, dgrad)
+  grouped_matmul_t(a_U, b_U, groups)    per group a_eᵀ-side · b_e along its rows: (E, K, N) (wgrad)
+
+Every path multiplies the exact block products (``epilogue.products``) with float32 accumulation and then
+applies the format's second level, ``fp4jax.epilogue`` (DBQ: ``dbq.chunked_gemm``, one rescale per
+128-chunk of K). ``scaled_matmul`` is ``matmul``'s former name.
+
+impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
+  "xla"     the block products in bf16 (exact), one bf16 GEMM with float32 accumulation, the epilogue:
+              nvfp4 (bound 448) and mxfp4: ``fp4jax.scaled_matmul`` (the primitive); fp8 its reference;
+              4/6, MS-EDEN, DBQ, MXFP8 and row-scaled nvfp4 (the factor per output row): here
   "pallas"  the Triton kernels (nvfp4 with bound 448, mxfp4: ``formats.KERNEL_FORMATS``)
   "native"  the hardware's block-scaled GEMM (``fp4jax.native``: nvfp4, 4/6, MS-EDEN, DBQ; on CUDA
             ``jax.nn.scaled_matmul``, cuDNN on sm_100; its exact twin elsewhere)
@@ -19,33 +20,32 @@ Backends (``backend=``):
             ``fp4jax.primitives.default_impl``: "xla" unless a device run put the kernel in
             ``VERIFIED_KERNELS``. FP4JAX_DEFAULT_IMPL=xla|pallas|native overrides.
 
-group_sizes: a static tuple of row counts (G groups, summing to M) for grouped GEMMs (MoE experts).
-a then has a leading group axis on its second level (nvfp4: amax of shape (G,); a tensor per group)
-and b has a leading group axis (G, N, K); group g multiplies rows [sum(sizes[:g]), sum(sizes[:g+1]))
-of a with b[g]. The result equals one ``scaled_matmul`` per group, bit for bit (it is one per group).
-
-Row-scaled nvfp4 a (``Quantizer(row_scaled=True)``: amax of shape (M,), one per row) times a
-per-tensor b: the tensor factor (amax_row·amax_b)·f32(1/(36·448·448)) per output row, "xla" only.
+The grouped GEMM (``Groups``: traced (E,) group sizes, each a multiple of A rows) takes its operands in
+chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level per chunk (its group's),
+b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
+(the contraction ragged) on the exact products, then the epilogue of each output's pair; DBQ's wgrad runs
+a ``lax.scan`` over the chunks of rows, adding each into its group's sum in order. Rows past the last
+group give zeros. It runs on the XLA path only: cuDNN's block-scaled GEMM has no ragged form in this
+jax, and a traced group size has no static padding (``impl="native"`` raises, naming "xla").
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, formats, native, reference
-from fp4jax._exact import product
-from fp4jax.numerics import dbq, four_over_six as fos, mxfp8
+from fp4jax import api, epilogue, formats, native, reference
+from fp4jax.numerics import dbq, mxfp8
 from fp4jax.primitives.impl import default_gemm_backend
 from fp4jax.qtensor import QTensor, validate
 
-BACKENDS = ("xla", "pallas", "native")
-
-
-def _bf16_products(q: QTensor):
-  return reference._scaled_codes_bf16(q)   # noqa: SLF001 (the reference's own exact products)
+IMPLS = ("xla", "pallas", "native")
+BACKENDS = IMPLS   # former name
+_bf16_products = epilogue.products
 
 
 def _contract(a_bf16, b_bf16):
@@ -56,13 +56,8 @@ def _contract(a_bf16, b_bf16):
 def _xla_only(a: QTensor, b: QTensor):
   """float32 (M, N) for the pairs ``fp4jax.scaled_matmul`` does not take (see the module docstring)."""
   fmt = a.fmt
-  if fmt == "nvfp4":                       # Four Over Six on one or both operands
-    acc = _contract(_bf16_products(a), _bf16_products(b))
-    # The factor is not a power of two: the result is rounded before any sum the caller forms with it.
-    return product(acc, fos.gemm_factor(a.amax, b.amax, a.bound, b.bound))
-  if fmt == "nvfp4_eden":
-    acc = _contract(_bf16_products(a), _bf16_products(b))
-    return product(acc, a.scale2 * b.scale2)
+  if fmt in ("nvfp4", "nvfp4_eden"):       # Four Over Six on one or both operands; MS-EDEN
+    return epilogue.apply(_contract(_bf16_products(a), _bf16_products(b)), a, b)
   if fmt == "nvfp4_dbq":
     codes = lambda q: reference.codes_of(q)
     return dbq.gemm(dbq.Dbq(codes(a), a.scale, a.scale2), dbq.Dbq(codes(b), b.scale, b.scale2))
@@ -74,72 +69,169 @@ def _xla_only(a: QTensor, b: QTensor):
 
 def _check(a, b, backend):
   if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
-    raise TypeError("fp4jax.gemm.scaled_matmul takes two QTensors; got "
+    raise TypeError("fp4jax.gemm.matmul takes two QTensors; got "
                     f"{type(a).__name__} and {type(b).__name__}")
   if a.fmt != b.fmt:
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
   if backend is not None and backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r}; use one of {BACKENDS} or None (the verified default)")
+    raise ValueError(f"impl={backend!r}; use one of {IMPLS} or None (the verified default)")
 
 
 def _row_scaled(q: QTensor) -> bool:
   return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == 1 and q.tile is None
 
 
-def _dense(a: QTensor, b: QTensor, out_dtype, backend):
-  if backend == "native":
-    return native.scaled_matmul(a, b, out_dtype=out_dtype)
+def _dense(a: QTensor, b: QTensor, out_dtype, impl):
+  if impl == "native":
+    return native.matmul(a, b, out_dtype=out_dtype)
   if _row_scaled(a) and not _row_scaled(b):   # row-scaled activations: the factor per output row
-    if backend == "pallas":
-      raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use backend='xla'")
-    validate(a, "fp4jax.gemm.scaled_matmul (lhs)")
-    validate(b, "fp4jax.gemm.scaled_matmul (rhs)", scalar_amax=True)
-    acc = _contract(_bf16_products(a), _bf16_products(b))
-    rows = dataclasses.replace(a, amax=a.amax[:, None])
-    return reference.apply_tensor_factor(acc, rows, b).astype(out_dtype)
+    if impl == "pallas":
+      raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use impl='xla'")
+    validate(a, "fp4jax.gemm.matmul (lhs)")
+    validate(b, "fp4jax.gemm.matmul (rhs)", scalar_amax=True)
+    return epilogue.apply(_contract(_bf16_products(a), _bf16_products(b)), a, b).astype(out_dtype)
   if a.fmt in formats.NAMES and a.bound == b.bound == formats.NVFP4_BOUND:
-    return api.scaled_matmul(a, b, out_dtype=out_dtype, impl=backend)
-  if backend == "pallas":
+    return api.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl)
+  if impl == "pallas":
     raise ValueError(f"there are no Pallas kernels for fmt={a.fmt!r}"
-                     + (" with the 4/6 bound" if a.fmt == "nvfp4" else "") + "; use backend='xla'")
-  validate(a, "fp4jax.gemm.scaled_matmul (lhs)", scalar_amax=True)
-  validate(b, "fp4jax.gemm.scaled_matmul (rhs)", scalar_amax=True)
+                     + (" with the 4/6 bound" if a.fmt == "nvfp4" else "") + "; use impl='xla'")
+  validate(a, "fp4jax.gemm.matmul (lhs)", scalar_amax=True)
+  validate(b, "fp4jax.gemm.matmul (rhs)", scalar_amax=True)
   if a.axis != -1 or b.axis != -1 or a.ndim != 2 or b.ndim != 2 or a.shape[-1] != b.shape[-1]:
     raise ValueError(f"scaled_matmul contracts the last axis of two 2-D operands; got shapes {a.shape}, "
                      f"{b.shape} quantized along axes {a.axis}, {b.axis}")
   return _xla_only(a, b).astype(out_dtype)
 
 
-def _rows(q: QTensor, start: int, stop: int, g: int) -> QTensor:
-  """Rows [start, stop) of a (M, K) QTensor whose second level has a leading group axis."""
-  tile = q.tile[0] if q.tile is not None else 1
-  if start % tile or stop % tile:
-    raise ValueError(f"group boundaries {start}, {stop} must be multiples of the tile side {tile}")
-  return dataclasses.replace(
-      q, data=q.data[start:stop], scale=q.scale[start // tile:stop // tile],
-      amax=None if q.amax is None else q.amax[g],
-      scale2=None if q.scale2 is None else (q.scale2[g] if q.fmt == "nvfp4_eden" else q.scale2[start:stop]))
+def _resolve(a, b, impl, backend):
+  if backend is not None:
+    if impl is not None and impl != backend:
+      raise ValueError(f"impl={impl!r} and backend={backend!r}: backend= is impl='s former name; pass impl= only")
+    impl = backend
+  _check(a, b, impl)
+  return default_gemm_backend(a.fmt) if impl is None else impl
 
 
-def _group(b: QTensor, g: int) -> QTensor:
-  return jax.tree.map(lambda leaf: leaf[g], b)
-
-
-def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, backend: str | None = None,
-                  group_sizes: tuple[int, ...] | None = None):
+def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None,
+           backend: str | None = None):
   """a (M, K) · b (N, K)ᵀ -> (M, N) in ``out_dtype`` for any pair of QTensors of one format quantized
-  along K (the module docstring has the backends and the group axis)."""
-  _check(a, b, backend)
-  out_dtype = api.as_float_dtype(out_dtype, "fp4jax.gemm.scaled_matmul", "out_dtype")
-  backend = default_gemm_backend(a.fmt) if backend is None else backend
-  if group_sizes is None:
-    return _dense(a, b, out_dtype, backend)
-  sizes = tuple(int(s) for s in group_sizes)
-  if sum(sizes) != a.shape[0] or len(sizes) != b.data.shape[0]:
-    raise ValueError(f"group_sizes={sizes} must sum to the {a.shape[0]} rows of a and have one entry per "
-                     f"group of b ({b.data.shape[0]})")
-  outs, start = [], 0
-  for g, size in enumerate(sizes):
-    outs.append(_dense(_rows(a, start, start + size, g), _group(b, g), out_dtype, backend))
-    start += size
-  return jnp.concatenate(outs, axis=0)
+  along K (the module docstring has the impls)."""
+  impl = _resolve(a, b, impl, backend)
+  out_dtype = api.as_float_dtype(out_dtype, "fp4jax.gemm.matmul", "out_dtype")
+  return _dense(a, b, out_dtype, impl)
+
+
+scaled_matmul = matmul   # former name
+
+
+# ---------------------------------------------------------------------------------------------------
+# The grouped GEMM: traced group sizes, operands in chunks of A rows
+# ---------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("sizes", "group", "offset", "valid"),
+                   meta_fields=("rows",))
+@dataclasses.dataclass(frozen=True)
+class Groups:
+  """Where each chunk of A rows of S sorted rows belongs (U = S / A chunks)."""
+  sizes: Any     # (E,) int32: rows of each group (multiples of A)
+  group: Any     # (U,) int32: the group of each chunk (the last one for chunks past the groups)
+  offset: Any    # (U,) int32: the chunk's first row inside its group
+  valid: Any     # (U,) bool: inside a group
+  rows: int      # A
+
+  @property
+  def group_of_row(self):
+    return jnp.repeat(self.group, self.rows)
+
+  def inside(self, t_SxC):
+    """t with the rows past the last group set to zero."""
+    return jnp.where(jnp.repeat(self.valid, self.rows)[:, None], t_SxC, jnp.zeros((), t_SxC.dtype))
+
+  def per_group(self, v_U):
+    """(E,) each group's value from its chunks' (all equal within a group; 1 for empty groups)."""
+    n_g = self.sizes.shape[0]
+    return jnp.ones((n_g,), jnp.float32).at[jnp.where(self.valid, self.group, n_g)].set(v_U, mode="drop")
+
+
+def groups(sizes_E, s: int, rows: int) -> Groups:
+  """The chunks of ``rows`` rows of s sorted rows, rows [start_e, start_e + sizes_E[e]) in group e."""
+  sizes_E = sizes_E.astype(jnp.int32)
+  ends_E = jnp.cumsum(sizes_E)
+  row0_U = jnp.arange(s // rows, dtype=jnp.int32) * rows
+  group_U = jnp.minimum(jnp.searchsorted(ends_E, row0_U, side="right"), sizes_E.shape[0] - 1)
+  group_U = group_U.astype(jnp.int32)
+  return Groups(sizes_E, group_U, row0_U - (ends_E - sizes_E)[group_U], row0_U < ends_E[-1], rows)
+
+
+def _grouped_check(impl):
+  if impl not in (None, "xla"):
+    raise ValueError(f"the grouped GEMM has impl='xla' only (got {impl!r}): cuDNN's block-scaled GEMM has "
+                     "no ragged form in this jax and a traced group size no static padding; use impl='xla'")
+
+
+def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST):
+  """float32 (S, N): rows of group e times b[e] (``lax.ragged_dot``)."""
+  return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision, preferred_element_type=jnp.float32)
+
+
+def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST):
+  """float32 (E, K, N): per group, its rows of a contracted with its rows of b."""
+  dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                       lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return lax.ragged_dot_general(a_SxK, b_SxN, sizes_E, dims, precision=precision,
+                                preferred_element_type=jnp.float32)
+
+
+def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None):
+  """a (S, K) rows · b[e] (N, K)ᵀ per group -> (S, N); a in chunks (U, A, K), b per group (E, N, K)."""
+  _grouped_check(impl)
+  s = a_U.data.shape[0] * a_U.data.shape[1]
+  a_SxK = epilogue.batched_products(a_U).reshape(s, -1)
+  b_ExKxN = jnp.swapaxes(epilogue.batched_products(b_E), 1, 2)
+  g_S = g.group_of_row
+  if a_U.fmt == "nvfp4_dbq":   # one rescale per 128-chunk of K, the chunks summed in order
+    outer_a_SxC = a_U.scale2.reshape(s, -1)
+    k = lambda c: slice(c * dbq.OUTER, (c + 1) * dbq.OUTER)
+    out = dbq.chunked_gemm(lambda c: ragged_rows(a_SxK[:, k(c)], b_ExKxN[:, k(c), :], g.sizes),
+                           lambda c: outer_a_SxC[:, c][:, None], lambda c: b_E.scale2[g_S, :, c],
+                           outer_a_SxC.shape[-1])
+    return out.astype(out_dtype)
+  acc = ragged_rows(a_SxK, b_ExKxN, g.sizes)
+  second_a, second_b = epilogue.second(a_U), epilogue.second(b_E)
+  if second_a is None:
+    return acc.astype(out_dtype)
+  # a's second level: (U,) one per chunk (its group's tensor), or (U, A) row-scaled: one per row
+  second_a = (second_a.reshape(s) if second_a.ndim == 2 else jnp.repeat(second_a, g.rows))[:, None]
+  return epilogue.factor(acc, a_U.fmt, second_a, second_b[g_S][:, None], a_U.bound, b_E.bound
+                         ).astype(out_dtype)
+
+
+def grouped_matmul_t(a_U: QTensor, b_U: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None):
+  """Per group e: a_e (K, size_e) · b_e (N, size_e)ᵀ -> (E, K, N), both in chunks (U, K, A), (U, N, A)
+  quantized along the rows (the contraction; the wgrad GEMM)."""
+  _grouped_check(impl)
+  n_g = g.sizes.shape[0]
+  a_UxKxA, b_UxNxA = epilogue.batched_products(a_U), epilogue.batched_products(b_U)
+  if a_U.fmt == "nvfp4_dbq":   # one 128-chunk of rows per step, added into its group's sum in order
+    k, n = a_UxKxA.shape[1], b_UxNxA.shape[1]
+
+    def step(out_ExKxN, inputs):
+      a_KxA, b_NxA, oa_K, ob_N, e, first, valid = inputs
+      part = lax.dot_general(a_KxA, b_NxA, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                             precision=lax.Precision.HIGHEST)
+      term = dbq.chunked_gemm(lambda c: part, lambda c: oa_K[:, None], lambda c: ob_N[None, :], 1)
+      new = jnp.where(first, term, out_ExKxN[e] + term)
+      return out_ExKxN.at[e].set(jnp.where(valid, new, out_ExKxN[e])), None
+
+    outer_a, outer_b = a_U.scale2[..., 0], b_U.scale2[..., 0]   # (U, K), (U, N): one 128-chunk each
+    out, _ = lax.scan(step, jnp.zeros((n_g, k, n), jnp.float32),
+                      (a_UxKxA, b_UxNxA, outer_a, outer_b, g.group, g.offset == 0, g.valid))
+    return out.astype(out_dtype)
+  s = a_UxKxA.shape[0] * a_UxKxA.shape[2]
+  acc = ragged_tokens(jnp.swapaxes(a_UxKxA, 1, 2).reshape(s, -1), jnp.swapaxes(b_UxNxA, 1, 2).reshape(s, -1),
+                      g.sizes)
+  second_a, second_b = epilogue.second(a_U), epilogue.second(b_U)
+  if second_a is None:
+    return acc.astype(out_dtype)
+  return epilogue.factor(acc, a_U.fmt, g.per_group(second_a)[:, None, None], g.per_group(second_b)[:, None, None],
+                         a_U.bound, b_U.bound).astype(out_dtype)

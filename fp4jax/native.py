@@ -1,6 +1,6 @@
 """The native GEMM: a pair of NVFP4-family QTensors on the hardware's block-scaled tensor cores.
 
-``fp4jax.gemm.scaled_matmul(a, b, backend="native")`` lands here (and impl=None on a GPU of compute
+``fp4jax.gemm.matmul(a, b, impl="native")`` lands here (and impl=None on a GPU of compute
 capability 10.x, ``fp4jax.primitives.impl.default_gemm_backend``). Three steps:
 
 1. ``operand(q)``: a (R, K) QTensor quantized along K becomes the block-scaled layout: its E2M1 codes
@@ -12,11 +12,10 @@ capability 10.x, ``fp4jax.primitives.impl.default_gemm_backend``). Three steps:
 2. ``block_scaled_matmul``: Σ_k (e2m1·s)_a (e2m1·s)_b in float32, ``jax.nn.scaled_matmul`` on CUDA
    (cuDNN's ``__cudnn$blockScaledDot`` on sm_100). Elsewhere (the CPU) its twin: the same products,
    exact in bfloat16, one bf16 GEMM with float32 accumulation, which is the XLA path's GEMM.
-3. The format's second level on the float32 result, exactly as the XLA path applies it
-   (``fp4jax.gemm``): nvfp4 ``reference.apply_tensor_factor`` (bound 448; per output row for a
-   row-scaled a), ``four_over_six.gemm_factor`` with a 4/6 operand, MS-EDEN s_dec_a·s_dec_b, and DBQ
-   (TetraJet-v2) one block-scaled GEMM per 128-chunk of K, each rescaled by its outer scales
-   outer_a[m, c]·outer_b[n, c] and summed in float32 in ``dbq.gemm``'s order: the outer scale varies
+3. The format's second level on the float32 result, ``fp4jax.epilogue`` (the one the XLA path
+   applies): nvfp4's tensor factor (bound 448; per output row for a row-scaled a), 4/6's, MS-EDEN
+   s_dec_a·s_dec_b, and DBQ (TetraJet-v2) one block-scaled GEMM per 128-chunk of K, each rescaled by
+   its outer scales outer_a[m, c]·outer_b[n, c] and summed in order (``dbq.chunked_gemm``): the outer scale varies
    along both M and N within a chunk, so it fits neither the E4M3 block scale (not exact) nor one
    epilogue factor (not separable).
 
@@ -25,20 +24,18 @@ order of the float32 sums (bit for bit on the CPU, where the twin is the XLA pat
 
 Not native: MXFP4 (jax 0.10.2's XLA does not take E2M1 with E8M0 scales per 32 into cuDNN on sm_100:
 it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path), MXFP8
-and per-tensor/128-block FP8 (not FP4). ``scaled_matmul`` raises for them, naming backend="xla".
+and per-tensor/128-block FP8 (not FP4). ``matmul`` raises for them, naming impl="xla".
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
-from fp4jax import formats, reference
-from fp4jax._exact import product
-from fp4jax.numerics import dbq, four_over_six as fos
+from fp4jax import epilogue, reference
+from fp4jax.numerics import dbq
 from fp4jax.qtensor import QTensor, validate
 
 FORMATS = ("nvfp4", "nvfp4_eden", "nvfp4_dbq")   # the formats with E2M1 codes and E4M3 scales per 16
@@ -58,17 +55,17 @@ def check(a: QTensor, b: QTensor):
                     "a float32 GEMM on sm_100, not the block-scaled tensor cores",
            "mxfp8": "it is an FP8 format (its native GEMM is not built)",
            "fp8": "it is an FP8 format"}.get(a.fmt, "it is not an E2M1/E4M3 format")
-    raise ValueError(f"backend='native' takes {FORMATS}; fmt={a.fmt!r} has no native GEMM here ({why}); "
-                     "use backend='xla'")
+    raise ValueError(f"impl='native' takes {FORMATS}; fmt={a.fmt!r} has no native GEMM here ({why}); "
+                     "use impl='xla'")
   for name, q in (("lhs", a), ("rhs", b)):
-    validate(q, f"fp4jax.native.scaled_matmul ({name})")
+    validate(q, f"fp4jax.native.matmul ({name})")
     if q.axis != -1 or q.ndim != 2:
-      raise ValueError(f"backend='native' contracts the last axis of two 2-D operands quantized along "
+      raise ValueError(f"impl='native' contracts the last axis of two 2-D operands quantized along "
                        f"it; the {name} has shape {q.shape} quantized along axis {q.axis}")
   if a.shape[-1] != b.shape[-1]:
     raise ValueError(f"scaled_matmul contraction mismatch: a (M, K)={a.shape}, b (N, K)={b.shape}")
   if _row_scaled(b):
-    raise ValueError("backend='native' takes a row-scaled nvfp4 lhs only (one amax per output row); the "
+    raise ValueError("impl='native' takes a row-scaled nvfp4 lhs only (one amax per output row); the "
                      "rhs has one amax per row too, which no GEMM factor can apply; quantize the rhs "
                      "with one tensor amax")
 
@@ -108,30 +105,23 @@ def block_scaled_matmul(a: Operand, b: Operand):
 
 def _dbq(a: QTensor, b: QTensor, oa: Operand, ob: Operand):
   per = dbq.OUTER // BLOCK
-  out = None
-  for c in range(a.scale2.shape[-1]):
+
+  def part(c):
     k, s = slice(c * dbq.OUTER, (c + 1) * dbq.OUTER), slice(c * per, (c + 1) * per)
-    part = block_scaled_matmul(Operand(oa.values[:, k], oa.scales[:, s]),
+    return block_scaled_matmul(Operand(oa.values[:, k], oa.scales[:, s]),
                                Operand(ob.values[:, k], ob.scales[:, s]))
-    term = product(a.scale2[:, c][:, None] * b.scale2[:, c][None, :], part)   # as dbq.gemm
-    out = term if out is None else out + term
-  return out
+  return dbq.chunked_gemm(part, lambda c: a.scale2[:, c][:, None], lambda c: b.scale2[:, c][None, :],
+                          a.scale2.shape[-1])
 
 
-def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
+def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   """a (M, K) · b (N, K)ᵀ -> (M, N) on the block-scaled GEMM, the format's second level applied to the
-  float32 result as the XLA path applies it (module docstring)."""
+  float32 result as the XLA path applies it (``fp4jax.epilogue``)."""
   check(a, b)
   oa, ob = operand(a), operand(b)
   if a.fmt == "nvfp4_dbq":
     return _dbq(a, b, oa, ob).astype(out_dtype)
-  acc = block_scaled_matmul(oa, ob)
-  if a.fmt == "nvfp4_eden":
-    out = product(acc, a.scale2 * b.scale2)
-  elif _row_scaled(a):
-    out = reference.apply_tensor_factor(acc, dataclasses.replace(a, amax=a.amax[:, None]), b)
-  elif a.bound == b.bound == formats.NVFP4_BOUND:
-    out = reference.apply_tensor_factor(acc, a, b)
-  else:   # Four Over Six on one or both operands
-    out = product(acc, fos.gemm_factor(a.amax, b.amax, a.bound, b.bound))
-  return out.astype(out_dtype)
+  return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)
+
+
+scaled_matmul = matmul   # former name

@@ -97,16 +97,32 @@ class Quantizer:
     """Whether the quantization reads one amax of the whole tensor (nvfp4, with or without 4/6; MS-EDEN)."""
     return self.fmt in ("nvfp4", "nvfp4_eden") and not self.row_scaled
 
+  def _fused_t(self, signs) -> bool:
+    """Whether ``quantize_t`` is the fused RHT-and-transpose primitive (the paper's wgrad)."""
+    return signs is None and bool(self.rht_size) and self.four_over_six is None and self.fmt in formats.FP4
+
   def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
-    if signs is None and self.rht_size and self.four_over_six is None and self.fmt in formats.FP4:
+    if self._fused_t(signs):
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
       return quantize_rht_transposed(t_TxC, self.fmt, rht_size=self.rht_size, rht_seed=self.rht_seed,
                                      rounding=rounding, key=key if self.stochastic else None, **kw)
+    return self._quantize(self.prepare_t(t_TxC, signs), key)
+
+  def prepare_t(self, t_TxC, signs=None):
+    """What ``quantize_t`` quantizes: tᵀ (C, T) after the transform along T, in its order (the fused
+    primitive's: ``hadamard.rht`` of tᵀ, ``reference.quantize_rht_t_reference``)."""
+    if self._fused_t(signs):
+      return hadamard.rht(t_TxC.T, axis=-1, size=self.rht_size, seed=self.rht_seed)
     if self.four_over_six is not None or self.fmt not in formats.NAMES:
       t_TxC = t_TxC.astype(jnp.float32)
-    return self(t_TxC.T, key, signs)
+    return self.prepare(t_TxC.T, signs)
+
+  def quantize_prepared(self, t_RxC, key=None, amax=None) -> QTensor:
+    """A prepared t (``prepare``, ``prepare_t``) quantized along its last axis: ``__call__`` without the
+    transform (fp4jax.grouped quantizes each expert's pieces of a tensor, with the expert's ``amax``)."""
+    return self._quantize(t_RxC, key, amax)
 
   def _quantize(self, t, key, amax=None):
     fmt = self.fmt

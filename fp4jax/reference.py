@@ -155,7 +155,7 @@ def quantize_rht_t_reference(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=N
 
 # ------------------------------------------------------------------------------ scaled matmul
 
-def _scaled_codes_bf16(q: QTensor):
+def scaled_codes_bf16(q: QTensor):
   """e2m1(code) · block scale as bfloat16 (exact), without the tensor-level factor."""
   lay = layout_of_q(q)
   vals = e2m1.decode(lay.to_blocks(codes_of(q)))
@@ -222,7 +222,7 @@ def _contract_last(a, b, preferred):
 def scaled_matmul_reference(a: QTensor, b: QTensor, out_dtype=jnp.float32):
   """a (..., M, K) · b (N, K)ᵀ -> (..., M, N): the oracle of ``fp4jax.api.scaled_matmul``."""
   if formats.TABLE[a.fmt].packed:
-    acc = _contract_last(_scaled_codes_bf16(a), _scaled_codes_bf16(b), jnp.float32)
+    acc = _contract_last(scaled_codes_bf16(a), scaled_codes_bf16(b), jnp.float32)
     return apply_tensor_factor(acc, a, b).astype(out_dtype)
   acc = _contract_last(dequantize_reference(a), dequantize_reference(b), jnp.float32)
   return acc.astype(out_dtype)

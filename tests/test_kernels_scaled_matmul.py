@@ -18,7 +18,7 @@ import fp4jax
 from fp4jax import formats
 from fp4jax.kernels import scaled_matmul as KM
 from fp4jax.qtensor import QTensor
-from fp4jax.reference import (_scaled_codes_bf16, scaled_matmul_reference, tensor_factor,
+from fp4jax.reference import (scaled_codes_bf16, scaled_matmul_reference, tensor_factor,
                               tensor_factor_parts)
 
 REL_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2 ** -8}   # bf16 output: one rounding of the result
@@ -128,7 +128,7 @@ class _ScaledMatmulExactCases:
                 "rceil" if fmt == "mxfp4" else None)
     got = KM.dequantize_bf16(data, _bytes(scale), fmt=fmt, tiled=tile is not None,
                              interpret=self.INTERPRET)
-    want = _scaled_codes_bf16(q)
+    want = scaled_codes_bf16(q)
     got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)

@@ -10,8 +10,6 @@
 - jax.nn.scaled_matmul itself on the CPU, where this jax lowers it (0.10.2 does not: skipped).
 - The default selection: native on compute capability 10.x only, FP4JAX_DEFAULT_IMPL overrides.
 """
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,7 +137,7 @@ def test_native_equals_xla_path_bit_for_bit(name):
   a, b = _q(qa, _x(10, (M, K))), _q(qb, _x(11, (N, K), 0.05), seed=8)
 
   def both(backend):
-    return jax.jit(lambda a, b: [gemm.scaled_matmul(a, b, backend=backend, out_dtype=d)
+    return jax.jit(lambda a, b: [gemm.matmul(a, b, impl=backend, out_dtype=d)
                                  for d in (jnp.float32, jnp.bfloat16)])(a, b)
 
   for got, want in zip(both("native"), both("xla")):
@@ -149,29 +147,26 @@ def test_native_equals_xla_path_bit_for_bit(name):
 
 def test_native_eagerly():
   a, b = _q(Quantizer("nvfp4"), _x(16, (M, K))), _q(Quantizer("nvfp4", tiled=True), _x(17, (N, K)))
-  np.testing.assert_array_equal(gemm.scaled_matmul(a, b, backend="native"),
-                                gemm.scaled_matmul(a, b, backend="xla"))
+  np.testing.assert_array_equal(gemm.matmul(a, b, impl="native"),
+                                gemm.matmul(a, b, impl="xla"))
 
 
 def test_extreme_amaxes_take_the_split_factor():
   """apply_tensor_factor's power-of-two split for amax products past float32's range, natively too."""
   a, b = _q(Quantizer("nvfp4"), _x(12, (M, K), 1e-17)), _q(Quantizer("nvfp4"), _x(13, (N, K), 1e-18))
   assert float(a.amax) * float(b.amax) < 2.0 ** -100                 # the spec's factor would flush to 0
-  run = lambda backend: jax.jit(lambda a, b: gemm.scaled_matmul(a, b, backend=backend))(a, b)
+  run = lambda backend: jax.jit(lambda a, b: gemm.matmul(a, b, impl=backend))(a, b)
   got = run("native")
   np.testing.assert_array_equal(got, run("xla"))
   assert np.isfinite(np.asarray(got)).all() and np.count_nonzero(np.asarray(got)) > M * N // 2
 
 
-def test_grouped_native_equals_xla():
-  sizes = (16, 32)
-  a = _q(Quantizer("nvfp4"), _x(14, (sum(sizes), K)))
-  a = dataclasses.replace(a, amax=jnp.stack([a.amax, a.amax * 2]))   # one tensor amax per group
-  ws = [_q(Quantizer("nvfp4", tiled=True), _x(15 + g, (N, K))) for g in range(2)]
-  b = jax.tree.map(lambda *l: jnp.stack(l), *ws)
-  run = lambda backend: jax.jit(lambda a, b: gemm.scaled_matmul(a, b, backend=backend,
-                                                                 group_sizes=sizes))(a, b)
-  np.testing.assert_array_equal(run("native"), run("xla"))
+def test_grouped_gemm_is_xla_only():
+  """The grouped GEMM (traced group sizes) has no native form; impl='native' says so and names 'xla'."""
+  a = jax.tree.map(lambda l: l[None], _q(Quantizer("nvfp4"), _x(14, (16, K))))
+  b = jax.tree.map(lambda l: l[None], _q(Quantizer("nvfp4", tiled=True), _x(15, (N, K))))
+  with pytest.raises(ValueError, match="impl='xla'"):
+    gemm.grouped_matmul(a, b, gemm.groups(jnp.array([16]), 16, 16), impl="native")
 
 
 def _formats(recipe):
@@ -213,7 +208,7 @@ def test_native_runs_the_block_scaled_op_on_cuda_only():
   """The jaxpr holds jax's scaled_matmul (the CUDA branch) next to the twin; lowering for the CPU keeps
   only the twin."""
   a, b = _q(Quantizer("nvfp4"), _x(30, (M, K))), _q(Quantizer("nvfp4", tiled=True), _x(31, (N, K)))
-  fn = lambda a, b: gemm.scaled_matmul(a, b, backend="native")
+  fn = lambda a, b: gemm.matmul(a, b, impl="native")
   assert "scaled_matmul" in str(jax.make_jaxpr(fn)(a, b))
   assert nc.BLOCK_SCALED_OP not in jax.jit(fn).lower(a, b).as_text()
 
@@ -233,20 +228,20 @@ def test_jax_scaled_matmul_on_cpu_equals_xla_path():   # pragma: no cover - jax 
 
 def test_mxfp4_is_not_native():
   a = fp4jax.quantize(_x(40, (M, K)), "mxfp4")
-  with pytest.raises(ValueError, match="fmt='mxfp4' has no native GEMM.*backend='xla'"):
-    gemm.scaled_matmul(a, a, backend="native")
+  with pytest.raises(ValueError, match="fmt='mxfp4' has no native GEMM.*impl='xla'"):
+    gemm.matmul(a, a, impl="native")
 
 
 def test_row_scaled_rhs_is_refused():
   a = _q(Quantizer("nvfp4", row_scaled=True), _x(41, (M, K)))
   with pytest.raises(ValueError, match="row-scaled nvfp4 lhs only"):
-    native.scaled_matmul(a, a)
+    native.matmul(a, a)
 
 
 def test_axis_must_be_the_contraction():
   q = fp4jax.quantize(_x(42, (K, M)), "nvfp4", axis=0)
   with pytest.raises(ValueError, match="quantized along axis -2"):
-    gemm.scaled_matmul(q, q, backend="native")
+    gemm.matmul(q, q, impl="native")
 
 
 # ------------------------------------------------------------------------------- selection
@@ -288,3 +283,12 @@ def test_every_native_format_has_a_recorded_choice():
 def test_this_cpu_is_not_a_native_device():
   assert not impl.native_device()
   assert nc.cuda_compute_capability() is None
+
+
+def test_former_names_still_work():
+  """gemm.scaled_matmul(backend=) and native.scaled_matmul are gemm.matmul(impl=) and native.matmul."""
+  a, b = _q(Quantizer("nvfp4"), _x(43, (M, K))), _q(Quantizer("nvfp4", tiled=True), _x(44, (N, K)))
+  np.testing.assert_array_equal(gemm.scaled_matmul(a, b, backend="native"), gemm.matmul(a, b, impl="native"))
+  assert native.scaled_matmul is native.matmul
+  with pytest.raises(ValueError, match="former name"):
+    gemm.matmul(a, b, impl="xla", backend="native")

@@ -423,8 +423,8 @@ def test_gemm_tensor_factors_plus_a_traced_value(mode):
       qa, qb = fp4jax.quantize(jnp.asarray(a), "nvfp4"), fp4jax.quantize(jnp.asarray(b), "nvfp4")
       fn = lambda qa, qb, c: fp4jax.scaled_matmul(qa, qb) + c
       factor = ftz(ftz(np.asarray(qa.amax) * np.asarray(qb.amax)) * F32(1.0 / (6.0 * 6.0 * 448.0 * 448.0)))
-      va = np.asarray(reference._scaled_codes_bf16(qa), np.float32)
-      vb = np.asarray(reference._scaled_codes_bf16(qb), np.float32)
+      va = np.asarray(reference.scaled_codes_bf16(qa), np.float32)
+      vb = np.asarray(reference.scaled_codes_bf16(qb), np.float32)
     else:
       if kind == "fos":
         fos = Quantizer("nvfp4", four_over_six=(256, "mse"))
@@ -435,8 +435,8 @@ def test_gemm_tensor_factors_plus_a_traced_value(mode):
         qb = Quantizer("nvfp4_eden")(jnp.asarray(b), jax.random.key(2))
         factor = ftz(np.asarray(qa.scale2) * np.asarray(qb.scale2))
       fn = lambda qa, qb, c: gemm.scaled_matmul(qa, qb) + c
-      va = np.asarray(reference._scaled_codes_bf16(qa), np.float32)
-      vb = np.asarray(reference._scaled_codes_bf16(qb), np.float32)
+      va = np.asarray(reference.scaled_codes_bf16(qa), np.float32)
+      vb = np.asarray(reference.scaled_codes_bf16(qb), np.float32)
     acc, ok = exact_sum(va.astype(np.float64)[:, None, :] * vb.astype(np.float64)[None, :, :])
     want = (ftz(acc.astype(np.float32) * factor) + c).astype(np.float32)
     assert ok.mean() > 0.5, kind

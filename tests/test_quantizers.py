@@ -35,7 +35,7 @@ def test_every_format_is_one_qtensor(name):
   vals = fp4jax.dequantize(qx)
   assert vals.shape == X.shape and bool(jnp.all(jnp.isfinite(vals)))
   assert float(jnp.mean((vals - X) ** 2) / jnp.mean(X ** 2)) < 0.05
-  y = gemm.scaled_matmul(qx, q(W, jax.random.key(3)))
+  y = gemm.matmul(qx, q(W, jax.random.key(3)))
   want = np.asarray(vals, np.float64) @ np.asarray(fp4jax.dequantize(q(W, jax.random.key(3))), np.float64).T
   np.testing.assert_allclose(np.asarray(y), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
   leaves, tree = jax.tree.flatten(qx)
@@ -86,26 +86,38 @@ def test_bad_quantizers_and_bounds_fail_at_construction():
 def test_gemm_backends():
   qx, qw = QUANTIZERS["eden"](X, jax.random.key(1)), QUANTIZERS["eden"](W, jax.random.key(2))
   # the native backend (issue 23; on the CPU its exact twin): the XLA path's bits (tests/test_native.py)
-  assert jnp.array_equal(gemm.scaled_matmul(qx, qw, backend="native"), gemm.scaled_matmul(qx, qw, backend="xla"))
+  assert jnp.array_equal(gemm.matmul(qx, qw, impl="native"), gemm.matmul(qx, qw, impl="xla"))
   with pytest.raises(ValueError, match="no Pallas kernels"):
-    gemm.scaled_matmul(qx, qw, backend="pallas")
+    gemm.matmul(qx, qw, impl="pallas")
   with pytest.raises(ValueError, match="share a format"):
-    gemm.scaled_matmul(qx, QUANTIZERS["dbq"](W))
+    gemm.matmul(qx, QUANTIZERS["dbq"](W))
+
+
+def _chunked(q, rows):
+  """A (R, K) QTensor as (R / rows, rows, K) chunks, its tensor-level second level repeated per chunk."""
+  u = q.data.shape[0] // rows
+  split = lambda leaf: (jnp.broadcast_to(leaf, (u,)) if leaf.ndim == 0 else leaf.reshape(u, rows, *leaf.shape[1:]))
+  return jax.tree.map(split, q)
 
 
 @pytest.mark.parametrize("name", ["4/6", "dbq", "eden"])
 def test_grouped_gemm_is_one_gemm_per_group(name):
+  """gemm.grouped_matmul with traced group sizes (an empty group, rows past the last one): per group the
+  dense GEMM of that group's rows, bit for bit on the CPU; zeros past the groups."""
   q = QUANTIZERS[name]
-  sizes = (16, 16, 48, 16)   # (an empty group: nvfp4 takes it, 4/6 has no amax of no elements)
-  xs = jnp.split(jax.random.normal(jax.random.key(6), (96, 256)), np.cumsum(sizes)[:-1])
+  sizes = (16, 0, 48, 16)
+  xs = jnp.split(jax.random.normal(jax.random.key(6), (80, 256)), np.cumsum(sizes)[:-1])
   ws = jax.random.normal(jax.random.key(7), (4, 48, 256)) * 0.1
-  parts = [q(x, jax.random.key(8)) for x in xs]
-  stack = lambda qs: jax.tree.map(lambda *l: jnp.stack(l) if l[0].ndim == 0 else jnp.concatenate(l), *qs)
-  a = stack(parts)                                     # rows of all groups, one second level per group
-  b = jax.tree.map(lambda *l: jnp.stack(l), *[q(ws[g], jax.random.key(9 + g)) for g in range(4)])
-  got = gemm.scaled_matmul(a, b, group_sizes=sizes)
-  want = jnp.concatenate([gemm.scaled_matmul(parts[g], q(ws[g], jax.random.key(9 + g))) for g in range(4)])
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  parts = [q(x, jax.random.key(8)) for x in xs if x.shape[0]]
+  past = _chunked(q(jnp.zeros((16, 256)), jax.random.key(8)), 16)   # one chunk past the last group
+  a = jax.tree.map(lambda *l: jnp.concatenate(l), *[_chunked(p, 16) for p in parts], past)
+  qw = [q(ws[g], jax.random.key(9 + g)) for g in range(4)]
+  b = jax.tree.map(lambda *l: jnp.stack(l), *qw)
+  run = jax.jit(lambda a, b, sizes: gemm.grouped_matmul(a, b, gemm.groups(sizes, 96, 16)))
+  got = run(a, b, jnp.asarray(sizes, jnp.int32))
+  want = jnp.concatenate([gemm.matmul(parts[i], qw[g]) for i, g in enumerate((0, 2, 3))])
+  np.testing.assert_array_equal(np.asarray(got[:80]), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got[80:]), 0.0)
 
 
 def test_every_preset_is_a_hashable_table_of_six_quantizers():
@@ -145,8 +157,8 @@ def test_row_scaled_nvfp4_is_one_tensor_per_row():
   np.testing.assert_array_equal(np.asarray(fp4jax.dequantize(qx)),
                                 np.concatenate([np.asarray(fp4jax.dequantize(r)) for r in rows]))
   qw = plain(W)
-  np.testing.assert_array_equal(np.asarray(gemm.scaled_matmul(qx, qw)),
-                                np.concatenate([np.asarray(gemm.scaled_matmul(r, qw)) for r in rows]))
+  np.testing.assert_array_equal(np.asarray(gemm.matmul(qx, qw)),
+                                np.concatenate([np.asarray(gemm.matmul(r, qw)) for r in rows]))
 
 
 def test_dot_takes_a_table_of_roles_with_one_role_replaced():

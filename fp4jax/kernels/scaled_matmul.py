@@ -159,7 +159,7 @@ def dequantize_bf16(data, scale, *, fmt="nvfp4", tiled=False, tiles=DEFAULT_TILE
                           interpret=interpret)
 
 
-def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_tiled=False,
+def pallas_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_tiled=False,
                   b_tiled=False, out_dtype=jnp.float32, tiles=DEFAULT_TILES, interpret=False):
   """a (..., M, K) · b (N, K)ᵀ from packed codes and scale bytes (uint8), times ``factor``.
 
@@ -179,6 +179,9 @@ def scaled_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_ti
   return out.reshape(*lead, m, b_data.shape[0])
 
 
+scaled_matmul = pallas_matmul   # former name
+
+
 def scaled_matmul_reference(a, b, out_dtype=jnp.float32):
   """The oracle on QTensors: ``fp4jax.reference.scaled_matmul_reference``."""
   return reference.scaled_matmul_reference(a, b, out_dtype)
@@ -196,7 +199,7 @@ def scaled_matmul_narrow_xla(a, b, out_dtype):
   run time from the amaxes (so nothing re-associates with a constant). tests/test_gpu_aot_cuts.py checks
   it against the reference bit for bit on the CPU; ``fp4jax.primitives`` uses it only on "cuda".
   """
-  acc = reference._contract_last(reference._scaled_codes_bf16(a), reference._scaled_codes_bf16(b),  # noqa: SLF001
+  acc = reference._contract_last(reference.scaled_codes_bf16(a), reference.scaled_codes_bf16(b),  # noqa: SLF001
                                  jnp.float32)
   f = reference.tensor_factor_parts(a, b)
   return ((((acc * f[0]) * f[1]) * f[2]) * f[3]).astype(out_dtype)

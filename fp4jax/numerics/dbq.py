@@ -83,19 +83,30 @@ def scaled_values(q: Dbq):
   return e2m1.decode(q.codes) * jnp.repeat(q.scale.astype(jnp.float32), BLOCK, axis=-1)
 
 
+def chunked_gemm(part_of, outer_a_of, outer_b_of, n_chunks: int):
+  """Σ_c (outer_a_c · outer_b_c) · part_c in order, c over the 128-chunks of the contraction: THE loop of
+  every DBQ GEMM (this module's ``gemm``, fp4jax.native's, fp4jax.gemm's grouped one). part_of(c): the
+  chunk's float32 GEMM of exact block products; outer_a_of(c), outer_b_of(c): its outer scales,
+  broadcastable to it. Each rescaled chunk is rounded before the add (XLA CPU contracts out + o·part
+  into an FMA)."""
+  out = None
+  for c in range(n_chunks):
+    term = product(outer_a_of(c) * outer_b_of(c), part_of(c))
+    out = term if out is None else out + term
+  return out
+
+
 def gemm(a: Dbq, b: Dbq):
   """a (M, K) · b (N, K)ᵀ -> (M, N) float32, both quantized along K, rescaled per 128-chunk of K."""
   a_vals = scaled_values(a).astype(jnp.bfloat16)
   b_vals = scaled_values(b).astype(jnp.bfloat16)
-  out = None
-  for c in range(a.outer.shape[-1]):
+
+  def part(c):
     k = slice(c * OUTER, (c + 1) * OUTER)
-    part = lax.dot_general(a_vals[:, k], b_vals[:, k], (((1,), (1,)), ((), ())),
+    return lax.dot_general(a_vals[:, k], b_vals[:, k], (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    # The rescaled chunk is rounded before the add: XLA CPU contracts out + o·part into an FMA.
-    term = product(a.outer[:, c][:, None] * b.outer[:, c][None, :], part)
-    out = term if out is None else out + term
-  return out
+  return chunked_gemm(part, lambda c: a.outer[:, c][:, None], lambda c: b.outer[:, c][None, :],
+                      a.outer.shape[-1])
 
 
 def quantized_bytes(shape) -> int:

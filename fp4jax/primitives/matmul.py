@@ -34,7 +34,7 @@ def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_
   a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
   b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
   if impl == "pallas" and platform in ("cuda", "cpu"):
-    out = kernel.scaled_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
+    out = kernel.pallas_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
                                fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
                                interpret=platform != "cuda")
   elif platform == "cuda" and fmt == "nvfp4" and jnp.dtype(out_dtype).itemsize < 4:
@@ -71,7 +71,7 @@ scaled_matmul_p = pair.define(pair.OpSpec(
     partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}))
 
 
-def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None):
+def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None):
   """a (..., M, K) · b (N, K)ᵀ from two FP4 QTensors quantized along K (validated by the caller).
 
   impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``)."""
@@ -84,3 +84,6 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None):
     return scaled_matmul_p.bind(a.data, a.scale, a_amax, b.data, b.scale, b_amax, fmt=a.fmt,
                                 a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=jnp.dtype(out_dtype),
                                 impl=impl)
+
+
+scaled_matmul = fp4_matmul   # former name
