@@ -18,6 +18,7 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import fp4jax
 from fp4jax import outcontrol, recipes
@@ -68,6 +69,20 @@ def _value_and_grads(recipe, shape_name, mode):
   if mode == "jit":
     return jax.jit(run)(x, w, key)
   return run(x, w, key)
+
+
+def plain(shape_name):
+  """y, dx, dw of ``lax.dot_general`` itself, jitted, on the inputs of ``shape_name``: what the bf16 recipe
+  gives, bit for bit, computed without fp4jax (the summation-order canary of tests/test_dot_golden.py)."""
+  x, w, k_dy = _inputs(shape_name)
+  dims = SHAPES[shape_name][2] or (((x.ndim - 1,), (0,)), ((), ()))
+
+  def run(x, w):
+    y, vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims), x, w)
+    dy = jax.random.normal(k_dy, y.shape).astype(y.dtype)
+    return (y, *vjp(dy))
+
+  return tuple(np.asarray(t) for t in jax.jit(run)(x, w))
 
 
 def cases():

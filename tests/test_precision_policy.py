@@ -1,4 +1,8 @@
-"""config.precision: rules by module path and GEMM, the presets, their errors, config.json and resume."""
+"""config.precision: rules by module path and GEMM, the presets, their errors, config.json and resume.
+
+Recorded values: none. The loss and gradients (summation-order dependent) are compared with twins computed
+in the same process; the pinned strings and counts are decisions of the policy (order-free)."""
+import functools
 import json
 
 import jax
@@ -87,29 +91,44 @@ class TestDefaultIsToday:
     rows = describe_linear_layers(get_model_config("nemotron_h_12b"), "nvfp4")
     assert sum(r[1] == "bf16" for r in rows) == 20 and len(rows) == 124
 
-  def test_loss_and_gradients_bit_identical_to_the_recorded_policy(self):
-    """The default ("nemotron_h") and the same policy as explicit rules give the loss and gradients that
-    the code before config.precision gave (recorded on CPU with the base commit)."""
+  def test_loss_and_gradients_bit_identical_to_the_recorded_policy(self, monkeypatch):
+    """The default ("nemotron_h") and the same policy as explicit rules give, bit for bit, the loss and
+    gradients of the policy before config.precision, computed in this process: the model built with that
+    policy's ``dot_general_cls`` (``_today``: bf16 in the first/last blocks, the recipe elsewhere) in place of
+    the rules. Every value here is summation-order dependent (GEMMs, sums, the loss), so it is compared with
+    its same-process twin, never with a float recorded on another machine (issue 32). all_fp4 must differ:
+    the comparison sees a policy that changes a layer."""
     base = _tiny(bf16_first_blocks=1, bf16_last_blocks=1)
     explicit = base.replace(precision=[("blocks_{:1}/*", "bf16"), ("blocks_{-1:}/*", "bf16"), ("*", "recipe")])
     tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
-    results = []
-    for config in (base, explicit):
+
+    def loss_and_grads(config):
       model = LanguageModel(config, recipe="nvfp4")
       params = model.init({"params": jax.random.key(0), "fp4": jax.random.key(0)}, tokens[:, :-1])["params"]
-      loss_fn = lambda p, model=model: model.apply({"params": p}, tokens[:, :-1], targets_BxL=tokens[:, 1:],
-                                                   rngs={"fp4": jax.random.key(2)})
+      loss_fn = lambda p: model.apply({"params": p}, tokens[:, :-1], targets_BxL=tokens[:, 1:],
+                                      rngs={"fp4": jax.random.key(2)})
       loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
       flat = traverse_util.flatten_dict(nn.unbox(grads))
-      results.append((np.float32(loss), {"/".join(k): np.asarray(v) for k, v in flat.items()}))
-    (l0, g0), (l1, g1) = results
-    assert l0.tobytes() == l1.tobytes()
-    for k in g0:
-      np.testing.assert_array_equal(g0[k], g1[k])
-    if jax.default_backend() == "cpu":   # recorded with the policy before this change (base commit fd719f2)
-      assert l0.tobytes().hex() == "362cb140"
-      assert float(np.sum(g0["blocks_0/mixer/out_proj/kernel"].astype(np.float64))) == 1.0642252208535865
-      assert float(np.sum(g0["blocks_4/mixer/out_proj/kernel"].astype(np.float64))) == 0.5825314633275411
+      return np.float32(loss), {"/".join(k): np.asarray(v) for k, v in flat.items()}
+
+    def equal(a, b):
+      return a[0].tobytes() == b[0].tobytes() and a[1].keys() == b[1].keys() and all(
+          a[1][k].tobytes() == b[1][k].tobytes() for k in a[1])
+
+    default, rules_, all_fp4 = (loss_and_grads(c) for c in (base, explicit, base.replace(precision="all_fp4")))
+
+    def today_dot_general_cls(config, recipe, path):   # models.policy.dot_general_cls before config.precision
+      if _today(config, recipe, "/".join(path)) == "bf16":
+        return None
+      from fp4jax.flax import Fp4DotGeneral  # pylint: disable=g-import-not-at-top
+      return functools.partial(Fp4DotGeneral, recipe=recipes.get(recipe))
+
+    monkeypatch.setattr(policy, "dot_general_cls", today_dot_general_cls)
+    recorded = loss_and_grads(base)
+    assert equal(default, recorded), "the default policy changed the loss or gradients of the recorded policy"
+    assert equal(rules_, recorded), "the explicit rules changed the loss or gradients of the recorded policy"
+    out_proj = "blocks_0/mixer/out_proj/kernel"                   # a bf16 layer of the recorded policy
+    assert not np.array_equal(all_fp4[1][out_proj], recorded[1][out_proj])
 
 
 class TestPresets:
