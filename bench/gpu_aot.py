@@ -325,6 +325,9 @@ def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
                   count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
                   flops=o["flops"], highest=o["highest"]) for o in gemms],
       by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)],
+      # each fp4jax primitive's passes over memory as a multiple of one copy of what they read
+      passes=[dict(label=r["label"], calls=r["calls"], ms=r["ms"], gib=r["bytes"] / GiB,
+                   read_gib=r["read_bytes"] / GiB, copy_ratio=r["copy_ratio"]) for r in hlo_cost.passes(cost)],
       # Pallas kernels that declare their FLOPs (the SSD's): charged by FLOPs and bytes
       flop_kernels=[dict(name=o["name"], op_name=o["op_name"], count=o["count"], ms=o["seconds"] * 1e3,
                          bound=o["bound"], bytes=o["bytes"], flops=o["flops"])
@@ -362,6 +365,12 @@ def report(s: dict, twin: dict | None = None) -> str:
   lines.append("  other ops by what they belong to (ms, GiB per step):")
   for r in c["by_label"][:16]:
     lines.append(f"    {r['label']:<40}{r['ms']:>10.3f}{r['gib']:>10.3f}")
+  if c.get("passes"):
+    lines.append("  fp4jax passes (calls, ms, GiB moved, GiB read from outside the call, moved / one copy "
+                 "of what is read):")
+    for r in c["passes"][:12]:
+      lines.append(f"    {r['label']:<32}{r['calls']:>6}{r['ms']:>10.3f}{r['gib']:>10.3f}{r['read_gib']:>10.3f}"
+                   f"{r['copy_ratio']:>8.2f}x")
   if c["collectives"]:
     lines.append(f"  collectives per device per step ({c['collective_gib']:.2f} GiB; "
                  f"{c['collective_ms_if_serial']:.2f} ms at one NVLink direction if not overlapped):")

@@ -171,6 +171,7 @@ class Op:
   seconds: float = 0.0
   bound: str = ""
   highest: bool = False   # a GEMM whose dot asks for full f32 precision (no TF32)
+  reads: tuple = ()       # ((producer of an operand, bytes read of it), ...) per execution
 
 
 class Module:
@@ -267,23 +268,39 @@ class Module:
         total += nbytes(o.shape)
     return total or nbytes(out_shape)
 
-  def fusion_bytes(self, ins: Instr) -> int:
-    comp = ins.attr("calls")
+  def reads(self, ins: Instr) -> list[tuple[str, int]]:
+    """``[(operand, bytes read of it)]`` of one instruction: a fusion's slice accounting
+    (``_read_bytes``), else every operand whole."""
+    comp = ins.attr("calls") if ins.opcode == "fusion" else None
     if comp not in self.comps:
-      return self.plain_bytes(ins)
+      return [(o, nbytes(self.shapes.get(o, ""))) for o in ins.operands]
     params = {}
     for i in self.comps[comp]:
       if i.opcode == "parameter" and i.args.isdigit():
         params[int(i.args)] = i
     users = self._users(comp)
-    read = 0
-    for k, operand in enumerate(ins.operands):
-      p = params.get(k)
-      read += self._read_bytes(comp, p, users) if p is not None else nbytes(self.shapes.get(operand, ""))
-    return read + self._write_bytes(comp, ins.shape)
+    return [(operand, self._read_bytes(comp, params[k], users) if k in params
+             else nbytes(self.shapes.get(operand, ""))) for k, operand in enumerate(ins.operands)]
+
+  def fusion_bytes(self, ins: Instr) -> int:
+    comp = ins.attr("calls")
+    if comp not in self.comps:
+      return self.plain_bytes(ins)
+    return sum(b for _, b in self.reads(ins)) + self._write_bytes(comp, ins.shape)
 
   def plain_bytes(self, ins: Instr) -> int:
     return sum(nbytes(self.shapes.get(o, "")) for o in ins.operands) + nbytes(ins.shape)
+
+  def producer(self, name: str) -> str:
+    """The instruction that made a value, looking through the ops that only rename one
+    (bitcasts, tuple elements): a loop's parameter when it came in through the loop."""
+    seen = 0
+    while name in self.by_name and seen < 64:
+      ins = self.by_name[name]
+      if ins.opcode not in ("bitcast", "get-tuple-element") or not ins.operands:
+        return name
+      name, seen = ins.operands[0], seen + 1
+    return name
 
   # ------------------------------------------------------------------ GEMMs
 
@@ -504,8 +521,9 @@ def analyze(text: str, peaks: dict) -> dict:
         continue
       b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
       flops, ieee = declared_flops(ins)
+      reads = tuple((mod.producer(o), r) for o, r in mod.reads(ins))
       ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name, flops=flops, dtype="f32" if flops else "",
-                    highest=ieee))
+                    highest=ieee, reads=reads))
   for op in ops:
     mem_s = op.bytes / peaks["hbm"]
     if op.kind in ("gemm", "attention") or op.flops:
@@ -574,6 +592,53 @@ def by_label(cost: dict) -> list[tuple[str, float, int]]:
     row[0] += o["seconds"]
     row[1] += o["bytes"] * o["count"]
   return sorted(((k, s, b) for k, (s, b) in acc.items()), key=lambda r: -r[1])
+
+
+def scope(op_name: str) -> str | None:
+  """The call of an fp4jax primitive an op belongs to: its op_name up to the last
+  ``fp4jax/<primitive>`` (``.../blocks_0/mixer/in_proj/fprop/fp4jax/quantize``), or None."""
+  last = None
+  for last in _PRIM.finditer(op_name):
+    pass
+  return op_name[:last.end()] if last else None
+
+
+def passes(cost: dict) -> list[dict]:
+  """The fp4jax primitives' passes over memory, each as a multiple of one copy of what it reads.
+
+  A pass is every non-GEMM op of one primitive call (``scope``: the quantize of fprop's operands in
+  one layer, the wgrad RHT + quantize, a dequantize before a GEMM with its epilogue). What it reads
+  is the values that come from outside the call, each counted once (at its largest read: a slice
+  counts as the slice). One copy of those moves twice their bytes (read, then write), so
+  ``copy_ratio`` = bytes the pass moves / (2 x bytes it reads): a quantize of bf16 that reads its
+  input once and writes 4-bit codes + scales is 0.64, one that also reads the input for its amax
+  1.14. Rows: ``dict(label, calls, ms, bytes, read_bytes, copy_ratio)`` per label (``by_label``'s
+  names, all layers together), largest first."""
+  groups = collections.defaultdict(list)
+  for o in cost["ops"]:
+    if o["kind"] in ("gemm", "attention"):
+      continue
+    s = scope(o["op_name"])
+    if s is not None:
+      groups[s].append(o)
+  acc = collections.defaultdict(lambda: dict(calls=0, seconds=0.0, bytes=0, read_bytes=0))
+  for s, ops in groups.items():
+    inside = {o["name"] for o in ops}
+    external = {}
+    for o in ops:
+      for src, b in o["reads"]:
+        if src not in inside:
+          external[src] = max(external.get(src, 0), b * o["count"])
+    row = acc[label(s)]
+    row["calls"] += 1
+    row["seconds"] += sum(o["seconds"] for o in ops)
+    row["bytes"] += sum(o["bytes"] * o["count"] for o in ops)
+    row["read_bytes"] += sum(external.values())
+  rows = [dict(label=k, calls=v["calls"], ms=v["seconds"] * 1e3, bytes=v["bytes"],
+               read_bytes=v["read_bytes"],
+               copy_ratio=v["bytes"] / (2 * v["read_bytes"]) if v["read_bytes"] else float("inf"))
+          for k, v in acc.items()]
+  return sorted(rows, key=lambda r: -r["bytes"])
 
 
 def naive_bytes(text: str) -> int:

@@ -272,6 +272,83 @@ def test_label_reads_the_pass_and_the_primitive():
   assert hlo_cost.label("jit(train_step)/LanguageModel/blocks_0/mul") == "other"
 
 
+# One quantize call as XLA writes it: an amax pass and a codes pass over the same bf16 input inside a
+# layer loop (the input a slice of the stacked activations), then a consumer outside the call.
+QUANTIZE = """HloModule quantize, entry_computation_layout={()->f32[]}
+
+%fused_amax (p0: bf16[4,1024,1024], p1: s32[]) -> f32[] {
+  %p0 = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  ROOT %m = f32[] convert(%ds)
+}
+
+%fused_codes (p0: bf16[4,1024,1024], p1: f32[], p2: s32[]) -> (u8[1024,512], u8[1024,64]) {
+  %p0 = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %p1 = f32[] parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p2, %z, %z), dynamic_slice_sizes={1,1024,1024}
+  %c = u8[1024,512]{1,0} convert(%ds)
+  %s = u8[1024,64]{1,0} convert(%ds)
+  ROOT %t = (u8[1024,512]{1,0}, u8[1024,64]{1,0}) tuple(%c, %s)
+}
+
+%fused_use (p0: u8[1024,512]) -> u8[1024,512] {
+  %p0 = u8[1024,512]{1,0} parameter(0)
+  ROOT %n = u8[1024,512]{1,0} negate(%p0)
+}
+
+%body (s: (s32[], bf16[4,1024,1024])) -> (s32[], bf16[4,1024,1024]) {
+  %s = (s32[], bf16[4,1024,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = bf16[4,1024,1024]{2,1,0} get-tuple-element(%s), index=1
+  %amax = f32[] fusion(%x, %i), kind=kLoop, calls=%fused_amax, metadata={op_name="jit(f)/blocks/in_proj/fprop/fp4jax/quantize/reduce_max"}
+  %q = (u8[1024,512]{1,0}, u8[1024,64]{1,0}) fusion(%x, %amax, %i), kind=kLoop, calls=%fused_codes, metadata={op_name="jit(f)/blocks/in_proj/fprop/fp4jax/quantize/nvfp4_1x16/fp4jax_quantize_xla/or"}
+  %codes = u8[1024,512]{1,0} get-tuple-element(%q), index=0
+  %use = u8[1024,512]{1,0} fusion(%codes), kind=kLoop, calls=%fused_use, metadata={op_name="jit(f)/blocks/in_proj/mul"}
+  %one = s32[] constant(1)
+  %i2 = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[4,1024,1024]{2,1,0}) tuple(%i2, %x)
+}
+
+%cond (s: (s32[], bf16[4,1024,1024])) -> pred[] {
+  %s = (s32[], bf16[4,1024,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: bf16[4,1024,1024]) -> f32[] {
+  %x = bf16[4,1024,1024]{2,1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,1024,1024]{2,1,0}) tuple(%zero, %x)
+  %w = (s32[], bf16[4,1024,1024]{2,1,0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_passes_are_charged_as_multiples_of_a_copy_of_what_they_read():
+  cost = hlo_cost.analyze(QUANTIZE, PEAKS)
+  assert hlo_cost.scope("jit(f)/a/fprop/fp4jax/quantize/nvfp4_1x16/fp4jax_quantize_xla/or") \
+      == "jit(f)/a/fprop/fp4jax/quantize"
+  assert hlo_cost.scope("jit(f)/blocks/in_proj/mul") is None
+  (row,) = hlo_cost.passes(cost)          # the consumer outside the call is no pass
+  layer, trips = 1024 * 1024 * 2, 4
+  assert row["label"] == "fprop/quantize" and row["calls"] == 1
+  # what it reads from outside: one layer of x (each pass slices the same layer; counted once) and the
+  # loop index; the amax it made itself is internal
+  assert row["read_bytes"] == trips * (layer + 4)
+  amax_bytes = layer + 4 + 4                      # the layer and the index in, the f32 amax out
+  codes_bytes = layer + 4 + 1024 * 512 + 1024 * 64   # (this toy fusion never reads the amax: 0 bytes)
+  assert row["bytes"] == trips * (amax_bytes + codes_bytes)
+  # reading x twice and writing 4-bit codes + scales: about 1.14 copies of x
+  assert row["copy_ratio"] == pytest.approx(row["bytes"] / (2 * row["read_bytes"]))
+  assert 1.1 < row["copy_ratio"] < 1.2
+
+
 PALLAS = """HloModule pallas, entry_computation_layout={()->bf16[1024,512]}
 
 ENTRY %main (a: bf16[1024,256], b: bf16[512,256], f: f32[4]) -> bf16[1024,512] {
