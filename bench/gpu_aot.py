@@ -422,6 +422,10 @@ def _flags():
                     "compile; identical kernels compiled once); the others compile program by program.")
   flags.DEFINE_boolean("one_pass_rht_amax", False, "what-if: the RHT amax as one pass "
                        "(kernels.quantize_rht_t.rht_amax(one_pass=True)) where fp4jax.api takes it.")
+  flags.DEFINE_list("what_if_proved", [], "what-if: these kernel ops (of fp4jax.primitives.impl.KERNEL_OPS, "
+                    "or 'all') count as proved exact and faster on --target, as the on-device proof "
+                    "(fp4jax.proof) would record them, so --impl auto picks them (on b200 beside the native "
+                    "GEMMs).")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS
@@ -438,6 +442,8 @@ def main(argv):
     from fp4jax import api   # pylint: disable=import-outside-toplevel
     from fp4jax.kernels import quantize_rht_t   # pylint: disable=import-outside-toplevel
     api.rht_amax = functools.partial(quantize_rht_t.rht_amax, one_pass=True)
+  if F.what_if_proved:
+    _assume_proved(F.what_if_proved)
   devices = gpu_devices(F.target, F.devices if F.what == "step" else 1)
   mesh, results, twin = None, [], None
   single = jax.sharding.SingleDeviceSharding(devices[0])
@@ -479,6 +485,21 @@ def main(argv):
   for p in problems:
     print("BUDGET/ERROR:", p)
   return 1 if problems or any(r.get("error") for r in results) else 0
+
+
+def _assume_proved(ops: list[str]) -> None:
+  """--what_if_proved: record ``ops`` in VERIFIED_KERNELS for every kernel format, as a device run
+  that found them exact and faster would (the evidence says it is a what-if)."""
+  from fp4jax import formats   # pylint: disable=import-outside-toplevel
+  from fp4jax.primitives import impl   # pylint: disable=import-outside-toplevel
+  ops = list(impl.KERNEL_OPS) if ops == ["all"] else ops
+  unknown = sorted(set(ops) - set(impl.KERNEL_OPS))
+  if unknown:
+    raise ValueError(f"--what_if_proved: unknown kernel ops {unknown}; use some of {impl.KERNEL_OPS} or 'all'")
+  what_if = impl.Evidence(date="what-if", device="--what_if_proved", jax_version="", speedup=float("nan"))
+  for op in ops:
+    for fmt in formats.KERNEL_FORMATS:
+      impl.VERIFIED_KERNELS[(op, fmt)] = what_if
 
 
 def _force_impl(impl: str) -> None:
