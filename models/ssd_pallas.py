@@ -209,21 +209,28 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, 
   return lambda *args: lax.platform_dependent(*args, cuda=call(False), default=call(True))
 
 
+def _sequential_specs(B, Lp, H, P, N, R, Q, Pb):
+  """Block specs, outputs and grid of one (batch, head, block of P) program walking all chunks (states,
+  dstates): x-like, dt-like, b-like and state-like inputs; per-chunk states (B, Q, H P, N) and one
+  state (B, H P, N) out, float32."""
+  nb = P // Pb
+  spec = plc.BlockSpec
+  state = spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))
+  in_specs = (spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
+              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
+              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
+              state)
+  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)), state)
+  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
+  return (*in_specs, out_specs, out_shape, (B, H, nb))
+
+
 def _states_call(x, dt, cs, b, s0, tiles, interpret):
   """Entering states (B, Q, H P, N) and the final state (B, H P, N), float32."""
   dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(x, b, tiles)
-  nb = P // Pb
-  spec = plc.BlockSpec
-  in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
-              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
-              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
-              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
-              spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))]
-  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
-               spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
-  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
-  return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", (B, H, nb), in_specs,
-               out_specs, out_shape, tiles, interpret, dims)(
+  xs, ts, bs, ss, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", grid,
+               [xs, ts, ts, bs, ss], out_specs, out_shape, tiles, interpret, dims)(
                    x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), s0.reshape(B, H * P, N))
 
 
@@ -250,17 +257,9 @@ def _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret):
 def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
   """Gradients of the states leaving each chunk (B, Q, H P, N) and of the initial state (B, H P, N)."""
   dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(dy, c, tiles)
-  nb = P // Pb
-  spec = plc.BlockSpec
-  in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
-              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
-              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
-              spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))]
-  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
-               spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
-  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
-  return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", (B, H, nb), in_specs,
-               out_specs, out_shape, tiles, interpret, dims)(
+  xs, ts, bs, ss, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", grid,
+               [xs, bs, ts, ss], out_specs, out_shape, tiles, interpret, dims)(
                    dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs, dfinal.reshape(B, H * P, N))
 
 
