@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -315,6 +317,36 @@ def _ssd_bwd(tiles, interpret, residuals, cotangents):
 _ssd_core.defvjp(_ssd_fwd, _ssd_bwd)
 
 
+# ------------------------------------------------------------------------------- partitioning
+
+def partition_specs(B: int, H: int, G: int):
+  """(in_specs, out_specs) of the kernels' ``shard_map`` under the mesh being traced for, or None (no
+  mesh, one device, nothing to split). A pallas_call does not partition itself: under jit with sharded
+  inputs XLA would gather every operand onto each device. So each device runs the kernels on its
+  shard: the batch over the mesh axes of the logical axis "activation_batch", the heads (and with
+  them the groups, whose B and C the heads share) over those of "activation_ssm_heads", by the flax
+  rules in force (training.sharding.LOGICAL_RULES). An axis whose size does not divide B (or H and G)
+  is not split, and the sequence never is (every chunk needs the state of the one before)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  rules = nn.get_logical_axis_rules()
+  batch, heads = nn.logical_to_mesh_axes(("activation_batch", "activation_ssm_heads"), rules) if rules \
+      else (None, None)
+
+  def fit(axes, *sizes):
+    names = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in mesh.shape)
+    n = math.prod(mesh.shape[a] for a in names)
+    return None if n == 1 or any(size % n for size in sizes) else (names[0] if len(names) == 1 else names)
+
+  bat, hd = fit(batch, B), fit(heads, H, G)
+  if bat is None and hd is None:
+    return None
+  spec = jax.sharding.PartitionSpec
+  x, t, st = spec(bat, None, hd, None), spec(bat, None, hd), spec(bat, hd, None, None)
+  return (x, t, t, x, x, spec(hd), st), (x, st)
+
+
 # ------------------------------------------------------------------------------------- public
 
 def _is_pow2(n: int) -> bool:
@@ -373,8 +405,11 @@ def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, init
   d_H = jnp.zeros((H,), _f32) if d_H is None else jnp.asarray(d_H, _f32)
   s0 = (jnp.zeros((B, H, P, N), _f32) if initial_state_BxHxPxN is None
         else initial_state_BxHxPxN.astype(_f32))
-  y, final = _ssd_core(padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0,
-                       tiles, interpret)
+  core = lambda *args: _ssd_core(*args, tiles, interpret)   # pylint: disable=unnecessary-lambda-assignment
+  specs = partition_specs(B, H, G)
+  if specs is not None:
+    core = jax.shard_map(core, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+  y, final = core(padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0)
   return y[:, :L], final
 
 
