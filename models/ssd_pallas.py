@@ -415,9 +415,10 @@ def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, init
 
 def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=None,
         initial_state_BxHxPxN=None, impl: str | None = None, tiles: SsdTiles = DEFAULT_TILES,
-        interpret: bool | None = None):
+        interpret: bool | None = None, remat_chunks: bool = True):
   """y = SSD(x, dt, a, B, C) + D x and the final state, by ``impl``: "xla" (``ssd_chunked`` at
-  ``chunk_size``), "pallas" (the kernels, at ``tiles.chunk``) or None / "auto" (``default_impl``)."""
+  ``chunk_size``; ``remat_chunks``: its own per-chunk checkpoint), "pallas" (the kernels, at
+  ``tiles.chunk``, whose backward recomputes the states anyway) or None / "auto" (``default_impl``)."""
   if impl is None or impl == "auto":
     impl = default_impl(x_BxLxHxP.shape, b_BxLxGxN.shape)
   if impl == "pallas":
@@ -426,7 +427,7 @@ def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=
   if impl != "xla":
     raise ValueError(f"ssd impl={impl!r}; use 'xla', 'pallas', 'auto' or None (the recorded default)")
   y, final = ssd_xla.ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=chunk_size,
-                                 initial_state_BxHxPxN=initial_state_BxHxPxN)
+                                 initial_state_BxHxPxN=initial_state_BxHxPxN, remat_chunks=remat_chunks)
   if d_H is not None:
     y = y + d_H[:, None] * x_BxLxHxP
   return y, final
