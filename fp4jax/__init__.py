@@ -7,7 +7,7 @@ _platform.configure()   # before anything starts a backend: CPU-only jax where a
 
 from fp4jax import recipes  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax import target
-from fp4jax.api import dequantize, quantize, scaled_matmul, transpose_tiles
+from fp4jax.api import FP4_OPERAND, dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
 from fp4jax.numerics import hadamard
 from fp4jax.numerics.hadamard import rht
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 from fp4jax import proof  # noqa: E402,F401  registers the on-device prover impl=None consults (verdicts)
 
-__all__ = ["QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht",
+__all__ = ["FP4_OPERAND", "QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht",
            "target"]
 __all__ += ["dot", "dot_general", "flax", "scaled_matmul", "transpose_tiles"]
 

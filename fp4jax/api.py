@@ -9,6 +9,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import formats, primitives, random_bits
 from fp4jax.numerics import e2m1, hadamard, nvfp4
@@ -18,6 +20,23 @@ from fp4jax.reference import (codes_of, dequantize_reference, quantize_reference
                               scaled_matmul_reference)
 
 ROUNDINGS = ("nearest", "stochastic")
+
+
+FP4_OPERAND = "fp4jax_fp4_operand"   # the checkpoint_name of every quantized tensor's data, scales, amax
+
+
+def _named_operand(data, scale, amax):
+  """A quantized tensor's parts named ``FP4_OPERAND``, for remat policies that keep them
+  (``jax.checkpoint_policies.save_only_these_names(FP4_OPERAND)``: a recomputed dot re-runs no
+  quantize pass). The scales are named as their uint8 bits: jax.checkpoint passes every saved floating
+  residual through ``reduce_precision(exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)`` (jax PR
+  22244), whose IEEE reading of float8_e4m3fn's 4 exponent bits makes every scale above 240 infinite,
+  a NaN in e4m3fn (whose top exponent holds finite values up to 448); integers are saved as they are.
+  The bitcasts change no bit."""
+  bits = checkpoint_name(lax.bitcast_convert_type(scale, jnp.uint8), FP4_OPERAND)
+  scale = lax.bitcast_convert_type(bits, scale.dtype)
+  return (checkpoint_name(data, FP4_OPERAND), scale,
+          None if amax is None else checkpoint_name(amax, FP4_OPERAND))
 
 
 def as_array(x, where: str, name: str = "x"):
@@ -210,6 +229,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   data, scale = primitives.quantize_last(x_l, prim_amax, bits_l, fmt=fmt, tiled=tile is not None,
                                          scale_rule=scale_rule, impl=impl)
   data, scale = jnp.moveaxis(data, -1, src), jnp.moveaxis(scale, -1, src)
+  data, scale, amax_g = _named_operand(data, scale, amax_g)
   block = None if tile is not None else formats.BLOCK[fmt]
   return QTensor(data, scale, amax_g, fmt, axis - x.ndim, block,
                  None if tile is None else tuple(tile), x.dtype,
@@ -266,6 +286,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   data, scale = primitives.quantize_rht_t(
       x, jnp.zeros((), jnp.float32) if amax is None else amax, bits, fmt=fmt, rht_size=rht_size,
       rht_seed=rht_seed, scale_rule=scale_rule, impl=impl)
+  data, scale, amax = _named_operand(data, scale, amax)
   return QTensor(data, scale, amax, fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(jnp.float32),
                  scale_rule if fmt == "mxfp4" else None)
 

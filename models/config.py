@@ -80,7 +80,8 @@ class ModelConfig:
   # by the trainer from config.outcontrol (it is not a config.model field).
   outcontrol_ratio: float = 0.0
   # What each block keeps for the backward pass (models.remat): "none", "full" (recompute the block),
-  # "save_linear" (keep the linear layers' outputs); True / False mean "full" / "none".
+  # "save_linear" (keep the linear layers' outputs), "save_linear_fp4" (and the FP4 operands fp4jax.dot
+  # keeps); True / False mean "full" / "none".
   remat: Any = "none"
   # lax.scan over repeated groups of blocks (models.lm.block_groups): fewer blocks to compile, but the
   # parameter tree changes (a group's blocks get a leading repeat axis), so it is opt-in.

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import ssd, ssd_pallas
+from models import remat, ssd, ssd_pallas
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -110,7 +110,7 @@ class Mamba2(nn.Module):
       y_BxLxHxP, state_BxHxPxN = ssd_pallas.ssd(
           x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=cfg.chunk_size,
           d_H=d_H.astype(f32), initial_state_BxHxPxN=ssm_state.value if use_cache else None,
-          impl=cfg.ssd_impl)
+          impl=cfg.ssd_impl, remat_chunks=remat.ssd_chunk_remat(cfg.remat))
     if use_cache:
       conv_state.value, ssm_state.value = new_conv_state_BxW1xE, state_BxHxPxN
 

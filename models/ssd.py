@@ -84,13 +84,14 @@ def _chunk_step(a_GxR, precision, state_BxGxRxPxN, chunk):
 
 
 def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int,
-                initial_state_BxHxPxN=None, precision=None):
+                initial_state_BxHxPxN=None, precision=None, remat_chunks: bool = True):
   """Chunked SSD. L need not be a multiple of ``chunk_size``: the tail is padded with dt = 0,
   an identity step, so the final state is exact. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``.
 
-  A ``lax.scan`` over the chunks carries the state from one chunk to the next; each chunk's step is
-  rematerialized (``jax.checkpoint``), so the backward pass keeps only the Q entering states
-  (B x H x P x N each) besides the inputs, and no temporary spans more than one chunk.
+  A ``lax.scan`` over the chunks carries the state from one chunk to the next. With ``remat_chunks``
+  each chunk's step is rematerialized (``jax.checkpoint``), so the backward pass keeps only the Q
+  entering states (B x H x P x N each) besides the inputs, and no temporary spans more than one chunk;
+  without, the caller's remat policy decides (the mixer: a rematerialized block, ``models.remat``).
   """
   B, L, H, P, G, N = _check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
   R, C = H // G, chunk_size
@@ -110,7 +111,8 @@ def ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: i
     initial_BxGxRxPxN = jnp.zeros((B, G, R, P, N), jnp.float32)
   else:
     initial_BxGxRxPxN = initial_state_BxHxPxN.astype(jnp.float32).reshape(B, G, R, P, N)
-  step = jax.checkpoint(functools.partial(_chunk_step, a_H.astype(jnp.float32).reshape(G, R), precision))
+  step = functools.partial(_chunk_step, a_H.astype(jnp.float32).reshape(G, R), precision)
+  step = jax.checkpoint(step) if remat_chunks else step
   final_BxGxRxPxN, y_QxBxCxGxRxP = lax.scan(step, initial_BxGxRxPxN, chunks)
   y_BxLxHxP = jnp.moveaxis(y_QxBxCxGxRxP, 0, 1).reshape(B, Q * C, H, P)[:, :L]
   return y_BxLxHxP.astype(out_dtype), final_BxGxRxPxN.reshape(B, H, P, N)

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -209,21 +211,28 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, 
   return lambda *args: lax.platform_dependent(*args, cuda=call(False), default=call(True))
 
 
+def _sequential_specs(B, Lp, H, P, N, R, Q, Pb):
+  """Block specs, outputs and grid of one (batch, head, block of P) program walking all chunks (states,
+  dstates): x-like, dt-like, b-like and state-like inputs; per-chunk states (B, Q, H P, N) and one
+  state (B, H P, N) out, float32."""
+  nb = P // Pb
+  spec = plc.BlockSpec
+  state = spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))
+  in_specs = (spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
+              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
+              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
+              state)
+  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)), state)
+  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
+  return (*in_specs, out_specs, out_shape, (B, H, nb))
+
+
 def _states_call(x, dt, cs, b, s0, tiles, interpret):
   """Entering states (B, Q, H P, N) and the final state (B, H P, N), float32."""
   dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(x, b, tiles)
-  nb = P // Pb
-  spec = plc.BlockSpec
-  in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
-              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
-              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
-              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
-              spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))]
-  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
-               spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
-  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
-  return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", (B, H, nb), in_specs,
-               out_specs, out_shape, tiles, interpret, dims)(
+  xs, ts, bs, ss, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", grid,
+               [xs, ts, ts, bs, ss], out_specs, out_shape, tiles, interpret, dims)(
                    x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), s0.reshape(B, H * P, N))
 
 
@@ -250,17 +259,9 @@ def _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret):
 def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
   """Gradients of the states leaving each chunk (B, Q, H P, N) and of the initial state (B, H P, N)."""
   dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(dy, c, tiles)
-  nb = P // Pb
-  spec = plc.BlockSpec
-  in_specs = [spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
-              spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
-              spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
-              spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))]
-  out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)),
-               spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0)))
-  out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
-  return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", (B, H, nb), in_specs,
-               out_specs, out_shape, tiles, interpret, dims)(
+  xs, ts, bs, ss, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", grid,
+               [xs, bs, ts, ss], out_specs, out_shape, tiles, interpret, dims)(
                    dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs, dfinal.reshape(B, H * P, N))
 
 
@@ -314,6 +315,36 @@ def _ssd_bwd(tiles, interpret, residuals, cotangents):
 
 
 _ssd_core.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+# ------------------------------------------------------------------------------- partitioning
+
+def partition_specs(B: int, H: int, G: int):
+  """(in_specs, out_specs) of the kernels' ``shard_map`` under the mesh being traced for, or None (no
+  mesh, one device, nothing to split). A pallas_call does not partition itself: under jit with sharded
+  inputs XLA would gather every operand onto each device. So each device runs the kernels on its
+  shard: the batch over the mesh axes of the logical axis "activation_batch", the heads (and with
+  them the groups, whose B and C the heads share) over those of "activation_ssm_heads", by the flax
+  rules in force (training.sharding.LOGICAL_RULES). An axis whose size does not divide B (or H and G)
+  is not split, and the sequence never is (every chunk needs the state of the one before)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  rules = nn.get_logical_axis_rules()
+  batch, heads = nn.logical_to_mesh_axes(("activation_batch", "activation_ssm_heads"), rules) if rules \
+      else (None, None)
+
+  def fit(axes, *sizes):
+    names = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in mesh.shape)
+    n = math.prod(mesh.shape[a] for a in names)
+    return None if n == 1 or any(size % n for size in sizes) else (names[0] if len(names) == 1 else names)
+
+  bat, hd = fit(batch, B), fit(heads, H, G)
+  if bat is None and hd is None:
+    return None
+  spec = jax.sharding.PartitionSpec
+  x, t, st = spec(bat, None, hd, None), spec(bat, None, hd), spec(bat, hd, None, None)
+  return (x, t, t, x, x, spec(hd), st), (x, st)
 
 
 # ------------------------------------------------------------------------------------- public
@@ -374,16 +405,20 @@ def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, init
   d_H = jnp.zeros((H,), _f32) if d_H is None else jnp.asarray(d_H, _f32)
   s0 = (jnp.zeros((B, H, P, N), _f32) if initial_state_BxHxPxN is None
         else initial_state_BxHxPxN.astype(_f32))
-  y, final = _ssd_core(padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0,
-                       tiles, interpret)
+  core = lambda *args: _ssd_core(*args, tiles, interpret)   # pylint: disable=unnecessary-lambda-assignment
+  specs = partition_specs(B, H, G)
+  if specs is not None:
+    core = jax.shard_map(core, in_specs=specs[0], out_specs=specs[1], check_vma=False)
+  y, final = core(padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0)
   return y[:, :L], final
 
 
 def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=None,
         initial_state_BxHxPxN=None, impl: str | None = None, tiles: SsdTiles = DEFAULT_TILES,
-        interpret: bool | None = None):
+        interpret: bool | None = None, remat_chunks: bool = True):
   """y = SSD(x, dt, a, B, C) + D x and the final state, by ``impl``: "xla" (``ssd_chunked`` at
-  ``chunk_size``), "pallas" (the kernels, at ``tiles.chunk``) or None / "auto" (``default_impl``)."""
+  ``chunk_size``; ``remat_chunks``: its own per-chunk checkpoint), "pallas" (the kernels, at
+  ``tiles.chunk``, whose backward recomputes the states anyway) or None / "auto" (``default_impl``)."""
   if impl is None or impl == "auto":
     impl = default_impl(x_BxLxHxP.shape, b_BxLxGxN.shape)
   if impl == "pallas":
@@ -392,7 +427,7 @@ def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=
   if impl != "xla":
     raise ValueError(f"ssd impl={impl!r}; use 'xla', 'pallas', 'auto' or None (the recorded default)")
   y, final = ssd_xla.ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=chunk_size,
-                                 initial_state_BxHxPxN=initial_state_BxHxPxN)
+                                 initial_state_BxHxPxN=initial_state_BxHxPxN, remat_chunks=remat_chunks)
   if d_H is not None:
     y = y + d_H[:, None] * x_BxLxHxP
   return y, final

@@ -58,10 +58,24 @@ def test_each_policy_re_runs_what_it_says(setup):
   quant = {name: count(name, "fp4jax_quantize") for name in remat.POLICIES}
   assert gemms["full"] > gemms["none"] and quant["full"] > quant["none"]
   assert gemms["save_linear"] == gemms["none"] and quant["save_linear"] > quant["none"]
+  assert gemms["save_linear_fp4"] == gemms["none"] and quant["save_linear_fp4"] == quant["none"]
+
+
+def test_the_ssd_checkpoints_its_chunks_only_outside_a_remat_block(setup):
+  """One remat per block: a rematerialized block's scan does not checkpoint its chunks again (the
+  forward's jaxpr holds one checkpoint per block, none nested); without block remat the scan keeps its
+  own (one, in the Mamba block)."""
+  params, tokens = setup
+  counts = {}
+  for name in ("none", "full", "save_linear", "save_linear_fp4"):
+    model, _ = _loss_fn(CONFIG.replace(remat=name), "nvfp4")
+    text = str(jax.make_jaxpr(lambda p, t, m=model: m.apply({"params": p}, t, rngs={"fp4": KEY}))(params, tokens))
+    counts[name] = text.count("remat2[")   # jax.checkpoint in a jaxpr
+  assert counts == {"none": 1, "full": 3, "save_linear": 3, "save_linear_fp4": 3}, counts
 
 
 def test_remat_names_and_booleans():
   assert CONFIG.replace(remat=True).remat == "full" and CONFIG.replace(remat=False).remat == "none"
   assert get_model_config("tiny").remat == "none"
-  with pytest.raises(ValueError, match=r"remat='fast'.*\['full', 'none', 'save_linear'\]"):
+  with pytest.raises(ValueError, match=r"remat='fast'.*\['full', 'none', 'save_linear', 'save_linear_fp4'\]"):
     CONFIG.replace(remat="fast")
