@@ -33,7 +33,8 @@ LOSSES = "mtp_losses"   # the variable collection of the depths' losses: {"loss"
 
 
 def shift_left(x_BxL: jax.Array, n: int, fill: int = 0) -> jax.Array:
-  """``x[:, n:]`` padded back to length L with ``fill`` at the end."""
+  """``x[:, n:]`` padded back to length L with ``fill`` at the end (all ``fill`` for n >= L)."""
+  n = min(n, x_BxL.shape[1])
   if n == 0:
     return x_BxL
   return jnp.concatenate([x_BxL[:, n:], jnp.full((x_BxL.shape[0], n), fill, x_BxL.dtype)], axis=1)
