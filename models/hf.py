@@ -739,8 +739,9 @@ def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> 
       seen[path] = max(seen.get(path, 0.0), float(jnp.max(jnp.abs(args[0].astype(jnp.float32)))))
     return next_fun(*args, **kwargs)
 
+  mtp = {"mtp_logits": True} if model.config.mtp_depths else {}   # the MTP layers see their inputs too
   with nn.intercept_methods(record):
-    model.apply({"params": params}, jnp.asarray(tokens_BxL, jnp.int32))
+    model.apply({"params": params}, jnp.asarray(tokens_BxL, jnp.int32), **mtp)
   missing = sorted(paths - set(seen))
   if missing:
     raise ConversionError(f"calibration saw no input for {missing[:3]}")

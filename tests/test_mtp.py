@@ -257,6 +257,11 @@ def test_nvfp4_export_of_quantized_mtp_experts_is_per_expert():
   tensors, excluded = hf.to_hf_nvfp4(_random_params(config), config, "nvfp4")
   assert "mtp.layers.1.mixer.experts.3.down_proj.weight_scale" in tensors
   assert tensors["mtp.layers.1.mixer.experts.0.up_proj.weight"].dtype == np.uint8
+  paths = hf.quantized_paths(config, "nvfp4")
+  assert ("mtp_0", "eh_proj") in paths
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
+  amax = hf.calibration_amax(LanguageModel(config, "nvfp4"), _random_params(config), tokens, paths)
+  assert amax[("mtp_0", "eh_proj")] > 0
   super_ = EXPORT.replace(precision="nemotron3_super")
   tensors, excluded = hf.to_hf_nvfp4(_random_params(super_), super_, "nvfp4")
   assert "mtp.layers.0.eh_proj" in excluded and "mtp.layers.1.mixer.shared_experts.up_proj" in excluded
