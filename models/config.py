@@ -64,6 +64,13 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   moe_bias_update_rate: float = 1e-3       # γ of the aux-loss-free bias update after each step; 0: off
   moe_aux_loss_weight: float = 0.0         # α of the sequence-wise balance loss; 0: off
+  # Multi-token prediction (models.mtp; DeepSeek-V3, Nemotron 3 Super): mtp_depths extra depths, depth d
+  # predicting token t+d+1 through one module of mtp_pattern blocks (eh_proj, then the blocks, its own final
+  # norm, the shared embedding and LM head); loss = main + mtp_loss_weight * mean over depths. 0: off.
+  mtp_depths: int = 0
+  mtp_pattern: str = "*"                   # the blocks of one MTP module; Nemotron 3 Super's is "*E"
+  mtp_loss_weight: float = 0.3             # DeepSeek-V3's λ for its first 10T tokens; Nemotron 3.5's 0.3
+  mtp_share_depths: bool = False           # one module (mtp_0) for every depth: Megatron's repeated layer
   # Everything else.
   norm_eps: float = 1e-5
   init_std: float = 0.02          # residual-output projections use init_std / sqrt(2 * n_blocks)
@@ -96,17 +103,22 @@ class ModelConfig:
                        f"use {''.join(BLOCK_KINDS)} (M mamba, * attention, - mlp, E moe)")
     if self.mlp_kind not in ("relu2", "swiglu"):
       raise ValueError(f"mlp_kind={self.mlp_kind!r}; use 'relu2' or 'swiglu'")
-    if "*" in self.pattern and self.n_heads % self.n_kv_heads:
+    if "*" in self.all_patterns and self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-    if "*" in self.pattern and self.rope and self.head_dim % 2:
+    if "*" in self.all_patterns and self.rope and self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rope=True")
-    if "M" in self.pattern:
+    if "M" in self.all_patterns:
       if self.d_inner % self.ssm_head_dim:
         raise ValueError(f"d_inner = expand * d_model = {self.d_inner} must be a multiple of "
                          f"ssm_head_dim={self.ssm_head_dim}")
       if self.ssm_n_heads % self.n_groups:
         raise ValueError(f"ssm_n_heads={self.ssm_n_heads} must be a multiple of n_groups={self.n_groups}")
-    if "E" in self.pattern:
+    if self.mtp_depths < 0 or (self.mtp_depths and (not self.mtp_pattern or set(self.mtp_pattern) - set(BLOCK_KINDS))):
+      raise ValueError(f"mtp_depths={self.mtp_depths} must be >= 0 (0: no MTP) and mtp_pattern={self.mtp_pattern!r} "
+                       f"a non-empty string of {''.join(BLOCK_KINDS)} (Nemotron 3 Super: '*E')")
+    if self.mtp_loss_weight < 0:
+      raise ValueError(f"mtp_loss_weight={self.mtp_loss_weight} must be >= 0 (DeepSeek-V3: 0.3, then 0.1)")
+    if "E" in self.all_patterns:
       self._check_moe()
     if self.attention_impl not in ("auto", "chunked", "cudnn", "xla"):
       raise ValueError(f"attention_impl={self.attention_impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
@@ -146,6 +158,16 @@ class ModelConfig:
   @property
   def n_blocks(self) -> int:
     return len(self.pattern)
+
+  @property
+  def all_patterns(self) -> str:
+    """The block characters of the model and, with MTP on, of its MTP module."""
+    return self.pattern + (self.mtp_pattern if self.mtp_depths else "")
+
+  @property
+  def mtp_modules(self) -> int:
+    """MTP modules with their own parameters (``mtp_0`` ...): 1 with ``mtp_share_depths``, else one per depth."""
+    return min(self.mtp_depths, 1) if self.mtp_share_depths else self.mtp_depths
 
   @property
   def block_kinds(self) -> tuple[str, ...]:

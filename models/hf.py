@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 from typing import Any, Callable, Iterable
 
@@ -47,6 +48,7 @@ from models.config import BLOCK_KINDS
 
 PREFIX = "backbone."                       # NVIDIA's checkpoints; transformers also reads "model."
 HF_LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+MTP_BLOCKS = "*E"     # the MTP layer kinds vLLM's NemotronH MTP loader builds (attention, MoE)
 GROUP = 16                                 # NVFP4 block: elements per E4M3 scale
 _E4M3_X_E2M1_MAX = 6.0 * 448.0
 
@@ -210,35 +212,93 @@ def layout(c: ModelConfig) -> tuple[list[Linear], list[Tensor]]:
   tensors = [Tensor(f"{PREFIX}embeddings.weight", ("embed", "embedding"), _same, _same),
              Tensor(f"{PREFIX}norm_f.weight", ("final_norm", "scale"), _same, _same)]
   for i, char in enumerate(c.pattern):
-    block, layer = f"blocks_{i}", f"{PREFIX}layers.{i}."
-    tensors.append(Tensor(layer + "norm.weight", (block, "norm", "scale"), _same, _same))
-    mixer = (block, "mixer")
-    if char == "M":
-      channels = _conv_channels(c)
-      inverse = np.argsort(channels)
-      linears += [Linear(layer + "mixer.in_proj.weight", (*mixer, "in_proj"), _in_proj_rows(c)),
-                  Linear(layer + "mixer.out_proj.weight", (*mixer, "out_proj"))]
-      tensors += [
-          Tensor(layer + "mixer.conv1d.weight", (*mixer, "conv_weight"),
-                 lambda w_WxE, ch=channels: w_WxE[:, ch].T[:, None, :],
-                 lambda w_Ex1xW, inv=inverse: w_Ex1xW[:, 0, :].T[:, inv])]
-      if c.conv_bias:
-        tensors.append(Tensor(layer + "mixer.conv1d.bias", (*mixer, "conv_bias"),
-                              lambda b_E, ch=channels: b_E[ch], lambda b_E, inv=inverse: b_E[inv]))
-      tensors += [Tensor(layer + f"mixer.{name}", (*mixer, name), _same, _same) for name in ("dt_bias", "A_log", "D")]
-      tensors.append(Tensor(layer + "mixer.norm.weight", (*mixer, "norm_scale"), _same, _same))
-    elif char == "*":
-      linears += [Linear(layer + f"mixer.{name}.weight", (*mixer, "qkv"), rows)
-                  for name, rows in _qkv_rows(c).items()]
-      linears.append(Linear(layer + "mixer.o_proj.weight", (*mixer, "out")))
-    elif char == "E":
-      linears += _moe_linears(c, layer, mixer)
-      tensors += _moe_tensors(layer, mixer)
-    else:
-      linears += [Linear(layer + "mixer.up_proj.weight", (*mixer, "up")),
-                  Linear(layer + "mixer.down_proj.weight", (*mixer, "down"))]
+    _block_layout(c, char, f"{PREFIX}layers.{i}.", (f"blocks_{i}",), linears, tensors)
+  _mtp_layout(c, linears, tensors)
   linears.append(Linear("lm_head.weight", ("lm_head",)))
   return linears, tensors
+
+
+def _block_layout(c: ModelConfig, char: str, layer: str, block: tuple[str, ...], linears: list[Linear],
+                  tensors: list[Tensor]) -> None:
+  """Appends the tensors of one block (``char``) at our ``block`` path, named ``<layer>norm.weight`` etc."""
+  tensors.append(Tensor(layer + "norm.weight", (*block, "norm", "scale"), _same, _same))
+  mixer = (*block, "mixer")
+  if char == "M":
+    channels = _conv_channels(c)
+    inverse = np.argsort(channels)
+    linears += [Linear(layer + "mixer.in_proj.weight", (*mixer, "in_proj"), _in_proj_rows(c)),
+                Linear(layer + "mixer.out_proj.weight", (*mixer, "out_proj"))]
+    tensors += [
+        Tensor(layer + "mixer.conv1d.weight", (*mixer, "conv_weight"),
+               lambda w_WxE, ch=channels: w_WxE[:, ch].T[:, None, :],
+               lambda w_Ex1xW, inv=inverse: w_Ex1xW[:, 0, :].T[:, inv])]
+    if c.conv_bias:
+      tensors.append(Tensor(layer + "mixer.conv1d.bias", (*mixer, "conv_bias"),
+                            lambda b_E, ch=channels: b_E[ch], lambda b_E, inv=inverse: b_E[inv]))
+    tensors += [Tensor(layer + f"mixer.{name}", (*mixer, name), _same, _same) for name in ("dt_bias", "A_log", "D")]
+    tensors.append(Tensor(layer + "mixer.norm.weight", (*mixer, "norm_scale"), _same, _same))
+  elif char == "*":
+    linears += [Linear(layer + f"mixer.{name}.weight", (*mixer, "qkv"), rows)
+                for name, rows in _qkv_rows(c).items()]
+    linears.append(Linear(layer + "mixer.o_proj.weight", (*mixer, "out")))
+  elif char == "E":
+    linears += _moe_linears(c, layer, mixer)
+    tensors += _moe_tensors(layer, mixer)
+  else:
+    linears += [Linear(layer + "mixer.up_proj.weight", (*mixer, "up")),
+                Linear(layer + "mixer.down_proj.weight", (*mixer, "down"))]
+
+
+# The MTP modules as vLLM's NemotronH MTP loader reads them (vllm/model_executor/models/nemotron_h_mtp.py):
+# module m's blocks are the flat layers mtp.layers.<m * P + j> (P = len(mtp_pattern)); the first of a module
+# also holds enorm, hnorm and eh_proj [D, 2D] (input: [enorm(embedding) | hnorm(hidden)]), the last its
+# final_layernorm; the embedding and lm_head are the main model's. Routed experts are written one tensor per
+# expert, mixer.experts.<e>.up_proj.weight [out, in], the names its expert mapping looks for.
+MTP_ROUTED = re.compile(r"(mtp\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)")
+_MTP_EXPERT = re.compile(r"(mtp\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
+
+
+def _mtp_layout(c: ModelConfig, linears: list[Linear], tensors: list[Tensor]) -> None:
+  P = len(c.mtp_pattern)
+  for m in range(c.mtp_modules):
+    module = f"mtp_{m}"
+    for j, char in enumerate(c.mtp_pattern):
+      layer = f"mtp.layers.{m * P + j}."
+      if j == 0:
+        tensors += [Tensor(layer + f"{norm}.weight", (module, norm, "scale"), _same, _same) for norm in ("enorm", "hnorm")]
+        linears.append(Linear(layer + "eh_proj.weight", (module, "eh_proj")))
+      _block_layout(c, char, layer, (module, f"layers_{j}"), linears, tensors)
+      if j == P - 1:
+        tensors.append(Tensor(layer + "final_layernorm.weight", (module, "final_norm", "scale"), _same, _same))
+
+
+def _split_mtp_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The MTP layers' stacked routed experts ``...experts.up_proj`` (E, out, in) as one tensor per expert."""
+  out = {}
+  for name, value in tensors.items():
+    match = MTP_ROUTED.fullmatch(name)
+    if match is None:
+      out[name] = value
+      continue
+    out.update({f"{match.group(1)}.{e}.{match.group(2)}.weight": np.ascontiguousarray(value[e])
+                for e in range(value.shape[0])})
+  return out
+
+
+def _join_mtp_experts(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The inverse of ``_split_mtp_experts``: per-expert MTP tensors stacked back in expert order."""
+  out, groups = {}, {}
+  for name, value in named.items():
+    match = _MTP_EXPERT.fullmatch(name)
+    if match is None:
+      out[name] = value
+    else:
+      groups.setdefault(f"{match.group(1)}.{match.group(3)}", {})[int(match.group(2))] = value
+  for name, experts in groups.items():
+    if sorted(experts) != list(range(len(experts))):
+      raise ConversionError(f"{name}: the checkpoint has experts {sorted(experts)[:8]}..., not 0 .. E-1")
+    out[name] = np.stack([experts[e] for e in range(len(experts))])
+  return out
 
 
 def _moe_linears(c: ModelConfig, layer: str, mixer: tuple[str, ...]) -> list[Linear]:
@@ -279,7 +339,11 @@ def check_exportable(c: ModelConfig) -> None:
   if "E" in c.pattern and not c.moe_shared_expert_intermediate_size:
     raise ConversionError("moe_shared_expert_intermediate_size=0: transformers' NemotronHMoE always has a shared "
                           "expert; only MoE models with one export")
-  if "-" in c.pattern and c.mlp_kind != "relu2":
+  bad_mtp = sorted(set(c.mtp_pattern) - set(MTP_BLOCKS)) if c.mtp_depths else []
+  if bad_mtp:
+    raise ConversionError(f"mtp_pattern={c.mtp_pattern!r} has blocks {bad_mtp}: vLLM's NemotronH MTP loader builds "
+                          "only attention ('*') and MoE ('E') MTP layers; use an mtp_pattern of those (Super: '*E')")
+  if "-" in c.all_patterns and c.mlp_kind != "relu2":
     raise ConversionError(f"mlp_kind={c.mlp_kind!r}: Nemotron-H MLPs are squared ReLU without a gate; only "
                           "mlp_kind='relu2' models export")
 
@@ -308,13 +372,18 @@ def to_hf_config(c: ModelConfig, *, dtype: str = "float32", eos_token_id: int | 
       "time_step_min": 0.0,       # transformers clamps dt >= time_step_min; this model never clamps
       "time_step_max": c.dt_max, "time_step_floor": 1e-4, "mamba_ssm_cache_dtype": "float32",
       "use_cache": True, "num_logits_to_keep": 1,
-      # MoE blocks (NemotronHMoE); no multi-token-prediction layers
+      # MoE blocks (NemotronHMoE)
       "n_routed_experts": c.n_routed_experts, "num_experts_per_tok": c.num_experts_per_tok,
       "moe_intermediate_size": c.moe_intermediate_size,
       "moe_shared_expert_intermediate_size": c.moe_shared_expert_intermediate_size,
       "moe_latent_size": c.moe_latent_size, "n_group": c.n_group, "topk_group": c.topk_group,
       "norm_topk_prob": c.norm_topk_prob, "routed_scaling_factor": c.routed_scaling_factor,
-      "n_shared_experts": 1, "num_nextn_predict_layers": 0,
+      "n_shared_experts": 1,
+      # multi-token prediction: the MTP modules (vLLM's loader takes 1, applied for every draft token) and
+      # their blocks, as vLLM (mtp_hybrid_override_pattern) and transformers (mtp_layers_block_type) name them
+      "num_nextn_predict_layers": c.mtp_modules,
+      **({"mtp_hybrid_override_pattern": c.mtp_pattern,
+          "mtp_layers_block_type": [HF_LAYER_TYPES[ch] for ch in c.mtp_pattern]} if c.mtp_depths else {}),
       "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
   }
   config["fp4jax"] = {"model": model_config_to_json(c), **(extra or {})}
@@ -354,6 +423,26 @@ def _moe_fields(hf: dict, pattern: str) -> dict:
               routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
 
 
+def _mtp_fields(hf: dict) -> dict:
+  """``mtp_depths`` (one depth per MTP module of the checkpoint) and ``mtp_pattern`` of a config.json:
+  vLLM's ``mtp_hybrid_override_pattern``, else transformers' ``mtp_layers_block_type`` (its default
+  ["full_attention", "moe"] when absent; the older names "attention", "mamba" too)."""
+  n = int(hf.get("num_nextn_predict_layers") or 0)
+  if n <= 0:
+    return {}
+  pattern = hf.get("mtp_hybrid_override_pattern")
+  if isinstance(pattern, list):
+    pattern = "".join(pattern)
+  if not pattern:
+    names = {"attention": "*", "moe": "E", "mamba": "M", "mlp": "-", **{v: k for k, v in HF_LAYER_TYPES.items()}}
+    types = hf.get("mtp_layers_block_type") or ["full_attention", "moe"]
+    try:
+      pattern = "".join(names[t] for t in types)
+    except KeyError as e:
+      raise ConversionError(f"config.json mtp_layers_block_type has the unknown layer type {e}") from None
+  return dict(mtp_depths=n, mtp_pattern=pattern)
+
+
 def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: int = 0,
                    bf16_last_blocks: int = 0) -> ModelConfig:
   """Our ModelConfig for a transformers Nemotron-H ``config.json`` (a dict). One that this package
@@ -389,6 +478,7 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
                    ("use_conv_bias", "mamba_conv_bias"), ("chunk_size", "mamba_chunk_size")):
     if new not in hf and old in hf:
       hf = dict(hf, **{new: hf[old]})
+  mtp = _mtp_fields(hf)
   d_model = hf["hidden_size"]
   n_heads_ssm, head_dim_ssm = hf.get("mamba_num_heads"), hf.get("mamba_head_dim")
   expand = hf.get("expand", 2)
@@ -408,7 +498,7 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
         conv_bias=hf.get("use_conv_bias", True), chunk_size=hf.get("chunk_size", 128),
         dt_min=hf.get("time_step_min") or 0.001, dt_max=hf.get("time_step_max", 0.1),
         norm_eps=hf.get("layer_norm_epsilon", 1e-5), init_std=hf.get("initializer_range", 0.02),
-        **_moe_fields(hf, pattern),
+        **_moe_fields(hf, pattern + mtp.get("mtp_pattern", "")), **mtp,
         param_dtype=jnp.float32, dtype=dtype, bf16_first_blocks=bf16_first_blocks,
         bf16_last_blocks=bf16_last_blocks)
   except KeyError as e:
@@ -420,8 +510,9 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
     exact = model_config_from_json(ours)
     dims = ("vocab_size", "d_model", "pattern", "n_heads", "n_kv_heads", "head_dim", "n_groups", "d_state",
             "ssm_head_dim", "expand", "conv_width", "conv_bias", "n_routed_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "moe_latent_size")
-    if any(getattr(exact, d) != getattr(config, d) for d in dims):
+            "moe_intermediate_size", "moe_latent_size", "mtp_modules")
+    if any(getattr(exact, d) != getattr(config, d) for d in dims) or (
+        config.mtp_depths and exact.mtp_pattern != config.mtp_pattern):
       raise ConversionError("config.json's fp4jax.model disagrees with its Nemotron-H dimensions; remove the "
                             "'fp4jax' entry to import from the Nemotron-H fields alone")
     return exact
@@ -450,18 +541,19 @@ def to_hf(params, c: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
   for t in tensors:
     keep = np.float32 if t.hf_name.endswith(ROUTER_TENSORS) else dtype
     out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(keep)
-  return out
+  return _split_mtp_experts(out)
 
 
 def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
   """Our parameter tree (float32 numpy) from Nemotron-H tensors (``backbone.`` or ``model.`` prefix)."""
   named = {}
   for name, value in tensors.items():
-    if name.startswith("mtp."):
+    if name.startswith("mtp.") and not c.mtp_depths:
       continue                       # multi-token-prediction heads: not part of this model
     if name.startswith("model."):
       name = PREFIX + name[len("model."):]
     named[name] = value
+  named = _join_mtp_experts(named)
   quantized = sorted(n for n in named if n.endswith(("weight_scale", "weight_scale_2", "input_scale")))
   if quantized:
     raise ConversionError(f"the checkpoint holds quantized tensors ({quantized[0]}, ...); import the bf16/fp32 "
@@ -594,7 +686,7 @@ def to_hf_nvfp4(params, c: ModelConfig, recipe="nvfp4", *, input_amax: dict[tupl
       continue
     keep = np.float32 if t.hf_name.endswith(ROUTER_TENSORS) else dtype
     out[t.hf_name] = np.ascontiguousarray(t.to_hf(_numpy(_get(params, t.path)))).astype(keep)
-  return out, excluded
+  return _split_mtp_experts(out), excluded
 
 
 def _expert_path(path) -> bool:
@@ -647,8 +739,9 @@ def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> 
       seen[path] = max(seen.get(path, 0.0), float(jnp.max(jnp.abs(args[0].astype(jnp.float32)))))
     return next_fun(*args, **kwargs)
 
+  mtp = {"mtp_logits": True} if model.config.mtp_depths else {}   # the MTP layers see their inputs too
   with nn.intercept_methods(record):
-    model.apply({"params": params}, jnp.asarray(tokens_BxL, jnp.int32))
+    model.apply({"params": params}, jnp.asarray(tokens_BxL, jnp.int32), **mtp)
   missing = sorted(paths - set(seen))
   if missing:
     raise ConversionError(f"calibration saw no input for {missing[:3]}")

@@ -142,8 +142,9 @@ def _chunk_logits(x_BxLxD, w_DxVc, q, n_chunks, vocab):
   return logits_BxLxVc
 
 
-def _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks):
-  """(mean loss, logsumexp_BxL): an online logsumexp over the chunks, never more than one chunk of logits."""
+def _ce_forward(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks):
+  """(mean loss, logsumexp_BxL): an online logsumexp over the chunks, never more than one chunk of logits.
+  With ``weights_BxL`` the mean is weighted: ``sum(weights * loss) / sum(weights)``."""
   B, L, _ = x_BxLxD.shape
   V = w_DxV.shape[1]
   w_QxDxVc = _vocab_chunks(w_DxV, n_chunks)
@@ -163,27 +164,33 @@ def _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks):
   init = (jnp.full((B, L), -jnp.inf, jnp.float32), zeros, zeros)
   (max_BxL, sum_BxL, target_BxL), _ = jax.lax.scan(body, init, (jnp.arange(n_chunks), w_QxDxVc))
   lse_BxL = max_BxL + jnp.log(sum_BxL)
-  return jnp.mean(lse_BxL - target_BxL), lse_BxL
+  if weights_BxL is None:
+    return jnp.mean(lse_BxL - target_BxL), lse_BxL
+  return jnp.sum(weights_BxL * (lse_BxL - target_BxL)) / jnp.sum(weights_BxL), lse_BxL
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_ce(x_BxLxD, w_DxV, targets_BxL, n_chunks):
-  return _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_ce(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks):
+  return _ce_forward(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks)[0]
 
 
-def _chunked_ce_fwd(x_BxLxD, w_DxV, targets_BxL, n_chunks):
-  loss, lse_BxL = _ce_forward(x_BxLxD, w_DxV, targets_BxL, n_chunks)
-  return loss, (x_BxLxD, w_DxV, targets_BxL, lse_BxL)
+def _chunked_ce_fwd(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks):
+  loss, lse_BxL = _ce_forward(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks)
+  return loss, (x_BxLxD, w_DxV, targets_BxL, weights_BxL, lse_BxL)
 
 
 def _chunked_ce_bwd(n_chunks, res, g):
-  """Per chunk: recompute the logits, d logits = (softmax - onehot) g / (B L), then dx += d wᵀ (float32
-  carry) and dw_chunk = xᵀ d, constrained to the weight's sharding so each chunk is reduced where it lives."""
-  x_BxLxD, w_DxV, targets_BxL, lse_BxL = res
+  """Per chunk: recompute the logits, d logits = (softmax - onehot) g / (B L) (g weights / sum(weights) with
+  weights), then dx += d wᵀ (float32 carry) and dw_chunk = xᵀ d, constrained to the weight's sharding so each
+  chunk is reduced where it lives."""
+  x_BxLxD, w_DxV, targets_BxL, weights_BxL, lse_BxL = res
   B, L, D = x_BxLxD.shape
   V = w_DxV.shape[1]
   cdt = x_BxLxD.dtype
-  scale = g.astype(jnp.float32) / (B * L)
+  if weights_BxL is None:
+    scale = g.astype(jnp.float32) / (B * L)
+  else:
+    scale = (g.astype(jnp.float32) * weights_BxL / jnp.sum(weights_BxL))[..., None]
   chunk_of_target_BxL, column_of_target_BxL = targets_BxL % n_chunks, targets_BxL // n_chunks
 
   def body(dx_BxLxD, inputs):
@@ -204,20 +211,24 @@ def _chunked_ce_bwd(n_chunks, res, g):
   dx_BxLxD, dw_QxDxVc = jax.lax.scan(body, jnp.zeros((B, L, D), jnp.float32),
                                      (jnp.arange(n_chunks), w_QxDxVc))
   dw_DxV = jnp.moveaxis(dw_QxDxVc, 0, -1).reshape(D, -1)[:, :V]
-  return dx_BxLxD.astype(cdt), dw_DxV, None
+  return dx_BxLxD.astype(cdt), dw_DxV, None, None
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
 
 
 def chunked_cross_entropy(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, *,
-                          chunk: int) -> jax.Array:
+                          chunk: int, weights_BxL: jax.Array | None = None) -> jax.Array:
   """Mean softmax cross entropy of ``logits = x · w`` (float32 accumulation) against integer targets,
   without ever holding more than ``B x L x chunk`` logits: the vocabulary is split into
   ``ceil(V / chunk)`` strided chunks, the forward pass keeps an online logsumexp, and the backward pass
   recomputes each chunk's logits. The GEMMs run in ``x.dtype`` (w is cast per chunk); the gradient of w
-  comes back in w's dtype (float32 for the master weights), chunk by chunk."""
+  comes back in w's dtype (float32 for the master weights), chunk by chunk. ``weights_BxL`` (e.g. a 0/1
+  mask of the positions that have a target, ``models.mtp``) makes it the weighted mean; they get no
+  gradient."""
   V = w_DxV.shape[1]
   if chunk <= 0:
     raise ValueError(f"{chunk=} must be > 0 (vocabulary columns per chunk)")
-  return _chunked_ce(x_BxLxD, w_DxV, targets_BxL.astype(jnp.int32), -(-V // chunk))
+  if weights_BxL is not None:
+    weights_BxL = jax.lax.stop_gradient(weights_BxL).astype(jnp.float32)
+  return _chunked_ce(x_BxLxD, w_DxV, targets_BxL.astype(jnp.int32), weights_BxL, -(-V // chunk))

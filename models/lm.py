@@ -3,7 +3,8 @@
 Each block is ``x + mixer(rmsnorm(x))`` with the mixer chosen by the pattern character
 (``M`` Mamba-2, ``*`` attention, ``-`` MLP, ``E`` mixture of experts); block i is the module ``blocks_<i>``, and its linear
 layers get their dot_general from ``models.policy``. Embedding and LM head are untied and stay in
-bf16 (the head accumulates in float32); logits are float32.
+bf16 (the head accumulates in float32); logits are float32. With ``config.mtp_depths`` the multi-token
+prediction modules ``mtp_<d>`` (``models.mtp``) follow the final norm, in the loss call only.
 
 Quantized recipes draw stochastic-rounding randomness from the ``"fp4"`` rng stream:
 ``model.apply(variables, tokens, rngs={"fp4": key})`` (and ``init`` with ``{"params", "fp4"}``).
@@ -28,7 +29,7 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy
 from models.mamba2 import Mamba2
 from models.mlp import MLP
-from models import policy, remat
+from models import mtp, policy, remat
 from models.moe import STATS as MOE_STATS, MoE
 from models.policy import layer_precision
 
@@ -134,14 +135,15 @@ class LMHead(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, targets_BxL: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, targets_BxL: jax.Array | None = None,
+               weights_BxL: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     kernel_DxV = self.param(
         "kernel", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("embed", "vocab")),
         (x_BxLxD.shape[-1], cfg.vocab_size), cfg.param_dtype)
     x_BxLxD = x_BxLxD.astype(cfg.dtype)
     if targets_BxL is not None:
-      return chunked_cross_entropy(x_BxLxD, kernel_DxV, targets_BxL, chunk=cfg.loss_chunk)
+      return chunked_cross_entropy(x_BxLxD, kernel_DxV, targets_BxL, chunk=cfg.loss_chunk, weights_BxL=weights_BxL)
     logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, kernel_DxV.astype(cfg.dtype),
                               preferred_element_type=jnp.float32)
     return nn.with_logical_constraint(logits_BxLxV, ("activation_batch", "activation_seq", "activation_vocab"))
@@ -149,19 +151,24 @@ class LMHead(nn.Module):
 
 class LanguageModel(nn.Module):
   """``__call__(tokens_BxL int32, *, decode=False) -> logits_BxLxV float32``; with ``targets_BxL`` the
-  mean next-token cross entropy instead (float32, nats), without materializing the logits."""
+  mean next-token cross entropy instead (float32, nats), without materializing the logits, and with MTP
+  depths each depth's loss sown into ``models.mtp.LOSSES`` (``models.mtp.objective`` combines them).
+  ``mtp_logits=True`` (no targets; tests, analysis) returns ``(logits, (depth 1 logits, ...))``, depth d
+  embedding token t+d from ``tokens_BxL`` itself (zeros past the end)."""
 
   config: ModelConfig
   recipe: Any = "bf16"   # an fp4jax.Recipe or a name for fp4jax.recipes.get
 
   @nn.compact
   def __call__(self, tokens_BxL: jax.Array, *, decode: bool = False,
-               targets_BxL: jax.Array | None = None) -> jax.Array:
+               targets_BxL: jax.Array | None = None, mtp_logits: bool = False) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
     x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL).astype(cfg.dtype), _RESIDUAL)
+    if mtp_logits and (targets_BxL is not None or decode or not cfg.mtp_depths):
+      raise ValueError("mtp_logits=True takes no targets_BxL and decode=False, on a model with mtp_depths > 0")
     block_cls = remat.block_class(Block, cfg.remat)
     if not cfg.scan_blocks:
       for i, kind in enumerate(cfg.block_kinds):
@@ -178,10 +185,34 @@ class LanguageModel(nn.Module):
         x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
                                name=f"blocks_{start}_{repeats}x{unit}")(x_BxLxD, None)
     x_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x_BxLxD)
-    out = LMHead(cfg, name="lm_head")(x_BxLxD, targets_BxL)
+    head = LMHead(cfg, name="lm_head")
+    out = head(x_BxLxD, targets_BxL)
+    if cfg.mtp_depths and not decode and (targets_BxL is not None or mtp_logits or self.is_initializing()):
+      depth_out = self._mtp(embed, head, x_BxLxD, tokens_BxL, targets_BxL, block_cls)
+      if mtp_logits:
+        out = (out, depth_out)
     if self.is_initializing():   # every layer exists now: a precision rule that matches none is a typo
       policy.check_rules(cfg, traverse_util.flatten_dict(nn.unbox(self.variables.get("params", {}))))
     return out
+
+  def _mtp(self, embed, head, h_BxLxD, tokens_BxL, targets_BxL, block_cls):
+    """The MTP depths (``models.mtp``) on the main model's final hidden state: each depth's loss sown into
+    ``mtp.LOSSES`` (with targets), or the depths' logits (without; init builds the modules this way)."""
+    cfg = self.config
+    modules = [mtp.MTPDepth(cfg, block_cls, self.recipe, name=f"mtp_{d}") for d in range(cfg.mtp_modules)]
+    out = []
+    for depth in range(1, cfg.mtp_depths + 1):
+      if targets_BxL is None:
+        tokens_d = mtp.shift_left(tokens_BxL, depth)
+      else:
+        tokens_d, targets_d, weights_d = mtp.depth_inputs(targets_BxL, depth)
+      e_BxLxD = nn.with_logical_constraint(embed(tokens_d).astype(cfg.dtype), _RESIDUAL)
+      h_BxLxD = modules[min(depth, cfg.mtp_modules) - 1](h_BxLxD, e_BxLxD)
+      if targets_BxL is None:
+        out.append(head(h_BxLxD))
+      else:
+        self.sow(mtp.LOSSES, "loss", head(h_BxLxD, targets_d, weights_d))
+    return tuple(out)
 
 
 def abstract_variables(model: LanguageModel, batch_size: int = 1, length: int = 1, *, decode=False):

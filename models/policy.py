@@ -39,7 +39,7 @@ from models.rules import MODEL_RECIPE, PrecisionRuleError, Rule
 
 # MoE blocks: experts/up, experts/down and shared_experts/up, /down end in "up"/"down"; the router never.
 QUANTIZABLE_LAYERS = ("in_proj", "out_proj", "qkv", "out", "gate", "up", "down", "fc1_latent_proj",
-                      "fc2_latent_proj")
+                      "fc2_latent_proj", "eh_proj")   # eh_proj: an MTP module's input projection (models.mtp)
 _BLOCK = re.compile(r"blocks_(\d+)")
 _GROUP = re.compile(r"blocks_\d+_\d+x\d+")     # a scanned group of blocks (models.lm.BlockGroup)
 _MTP = re.compile(r"mtp_\d+")

@@ -200,7 +200,8 @@ class Reporter:
     mean = sum(self._interval) / len(self._interval) if self._interval else float("nan")
     window = f"mean of last {len(self._interval)}"
     clock = f"{datetime.datetime.now().strftime('%H:%M:%S')} +{self.elapsed():.0f}s"
-    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {mean:7.4f} ({window})  {rates}  "
+    mtp = f"  mtp {float(metrics['mtp/loss']):7.4f}" if "mtp/loss" in metrics else ""   # this step's, all depths
+    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {mean:7.4f} ({window}){mtp}  {rates}  "
             f"[{recipe}]  {clock}{nonfinite_note}")
     logged = step % self.log_every == 0 or step == self.total_steps
     if logged or self.tty:
@@ -211,7 +212,8 @@ class Reporter:
       record = dict(kind="train", step=step, loss=mean, last_loss=loss, grad_norm=float(metrics["grad_norm"]),
                     lr=float(metrics["lr"]), nonfinite_total=int(metrics["nonfinite_total"]),
                     tokens_per_second=self.tokens_per_second, step_time=self.step_time, recipe=recipe,
-                    **{k: float(v) for k, v in metrics.items() if k.startswith("moe/")})   # MoE blocks
+                    **{k: float(v) for k, v in metrics.items()
+                       if k.startswith(("moe/", "mtp/")) or k == "objective"})   # MoE blocks, MTP depths
       self._last_train_record = record
       self._record(record)
 

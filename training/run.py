@@ -144,7 +144,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
   nproc, pindex, seq_len = jax.process_count(), jax.process_index(), config.data.seq_len
   say = reporter.message
   say(f"fp4jax train: {config.name}  model {config.model.preset} ({model_config.n_blocks} blocks "
-      f"'{model_config.pattern}', d_model {model_config.d_model})  recipe {recipe.name}"
+      f"'{model_config.pattern}', d_model {model_config.d_model}"
+      + (f"; MTP {model_config.mtp_depths} depth(s) '{model_config.mtp_pattern}', weight {model_config.mtp_loss_weight}"
+         if model_config.mtp_depths else "") + f")  recipe {recipe.name}"
       + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
   if lock is not None and lock.taken_over:
     say(f"warning: {lock.taken_over}")

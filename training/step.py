@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from models import moe
+from models import moe, mtp, policy
 from models.layers import OUTCONTROL
 from models.lm import LanguageModel, compute_params
 from training import optim
@@ -27,57 +27,84 @@ def build_model(model_config, recipe) -> nn.Module:
 
 
 def model_loss(model, params, inputs_BxL, targets_BxL, key):
-  """Mean next-token cross entropy of ``model``. A ``LanguageModel`` computes it inside (vocabulary-chunked,
-  no B x L x V float32 logits) from ``compute_params`` (bf16 weights gathered in bf16); any other module
-  returns logits for ``cross_entropy``. With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added."""
-  return model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)[0]
+  """Mean next-token cross entropy of ``model`` (the evaluation loss: MTP depths do not run). A
+  ``LanguageModel`` computes it inside (vocabulary-chunked, no B x L x V float32 logits) from
+  ``compute_params`` (bf16 weights gathered in bf16); any other module returns logits for ``cross_entropy``.
+  With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added."""
+  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, with_mtp=False)[0]
 
 
 def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key):
-  """(loss, the MoE blocks' routing statistics ``moe_stats``, {} without MoE blocks)."""
+  """(the training objective, stats): the MoE blocks' routing statistics ``moe_stats`` ({} without MoE
+  blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
+  the objective is ``mtp.objective`` of them (plus the MoE balance loss)."""
   loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False)
   return loss, stats
 
 
 def _has_moe(model) -> bool:
-  return isinstance(model, LanguageModel) and "E" in model.config.pattern
+  return isinstance(model, LanguageModel) and "E" in model.config.all_patterns
 
 
-def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool):
-  """(loss, (OutControl state after the call, MoE stats)) of ``model`` with its ``"outcontrol"`` collection: with
+def _has_mtp(model) -> bool:
+  return isinstance(model, LanguageModel) and model.config.mtp_depths > 0
+
+
+def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool,
+                          with_mtp: bool = True):
+  """(loss, (OutControl state after the call, stats)) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
-  the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came)."""
+  the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came). ``with_mtp``:
+  the training objective (else the next-token loss alone, as ``model_loss``)."""
   loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
-                                     mutable=[OUTCONTROL] if record else False)
+                                     mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp)
   return loss, ((updated[OUTCONTROL] if record else outcontrol), stats)
 
 
-def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable):
-  """(loss, the mutable collections after the call, or None) of ``model`` with ``params`` and the other
-  variable ``collections``; see ``model_loss``."""
+def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable, with_mtp: bool = True):
+  """(loss, the mutable collections after the call, or None, stats) of ``model`` with ``params`` and the
+  other variable ``collections``; see ``model_loss`` and ``model_loss_and_stats``."""
   is_lm = isinstance(model, LanguageModel)
   variables = {"params": compute_params(model, params) if is_lm else params, **collections}
   kwargs = dict(targets_BxL=targets_BxL) if is_lm else {}
   with_moe = _has_moe(model)
-  collect = (list(mutable) if mutable else []) + ([moe.STATS] if with_moe else [])
+  with_mtp = with_mtp and _has_mtp(model)
+  collect = (list(mutable) if mutable else []) + ([moe.STATS] if with_moe else []) + ([mtp.LOSSES] if with_mtp else [])
   out = model.apply(variables, inputs_BxL, rngs={"fp4": key}, mutable=collect or False, **kwargs)
   out, updated = out if collect else (out, None)
   loss = out if is_lm else cross_entropy(out, targets_BxL)
   stats = {}
   if with_moe:
     updated = dict(updated)
-    stats = updated.pop(moe.STATS, {})
+    stats = dict(updated.pop(moe.STATS, {}))
     aux = [v for path, v in traverse_util.flatten_dict(stats).items() if path[-1] == "aux_loss"]
     if aux and model.config.moe_aux_loss_weight:
       loss = loss + model.config.moe_aux_loss_weight * sum(jnp.sum(jnp.stack(a)) for a in aux)
+  if with_mtp:
+    updated = dict(updated)
+    depths = mtp.sown_losses({mtp.LOSSES: updated.pop(mtp.LOSSES, {})})
+    stats[mtp.LOSSES] = {"main": loss, "depths": depths}
+    loss = mtp.objective(model.config, loss, depths)
   return loss, (updated if mutable else None), stats
+
+
+def mtp_metrics(stats) -> dict:
+  """``loss`` (the next-token loss), ``objective`` (what the step minimizes), ``mtp/loss`` (the mean over
+  depths) and ``mtp/loss_<d>`` of a step with MTP depths; {} without."""
+  losses = stats.get(mtp.LOSSES)
+  if not losses:
+    return {}
+  depths = losses["depths"]
+  out = {"loss": losses["main"], "mtp/loss": jnp.mean(jnp.stack(list(depths)))}
+  out.update({f"mtp/loss_{d}": value for d, value in enumerate(depths, start=1)})
+  return out
 
 
 def moe_balance(params, stats, rate: float):
   """(params with every MoE router's ``e_score_correction_bias`` moved by the aux-loss-free update
   ``bias += rate · sign(mean load - load)`` (``models.moe.bias_update``) from this step's loads, and the
   per-layer metrics ``moe/<block>/max_vio``, ``entropy``, ``dropped`` (0: the blocks are dropless))."""
-  flat_stats = traverse_util.flatten_dict(stats)
+  flat_stats = traverse_util.flatten_dict({k: v for k, v in stats.items() if k != mtp.LOSSES})
   if not flat_stats:
     return params, {}
   is_box = lambda v: isinstance(v, nn.Partitioned)
@@ -93,7 +120,7 @@ def moe_balance(params, stats, rate: float):
       bias = leaf.unbox() if is_box(leaf) else leaf
       new = jax.lax.stop_gradient(moe.bias_update(bias, load, rate)).astype(bias.dtype)
       flat[target] = leaf.replace_boxed(new) if is_box(leaf) else new
-    block = path[-3]
+    block = policy.module_path(path[:-2])   # blocks_3, mtp_0/layers_1 (scanned groups' level dropped)
     for name, value in moe.load_metrics(load).items():
       metrics[f"moe/{block}/{name}"] = jnp.mean(value)
     metrics[f"moe/{block}/dropped"] = jnp.zeros((), jnp.float32)
@@ -179,6 +206,8 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
     new_state["outcontrol"] = keep(outcontrol, state["outcontrol"])
   metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
                  nonfinite_streak=new_state["nonfinite_streak"], **moe_metrics)
+  if _has_mtp(model):   # "loss" becomes the next-token loss, comparable with runs without MTP
+    metrics.update(objective=loss, **mtp_metrics(stats))
   return new_state, metrics
 
 
@@ -190,7 +219,7 @@ def eval_step(params, tokens_BxW, *, model):
 def eval_step_outcontrol(params, outcontrol, tokens_BxW, *, model):
   """``eval_step`` with OutControl's calibrated channel split (after the window)."""
   return model_loss_outcontrol(model, params, outcontrol, tokens_BxW[:, :-1], tokens_BxW[:, 1:],
-                               jax.random.PRNGKey(0), record=False)[0]
+                               jax.random.PRNGKey(0), record=False, with_mtp=False)[0]
 
 
 def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,
