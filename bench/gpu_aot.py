@@ -500,7 +500,7 @@ def _step(F, devices):
   shape = sharding.mesh_shape(config.mesh, len(devices))
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
-  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  ranks = sharding.batch_ways(mesh)
   bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // ranks)
   _force_impl(F.impl)
 

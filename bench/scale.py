@@ -258,7 +258,7 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   passes a mesh of GPU-topology devices."""
   model_config = config_lib.resolve_model_config(config.model)
   recipe, _, _ = config_lib.resolve_recipes(config)
-  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  ranks = sharding.batch_ways(mesh)
   seq_len = config.data.seq_len
   model = step_lib.build_model(model_config, recipe)
   tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
