@@ -184,13 +184,18 @@ class _Bound:
   def split(self, key):
     """Each expert's two streams, as fp4jax.dot splits the key fold_in(key, e) (or expert e's own key)."""
     n_e = self.ch.sizes.shape[0]
-    split_E = jax.vmap(jax.random.split)(key if key.shape == (n_e,) else _expert_keys(key, n_e))
+    split_E = jax.vmap(jax.random.split)(key if _key_shape(key) == (n_e,) else _expert_keys(key, n_e))
     return split_E[:, 0], split_E[:, 1]
 
   def gemm_keys(self, keys_E, rht_size):
     if keys_E is None:
       return None, None, None
     return jax.vmap(lambda k: gemm_keys(k, rht_size))(keys_E)
+
+
+def _key_shape(key):
+  """The shape of a typed key array, or of a raw uint32 one (its last axis: the key data)."""
+  return key.shape if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
 
 
 def _expert_keys(key, n_e):
@@ -236,7 +241,7 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
                      "group to a multiple of it and the rows to a multiple of it")
   if key is not None and not roles.needs_key:
     key = None
-  if key is not None and jnp.shape(key) not in ((), (w_ExKxN.shape[0],)):
+  if key is not None and _key_shape(key) not in ((), (w_ExKxN.shape[0],)):
     raise ValueError(f"fp4jax.grouped_dot: key has shape {jnp.shape(key)}; pass one key or "
                      f"({w_ExKxN.shape[0]},) keys, one per expert")
   x_SxK = pad_to_multiple(x_SxK, 1, align_k)
