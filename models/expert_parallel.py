@@ -65,9 +65,11 @@ def _mesh_axes(logical: str) -> tuple[str, ...]:
   return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def layout(n_experts: int) -> Layout | None:
+def layout(n_experts: int, tokens: int) -> Layout | None:
   """The EP layout of the current trace (the ``jax.set_mesh`` mesh and flax's logical rules), or None when
-  the experts are not split (no mesh, or their mesh axes have size 1)."""
+  the experts are not split: no mesh, their mesh axes have size 1, or the batch axes do not divide the
+  ``tokens`` (the one sequence that initializes the parameters, sampling): then the 1-device code runs,
+  partitioned by GSPMD, with the 1-device values."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return None
@@ -82,6 +84,8 @@ def layout(n_experts: int) -> Layout | None:
   if n_experts % size:
     raise ValueError(f"n_routed_experts={n_experts} is not divisible by the expert-parallel size {size} "
                      f"(mesh axes {expert_axes}); choose an expert mesh size that divides {n_experts}")
+  if tokens % math.prod(mesh.shape[a] for a in batch_axes):
+    return None
   return Layout(expert_axes, batch_axes, size)
 
 

@@ -238,7 +238,7 @@ class MoE(nn.Module):
     align = max(grouped.alignment(expert_recipe(cfg, self.recipe, up_path)),
                 grouped.alignment(expert_recipe(cfg, self.recipe, (*self.path, "experts", "down"))))
     gemms = RoutedExperts(cfg, q_axis, self.recipe, name="experts")(h_TxQ.shape[-1])
-    where = expert_parallel.layout(cfg.n_routed_experts)
+    where = expert_parallel.layout(cfg.n_routed_experts, x_TxD.shape[0])
     if where is None:
       rows_S, position_TxR, sizes_E, counts_E = dispatch(experts_TxR, cfg.n_routed_experts, align)
       h_SxQ = jnp.concatenate([h_TxQ, jnp.zeros((1, h_TxQ.shape[-1]), h_TxQ.dtype)])[rows_S]

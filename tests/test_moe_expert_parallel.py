@@ -124,7 +124,7 @@ for name in ("nvfp4", "bf16"):
     return moe.mlp(h_S, sizes, gemms(w_up, w_down))[position]
 
   def split(h, w_up, w_down, experts):
-    where = expert_parallel.layout(E)
+    where = expert_parallel.layout(E, h.shape[0])
     g = tuple(x.per_expert_keys() for x in gemms(w_up, w_down))
     specs = jax.tree.map(lambda a: expert_parallel.expert_spec(where, a.ndim), g)
     return expert_parallel.routed(h, experts, g, specs, experts_fn=moe.mlp, n_experts=E, align=align, where=where)
