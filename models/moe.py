@@ -12,7 +12,9 @@
      GEMMs (``fp4jax.grouped.grouped_dot``: per expert exactly ``fp4jax.dot``, key ``fold_in(key, e)``).
      The outputs are weighted and summed per token in float32. With ``moe_latent_size`` the experts work in
      a latent space: ``fc1_latent_proj`` before, ``fc2_latent_proj`` after (transformers' order: the
-     weighted sum is taken in the latent space).
+     weighted sum is taken in the latent space). On a mesh whose ``expert`` axis splits the experts, the same
+     per-expert rows are formed on the device that holds each expert, by all-to-all
+     (``models.expert_parallel``), and sent back for the weighted sum.
   3. Shared experts: a relu² MLP of ``moe_shared_expert_intermediate_size`` on the block input, added.
 
 Statistics, sown into the ``"moe_stats"`` collection when it is mutable (the train step): ``load`` (E,), the
