@@ -320,6 +320,9 @@ def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
       other_gib=cost["other_bytes"] / GiB, naive_gib=hlo_cost.naive_bytes(res["text"]) / GiB,
       counts=cost["counts"], collectives=cost["collectives"],
       collective_gib=cost["collective_bytes"] / GiB,
+      # expert parallelism's dispatch and combine (a ragged all-to-all counts its worst-case output buffer)
+      all_to_all_gib=sum(r["bytes_per_step"] for r in cost["collectives"]
+                         if r["kind"] in ("all-to-all", "ragged-all-to-all")) / GiB,
       collective_ms_if_serial=(cost["collective_seconds"] or 0) * 1e3,
       gemms=[dict(name=o["name"], op_name=o["op_name"], dtype=o["dtype"], mnk=list(o["mnk"]),
                   count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
@@ -376,6 +379,7 @@ def report(s: dict, twin: dict | None = None) -> str:
                  f"{c['collective_ms_if_serial']:.2f} ms at one NVLink direction if not overlapped):")
     for r in c["collectives"]:
       lines.append(f"    {r['kind']:<20}{r['dtype']:<10}{r['count']:>6} ops{r['bytes_per_step'] / GiB:>10.3f} GiB")
+    lines.append(f"    of which all-to-all (expert dispatch and combine): {c['all_to_all_gib']:.3f} GiB")
   return "\n".join(lines)
 
 
@@ -530,7 +534,7 @@ def _step(F, devices):
   shape = sharding.mesh_shape(config.mesh, len(devices))
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
-  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  ranks = sharding.batch_ways(mesh)
   bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // ranks)
   _force_impl(F.impl)
 

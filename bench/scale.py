@@ -97,8 +97,9 @@ _HLO = flags.DEFINE_string("hlo", None, "Also write the compiled HLO text to thi
 _PARTITIONED = flags.DEFINE_string("partitioned_hlo", None, "Also write the HLO after SPMD partitioning here.")
 
 GiB = 2 ** 30
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+ALL_TO_ALL = ("all-to-all", "ragged-all-to-all")   # expert parallelism's dispatch and combine (and counts)
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e4m3fn": 8, "f8e5m2": 8,
          "f8e8m0fnu": 8, "f8e4m3": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32,
          "u32": 32, "f64": 64, "s64": 64, "u64": 64, "c64": 64, "c128": 128}
@@ -118,6 +119,16 @@ def _array_bytes(dtype: str, dims: str) -> int:
   for d in filter(None, dims.split(",")):
     n *= int(d)
   return n * _BITS.get(dtype, 32) // 8
+
+
+def all_to_all_bytes(rows: list[dict] | None) -> int | None:
+  """Bytes per step per device of the all-to-alls (expert parallelism: tokens out to the experts and back,
+  forward and backward, and the pair counts): the sum of their ``collectives`` rows. A ragged all-to-all
+  counts its output buffer (the worst-case receive capacity, models.expert_parallel), not the rows that a
+  given routing moves; the CPU's dense twin moves its whole capacity."""
+  if rows is None:
+    return None
+  return sum(r["bytes_per_step"] for r in rows if r["kind"] in ALL_TO_ALL)
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -258,7 +269,7 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   passes a mesh of GPU-topology devices."""
   model_config = config_lib.resolve_model_config(config.model)
   recipe, _, _ = config_lib.resolve_recipes(config)
-  ranks = mesh.shape["data"] * mesh.shape["fsdp"]
+  ranks = sharding.batch_ways(mesh)
   seq_len = config.data.seq_len
   model = step_lib.build_model(model_config, recipe)
   tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
@@ -307,7 +318,9 @@ def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
       alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=int(mem.temp_size_in_bytes),
       lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), lower_cpu_s=round(c1 - c0, 2),
       compile_cpu_s=round(c2 - c1, 2),
-      collectives=collectives(partitioned) if partitioned else None, compiled_collectives=collectives(hlo))
+      collectives=collectives(partitioned) if partitioned else None, compiled_collectives=collectives(hlo),
+      all_to_all_bytes_per_step=all_to_all_bytes(collectives(partitioned) if partitioned else None),
+      compiled_all_to_all_bytes_per_step=all_to_all_bytes(collectives(hlo)))
 
 
 def _partitioned_hlo() -> str | None:
@@ -359,6 +372,10 @@ def report(r: dict) -> str:
     for c in rows:
       lines.append(f"    {c['kind']:<20}{c['dtype']:<10}{'yes' if c['in_loop'] else '':<6}{c['count']:>6}"
                    f"{c['bytes'] / 2 ** 20:>12.1f}{c['bytes_per_step'] / 2 ** 20:>12.1f}")
+  a2a = [f"{title} {r[key] / 2 ** 20:.1f} MiB" for title, key in
+         (("partitioned", "all_to_all_bytes_per_step"), ("compiled", "compiled_all_to_all_bytes_per_step"))
+         if r.get(key) is not None]
+  lines.append(f"all-to-all (expert dispatch and combine) per device per step: {', '.join(a2a)}")
   return "\n".join(lines)
 
 

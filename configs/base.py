@@ -10,7 +10,8 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   halt_after        stop (with a checkpoint) after this many steps of this run; 0: run to ``steps``
   data.sources      comma-separated files, globs or directories (text, .jsonl, .npy/.bin tokens); empty:
                     the Python standard library's source files
-  mesh              (data, fsdp, tensor) sizes; -1 takes the remaining devices
+  mesh              (data, fsdp, expert, tensor) sizes; -1 takes the remaining devices; expert: expert
+                    parallelism (a divisor of n_routed_experts; docs/TRAINING.md)
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
   init_from         a run's work directory: a new run starts from its latest checkpoint's params (fresh
@@ -112,7 +113,7 @@ def get_config() -> config_dict.ConfigDict:
   c.optim.weight_decay = 0.1        # matrices only
   c.optim.grad_clip = 1.0
 
-  c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
 
   c.eval = config_dict.ConfigDict()
   c.eval.every_steps = 100

@@ -182,14 +182,20 @@ class _Bound:
     return gemm.ragged_rows(a, b if gemm_name == "fprop" else jnp.swapaxes(b, 1, 2), sizes, precision)
 
   def split(self, key):
-    """Each expert's two streams, as fp4jax.dot splits the key fold_in(key, e)."""
-    split_E = jax.vmap(jax.random.split)(_expert_keys(key, self.ch.sizes.shape[0]))
+    """Each expert's two streams, as fp4jax.dot splits the key fold_in(key, e) (or expert e's own key)."""
+    n_e = self.ch.sizes.shape[0]
+    split_E = jax.vmap(jax.random.split)(key if _key_shape(key) == (n_e,) else _expert_keys(key, n_e))
     return split_E[:, 0], split_E[:, 1]
 
   def gemm_keys(self, keys_E, rht_size):
     if keys_E is None:
       return None, None, None
     return jax.vmap(lambda k: gemm_keys(k, rht_size))(keys_E)
+
+
+def _key_shape(key):
+  """The shape of a typed key array, or of a raw uint32 one (its last axis: the key data)."""
+  return key.shape if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
 
 
 def _expert_keys(key, n_e):
@@ -210,6 +216,9 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
     are fine: an MoE's routing). recipe, key, precision: as ``fp4jax.dot``; a recipe that quantizes
     nothing is ``lax.ragged_dot`` with float32 accumulation. Output dtype: ``preferred_element_type``,
     else ``recipe.out_dtype``, else that of x and w.
+  key: one key (expert e uses fold_in(key, e)), or (E,) keys, expert e's own: an expert-parallel caller
+    holding experts [e0, e0 + E) of a larger set passes fold_in(key, e0 + i) for its i-th, so that each
+    expert draws the bits it draws on one device (``models.expert_parallel``).
   """
   recipe = as_recipe(recipe)
   x_SxK, w_ExKxN = jnp.asarray(x_SxK), jnp.asarray(w_ExKxN)
@@ -232,6 +241,9 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
                      "group to a multiple of it and the rows to a multiple of it")
   if key is not None and not roles.needs_key:
     key = None
+  if key is not None and _key_shape(key) not in ((), (w_ExKxN.shape[0],)):
+    raise ValueError(f"fp4jax.grouped_dot: key has shape {jnp.shape(key)}; pass one key or "
+                     f"({w_ExKxN.shape[0]},) keys, one per expert")
   x_SxK = pad_to_multiple(x_SxK, 1, align_k)
   w_ExKxN = pad_to_multiple(pad_to_multiple(w_ExKxN, 1, align_k), 2, align_n)
   return quantized_dot(roles, Experts(rows), x_SxK, w_ExKxN, key, group_sizes.astype(jnp.int32),

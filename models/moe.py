@@ -12,7 +12,9 @@
      GEMMs (``fp4jax.grouped.grouped_dot``: per expert exactly ``fp4jax.dot``, key ``fold_in(key, e)``).
      The outputs are weighted and summed per token in float32. With ``moe_latent_size`` the experts work in
      a latent space: ``fc1_latent_proj`` before, ``fc2_latent_proj`` after (transformers' order: the
-     weighted sum is taken in the latent space).
+     weighted sum is taken in the latent space). On a mesh whose ``expert`` axis splits the experts, the same
+     per-expert rows are formed on the device that holds each expert, by all-to-all
+     (``models.expert_parallel``), and sent back for the weighted sum.
   3. Shared experts: a relu² MLP of ``moe_shared_expert_intermediate_size`` on the block input, added.
 
 Statistics, sown into the ``"moe_stats"`` collection when it is mutable (the train step): ``load`` (E,), the
@@ -25,6 +27,8 @@ S sorted and padded rows, F expert width, Q latent width (D without the latent p
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -33,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grouped, recipes
-from models import policy
+from models import expert_parallel, policy
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -117,10 +121,11 @@ class Router(nn.Module):
   @nn.compact
   def __call__(self, x_TxD):
     cfg = self.config
+    # Replicated over the experts (None, not "experts"): every token's choice needs all E columns.
     kernel_DxE = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std),
-                                                                   ("embed", "experts")),
+                                                                   ("embed", None)),
                             (x_TxD.shape[-1], cfg.n_routed_experts), jnp.float32)
-    bias_E = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
+    bias_E = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                         (cfg.n_routed_experts,), jnp.float32)
     logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), kernel_DxE.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
@@ -128,44 +133,73 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-  """The experts' MLP on the sorted rows: ``down(relu(up(h))²)``, each a grouped GEMM (``ExpertLinear``)."""
+  """The experts' two GEMMs' operands (``ExpertLinear``: kernels, recipes, keys); ``mlp`` runs them."""
 
   config: ModelConfig
   q_axis: str
   recipe: Any = "bf16"
 
   @nn.compact
-  def __call__(self, h_SxQ, sizes_E):
+  def __call__(self, q: int):
     cfg = self.config
-    up = ExpertLinear(cfg, cfg.moe_intermediate_size, ("experts", self.q_axis, "mlp"), cfg.init_std, self.recipe,
-                      name="up")
-    down = ExpertLinear(cfg, h_SxQ.shape[-1], ("experts", "mlp", self.q_axis), residual_std(cfg), self.recipe,
-                        name="down")
-    return down(jnp.square(jax.nn.relu(up(h_SxQ, sizes_E))), sizes_E)
+    up = ExpertLinear(cfg, q, cfg.moe_intermediate_size, ("experts", self.q_axis, "mlp"), cfg.init_std,
+                      self.recipe, name="up")()
+    down = ExpertLinear(cfg, cfg.moe_intermediate_size, q, ("experts", "mlp", self.q_axis), residual_std(cfg),
+                        self.recipe, name="down")()
+    return up, down
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("kernel", "key"),
+                   meta_fields=("recipe", "dtype"))
+@dataclasses.dataclass(frozen=True)
+class ExpertGemm:
+  """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype, its recipe, and its key (one
+  key, or (E,) keys: fold_in(key, e), which expert parallelism splits with the kernel), or None."""
+  kernel: jax.Array
+  key: Any
+  recipe: Any
+  dtype: Any
+
+  def __call__(self, x_SxK, sizes_E):
+    return grouped.grouped_dot(x_SxK.astype(self.dtype), self.kernel, sizes_E, recipe=self.recipe, key=self.key,
+                               preferred_element_type=self.dtype)
+
+  def per_expert_keys(self):
+    """The same GEMM with its key as (E,) keys fold_in(key, e) (what grouped_dot derives from one key)."""
+    if self.key is None:
+      return self
+    n_e = self.kernel.shape[0]
+    keys_E = jax.vmap(lambda e: jax.random.fold_in(self.key, e))(jnp.arange(n_e, dtype=jnp.uint32))
+    return dataclasses.replace(self, key=keys_E)
+
+
+def mlp(h_SxQ, sizes_E, gemms):
+  """The routed experts' MLP on sorted rows: ``down(relu(up(h))²)``, two grouped GEMMs."""
+  up, down = gemms
+  return down(jnp.square(jax.nn.relu(up(h_SxQ, sizes_E))), sizes_E)
 
 
 class ExpertLinear(nn.Module):
   """One of the routed experts' two GEMMs: ``kernel`` (E, in, out), run by ``fp4jax.grouped_dot`` with the
-  precision the policy gives the path ``.../experts/up`` or ``.../experts/down``."""
+  precision the policy gives the path ``.../experts/up`` or ``.../experts/down``; returns its ExpertGemm."""
 
   config: ModelConfig
+  in_features: int
   features: int
   axes: tuple[str, str, str]
   std: float
   recipe: Any = "bf16"
 
   @nn.compact
-  def __call__(self, x_SxK, sizes_E):
+  def __call__(self):
     cfg = self.config
     kernel = self.param("kernel", nn.with_logical_partitioning(nn.initializers.normal(self.std), self.axes),
-                        (cfg.n_routed_experts, x_SxK.shape[-1], self.features), cfg.param_dtype)
+                        (cfg.n_routed_experts, self.in_features, self.features), cfg.param_dtype)
     recipe = expert_recipe(cfg, self.recipe, self.path)
     key = None
     if recipe.needs_key and self.has_rng("fp4"):
       key = self.make_rng("fp4")
-    y = grouped.grouped_dot(x_SxK.astype(cfg.dtype), kernel.astype(cfg.dtype), sizes_E, recipe=recipe, key=key,
-                            preferred_element_type=cfg.dtype)
-    return y
+    return ExpertGemm(kernel.astype(cfg.dtype), key, recipe, cfg.dtype)
 
 
 def expert_recipe(config: ModelConfig, recipe, path):
@@ -205,10 +239,19 @@ class MoE(nn.Module):
     up_path = (*self.path, "experts", "up")
     align = max(grouped.alignment(expert_recipe(cfg, self.recipe, up_path)),
                 grouped.alignment(expert_recipe(cfg, self.recipe, (*self.path, "experts", "down"))))
-    rows_S, position_TxR, sizes_E, counts_E = dispatch(experts_TxR, cfg.n_routed_experts, align)
-    h_SxQ = jnp.concatenate([h_TxQ, jnp.zeros((1, h_TxQ.shape[-1]), h_TxQ.dtype)])[rows_S]
-    out_SxQ = RoutedExperts(cfg, q_axis, self.recipe, name="experts")(h_SxQ, sizes_E)
-    picked_TxRxQ = out_SxQ[position_TxR].astype(jnp.float32)
+    gemms = RoutedExperts(cfg, q_axis, self.recipe, name="experts")(h_TxQ.shape[-1])
+    where = expert_parallel.layout(cfg.n_routed_experts, x_TxD.shape[0])
+    if where is None:
+      rows_S, position_TxR, sizes_E, counts_E = dispatch(experts_TxR, cfg.n_routed_experts, align)
+      h_SxQ = jnp.concatenate([h_TxQ, jnp.zeros((1, h_TxQ.shape[-1]), h_TxQ.dtype)])[rows_S]
+      picked_TxRxQ = mlp(h_SxQ, sizes_E, gemms)[position_TxR]
+    else:   # expert parallelism: the same per-expert rows, on the device that holds the expert
+      counts_E = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[experts_TxR.reshape(-1)].add(1)
+      gemms = tuple(g.per_expert_keys() for g in gemms)
+      specs = jax.tree.map(lambda a: expert_parallel.expert_spec(where, a.ndim), gemms)
+      picked_TxRxQ = expert_parallel.routed(h_TxQ, experts_TxR, gemms, specs, experts_fn=mlp,
+                                            n_experts=cfg.n_routed_experts, align=align, where=where)
+    picked_TxRxQ = picked_TxRxQ.astype(jnp.float32)
     routed_TxQ = jnp.sum(picked_TxRxQ * weights_TxR[..., None], axis=1).astype(cfg.dtype)
     if cfg.moe_latent_size:
       routed_TxQ = dense("fc2_latent_proj", d, ("moe_latent", "embed"), std=residual_std(cfg))(routed_TxQ)

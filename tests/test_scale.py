@@ -68,7 +68,7 @@ def test_shrunken_tiny_on_8_devices(tmp_path):
   flags = ["--config.recipe=bf16", "--config.data.seq_len=32"]
   flags += [f"--config.model.{k}={v}" for k, v in SHRUNKEN_MODEL.items()]
   result, stdout = _run(tmp_path, *flags)
-  assert result["devices"] == 8 and result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+  assert result["devices"] == 8 and result["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
   assert result["pattern"] == "M*-" and result["seq_len"] == 32 and result["batch_per_device"] == 1
   assert result["temp_bytes"] > 0 and result["argument_bytes"] > 0 and result["compile_s"] > 0
   assert result["alias_bytes"] > 0            # the state is donated

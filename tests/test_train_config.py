@@ -171,7 +171,8 @@ def test_mesh_shape_errors(mesh, devices):
 
 
 def test_mesh_fills_the_minus_one_axis():
-  assert sharding.mesh_shape(dict(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+  assert sharding.mesh_shape(dict(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 1, 2)   # no expert: 1
+  assert sharding.mesh_shape(dict(data=2, fsdp=1, expert=-1, tensor=1), 8) == (2, 1, 4, 1)
 
 
 def test_unknown_model_preset(tmp_path):

@@ -14,7 +14,7 @@ from ml_collections import config_dict
 import fp4jax
 from fp4jax import osci_reset
 from models import presets, rules
-from training import optim
+from training import optim, sharding
 from training.errors import ConfigError
 
 
@@ -165,18 +165,18 @@ def validate(config) -> None:
   need(config.health.max_nonfinite_streak > 0,
        f"config.health.max_nonfinite_streak={config.health.max_nonfinite_streak} must be > 0")
   need(config.checkpoint.keep > 0, f"config.checkpoint.keep={config.checkpoint.keep} must be > 0")
-  for axis in ("data", "fsdp", "tensor"):
-    size = config.mesh[axis]
+  axes = ("data", "fsdp", "expert", "tensor")
+  for axis in axes:
+    size = config.mesh.get(axis, 1)
     need(size == -1 or size > 0, f"config.mesh.{axis}={size} must be a positive size or -1 (the rest)")
-  need([config.mesh[a] for a in ("data", "fsdp", "tensor")].count(-1) <= 1,
-       "config.mesh: at most one axis may be -1")
+  need([config.mesh.get(a, 1) for a in axes].count(-1) <= 1, "config.mesh: at most one axis may be -1")
   for step in config.profile_steps:
     need(isinstance(step, int) and 0 <= step < config.steps,
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")
   recipe, _, _ = resolve_recipes(config)
   resolve_osci_reset(config, recipe)
   resolve_outcontrol(config, recipe)
-  resolve_model_config(config.model)
+  sharding.check_experts(config.mesh, resolve_model_config(config.model))
 
 
 def to_plain(value: Any) -> Any:

@@ -120,9 +120,11 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   model_config = model_config.replace(outcontrol_ratio=outcontrol.ratio if outcontrol else 0.0)
   mesh = sharding.make_mesh(config.mesh)
   nproc, pindex = jax.process_count(), jax.process_index()
-  batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_ways = sharding.batch_ways(mesh)
+  sharding.check_experts(dict(mesh.shape), model_config)
   if config.batch_size % batch_ways or config.batch_size % nproc:
-    raise ConfigError(f"config.batch_size={config.batch_size} must be a multiple of data * fsdp = {batch_ways} "
+    raise ConfigError(f"config.batch_size={config.batch_size} must be a multiple of data * fsdp * expert = "
+                      f"{batch_ways} "
                       f"and of the {nproc} processes")
   seq_len = config.data.seq_len
   workdir, checkpoints, reporter, lock, resume = _open_workdir(config, workdir, pindex, stop)

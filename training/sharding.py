@@ -1,7 +1,9 @@
 """Mesh, logical-axis rules and array placement. Every version-specific JAX sharding call lives here.
 
 Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameters and optimizer state
-sharded along it), ``tensor`` (model parallel). The batch is split over ``(data, fsdp)``.
+sharded along it), ``expert`` (expert parallel: the routed experts split along it, exchanged tokens by
+all-to-all, ``models.expert_parallel``; for every other layer a data-parallel axis), ``tensor`` (model
+parallel). The batch is split over ``(data, fsdp, expert)``.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fp4jax import formats
 from training.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 _TILE = formats.TILE["nvfp4"][0]   # 16: a shard of a matrix holds whole NVFP4 tiles
 
 # The one rules table: each logical axis name the model uses -> mesh axes (None: replicated).
@@ -36,9 +38,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("conv_width", None),
     ("ssm_inner", "tensor"),
     ("ssm_heads", "tensor"),
-    ("experts", None),
+    ("experts", "expert"),
     ("moe_latent", None),
-    # Activations: the batch over (data, fsdp), model axes over tensor, d_model whole.
+    # Activations: the batch over (data, fsdp, expert), model axes over tensor, d_model whole.
     ("activation_batch", BATCH_AXES),
     ("activation_seq", None),
     ("activation_embed", None),
@@ -78,9 +80,10 @@ def use_compilation_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) sizes with a -1 axis filled in; a ConfigError unless they multiply to the devices."""
-  sizes = [mesh_config[a] for a in MESH_AXES]
+def mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int, int]:
+  """(data, fsdp, expert, tensor) sizes with a -1 axis filled in; a ConfigError unless they multiply to the
+  devices. An axis the config does not name is 1 (run directories written before the ``expert`` axis)."""
+  sizes = [mesh_config.get(a, 1) for a in MESH_AXES]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if device_count % known:
@@ -89,7 +92,7 @@ def mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
     sizes[sizes.index(-1)] = device_count // known
   if math.prod(sizes) != device_count:
     raise ConfigError(f"config.mesh={dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but "
-                      f"{device_count} are available; make data * fsdp * tensor = {device_count} "
+                      f"{device_count} are available; make data * fsdp * expert * tensor = {device_count} "
                       "(or set one axis to -1)")
   return tuple(sizes)
 
@@ -110,8 +113,28 @@ def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def batch_ways(mesh) -> int:
+  """How many ways the batch is split: data * fsdp * expert."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_experts(mesh_config, model_config) -> None:
+  """A ConfigError unless the ``expert`` mesh axis fits the model: 1, or a divisor of the routed experts of a
+  model that has ``E`` blocks."""
+  ep = mesh_config.get("expert", 1)
+  if ep in (1, -1):
+    return
+  if "E" not in model_config.pattern:
+    raise ConfigError(f"config.mesh.expert={ep} but the model's pattern {model_config.pattern!r} has no MoE "
+                      "(E) block; set config.mesh.expert=1 and use config.mesh.data for data parallelism")
+  if model_config.n_routed_experts % ep:
+    divisors = [d for d in range(1, model_config.n_routed_experts + 1) if model_config.n_routed_experts % d == 0]
+    raise ConfigError(f"config.mesh.expert={ep} does not divide n_routed_experts={model_config.n_routed_experts}"
+                      f"; choose an expert-parallel size in {divisors}")
+
+
 def batch_sharding(mesh) -> NamedSharding:
-  """``tokens_BxW``: rows split over (data, fsdp), the sequence whole."""
+  """``tokens_BxW``: rows split over (data, fsdp, expert), the sequence whole."""
   return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
@@ -120,12 +143,12 @@ def _fit(spec: P, shape, mesh) -> P:
 
   Matrices (rank >= 2) are sharded only where every shard holds whole multiples of 16 along the
   dimension, so NVFP4's 1x16 blocks and 16x16 weight tiles never straddle a shard boundary and each
-  shard quantizes locally; vectors only need divisibility. Tiny models on big meshes stay valid (the
-  axes that do not fit are replicated).
+  shard quantizes locally; vectors, and the leading axes of stacked matrices (the experts' (E, in, out)),
+  only need divisibility. Tiny models on big meshes stay valid (the axes that do not fit are replicated).
   """
-  unit = _TILE if len(shape) >= 2 else 1
   fitted = []
-  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+  for i, (dim, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+    unit = _TILE if len(shape) >= 2 and i >= len(shape) - 2 else 1
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     size = math.prod(mesh.shape[n] for n in names)
     fitted.append(axes if names and dim % (size * unit) == 0 else None)
@@ -142,7 +165,7 @@ def logical_shardings(abstract_boxed, mesh):
 
 
 def host_batch_to_global(local_BxW: np.ndarray, mesh) -> jax.Array:
-  """This process's rows -> one global array split over (data, fsdp); the global batch is P times as tall."""
+  """This process's rows -> one global array split over the batch axes; the global batch is P times as tall."""
   sharding = batch_sharding(mesh)
   shape = (local_BxW.shape[0] * jax.process_count(),) + local_BxW.shape[1:]
   return jax.make_array_from_process_local_data(sharding, local_BxW, shape)
