@@ -28,6 +28,7 @@ and per-tensor/128-block FP8 (not FP4). ``matmul`` raises for them, naming impl=
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -176,17 +177,24 @@ class Items(NamedTuple):
   group: object   # (W,) int32
 
 
-def grouped_tile(s: int, n_groups: int, rows: int) -> int:
-  """T for S sorted rows in ``n_groups`` groups whose sizes are multiples of ``rows``: one tile of all
-  S rows up to GROUPED_ONE_TILE_GROUPS groups (each group's GEMM padded to S), else GROUPED_TILE rows
-  rounded to a multiple of ``rows`` (docs/DESIGN.md, issue 31, for the numbers)."""
-  if n_groups <= GROUPED_ONE_TILE_GROUPS or s <= GROUPED_TILE:
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """How the grouped GEMM cuts S rows into tiles (``grouped_tile``): one tile of all S rows for up to
+  ``one_tile_groups`` groups (each group's GEMM padded to S), else tiles of ``rows`` rows (rounded up to
+  a multiple of the group-size multiple). The numbers behind the defaults: docs/DESIGN.md, issue 31."""
+  one_tile_groups: int = 1
+  rows: int = 512
+
+
+TILING = Tiling()
+
+
+def grouped_tile(s: int, n_groups: int, rows: int, tiling: Tiling | None = None) -> int:
+  """T for S sorted rows in ``n_groups`` groups whose sizes are multiples of ``rows``."""
+  t = TILING if tiling is None else tiling
+  if n_groups <= t.one_tile_groups or s <= t.rows:
     return s
-  return -(-GROUPED_TILE // rows) * rows
-
-
-GROUPED_ONE_TILE_GROUPS = 8
-GROUPED_TILE = 512
+  return -(-t.rows // rows) * rows
 
 
 def items(sizes_E, s: int, tile: int) -> Items:
