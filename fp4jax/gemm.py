@@ -23,10 +23,12 @@ impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
 The grouped GEMM (``Groups``: traced (E,) group sizes, each a multiple of A rows) takes its operands in
 chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level per chunk (its group's),
 b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
-(the contraction ragged) on the exact products, then the epilogue of each output's pair; DBQ's wgrad runs
-a ``lax.scan`` over the chunks of rows, adding each into its group's sum in order. Rows past the last
-group give zeros. It runs on the XLA path only: cuDNN's block-scaled GEMM has no ragged form in this
-jax, and a traced group size has no static padding (``impl="native"`` raises, naming "xla").
+(the contraction ragged) on the exact products with impl="xla"; with impl="native" the block-scaled GEMM
+of ``fp4jax.native``'s work items (pieces of 512-row tiles inside one group, one batched
+``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
+output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
+into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
+GEMM's default is native (``default_grouped_backend``: compute capability 10.x), else "xla".
 """
 from __future__ import annotations
 
