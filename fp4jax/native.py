@@ -227,11 +227,10 @@ def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
   s_pad = -(-s // tile) * tile
   a = _pad_rows(a, s_pad, 0)
   n_t = s_pad // tile
+  it = items(sizes_E, s_pad, tile)
   if n_t == 1:   # item i is group i, over every row
-    tiles_a = Operand(*(jnp.broadcast_to(t, (n_g, *t.shape)) for t in a))
-    tiles_b, it = b, items(sizes_E, s_pad, tile)
+    tiles_a, tiles_b = Operand(*(jnp.broadcast_to(t, (n_g, *t.shape)) for t in a)), b
   else:
-    it = items(sizes_E, s_pad, tile)
     tiles_a = Operand(*(t.reshape(n_t, tile, -1)[it.tile] for t in a))
     tiles_b = Operand(*(t[it.group] for t in b))
   out_WxTxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
