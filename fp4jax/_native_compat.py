@@ -45,9 +45,13 @@ def to_float4(codes_u8):
 def block_scaled_matmul(a, b, a_scales, b_scales):
   """float32 (M, N) = Σ_k a[m, k]·a_scales[m, k/16] · b[n, k]·b_scales[n, k/16] on the hardware's
   block-scaled GEMM: a (M, K), b (N, K) float4_e2m1fn, scales (M, K/16), (N, K/16) float8_e4m3fn."""
-  out = jax.nn.scaled_matmul(a[None], b[None], a_scales[None], b_scales[None],
-                             preferred_element_type=jnp.float32)
-  return out[0]
+  return batched_block_scaled_matmul(a[None], b[None], a_scales[None], b_scales[None])[0]
+
+
+def batched_block_scaled_matmul(a, b, a_scales, b_scales):
+  """float32 (B, M, N): ``block_scaled_matmul`` of each pair along the batch axis B (one batched
+  block-scaled GEMM): a (B, M, K), b (B, N, K), scales (B, M, K/16), (B, N, K/16)."""
+  return jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32)
 
 
 def cuda_compute_capability() -> tuple[int, int] | None:

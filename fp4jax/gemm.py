@@ -23,10 +23,12 @@ impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
 The grouped GEMM (``Groups``: traced (E,) group sizes, each a multiple of A rows) takes its operands in
 chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level per chunk (its group's),
 b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
-(the contraction ragged) on the exact products, then the epilogue of each output's pair; DBQ's wgrad runs
-a ``lax.scan`` over the chunks of rows, adding each into its group's sum in order. Rows past the last
-group give zeros. It runs on the XLA path only: cuDNN's block-scaled GEMM has no ragged form in this
-jax, and a traced group size has no static padding (``impl="native"`` raises, naming "xla").
+(the contraction ragged) on the exact products with impl="xla"; with impl="native" the block-scaled GEMM
+of ``fp4jax.native``'s work items (pieces of 512-row tiles inside one group, one batched
+``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
+output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
+into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
+GEMM's default is native (``default_grouped_backend``: compute capability 10.x), else "xla".
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from jax import lax
 
 from fp4jax import api, epilogue, formats, native, reference
 from fp4jax.numerics import dbq, mxfp8
-from fp4jax.primitives.impl import default_gemm_backend
+from fp4jax.primitives.impl import default_gemm_backend, default_grouped_backend
 from fp4jax.qtensor import QTensor, validate
 
 IMPLS = ("xla", "pallas", "native")
@@ -163,10 +165,16 @@ def groups(sizes_E, s: int, rows: int) -> Groups:
   return Groups(sizes_E, group_U, row0_U - (ends_E - sizes_E)[group_U], row0_U < ends_E[-1], rows)
 
 
-def _grouped_check(impl):
-  if impl not in (None, "xla"):
-    raise ValueError(f"the grouped GEMM has impl='xla' only (got {impl!r}): cuDNN's block-scaled GEMM has "
-                     "no ragged form in this jax and a traced group size no static padding; use impl='xla'")
+def _grouped_impl(a: QTensor, b: QTensor, impl, where):
+  """impl for the grouped GEMM: "xla", or "native" (``default_grouped_backend``'s choice for impl=None)."""
+  if impl is None:
+    impl = default_grouped_backend(a.fmt) or "xla"
+  if impl not in ("xla", "native"):
+    raise ValueError(f"the grouped GEMM has impl='xla' or 'native' (got {impl!r}); there are no Pallas "
+                     "grouped kernels: use impl='xla'")
+  if impl == "native":
+    native.check(a, b, ndim=3, where=where)
+  return impl
 
 
 def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST):
@@ -182,21 +190,46 @@ def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST):
                                 preferred_element_type=jnp.float32)
 
 
+def _rows_operand(q_U: QTensor, s: int) -> native.Operand:
+  """The native operand (S, C) of a chunked QTensor (U, A, C) quantized along C."""
+  op = jax.vmap(native.codes_operand)(q_U)
+  return native.Operand(op.values.reshape(s, -1), op.scales.reshape(s, -1))
+
+
+def _tokens_operand(q_U: QTensor) -> native.Operand:
+  """The native operand (C, S) of a chunked QTensor (U, C, A) quantized along its rows A."""
+  op = jax.vmap(native.codes_operand)(q_U)
+  join = lambda t: jnp.swapaxes(t, 0, 1).reshape(t.shape[1], -1)
+  return native.Operand(join(op.values), join(op.scales))
+
+
 def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None):
-  """a (S, K) rows · b[e] (N, K)ᵀ per group -> (S, N); a in chunks (U, A, K), b per group (E, N, K)."""
-  _grouped_check(impl)
+  """a (S, K) rows · b[e] (N, K)ᵀ per group -> (S, N); a in chunks (U, A, K), b per group (E, N, K).
+  impl: "xla" (``lax.ragged_dot`` of the exact products) or "native" (``native.grouped_rows``: the
+  batched block-scaled GEMM of the work items); None: ``default_grouped_backend``."""
+  impl = _grouped_impl(a_U, b_E, impl, "fp4jax.gemm.grouped_matmul")
   s = a_U.data.shape[0] * a_U.data.shape[1]
-  a_SxK = epilogue.batched_products(a_U).reshape(s, -1)
-  b_ExKxN = jnp.swapaxes(epilogue.batched_products(b_E), 1, 2)
   g_S = g.group_of_row
+  if impl == "native":
+    oa, ob = _rows_operand(a_U, s), jax.vmap(native.codes_operand)(b_E)
+    tile = native.grouped_tile(s, g.sizes.shape[0], g.rows)
+    per = native.BLOCK
+
+    def acc(k):   # k: a slice of K, a multiple of the 16-block
+      ks = slice(None) if k.start is None else slice(k.start // per, k.stop // per)
+      return native.grouped_rows(native.Operand(oa.values[:, k], oa.scales[:, ks]),
+                                 native.Operand(ob.values[..., k], ob.scales[..., ks]), g.sizes, tile)
+  else:
+    a_SxK = epilogue.batched_products(a_U).reshape(s, -1)
+    b_ExKxN = jnp.swapaxes(epilogue.batched_products(b_E), 1, 2)
+    acc = lambda k: ragged_rows(a_SxK[:, k], b_ExKxN[:, k, :], g.sizes)
   if a_U.fmt == "nvfp4_dbq":   # one rescale per 128-chunk of K, the chunks summed in order
     outer_a_SxC = a_U.scale2.reshape(s, -1)
     k = lambda c: slice(c * dbq.OUTER, (c + 1) * dbq.OUTER)
-    out = dbq.chunked_gemm(lambda c: ragged_rows(a_SxK[:, k(c)], b_ExKxN[:, k(c), :], g.sizes),
-                           lambda c: outer_a_SxC[:, c][:, None], lambda c: b_E.scale2[g_S, :, c],
-                           outer_a_SxC.shape[-1])
+    out = dbq.chunked_gemm(lambda c: acc(k(c)), lambda c: outer_a_SxC[:, c][:, None],
+                           lambda c: b_E.scale2[g_S, :, c], outer_a_SxC.shape[-1])
     return out.astype(out_dtype)
-  acc = ragged_rows(a_SxK, b_ExKxN, g.sizes)
+  acc = acc(slice(None))
   second_a, second_b = epilogue.second(a_U), epilogue.second(b_E)
   if second_a is None:
     return acc.astype(out_dtype)
@@ -208,28 +241,43 @@ def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float
 
 def grouped_matmul_t(a_U: QTensor, b_U: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None):
   """Per group e: a_e (K, size_e) · b_e (N, size_e)ᵀ -> (E, K, N), both in chunks (U, K, A), (U, N, A)
-  quantized along the rows (the contraction; the wgrad GEMM)."""
-  _grouped_check(impl)
+  quantized along the rows (the contraction; the wgrad GEMM). impl as ``grouped_matmul`` ("native":
+  ``native.grouped_tokens``; DBQ: one block-scaled GEMM per 128-chunk of rows)."""
+  impl = _grouped_impl(a_U, b_U, impl, "fp4jax.gemm.grouped_matmul_t")
   n_g = g.sizes.shape[0]
-  a_UxKxA, b_UxNxA = epilogue.batched_products(a_U), epilogue.batched_products(b_U)
+  if impl == "native":
+    oa = jax.vmap(native.codes_operand)(a_U)
+    ob = jax.vmap(native.codes_operand)(b_U)
+    chunk = lambda op: (op.values, op.scales)
+    part = lambda a_, b_: native.block_scaled_matmul(native.as_float4(native.Operand(*a_)),
+                                                     native.as_float4(native.Operand(*b_)))
+    xs_a, xs_b = chunk(oa), chunk(ob)
+  else:
+    xs_a, xs_b = epilogue.batched_products(a_U), epilogue.batched_products(b_U)
+    part = lambda a_KxA, b_NxA: lax.dot_general(a_KxA, b_NxA, (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32,
+                                                precision=lax.Precision.HIGHEST)
   if a_U.fmt == "nvfp4_dbq":   # one 128-chunk of rows per step, added into its group's sum in order
-    k, n = a_UxKxA.shape[1], b_UxNxA.shape[1]
+    k, n = a_U.shape[1], b_U.shape[1]
 
     def step(out_ExKxN, inputs):
-      a_KxA, b_NxA, oa_K, ob_N, e, first, valid = inputs
-      part = lax.dot_general(a_KxA, b_NxA, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                             precision=lax.Precision.HIGHEST)
-      term = dbq.chunked_gemm(lambda c: part, lambda c: oa_K[:, None], lambda c: ob_N[None, :], 1)
+      a_c, b_c, oa_K, ob_N, e, first, valid = inputs
+      term = dbq.chunked_gemm(lambda c: part(a_c, b_c), lambda c: oa_K[:, None], lambda c: ob_N[None, :], 1)
       new = jnp.where(first, term, out_ExKxN[e] + term)
       return out_ExKxN.at[e].set(jnp.where(valid, new, out_ExKxN[e])), None
 
     outer_a, outer_b = a_U.scale2[..., 0], b_U.scale2[..., 0]   # (U, K), (U, N): one 128-chunk each
     out, _ = lax.scan(step, jnp.zeros((n_g, k, n), jnp.float32),
-                      (a_UxKxA, b_UxNxA, outer_a, outer_b, g.group, g.offset == 0, g.valid))
+                      (xs_a, xs_b, outer_a, outer_b, g.group, g.offset == 0, g.valid))
     return out.astype(out_dtype)
-  s = a_UxKxA.shape[0] * a_UxKxA.shape[2]
-  acc = ragged_tokens(jnp.swapaxes(a_UxKxA, 1, 2).reshape(s, -1), jnp.swapaxes(b_UxNxA, 1, 2).reshape(s, -1),
-                      g.sizes)
+  if impl == "native":
+    s = a_U.data.shape[0] * g.rows
+    acc = native.grouped_tokens(_tokens_operand(a_U), _tokens_operand(b_U), g.sizes,
+                                native.grouped_tile(s, n_g, g.rows))
+  else:
+    s = xs_a.shape[0] * xs_a.shape[2]
+    acc = ragged_tokens(jnp.swapaxes(xs_a, 1, 2).reshape(s, -1), jnp.swapaxes(xs_b, 1, 2).reshape(s, -1),
+                        g.sizes)
   second_a, second_b = epilogue.second(a_U), epilogue.second(b_U)
   if second_a is None:
     return acc.astype(out_dtype)

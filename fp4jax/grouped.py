@@ -24,7 +24,8 @@ with fp4jax's own ``Quantizer``s under ``vmap``: each chunk gets its expert's am
 chunks' amaxes) and its window of its expert's random bits; weights are quantized per expert under
 ``vmap``; each expert's key is fold_in(key, e). The GEMMs are ``fp4jax.gemm``'s grouped GEMM
 (``grouped_matmul``: ``lax.ragged_dot``; ``grouped_matmul_t``: ``ragged_dot_general`` with the token axis
-ragged; the epilogue of each output's pair, ``fp4jax.epilogue``). Every role ``fp4jax.dot`` takes runs
+ragged; on a compute capability 10.x target the native block-scaled GEMM of ``fp4jax.native``'s work
+items; the epilogue of each output's pair, ``fp4jax.epilogue``). Every role ``fp4jax.dot`` takes runs
 (nvfp4, 4/6, row-scaled activations, mxfp4, MS-EDEN, DBQ, fp8, mxfp8). The values equal the per-expert
 dots where both sum in float32 in the same order; on the CPU that holds for the FP4 formats (bfloat16
 products; the test), fp8 and mxfp8 (float32 products) are equal within float32 summation error. On a GPU

@@ -22,14 +22,19 @@ capability 10.x, ``fp4jax.primitives.impl.default_gemm_backend``). Three steps:
 The products are exact in hardware and in the twin, so the result equals the XLA path up to the
 order of the float32 sums (bit for bit on the CPU, where the twin is the XLA path's GEMM).
 
+The grouped GEMM of the MoE experts (``fp4jax.gemm.grouped_matmul(_t)``, impl="native") uses steps 1
+and 2 on work items: ``grouped_rows`` / ``grouped_tokens`` at the bottom (the section's note says how).
+
 Not native: MXFP4 (jax 0.10.2's XLA does not take E2M1 with E8M0 scales per 32 into cuDNN on sm_100:
 it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path), MXFP8
 and per-tensor/128-block FP8 (not FP4). ``matmul`` raises for them, naming impl="xla".
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -48,8 +53,7 @@ class Operand(NamedTuple):
   scales: object
 
 
-def check(a: QTensor, b: QTensor):
-  """Raise ValueError unless the pair can run natively: one NVFP4-family format, 2-D, along K."""
+def _check_format(a: QTensor):
   if a.fmt not in FORMATS:
     why = {"mxfp4": "this jax's XLA compiles E2M1 with E8M0 scales per 32 to a float32 dequantize and "
                     "a float32 GEMM on sm_100, not the block-scaled tensor cores",
@@ -57,10 +61,16 @@ def check(a: QTensor, b: QTensor):
            "fp8": "it is an FP8 format"}.get(a.fmt, "it is not an E2M1/E4M3 format")
     raise ValueError(f"impl='native' takes {FORMATS}; fmt={a.fmt!r} has no native GEMM here ({why}); "
                      "use impl='xla'")
+
+
+def check(a: QTensor, b: QTensor, *, ndim: int = 2, where: str = "fp4jax.native.matmul"):
+  """Raise ValueError unless the pair can run natively: one NVFP4-family format, ``ndim``-D (a leading
+  chunk or group axis for the grouped GEMM), along K."""
+  _check_format(a)
   for name, q in (("lhs", a), ("rhs", b)):
-    validate(q, f"fp4jax.native.matmul ({name})")
-    if q.axis != -1 or q.ndim != 2:
-      raise ValueError(f"impl='native' contracts the last axis of two 2-D operands quantized along "
+    validate(q, f"{where} ({name})")
+    if q.axis != -1 or q.ndim != ndim:
+      raise ValueError(f"impl='native' contracts the last axis of two {ndim}-D operands quantized along "
                        f"it; the {name} has shape {q.shape} quantized along axis {q.axis}")
   if a.shape[-1] != b.shape[-1]:
     raise ValueError(f"scaled_matmul contraction mismatch: a (M, K)={a.shape}, b (N, K)={b.shape}")
@@ -71,16 +81,25 @@ def check(a: QTensor, b: QTensor):
 
 
 def _row_scaled(q: QTensor) -> bool:
-  return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == 1
+  """One amax per row (a leading chunk or group axis adds one to both ranks)."""
+  return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == q.ndim - 1
+
+
+def codes_operand(q: QTensor) -> Operand:
+  """``operand`` with the E2M1 codes still uint8 (0..15): what the grouped GEMM gathers and masks."""
+  scales = q.scale
+  if q.tile is not None:   # one scale per 16x16 tile: the same scale for each of its 16 rows
+    scales = jnp.repeat(scales, q.tile[0], axis=-2)
+  return Operand(reference.codes_of(q), scales)
+
+
+def as_float4(op: Operand) -> Operand:
+  return Operand(nc.to_float4(op.values), op.scales)
 
 
 def operand(q: QTensor) -> Operand:
-  """The block-scaled layout of a 2-D QTensor quantized along its last axis (module docstring, 1)."""
-  values = nc.to_float4(reference.codes_of(q))
-  scales = q.scale
-  if q.tile is not None:   # one scale per 16x16 tile: the same scale for each of its 16 rows
-    scales = jnp.repeat(scales, q.tile[0], axis=0)
-  return Operand(values, scales)
+  """The block-scaled layout of a QTensor quantized along its last axis (module docstring, 1)."""
+  return as_float4(codes_operand(q))
 
 
 def decode(op: Operand):
@@ -97,10 +116,24 @@ def _twin(a_vals, b_vals, a_scales, b_scales):
                          precision=lax.Precision.HIGHEST)
 
 
+def _twin_batched(a_vals, b_vals, a_scales, b_scales):
+  """The batched block-scaled GEMM off the GPU: (B, M, K) · (B, N, K) -> (B, M, N), as ``_twin``."""
+  a16 = decode(Operand(a_vals, a_scales)).astype(jnp.bfloat16)
+  b16 = decode(Operand(b_vals, b_scales)).astype(jnp.bfloat16)
+  return lax.dot_general(a16, b16, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32,
+                         precision=lax.Precision.HIGHEST)
+
+
 def block_scaled_matmul(a: Operand, b: Operand):
   """float32 (M, N) = Σ_k (e2m1·s)_a[m, k] (e2m1·s)_b[n, k]: the hardware's on CUDA, the twin elsewhere."""
   return lax.platform_dependent(a.values, b.values, a.scales, b.scales,
                                 cuda=nc.block_scaled_matmul, default=_twin)
+
+
+def batched_block_scaled_matmul(a: Operand, b: Operand):
+  """float32 (B, M, N): ``block_scaled_matmul`` of each of B pairs (one batched GEMM on CUDA)."""
+  return lax.platform_dependent(a.values, b.values, a.scales, b.scales,
+                                cuda=nc.batched_block_scaled_matmul, default=_twin_batched)
 
 
 def _dbq(a: QTensor, b: QTensor, oa: Operand, ob: Operand):
@@ -125,3 +158,111 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
 
 
 scaled_matmul = matmul   # former name
+
+
+# ---------------------------------------------------------------------------------------------------
+# The grouped GEMM: S sorted rows in groups of traced sizes (fp4jax.gemm.grouped_matmul, impl="native")
+# ---------------------------------------------------------------------------------------------------
+# Axis legend: S sorted rows, E groups, T rows per tile, W = S/T + E - 1 work items, K, N as above.
+# jax 0.10.2 has no ragged block-scaled GEMM (``lax.ragged_dot`` takes no scales, ``jax.nn.scaled_matmul``
+# has a batch axis only), so a traced size is met with a static count of work items: the S rows are cut
+# into tiles of T rows and at every group end, and each piece [lo, hi) (inside one tile and one group)
+# is one batch element of one batched block-scaled GEMM of its tile's T rows with its group's operand.
+# T = S is one tile: each group's GEMM over all S rows (the padding of every group to S); smaller T
+# wastes at most E - 1 tiles of rows instead (``grouped_tile``, chosen in docs/DESIGN.md, issue 31).
+
+class Items(NamedTuple):
+  """The work items of S rows in tiles of T: item i is rows [lo[i], hi[i]) of tile lo[i] // T, all in
+  group ``group[i]`` (empty where hi <= lo; rows past the last group are in none)."""
+  lo: object      # (W,) int32, sorted
+  hi: object      # (W,) int32
+  tile: object    # (W,) int32
+  group: object   # (W,) int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """How the grouped GEMM cuts S rows into tiles (``grouped_tile``): one tile of all S rows for up to
+  ``one_tile_groups`` groups (each group's GEMM padded to S), else tiles of ``rows`` rows (rounded up to
+  a multiple of the group-size multiple). The numbers behind the defaults: docs/DESIGN.md, issue 31."""
+  one_tile_groups: int = 1
+  rows: int = 512
+
+
+TILING = Tiling()
+
+
+def grouped_tile(s: int, n_groups: int, rows: int, tiling: Tiling | None = None) -> int:
+  """T for S sorted rows in ``n_groups`` groups whose sizes are multiples of ``rows``."""
+  t = TILING if tiling is None else tiling
+  if n_groups <= t.one_tile_groups or s <= t.rows:
+    return s
+  return -(-t.rows // rows) * rows
+
+
+def items(sizes_E, s: int, tile: int) -> Items:
+  """The W = S/T + E - 1 work items of S rows (a multiple of T) for the traced group sizes."""
+  n_t, n_g = s // tile, sizes_E.shape[0]
+  ends_E = jnp.cumsum(sizes_E.astype(jnp.int32))
+  lo = jnp.sort(jnp.concatenate([jnp.arange(n_t, dtype=jnp.int32) * tile, jnp.minimum(ends_E[:-1], s)]))
+  hi = jnp.minimum(jnp.concatenate([lo[1:], jnp.full((1,), s, jnp.int32)]), ends_E[-1])
+  group = jnp.minimum(jnp.searchsorted(ends_E, lo, side="right"), n_g - 1).astype(jnp.int32)
+  return Items(lo, hi, jnp.minimum(lo // tile, n_t - 1), group)
+
+
+def _pad_rows(op: Operand, s: int, axis: int) -> Operand:
+  """op with its rows (values along ``axis``) zero-padded to s."""
+  def pad(t, n):
+    widths = [(0, 0)] * t.ndim
+    widths[axis] = (0, n - t.shape[axis])
+    return jnp.pad(t, widths)
+  per = 1 if axis == 0 else BLOCK
+  return Operand(pad(op.values, s), pad(op.scales, s // per))
+
+
+def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
+  """float32 (S, N): row r of a (S, K) times b[e] (N, K)ᵀ for r in group e; zero past the last group.
+  a, b with uint8 codes (``codes_operand``); one batched block-scaled GEMM of W items (section note)."""
+  s, n_g = a.values.shape[0], b.values.shape[0]
+  s_pad = -(-s // tile) * tile
+  a = _pad_rows(a, s_pad, 0)
+  n_t = s_pad // tile
+  it = items(sizes_E, s_pad, tile)
+  if n_t == 1:   # item i is group i, over every row
+    tiles_a, tiles_b = Operand(*(jnp.broadcast_to(t, (n_g, *t.shape)) for t in a)), b
+  else:
+    tiles_a = Operand(*(t.reshape(n_t, tile, -1)[it.tile] for t in a))
+    tiles_b = Operand(*(t[it.group] for t in b))
+  out_WxTxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
+  r_S = jnp.arange(s, dtype=jnp.int32)
+  item_S = jnp.searchsorted(it.lo, r_S, side="right").astype(jnp.int32) - 1
+  acc_SxN = out_WxTxN.reshape(-1, out_WxTxN.shape[-1])[item_S * tile + r_S % tile]
+  inside = r_S < jnp.sum(sizes_E.astype(jnp.int32))
+  return jnp.where(inside[:, None], acc_SxN, jnp.zeros((), jnp.float32))
+
+
+def grouped_tokens(a: Operand, b: Operand, sizes_E, tile: int):
+  """float32 (E, K, N): per group e, a's columns of e (K, size_e) times b's (N, size_e)ᵀ; a (K, S),
+  b (N, S) quantized along the S sorted rows (the contraction; wgrad). The items' rows outside their
+  piece are masked by zero block scales (every piece boundary is a multiple of the 16-row block); a
+  group's items are summed in order (``jax.ops.segment_sum`` on sorted indices; one item per group
+  when T = S)."""
+  s, n_g = a.values.shape[-1], sizes_E.shape[0]
+  s_pad = -(-s // tile) * tile
+  a, b = _pad_rows(a, s_pad, 1), _pad_rows(b, s_pad, 1)
+  n_t = s_pad // tile
+  it = items(sizes_E, s_pad, tile)
+  split = lambda t, per: jnp.swapaxes(t.reshape(t.shape[0], n_t, tile // per), 0, 1)   # (n_t, R, T/per)
+  if n_t == 1:
+    pick = lambda t, per: jnp.broadcast_to(split(t, per), (n_g, t.shape[0], tile // per))
+  else:
+    pick = lambda t, per: split(t, per)[it.tile]
+  row_W = it.tile[:, None] * tile + jnp.arange(0, tile, BLOCK, dtype=jnp.int32)[None, :]
+  keep_WxB = (row_W >= it.lo[:, None]) & (row_W < it.hi[:, None])
+  scales_a = jnp.where(keep_WxB[:, None, :], pick(a.scales, BLOCK), jnp.zeros((), a.scales.dtype))
+  tiles_a = Operand(pick(a.values, 1), scales_a)
+  tiles_b = Operand(pick(b.values, 1), pick(b.scales, BLOCK))
+  part_WxKxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
+  if n_t == 1:
+    return part_WxKxN
+  return jax.ops.segment_sum(part_WxKxN, it.group, num_segments=n_g, indices_are_sorted=True)

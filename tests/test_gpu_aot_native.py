@@ -122,9 +122,9 @@ from fp4jax import _platform
 _platform.enable_deviceless()
 import jax, numpy as np
 from bench import gpu_aot, hlo_cost, scale
-from configs import small
+from configs import CONFIG as chosen
 from training import sharding
-cfg = small.get_config()
+cfg = chosen.get_config()
 devices = gpu_aot.gpu_devices("b200", 1)
 mesh = jax.sharding.Mesh(np.asarray(devices).reshape(sharding.mesh_shape(cfg.mesh, 1)), sharding.MESH_AXES,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
@@ -136,10 +136,18 @@ cost = hlo_cost.analyze(res["text"], gpu_aot.peaks("b200"))
 out = collections.defaultdict(lambda: collections.defaultdict(int))
 for o in cost["ops"]:
   if o["kind"] == "gemm":
-    m = re.search(r"/(blocks_\d+/mixer/\w+)/", o["op_name"])
-    out[m.group(1) if m else "other"][o["dtype"]] += o["count"]
+    m = re.search(LAYER, o["op_name"])
+    passes = re.findall(r"\b(fprop|dgrad|wgrad)\b", o["op_name"])
+    out[m.group(1) if m else "other"][o["dtype"] + (f" {passes[-1] if passes else '?'}" if PASSES else "")] += o["count"]
 print(json.dumps(dict(gemms=out, predicted_ms=cost["seconds"] * 1e3)))
 '''
+
+
+def _step(config: str, layer: str, passes: bool) -> str:
+  """The deviceless B200 train-step program of configs/<config>.py: its GEMMs per layer (``layer``: a regex
+  whose group names it) and dtype pair, and per pass when ``passes``."""
+  return (_STEP.replace("ROOT", repr(ROOT)).replace("CONFIG", config).replace("LAYER", repr(layer))
+          .replace("PASSES", repr(passes)))
 
 
 @needs_plugin
@@ -149,7 +157,7 @@ def test_small_train_step_quantized_layers_are_block_scaled():
   is exactly three block-scaled GEMMs; the bf16 blocks and the rest of the model have none."""
   from configs import small   # pylint: disable=import-outside-toplevel
   from models import policy   # pylint: disable=import-outside-toplevel
-  code = _STEP.replace("ROOT", repr(ROOT))
+  code = _step("small", r"/(blocks_\d+/mixer/\w+)/", False)
   env = _platform.deviceless_env()
   env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -171,6 +179,36 @@ def test_small_train_step_quantized_layers_are_block_scaled():
       assert f4 not in gemms and gemms, (layer, gemms)       # bf16 layers keep their plain GEMMs
   assert sum(g.get(f4, 0) for g in report["gemms"].values()) == 3 * len(quantized)
   assert any(re.match(r"blocks_1[01]/", layer) for layer in report["gemms"])
+
+
+@needs_plugin
+@pytest.mark.slow   # about 5 minutes of compile on two shared cores
+def test_moe_tiny_train_step_expert_gemms_are_block_scaled():
+  """configs/moe_tiny.py's train step for one B200 (impl=None, the target decides): the routed experts'
+  grouped GEMMs (fp4jax.gemm.grouped_matmul, native work items) of each quantized E block are block-scaled,
+  fprop, dgrad and wgrad once each for up and down; the bf16 E block's are not."""
+  from configs import moe_tiny   # pylint: disable=import-outside-toplevel
+  from models import policy   # pylint: disable=import-outside-toplevel
+  from training import config as config_lib   # pylint: disable=import-outside-toplevel
+  env = _platform.deviceless_env()
+  env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
+  code = _step("moe_tiny", r"/(blocks_\d+/mixer/experts/\w+)/", True)
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=2400, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert "error" not in report, report["error"][:3000]
+  cfg = moe_tiny.get_config()
+  model_cfg = config_lib.resolve_model_config(cfg.model)
+  f4 = "f4e2m1fnxf4e2m1fn"
+  experts = {layer: gemms for layer, gemms in report["gemms"].items() if layer != "other"}
+  quantized = {layer for layer in experts if policy.layer_precision(model_cfg, cfg.recipe, layer) != "bf16"}
+  assert {layer.split("/")[-1] for layer in quantized} == {"up", "down"} and len(quantized) >= 2, sorted(experts)
+  for layer, gemms in experts.items():
+    if layer in quantized:
+      assert gemms == {f"{f4} fprop": 1, f"{f4} dgrad": 1, f"{f4} wgrad": 1}, (layer, gemms)
+    else:
+      assert not any(key.startswith(f4) for key in gemms) and gemms, (layer, gemms)
+  assert len(experts) > len(quantized)   # the bf16 last E block's experts are there too
 
 
 BLOCK_SCALED = """HloModule bs, entry_computation_layout={()->f32[1,512,256]}

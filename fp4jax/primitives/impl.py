@@ -106,6 +106,27 @@ def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
   return None if _device_verdict(verdicts.NATIVE_OP, fmt, target) is False else "native"
 
 
+# fmt -> the grouped GEMM's choice (``fp4jax.gemm.grouped_matmul`` / ``grouped_matmul_t``, the MoE experts'
+# GEMMs): the native work-item GEMM of ``fp4jax.native.grouped_rows`` / ``grouped_tokens`` where the dense
+# GEMM's default is native. Chosen on deviceless sm_100 compiles (tests/test_gpu_aot_native.py: every
+# expert GEMM of a moe_tiny step block-scaled) and the B200 cost model (docs/PERF.md, issue 31).
+NATIVE_GROUPED_DEFAULTS: dict[str, NativeChoice] = {
+    fmt: NativeChoice(True, "deviceless sm_100 compiles of the grouped GEMM (fprop, dgrad, wgrad block-"
+                      "scaled); B200 cost model in docs/PERF.md (issue 31)", _NO_DEVICE_RUN)
+    for fmt in ("nvfp4", "nvfp4_eden", "nvfp4_dbq")}
+
+
+def default_grouped_backend(fmt: str, *, capability: tuple[int, int] | None = None,
+                            target: target_lib.Target | None = None) -> str | None:
+  """What the grouped GEMM runs for impl=None: "native" where NATIVE_GROUPED_DEFAULTS chooses it and
+  ``default_gemm_backend`` picks "native" for the program's devices (compute capability 10.x, or
+  FP4JAX_DEFAULT_IMPL=native; revoked by the same device verdict); None otherwise (the XLA path)."""
+  choice = NATIVE_GROUPED_DEFAULTS.get(fmt)
+  if choice is None or not choice.default:
+    return None
+  return default_gemm_backend(fmt, capability=capability, target=target)
+
+
 def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None,
                    target: target_lib.Target | None = None) -> bool:
   """Whether the Pallas kernels can run compiled on the program's devices: an FP4 format on a CUDA GPU
