@@ -62,6 +62,11 @@ print(json.dumps(dict(gemms=out, block_scaled_calls=text.count(TARGET), seconds=
 def _compile(recipes, timeout=900):
   code = (_PROGRAM.replace("ROOT", repr(ROOT)).replace("RECIPES", repr(list(recipes)))
           .replace("SHAPE", repr(SHAPE)).replace("TARGET", repr(nc.BLOCK_SCALED_TARGET)))
+  return _run_report(code, timeout)
+
+
+def _run_report(code: str, timeout: int) -> dict:
+  """Runs a deviceless program (the target decides every impl) and returns the JSON of its last line."""
   env = _platform.deviceless_env()
   env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -143,11 +148,13 @@ print(json.dumps(dict(gemms=out, predicted_ms=cost["seconds"] * 1e3)))
 '''
 
 
-def _step(config: str, layer: str, passes: bool) -> str:
-  """The deviceless B200 train-step program of configs/<config>.py: its GEMMs per layer (``layer``: a regex
-  whose group names it) and dtype pair, and per pass when ``passes``."""
-  return (_STEP.replace("ROOT", repr(ROOT)).replace("CONFIG", config).replace("LAYER", repr(layer))
+def _step(config: str, layer: str, passes: bool, timeout: int) -> dict:
+  """The deviceless B200 train-step program of configs/<config>.py, compiled in a subprocess with the
+  target deciding every impl: its GEMMs per layer (``layer``: a regex whose group names it) and dtype
+  pair, and per pass when ``passes``."""
+  code = (_STEP.replace("ROOT", repr(ROOT)).replace("CONFIG", config).replace("LAYER", repr(layer))
           .replace("PASSES", repr(passes)))
+  return _run_report(code, timeout)
 
 
 @needs_plugin
@@ -157,14 +164,7 @@ def test_small_train_step_quantized_layers_are_block_scaled():
   is exactly three block-scaled GEMMs; the bf16 blocks and the rest of the model have none."""
   from configs import small   # pylint: disable=import-outside-toplevel
   from models import policy   # pylint: disable=import-outside-toplevel
-  code = _step("small", r"/(blocks_\d+/mixer/\w+)/", False)
-  env = _platform.deviceless_env()
-  env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
-  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=1800, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert "error" not in report, report["error"][:3000]
+  report = _step("small", r"/(blocks_\d+/mixer/\w+)/", False, timeout=1800)
   from training import config as config_lib   # pylint: disable=import-outside-toplevel
   cfg = small.get_config()
   model_cfg = config_lib.resolve_model_config(cfg.model)
@@ -190,13 +190,7 @@ def test_moe_tiny_train_step_expert_gemms_are_block_scaled():
   from configs import moe_tiny   # pylint: disable=import-outside-toplevel
   from models import policy   # pylint: disable=import-outside-toplevel
   from training import config as config_lib   # pylint: disable=import-outside-toplevel
-  env = _platform.deviceless_env()
-  env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
-  code = _step("moe_tiny", r"/(blocks_\d+/mixer/experts/\w+)/", True)
-  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=2400, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert "error" not in report, report["error"][:3000]
+  report = _step("moe_tiny", r"/(blocks_\d+/mixer/experts/\w+)/", True, timeout=2400)
   cfg = moe_tiny.get_config()
   model_cfg = config_lib.resolve_model_config(cfg.model)
   f4 = "f4e2m1fnxf4e2m1fn"
