@@ -24,7 +24,8 @@ from models import ssd_pallas
 from training import sharding as sh
 
 TILES = ssd_pallas.SsdTiles(chunk=16, state_p=16)
-mesh = jax.make_mesh((1, 2, 2), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+mesh = jax.make_mesh(sh.mesh_shape(dict(data=1, fsdp=2, tensor=2), 4), sh.MESH_AXES,
+                     axis_types=(jax.sharding.AxisType.Auto,) * len(sh.MESH_AXES))
 NAMES = ("dx", "ddt", "da", "db", "dc", "dd", "ds0", "y", "final")
 
 def grads(impl, cy, cf):
