@@ -30,6 +30,7 @@ Legend: N output features, K input features, G SSM groups, R heads per group (SS
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -43,7 +44,7 @@ import ml_dtypes
 import numpy as np
 
 import fp4jax
-from models import ModelConfig, policy
+from models import ModelConfig, moe, policy
 from models.config import BLOCK_KINDS
 
 PREFIX = "backbone."                       # NVIDIA's checkpoints; transformers also reads "model."
@@ -733,10 +734,16 @@ def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> 
   of a static-activation NVFP4 checkpoint; training itself used each batch's own amax)."""
   seen: dict[tuple, float] = {}
 
+  def see(path, x):
+    seen[path] = max(seen.get(path, 0.0), float(jnp.max(jnp.abs(x.astype(jnp.float32)))))
+
   def record(next_fun, args, kwargs, context):
     path = tuple(context.module.path)
-    if context.method_name == "__call__" and path in paths:
-      seen[path] = max(seen.get(path, 0.0), float(jnp.max(jnp.abs(args[0].astype(jnp.float32)))))
+    if context.method_name != "__call__" or path not in paths:
+      return next_fun(*args, **kwargs)
+    if isinstance(context.module, moe.ExpertLinear):   # it returns the GEMM; the rows reach that (zero padding rows)
+      return dataclasses.replace(next_fun(*args, **kwargs), observe=functools.partial(see, path))
+    see(path, args[0])
     return next_fun(*args, **kwargs)
 
   mtp = {"mtp_logits": True} if model.config.mtp_depths else {}   # the MTP layers see their inputs too

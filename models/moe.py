@@ -150,17 +150,21 @@ class RoutedExperts(nn.Module):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("kernel", "key"),
-                   meta_fields=("recipe", "dtype"))
+                   meta_fields=("recipe", "dtype", "observe"))
 @dataclasses.dataclass(frozen=True)
 class ExpertGemm:
   """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype, its recipe, and its key (one
-  key, or (E,) keys: fold_in(key, e), which expert parallelism splits with the kernel), or None."""
+  key, or (E,) keys: fold_in(key, e), which expert parallelism splits with the kernel), or None.
+  ``observe(x_SxK)``, where set, sees each input (the export's calibration reads its amax)."""
   kernel: jax.Array
   key: Any
   recipe: Any
   dtype: Any
+  observe: Any = None
 
   def __call__(self, x_SxK, sizes_E):
+    if self.observe is not None:
+      self.observe(x_SxK)
     return grouped.grouped_dot(x_SxK.astype(self.dtype), self.kernel, sizes_E, recipe=self.recipe, key=self.key,
                                preferred_element_type=self.dtype)
 

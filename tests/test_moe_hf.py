@@ -99,6 +99,27 @@ def test_bf16_export_keeps_the_router_in_float32():
   assert tensors["backbone.layers.0.mixer.experts.up_proj"].dtype == ml_dtypes.bfloat16
 
 
+def test_calibration_reads_the_experts_inputs():
+  """tools/hf.py export --format nvfp4 calibrates every quantized layer, the routed experts too: the up GEMM's
+  amax is that of the rows it is given (the latent projection's output; padding rows are zeros)."""
+  config = CONFIGS["latent"]
+  _, params = _params(config)
+  model = LanguageModel(config, "nvfp4")
+  paths = hf.quantized_paths(config, "nvfp4")
+  up, down = ("blocks_1", "mixer", "experts", "up"), ("blocks_1", "mixer", "experts", "down")
+  assert {up, down} <= paths
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 8))
+  amax = hf.calibration_amax(model, params, tokens, paths)
+  _, state = model.apply({"params": params}, jnp.asarray(tokens, jnp.int32), capture_intermediates=True,
+                         mutable=["intermediates"])
+  latent = state["intermediates"]["blocks_1"]["mixer"]["fc1_latent_proj"]["__call__"][0]
+  assert amax[up] == float(jnp.max(jnp.abs(latent.astype(jnp.float32))))
+  assert np.isfinite(amax[down]) and amax[down] > 0
+  tensors, _ = hf.to_hf_nvfp4(params, config, "nvfp4", input_amax=amax)
+  scale = tensors["backbone.layers.1.mixer.experts.5.down_proj.input_scale"]
+  assert scale == np.float32(amax[down]) / np.float32(6 * 448)
+
+
 def test_nvfp4_export_covers_the_experts_bit_identical_to_training():
   config = CONFIGS["latent"]
   _, params = _params(config)

@@ -8,11 +8,14 @@
   twin (the same exact products, one bf16 GEMM with float32 accumulation), for every format, under jit,
   and through value_and_grad of fp4jax.dot for every NVFP4 recipe preset.
 - The native grouped GEMM (work items of tiles x groups) equals the XLA grouped path (lax.ragged_dot)
-  bit for bit per group, for each tiling, with empty groups and rows past the last group, and through
+  per group within float32 summation order (a batched dot against a ragged one; bit for bit on order-free
+  dyadic data), for each tiling, with empty groups and rows past the last group, and through
   value_and_grad of fp4jax.grouped_dot.
 - jax.nn.scaled_matmul itself on the CPU, where this jax lowers it (0.10.2 does not: skipped).
 - The default selection: native on compute capability 10.x only, FP4JAX_DEFAULT_IMPL overrides.
 """
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,8 +170,8 @@ def test_extreme_amaxes_take_the_split_factor():
 # ------------------------------------------------------------------------------- grouped native == XLA path
 # The grouped GEMM (fp4jax.gemm.grouped_matmul / grouped_matmul_t) with impl="native" runs the work items of
 # fp4jax.native (tiles of T rows x groups, one batched block-scaled GEMM, its twin on the CPU) and must equal
-# the XLA path (lax.ragged_dot on the same exact products) bit for bit, per group, with empty groups, random
-# offsets and non-zero rows past the last group, for each tiling: one tile of all S rows (every group padded
+# the XLA path (lax.ragged_dot on the same exact products) within float32 summation order, per group, with
+# empty groups, random offsets and non-zero rows past the last group, for each tiling: one tile of all S rows (every group padded
 # to S) and tiles of one or two chunks (many items per group, groups split across tiles).
 
 E_G, A_G = 5, 16
@@ -226,10 +229,13 @@ def _both(fn, *args):
 @pytest.mark.parametrize("tiling", list(TILINGS))
 @pytest.mark.parametrize("name", list(ROWS_PAIRS))
 def test_grouped_rows_native_equals_xla(name, tiling, monkeypatch):
-  """fprop / dgrad: y (S, N), the rows ragged; rows past the last group give zeros on both paths."""
+  """fprop / dgrad: y (S, N), the rows ragged; rows past the last group give zeros on both paths. The same
+  exact products, but a batched dot against a ragged one: XLA's CPU GEMMs may sum them in another order
+  (seen: 1 element in 5120 one float32 ulp apart for MS-EDEN's K=128), so within float32 summation error
+  (and one bfloat16 ulp for a bfloat16 output), never pinned."""
   monkeypatch.setattr(native, "TILING", TILINGS[tiling])
   qa, qb, k = ROWS_PAIRS[name]
-  sizes, s = _sizes(hash(name) % 1000)
+  sizes, s = _sizes(zlib.crc32(name.encode()) % 1000)   # not hash(): Python salts it per process
   g = gemm.groups(sizes, s, A_G)
   a_U = _chunks(qa, _x(50, (s, k)).reshape(s // A_G, A_G, k), 51)
   if qb == "transposed":   # dgrad's weight: each group's fprop tiles (N, K) transposed to (K, N)
@@ -239,7 +245,8 @@ def test_grouped_rows_native_equals_xla(name, tiling, monkeypatch):
   for out_dtype in (jnp.float32, jnp.bfloat16):
     got, want = _both(lambda a, b, impl: gemm.grouped_matmul(a, b, g, out_dtype=out_dtype, impl=impl), a_U, b_E)
     assert got.dtype == want.dtype == out_dtype
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    _summation_close(got, want, rtol=0.0 if out_dtype == jnp.float32 else 2.0 ** -8)
   assert np.count_nonzero(np.asarray(want)[:int(sizes.sum())]) > 0
   np.testing.assert_array_equal(np.asarray(got)[int(sizes.sum()):], 0.0)
 
@@ -252,10 +259,11 @@ TOKENS_PAIRS = {   # (x's quantizer along the tokens, dy's, dyadic data), both q
 }
 
 
-def _summation_close(got, want):
-  """Equal within float32 summation error: a relative 1e-5 of the largest output (never pinned)."""
+def _summation_close(got, want, rtol=0.0):
+  """Equal within float32 summation error: a relative 1e-5 of the largest output (never pinned); ``rtol``
+  adds an output rounding (a bfloat16 ulp, 2^-8)."""
   want = np.asarray(want)
-  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=1e-5 * np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("tiling", list(TILINGS))
@@ -316,9 +324,8 @@ def test_items_cover_every_row_once():
 @pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_4over6", "nvfp4_row_scaled", "quartet2",
                                     pytest.param("tetrajet2", marks=pytest.mark.slow)])
 def test_grouped_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):
-  """y and dx of fp4jax.grouped_dot with the grouped GEMMs native (FP4JAX_DEFAULT_IMPL=native, the
-  default tiling: one tile for 5 experts) are the XLA path's bit for bit, dw within float32 summation
-  error (test_grouped_tokens_native_equals_xla), with rows past the groups non-zero in x and dy."""
+  """y, dx and dw of fp4jax.grouped_dot with the grouped GEMMs native (FP4JAX_DEFAULT_IMPL=native, the
+  default tiling: one tile for 5 experts) are the XLA path's within float32 summation error (test_grouped_tokens_native_equals_xla), with rows past the groups non-zero in x and dy."""
   a = grouped.alignment(recipe)
   sizes, s = _sizes(3, rows=a)
   x, w, dy = _x(80, (s, 64)), _x(81, (E_G, 64, 32), 0.1), _x(82, (s, 32))
@@ -337,8 +344,10 @@ def test_grouped_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):
   jaxpr = str(jax.make_jaxpr(run())())
   assert jaxpr.count("scaled_matmul") >= 3 and "ragged_dot" not in jaxpr   # fprop, dgrad, wgrad native
   got = jax.jit(run())()
-  np.testing.assert_array_equal(got[0], want[0])
-  np.testing.assert_array_equal(got[1], want[1])
+  for g_, w_ in zip(got[:2], want[:2]):   # y, dx: test_grouped_rows_native_equals_xla's float32 order
+    assert g_.dtype == w_.dtype
+    _summation_close(np.asarray(g_, np.float32), np.asarray(w_, np.float32),
+                     rtol=0.0 if g_.dtype == jnp.float32 else 2.0 ** -8)
   for e in range(E_G):
     _summation_close(got[2][e], want[2][e])
 
