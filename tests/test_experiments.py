@@ -52,6 +52,7 @@ def test_reference_variant_defaults_to_the_paper_recipe_in_the_study():
     study.reference_variant(c)
 
 
+@pytest.mark.slow   # ~40 s: trains the micro study's runs
 def test_micro_study_writes_summary_and_skips_finished_runs(tmp_path):
   c = micro_study_config()
   out, runs = str(tmp_path / "results"), str(tmp_path / "runs")

@@ -81,7 +81,8 @@ def test_linen_dense_equals_dot(recipe):
   assert np.any(np.asarray(other["params"]["kernel"]) != np.asarray(g_w_ref))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [r if r == "nvfp4_4over6" else pytest.param(r, marks=pytest.mark.slow)
+                                    for r in RECIPES])   # the linen test covers each recipe by default
 def test_nnx_linear_equals_dot(recipe):
   x, w = _data()
   rngs = nnx.Rngs(0, fp4=5)

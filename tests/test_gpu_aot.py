@@ -69,7 +69,7 @@ def _check(proc, report, time_s):
 
 
 @needs_plugin
-@pytest.mark.parametrize("target", ["h200", "b200"])
+@pytest.mark.parametrize("target", ["h200", pytest.param("b200", marks=pytest.mark.slow)])
 def test_every_kernel_and_op_compiles(tmp_path, target):
   """Every Pallas kernel (its own compile, so a slow one is named) and the XLA composition of every
   op (one module), for the target, with predicted costs."""
@@ -85,6 +85,7 @@ def test_every_kernel_and_op_compiles(tmp_path, target):
 
 
 @needs_plugin
+@pytest.mark.slow   # ~2.5 min per target; the default suite compiles the nvfp4 dot natively (test_gpu_aot_native)
 @pytest.mark.parametrize("target", ["h200", "b200"])
 def test_every_recipe_dot_compiles(tmp_path, target):
   """value_and_grad of fp4jax.dot for every recipe preset, one module."""

@@ -16,7 +16,7 @@ SHAPE = "1,512,16,64,2,128"   # B, L, H, P, G, N
 
 
 @needs_plugin
-@pytest.mark.parametrize("target", ["h200", "b200"])
+@pytest.mark.parametrize("target", ["h200", pytest.param("b200", marks=pytest.mark.slow)])
 def test_ssd_kernels_compile_forward_and_backward(tmp_path, target):
   proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "ssd", "--impl", "pallas", "--shape",
                           SHAPE, f"--budget_s={KERNEL_BUDGET_S}", f"--budget_gib={RSS_BUDGET_GIB}")

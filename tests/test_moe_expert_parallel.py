@@ -256,6 +256,7 @@ def test_moe_block_equals_one_device(result, recipe):
     assert c["max_abs"] <= BLOCK_RTOL * c["max_ref"], (name, c)
 
 
+@pytest.mark.slow   # ~4.5 min: two moe_tiny train runs; the block-level equalities above run by default
 def test_moe_tiny_train_step_equals_one_device(tmp_path):
   one = _run(_TRAIN_DRIVER.format(root=ROOT, data=1, expert=1, workdir=str(tmp_path / "one")), devices=1)
   ep = _run(_TRAIN_DRIVER.format(root=ROOT, data=1, expert=8, workdir=str(tmp_path / "ep8")))

@@ -73,7 +73,7 @@ def test_parameter_tree_of_the_mtp_modules():
   assert set(_flat(off)) == {k for k in _flat(params) if not k.startswith("mtp_")}
 
 
-@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("share", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_loss_is_the_masked_cross_entropy_of_each_depths_logits(share):
   config = CONFIG.replace(mtp_share_depths=share)
   model, params = _init(config)
@@ -112,6 +112,7 @@ def test_masked_positions_do_not_reach_the_loss():
   assert len(mtp.sown_losses(ref)) == 2
 
 
+@pytest.mark.slow   # ~25 s; the train-steps test below moves every loss
 def test_gradients_reach_every_mtp_parameter():
   config = CONFIG.replace(mtp_pattern="*E", **MOE)
   model = LanguageModel(config, "bf16")

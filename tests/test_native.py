@@ -226,8 +226,10 @@ def _both(fn, *args):
   return [jax.jit(lambda *a: fn(*a, impl=i))(*args) for i in ("native", "xla")]
 
 
-@pytest.mark.parametrize("tiling", list(TILINGS))
-@pytest.mark.parametrize("name", list(ROWS_PAIRS))
+# Every format on the tiling with the most items per group; the other two tilings for nvfp4 by default.
+@pytest.mark.parametrize("name, tiling", [
+    (n, t) if t == "tiles of A" or n == "nvfp4 x tiles" else pytest.param(n, t, marks=pytest.mark.slow)
+    for n in ROWS_PAIRS for t in TILINGS])
 def test_grouped_rows_native_equals_xla(name, tiling, monkeypatch):
   """fprop / dgrad: y (S, N), the rows ragged; rows past the last group give zeros on both paths. The same
   exact products, but a batched dot against a ragged one: XLA's CPU GEMMs may sum them in another order
@@ -321,7 +323,8 @@ def test_items_cover_every_row_once():
       assert (owner[len(group_of):] == -1).all()
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_4over6", "nvfp4_row_scaled", "quartet2",
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_4over6", "nvfp4_row_scaled",
+                                    pytest.param("quartet2", marks=pytest.mark.slow),
                                     pytest.param("tetrajet2", marks=pytest.mark.slow)])
 def test_grouped_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):
   """y, dx and dw of fp4jax.grouped_dot with the grouped GEMMs native (FP4JAX_DEFAULT_IMPL=native, the

@@ -519,7 +519,9 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.group}: {c.name}" for c in CASES])
+# The x64 group runs in a subprocess with jax_enable_x64 (~45 s): slow; scripts/reliability_matrix.py runs it.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.group.startswith("x64") else c
+                                  for c in CASES], ids=[f"{c.group}: {c.name}" for c in CASES])
 def test_case(case):
   v, detail = verdict(case)
   want = CLEAR_ERROR if case.error is not None else CORRECT

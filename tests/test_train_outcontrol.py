@@ -120,6 +120,7 @@ def test_the_on_phase_forward_is_outcontrol_dot():
   assert np.all(np.isfinite(np.asarray(grads["dense"]["kernel"]))) and np.any(grads["dense"]["kernel"] != 0)
 
 
+@pytest.mark.slow
 def test_scanned_blocks_keep_one_state_per_repetition():
   """scan_blocks stacks each repeated block's OutControl state on the repeat axis; recording fills each
   repetition from its own input (the first one's equals the unscanned model's first block: same input),
@@ -207,6 +208,7 @@ def straight(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow   # with its fixture ~1 min; the on-phase forward and the scanned state run by default
 def test_until_the_split_is_on_the_run_equals_one_without_outcontrol(straight, tmp_path):
   """(1) After the plain and the recording steps the state equals a run without OutControl bit for bit;
   (2) the state saved after the window is perm = argsort(-acc), acc zero before the window and unchanged
@@ -230,6 +232,7 @@ def test_until_the_split_is_on_the_run_equals_one_without_outcontrol(straight, t
   np.testing.assert_array_equal(after, state[acc_path])              # nor after it
 
 
+@pytest.mark.slow
 def test_resume_inside_and_after_the_window_is_bit_exact(straight, tmp_path):
   """3 steps + restart + 3 (resumed with one recording step left), and the straight run's checkpoints up to
   step 5 + restart + 1 (resumed with the split on): both end where the straight run ends, bit for bit."""

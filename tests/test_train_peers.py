@@ -166,6 +166,7 @@ def reference(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow   # ~45 s, two processes; tests/test_train_distributed.py runs two processes by default
 def test_kill_the_coordinator_after_a_save(tmp_path):
   """The default suite's case: process 0 (the coordinator) killed after checkpoint 6; process 1 exits 10 at once
   with the line (whether its collective fails first or JAX's client aborts it: then its supervisor says it)."""

@@ -237,6 +237,7 @@ def test_cli_data_missing(tmp_path):
                 "none.txt", "does not exist")
 
 
+@pytest.mark.slow   # CLI subprocesses (~10 s each): test_cli_distributed_no_coordinator runs by default
 def test_cli_distributed_bad_process_id(tmp_path):
   _assert_clear(_shrunken_cli(tmp_path / "w", "--num_processes=2", "--process_id=5",
                               "--coordinator_address=127.0.0.1:1"), 8, "multi-process set-up failed")
@@ -256,6 +257,7 @@ def test_cli_diverged(tmp_path):
   assert os.path.exists(tmp_path / "w" / "error.log")
 
 
+@pytest.mark.slow
 def test_cli_debug_shows_the_traceback(tmp_path):
   workdir = tmp_path / "w"
   os.makedirs(workdir)
@@ -281,6 +283,7 @@ def test_resume_of_a_finished_run(tmp_path, capsys):
   assert evals == [2]
 
 
+@pytest.mark.slow
 def test_metrics_after_a_resume(tmp_path, capsys):
   workdir = str(tmp_path / "run")
   trainer.train_and_evaluate(_config(steps=4, halt_after=2, **{"eval.batches": 1, "eval.every_steps": 1}), workdir)
@@ -540,6 +543,7 @@ def _first_state(config, workdir):
     run.close()
 
 
+@pytest.mark.slow
 def test_init_from_takes_params_and_starts_fresh(finished, tmp_path):
   source = finished[0]
   config = _config(steps=2, init_from=source, **{"optim.lr": 1e-3})
@@ -663,6 +667,7 @@ def _signal_at(tmp_path, pattern, sig, *args, steps=4000):
   return code, seconds, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_sigint_during_setup(tmp_path):
   import signal  # pylint: disable=g-import-not-at-top
   code, seconds, out = _signal_at(tmp_path, "initializing the state ...", signal.SIGINT, "--compilation_cache=")
@@ -784,6 +789,7 @@ def test_shorten_a_run(tmp_path):
   assert not extend.plan(cosine, new_cosine, 10).accepted
 
 
+@pytest.mark.slow
 def test_startup_phases_and_timestamps(tmp_path):
   result = _shrunken_cli(tmp_path / "w", "--config.log_every=2", "--config.eval.batches=0", steps=4)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -803,6 +809,7 @@ def test_startup_phases_and_timestamps(tmp_path):
     assert "+" in line.split("]")[-1] and line.split("]")[-1].strip()[2] == ":"  # "09:41:07 +83s"
 
 
+@pytest.mark.slow   # ~30 s: train, sample, export from another directory
 def test_entry_points_from_another_directory(tmp_path):
   import tomllib  # pylint: disable=g-import-not-at-top
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
@@ -845,6 +852,7 @@ def fp4jax_recipe(name):
   return fp4jax.recipes.get(name)
 
 
+@pytest.mark.slow
 def test_error_log_of_an_unusable_workdir(tmp_path):
   (tmp_path / "afile").write_text("")
   temp = tmp_path / "temp"
