@@ -3,10 +3,12 @@ of 512 experts with 22 per token, 8 attention) and one MTP module (attention + L
 precision rules (model.precision="nemotron3_super": the MTP module, the last 14 blocks, attention and the latent
 projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
 
-The 64-GPU layout (8 hosts x 8), compiled ahead of time for H200 and B200 (docs/PERF.md, "nemotron3_super"):
-experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch by all-to-all,
-models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8), one sequence
-of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups scanned:
+The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
+by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
+one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups
+scanned. Its state fits (31.45 GiB per GPU), its step does NOT yet: the dropless receive buffer of the expert
+exchange and the grouped GEMMs on it need terabytes of temp per GPU at 22 experts per token (docs/PERF.md,
+2026-12-02 "nemotron3_super on 64 GPUs": what was compiled, why, and what would fit). Compile it with:
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda python bench/gpu_aot.py --target b200 --what step \
       --config configs/nemotron3_super.py --devices 64 --batch_per_device 1
