@@ -50,8 +50,26 @@ def block_scaled_matmul(a, b, a_scales, b_scales):
 
 def batched_block_scaled_matmul(a, b, a_scales, b_scales):
   """float32 (B, M, N): ``block_scaled_matmul`` of each pair along the batch axis B (one batched
-  block-scaled GEMM): a (B, M, K), b (B, N, K), scales (B, M, K/16), (B, N, K/16)."""
-  return jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32)
+  block-scaled GEMM): a (B, M, K), b (B, N, K), scales (B, M, K/16), (B, N, K/16).
+
+  Inside ``shard_map``, jax 0.10.2's ``scaled_matmul`` types its result as varying over no mesh axis whatever
+  its operands vary over (its twin's ``dot_general`` keeps their axes, and ``lax.platform_dependent`` refuses
+  branches of different types: "the manual axis types do not match", the expert-parallel MoE step on sm_100):
+  the result is cast to vary over every axis an operand varies over."""
+  out = jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32)
+  missing = frozenset().union(*map(varying_axes, (a, b, a_scales, b_scales))) - varying_axes(out)
+  return lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+
+
+def varying_axes(x) -> frozenset:
+  """The ``shard_map`` mesh axes ``x`` varies over (empty outside one): jax 0.10.2 names them
+  ``typeof(x).manual_axis_type.varying``, earlier and later jax ``typeof(x).vma``."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    mat = getattr(aval, "manual_axis_type", None)
+    vma = mat.varying if mat is not None else ()
+  return frozenset(vma)
 
 
 def cuda_compute_capability() -> tuple[int, int] | None:

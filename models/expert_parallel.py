@@ -178,7 +178,10 @@ def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: i
   # 3. Dispatch: slice e (counts_E[e] rows from send_start_E[e]) to place_PxE[me, e] on its device.
   capacity = t * min(r, local)
   s = received_rows(t, r, n_experts, size, align)
-  recv_SxQ = exchange(send_SxQ, jnp.zeros((s,) + send_SxQ.shape[1:], send_SxQ.dtype), send_start_E, counts_E,
+  # The receive buffers are zeros_like the rows they receive: they vary over the mesh axes the rows vary
+  # over, as lax.ragged_all_to_all's result takes its output buffer's type (a plain jnp.zeros varies over
+  # none, and the grouped GEMM's custom_vjp then refuses its varying cotangent).
+  recv_SxQ = exchange(send_SxQ, jnp.zeros_like(send_SxQ, shape=(s,) + send_SxQ.shape[1:]), send_start_E, counts_E,
                       place_PxE[me], mine(counts_PxE), axis_name=axis, capacity=capacity, impl=impl)
   # 4. This device's experts on their rows. The operands are made varying over the batch axes, as the rows
   #    are: the transpose of that cast sums their gradients over the data replicas (a custom_vjp's
@@ -189,7 +192,7 @@ def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: i
   out_SxQ = experts_fn(recv_SxQ, jax.lax.dynamic_slice_in_dim(sizes_E, me * local, local), operands)
   # 5. Combine: the slices back to their sources, at their places in the sources' sorted order.
   start_PxE = jnp.cumsum(counts_PxE, axis=1) - counts_PxE
-  back_SxQ = exchange(out_SxQ, jnp.zeros((t * r,) + out_SxQ.shape[1:], out_SxQ.dtype), mine(place_PxE),
+  back_SxQ = exchange(out_SxQ, jnp.zeros_like(out_SxQ, shape=(t * r,) + out_SxQ.shape[1:]), mine(place_PxE),
                       mine(counts_PxE), mine(start_PxE), counts_E, axis_name=axis, capacity=capacity, impl=impl)
   picked = jnp.zeros_like(back_SxQ).at[order].set(back_SxQ)
   return picked.reshape(t, r, -1)

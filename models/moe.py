@@ -286,8 +286,10 @@ class SharedExperts(nn.Module):
 
 
 def inactive_params(config: ModelConfig) -> int:
-  """Parameters a token does not use: the routed experts it is not sent to, in every ``E`` block."""
+  """Parameters a token does not use: the routed experts it is not sent to, in every ``E`` block, those of the
+  MTP modules (``mtp_<i>``, each with the ``E`` blocks of ``mtp_pattern``) included."""
   q = config.moe_latent_size or config.d_model
   per_expert = 2 * q * config.moe_intermediate_size
   idle = config.n_routed_experts - config.num_experts_per_tok
-  return config.pattern.count("E") * idle * per_expert
+  blocks = config.pattern.count("E") + config.mtp_modules * config.mtp_pattern.count("E")
+  return blocks * idle * per_expert

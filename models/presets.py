@@ -2,7 +2,8 @@
 
 ``get_model_config("nemotron_h_12b")``; variants are ``dataclasses.replace(config, ...)``.
 Parameter counts (``models.count_params``): tiny 0.72M, small 5.2M, hybrid_8b 8.08B,
-nemotron_h_12b 12.31B (the paper: 12.3B).
+nemotron_h_12b 12.31B (the paper: 12.3B), nemotron3_super 123.61B (120.67B without its MTP module; 12.77B active
+per token without MTP, 13.02B with it).
 """
 from __future__ import annotations
 
@@ -70,12 +71,56 @@ def moe_tiny() -> ModelConfig:
       dtype=jnp.float32, bf16_first_blocks=0, bf16_last_blocks=1)
 
 
-_PRESETS = {"tiny": tiny, "moe_tiny": moe_tiny, "small": small, "hybrid_8b": hybrid_8b, "nemotron_h_12b": nemotron_h_12b}
+# Nemotron 3 Super's 88 blocks (config.json "hybrid_override_pattern"): 40 M, 40 E, 8 *.
+SUPER_PATTERN = ("MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
+                 "EMEMEMEME")
+
+
+def nemotron3_super() -> ModelConfig:
+  """Nemotron 3 Super (NVIDIA, 2026; "120B-A12B"): 88 blocks = 40 Mamba-2, 40 LatentMoE, 8 attention, and one
+  MTP module of attention + LatentMoE; trained in NVFP4 with the Super precision rules (``models.policy``).
+
+  Every number is the released ``config.json`` of ``nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16`` (the same
+  in the -Base-BF16 and -NVFP4 repositories; read through public copies of it, e.g. the test fixtures of
+  inference engines that parse it, since huggingface.co cannot be reached from here):
+    hybrid_override_pattern   SUPER_PATTERN (88 characters)      hidden_size 4096, vocab_size 131072
+    num_attention_heads 32, num_key_value_heads 2, head_dim 128  (no RoPE is applied by NemotronH attention;
+                                                                  rope_theta 10000 is an unused field there)
+    mamba_num_heads 128, mamba_head_dim 64 (d_inner 8192 = expand 2 x 4096), ssm_state_size 128,
+    n_groups 8, conv_kernel 4, use_conv_bias true, chunk_size 128, time_step_min/max 0.001 / 0.1
+    n_routed_experts 512, num_experts_per_tok 22, moe_intermediate_size 2688, moe_latent_size 1024,
+    moe_shared_expert_intermediate_size 5376 (n_shared_experts 1), n_group 1, topk_group 1,
+    norm_topk_prob true, routed_scaling_factor 5.0, mlp_hidden_act relu2
+    num_nextn_predict_layers 1, mtp_hybrid_override_pattern "*E"    layer_norm_epsilon 1e-5
+  ``mlp_dim`` is config.json's ``intermediate_size`` (2688); there is no ``-`` block, so it shapes nothing.
+
+  Parameter counts of this preset (``jax.eval_shape`` of init; tests/test_presets_super.py): 123,611,033,088 in
+  all, the release's 123,611,012,096 BF16 weights plus the 41 x 512 float32 ``e_score_correction_bias`` (a public
+  count from the BF16 shards' headers: 123,611,012,096 weights, 2,942,324,736 of them in MTP, 107,898,470,400 in
+  the backbone's idle experts); 120.67B without the MTP module. Active per token (``moe.inactive_params``):
+  12.77B without MTP (the "A12B"), 13.02B with it; the MTP module runs once per depth in training, so the
+  step's MFU counts it (docs/PERF.md).
+  """
+  return ModelConfig(
+      vocab_size=131072, d_model=4096, pattern=SUPER_PATTERN, mlp_dim=2688, mlp_kind="relu2",
+      n_heads=32, n_kv_heads=2, head_dim=128,
+      n_groups=8, d_state=128, ssm_head_dim=64, expand=2, conv_width=4, chunk_size=128,
+      dt_min=0.001, dt_max=0.1,
+      n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+      moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, n_group=1, topk_group=1,
+      norm_topk_prob=True, routed_scaling_factor=5.0,
+      mtp_depths=1, mtp_pattern="*E",
+      norm_eps=1e-5, dtype=jnp.bfloat16, precision="nemotron3_super")
+
+
+_PRESETS = {"tiny": tiny, "moe_tiny": moe_tiny, "small": small, "hybrid_8b": hybrid_8b, "nemotron_h_12b": nemotron_h_12b,
+            "nemotron3_super": nemotron3_super}
 NAMES = tuple(_PRESETS)
 
 
 def get_model_config(name: str, **overrides) -> ModelConfig:
-  """A preset by name (``tiny``, ``moe_tiny``, ``small``, ``hybrid_8b``, ``nemotron_h_12b``), with field overrides."""
+  """A preset by name (``tiny``, ``moe_tiny``, ``small``, ``hybrid_8b``, ``nemotron_h_12b``,
+  ``nemotron3_super``), with field overrides."""
   try:
     config = _PRESETS[name]()
   except KeyError:

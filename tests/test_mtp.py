@@ -73,6 +73,18 @@ def test_parameter_tree_of_the_mtp_modules():
   assert set(_flat(off)) == {k for k in _flat(params) if not k.startswith("mtp_")}
 
 
+@pytest.mark.parametrize("depths, share", [(0, False), (2, False), (3, True)])
+def test_inactive_params_count_the_idle_experts_of_the_mtp_modules(depths, share):
+  """moe.inactive_params against the parameter tree: (E - k) / E of every routed-expert kernel, main and MTP."""
+  from models import moe   # pylint: disable=import-outside-toplevel
+  config = CONFIG.replace(pattern="ME*", mtp_pattern="*E", mtp_depths=depths, mtp_share_depths=share, **MOE)
+  params = jax.eval_shape(lambda: _init(config)[1])
+  kernels = [v.size for k, v in _flat(params).items() if "/experts/" in k]
+  assert len(kernels) == 2 * (1 + config.mtp_modules)
+  idle = config.n_routed_experts - config.num_experts_per_tok
+  assert moe.inactive_params(config) == sum(n // config.n_routed_experts * idle for n in kernels)
+
+
 @pytest.mark.parametrize("share", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_loss_is_the_masked_cross_entropy_of_each_depths_logits(share):
   config = CONFIG.replace(mtp_share_depths=share)

@@ -39,7 +39,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("ssm_inner", "tensor"),
     ("ssm_heads", "tensor"),
     ("experts", "expert"),
-    ("moe_latent", None),
+    # The latent width: fsdp where d_model's fsdp is not taken (the experts' (E, Q, F) kernels, stored split
+    # like the non-latent experts' (E, D, F), gathered per layer; fc1/fc2_latent_proj keep fsdp on embed).
+    ("moe_latent", "fsdp"),
     # Activations: the batch over (data, fsdp, expert), model axes over tensor, d_model whole.
     ("activation_batch", BATCH_AXES),
     ("activation_seq", None),

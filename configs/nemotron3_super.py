@@ -1,0 +1,55 @@
+"""Nemotron 3 Super (models.presets.nemotron3_super, 120B total / 12B active): 88 blocks (40 Mamba-2, 40 LatentMoE
+of 512 experts with 22 per token, 8 attention) and one MTP module (attention + LatentMoE), NVFP4 with Super's
+precision rules (model.precision="nemotron3_super": the MTP module, the last 14 blocks, attention and the latent
+projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
+
+The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
+by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
+one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups
+scanned. Its state fits (31.45 GiB per GPU), its step does NOT yet: the dropless receive buffer of the expert
+exchange and the grouped GEMMs on it need terabytes of temp per GPU at 22 experts per token (docs/PERF.md,
+2026-12-02 "nemotron3_super on 64 GPUs": what was compiled, why, and what would fit). Compile it with:
+
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda python bench/gpu_aot.py --target b200 --what step \
+      --config configs/nemotron3_super.py --devices 64 --batch_per_device 1
+
+Train (point the data at a pre-tokenized corpus of the 131072-token vocabulary):
+
+  python train.py --config configs/nemotron3_super.py --config.data.sources='/data/tokens/*.bin' \
+      --config.data.token_dtype=uint32 --workdir /ckpt/nemotron3_super
+
+Sourced: the architecture (the preset's docstring), NVFP4 pretraining with MTP (the Nemotron 3 Super report's
+abstract: 25T tokens). Not sourced (the report's schedule was not reachable from here): the learning rate,
+warmup, decay and the 64-sequence batch are this repository's 12B choices scaled to 64 GPUs; `steps` is 25T
+tokens at that batch. Raise batch_size (and data-parallel replicas: mesh.data) for a production run.
+"""
+from configs import base
+
+
+def get_config():
+  c = base.get_config()
+  c.name = "nemotron3_super"
+  c.recipe = "nvfp4"
+  c.model.preset = "nemotron3_super"
+  c.model.remat = "full"
+  c.model.scan_blocks = True
+  c.batch_size = 64
+  c.data.seq_len = 8192
+  c.steps = 25_000_000_000_000 // (64 * 8192)
+  c.data.validation_fraction = 0.001
+  c.data.read_threads = 8
+  c.data.prefetch = 8
+  c.optim.lr = 4.5e-4
+  c.optim.min_lr_ratio = 0.01
+  c.optim.warmup_steps = 2000
+  c.optim.decay_fraction = 0.2
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.expert = 8
+  c.mesh.tensor = 1
+  c.log_every = 10
+  c.eval.every_steps = 1000
+  c.eval.batches = 8
+  c.checkpoint.every_steps = 1000
+  c.checkpoint.keep = 2
+  return c

@@ -1,0 +1,82 @@
+"""The expert-parallel MoE step's GPU paths, traced on a CPU (one device, a 1x1x1x1 mesh: ``shard_map``'s
+varying-axes types do not depend on the axis sizes). Both failed to trace in the 64-GPU Nemotron 3 Super
+compile (docs/PERF.md, 2026-12-02 "nemotron3_super"), which no CPU test had reached:
+
+1. ``lax.ragged_all_to_all`` (the exchange off the CPU) with an nvfp4 ``grouped_dot`` on the received rows:
+   the receive buffer was a plain ``jnp.zeros``, varying over no mesh axis, so the grouped GEMM's custom_vjp
+   refused its varying cotangent ("the manual axis types do not match").
+2. The native block-scaled GEMM (sm_100) inside ``shard_map``: jax 0.10.2's ``scaled_matmul`` result varies
+   over no axis, its twin's over the operands', and ``lax.platform_dependent`` refused the two branches.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from fp4jax import _native_compat as nc
+from fp4jax import grouped, native, recipes
+from models import expert_parallel, moe
+from training import sharding
+
+E, T, R, Q, F = 4, 32, 2, 64, 128
+
+
+def _mesh():
+  return jax.make_mesh((1,) * len(sharding.MESH_AXES), sharding.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
+
+
+def test_ragged_exchange_with_nvfp4_experts_traces_value_and_grad():
+  recipe = recipes.get("nvfp4")
+  align = grouped.alignment(recipe)
+  where = expert_parallel.Layout(("expert",), sharding.BATCH_AXES, 1)
+  experts = jnp.asarray(np.random.default_rng(0).permutation(np.tile(np.arange(E), T * R // E)).reshape(T, R) % E,
+                        jnp.int32)
+
+  def loss(h, w_up, w_down):
+    keys = jax.random.split(jax.random.key(0))
+    gemms = tuple(moe.ExpertGemm(w, key, recipe, jnp.float32).per_expert_keys() for w, key in zip((w_up, w_down), keys))
+    specs = jax.tree.map(lambda a: expert_parallel.expert_spec(where, a.ndim), gemms)
+    out = expert_parallel.routed(h, experts, gemms, specs, experts_fn=moe.mlp, n_experts=E, align=align,
+                                 where=where, impl="ragged")
+    return jnp.sum(out)
+
+  shapes = (jax.ShapeDtypeStruct((T, Q), jnp.float32), jax.ShapeDtypeStruct((E, Q, F), jnp.float32),
+            jax.ShapeDtypeStruct((E, F, Q), jnp.float32))
+  with jax.set_mesh(_mesh()):
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*shapes)
+  prims = {e.primitive.name for e in jaxpr.jaxpr.eqns for e in _walk(e)}
+  assert "ragged_all_to_all" in prims
+
+
+def _walk(eqn):
+  yield eqn
+  for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else _params_jaxprs(eqn):
+    for e in sub.eqns:
+      yield from _walk(e)
+
+
+def _params_jaxprs(eqn):
+  for v in eqn.params.values():
+    for j in (v if isinstance(v, (tuple, list)) else (v,)):
+      inner = getattr(j, "jaxpr", j)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def test_native_batched_gemm_traces_inside_shard_map_with_varying_operands():
+  b, m, n, k = 2, 16, 16, 32
+  a = jax.ShapeDtypeStruct((b, m, k), jnp.float4_e2m1fn)
+  w = jax.ShapeDtypeStruct((b, n, k), jnp.float4_e2m1fn)
+  sa = jax.ShapeDtypeStruct((b, m, k // 16), jnp.float8_e4m3fn)
+  sw = jax.ShapeDtypeStruct((b, n, k // 16), jnp.float8_e4m3fn)
+  batch = P(sharding.BATCH_AXES)
+
+  def f(a, w, sa, sw):
+    out = native.batched_block_scaled_matmul(native.Operand(a, sa), native.Operand(w, sw))
+    assert nc.varying_axes(out) == frozenset(sharding.BATCH_AXES)
+    return out
+
+  with jax.set_mesh(_mesh()):
+    jaxpr = jax.make_jaxpr(jax.shard_map(f, in_specs=(batch, P(), batch, P()), out_specs=batch))(a, w, sa, sw)
+  assert jaxpr.out_avals[0].shape == (b, m, n)
