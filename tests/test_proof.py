@@ -283,3 +283,46 @@ def test_no_verdict_for_a_program_compiled_for_other_devices(fake_gpu, kernel_fa
   assert impl.default_impl(OP, FMT, target=other) == "xla" and not calls
   assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]     # this device: proved, faster
   assert impl.default_impl(OP, FMT, target=other) == "xla"
+
+
+def _matmul_impl(a, b):
+  from fp4jax import api   # pylint: disable=import-outside-toplevel
+  eqns = jax.make_jaxpr(lambda a, b: api.scaled_matmul(a, b, out_dtype=jnp.bfloat16))(a, b).jaxpr.eqns
+  return [e.params["impl"] for e in eqns if str(e.primitive) == "fp4jax_scaled_matmul"]
+
+
+def test_mixed_matmul_is_proved_and_then_chosen(fake_gpu, kernel_faster, monkeypatch):
+  """The GEMM that decodes as it loads is a candidate; proved exact (and, with faked timings, faster),
+  impl=None's scaled matmul runs it ("mixed") instead of the XLA path."""
+  from fp4jax import formats   # pylint: disable=import-outside-toplevel
+  assert ("mixed_matmul", "nvfp4") in proof.candidates() and ("mixed_matmul", "mxfp4") in proof.candidates()
+  calls = _count_proofs(monkeypatch)
+  a = proof.exact_operand(32, 64, "nvfp4", False, 1)
+  b = proof.exact_operand(32, 64, "nvfp4", True, 2)
+  assert _matmul_impl(a, b) == ["mixed"]
+  assert calls[0] == ("mixed_matmul", "nvfp4")
+  entry = verdicts.entry_for("mixed_matmul", "nvfp4")
+  assert entry["verdict"] == "faster"
+  cases = {c["case"] for v in entry["evidence"]["variants"] for c in v["cases"]}
+  assert {"exact", "amax tiny 2^-100", "amax huge 2^100", "amax nan", "nan scales",
+          "random, summation-order bound"} <= cases
+  assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16.16x16", "1x16.1x16"]
+  assert formats.KERNEL_FORMATS
+
+
+def test_wrong_mixed_matmul_is_refused(fake_gpu, kernel_faster, monkeypatch, capsys):
+  """A mixed kernel that drops NaN (a NaN scale byte's block gives 0, as a Triton max that ignores NaN
+  would) is refused, and the scaled matmul falls back to the XLA path."""
+  from fp4jax.kernels import mixed_matmul as km   # pylint: disable=import-outside-toplevel
+  real = km.mixed_matmul
+
+  def wrong(*args, **kw):
+    out = real(*args, **kw)
+    return jnp.where(jnp.isnan(out), jnp.zeros((), out.dtype), out)
+  monkeypatch.setattr(km, "mixed_matmul", wrong)
+  a = proof.exact_operand(32, 64, "nvfp4", False, 1)
+  b = proof.exact_operand(32, 64, "nvfp4", True, 2)
+  assert _matmul_impl(a, b) == ["xla"]
+  err = capsys.readouterr().err
+  assert "mixed_matmul/nvfp4 differs" in err and "nan scales" in err
+  assert "Reproduce: python -m fp4jax.proof --op mixed_matmul --fmt nvfp4" in err
