@@ -294,7 +294,6 @@ def _matmul_impl(a, b):
 def test_mixed_matmul_is_proved_and_then_chosen(fake_gpu, kernel_faster, monkeypatch):
   """The GEMM that decodes as it loads is a candidate; proved exact (and, with faked timings, faster),
   impl=None's scaled matmul runs it ("mixed") instead of the XLA path."""
-  from fp4jax import formats   # pylint: disable=import-outside-toplevel
   assert ("mixed_matmul", "nvfp4") in proof.candidates() and ("mixed_matmul", "mxfp4") in proof.candidates()
   calls = _count_proofs(monkeypatch)
   a = proof.exact_operand(32, 64, "nvfp4", False, 1)
@@ -307,12 +306,12 @@ def test_mixed_matmul_is_proved_and_then_chosen(fake_gpu, kernel_faster, monkeyp
   assert {"exact", "amax tiny 2^-100", "amax huge 2^100", "amax nan", "nan scales",
           "random, summation-order bound"} <= cases
   assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16.16x16", "1x16.1x16"]
-  assert formats.KERNEL_FORMATS
 
 
 def test_wrong_mixed_matmul_is_refused(fake_gpu, kernel_faster, monkeypatch, capsys):
-  """A mixed kernel that drops NaN (a NaN scale byte's block gives 0, as a Triton max that ignores NaN
-  would) is refused, and the scaled matmul falls back to the XLA path."""
+  """A mixed kernel that drops NaN outputs (a NaN amax or scale byte gives 0, as a Triton max that
+  ignores NaN would) is refused; the scaled matmul then runs what "scaled_matmul" proves (here the pair, exact, and
+  faster with the faked timings)."""
   from fp4jax.kernels import mixed_matmul as km   # pylint: disable=import-outside-toplevel
   real = km.mixed_matmul
 
@@ -322,7 +321,9 @@ def test_wrong_mixed_matmul_is_refused(fake_gpu, kernel_faster, monkeypatch, cap
   monkeypatch.setattr(km, "mixed_matmul", wrong)
   a = proof.exact_operand(32, 64, "nvfp4", False, 1)
   b = proof.exact_operand(32, 64, "nvfp4", True, 2)
-  assert _matmul_impl(a, b) == ["xla"]
+  assert _matmul_impl(a, b) == ["pallas"]
+  assert verdicts.entry_for("mixed_matmul", "nvfp4")["verdict"] == "differs"
+  assert verdicts.entry_for("scaled_matmul", "nvfp4")["verdict"] == "faster"
   err = capsys.readouterr().err
-  assert "mixed_matmul/nvfp4 differs" in err and "nan scales" in err
+  assert "mixed_matmul/nvfp4 differs" in err and "case 'amax nan'" in err   # the first NaN case
   assert "Reproduce: python -m fp4jax.proof --op mixed_matmul --fmt nvfp4" in err
