@@ -204,13 +204,17 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
     q = _with(sharding, jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, impl="xla"),
                                        jax.ShapeDtypeStruct((m, k), jnp.bfloat16)))
     return Program(tag, lambda q: fp4jax.dequantize(q, jnp.bfloat16, impl=impl), (q,), 0)
-  if what == "scaled_matmul":
+  if what in ("scaled_matmul", "mixed_matmul"):
     m, n, k = shape
     w_tile = (16, 16) if fmt == "nvfp4" else None
     qa = _with(sharding, jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, impl="xla"),
                                         jax.ShapeDtypeStruct((m, k), jnp.bfloat16)))
     qb = _with(sharding, jax.eval_shape(lambda x: fp4jax.quantize(x, fmt, tile=w_tile, impl="xla"),
                                         jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
+    if what == "mixed_matmul" and impl == "pallas":   # one kernel: the GEMM that decodes as it loads
+      from fp4jax import primitives   # pylint: disable=import-outside-toplevel
+      return Program(tag, lambda a, b: primitives.fp4_matmul(a, b, out_dtype=jnp.bfloat16, impl="pallas",
+                                                             kernel="mixed"), (qa, qb), 1)
     # the kernel path: its two dequantize passes and its GEMM are kernels
     return Program(tag, lambda a, b: fp4jax.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl),
                    (qa, qb), 3 * kern)
@@ -266,8 +270,9 @@ def dot_program(recipe: str, shape, sharding) -> Program:
 KERNEL_OPS = (("quantize", "nvfp4"), ("quantize_sr", "nvfp4"), ("quantize_2d", "nvfp4"),
               ("quantize", "mxfp4"), ("quantize_sr", "mxfp4"), ("quantize_rht_t", "nvfp4"),
               ("quantize_rht_t_sr", "nvfp4"), ("quantize_rht_t", "mxfp4"),
-              ("scaled_matmul", "nvfp4"), ("scaled_matmul", "mxfp4"))
-XLA_OPS = KERNEL_OPS + (("dequantize", "nvfp4"), ("dequantize", "mxfp4"))
+              ("scaled_matmul", "nvfp4"), ("scaled_matmul", "mxfp4"), ("mixed_matmul", "nvfp4"),
+              ("mixed_matmul", "mxfp4"))
+XLA_OPS = tuple(o for o in KERNEL_OPS if o[0] != "mixed_matmul") + (("dequantize", "nvfp4"), ("dequantize", "mxfp4"))
 
 
 def batch_programs(what: str, sharding, small: bool = True) -> list[Program]:
@@ -277,10 +282,10 @@ def batch_programs(what: str, sharding, small: bool = True) -> list[Program]:
   mk = (256, 512) if small else (8192, 8192)
   mnk = (256, 256, 512) if small else (8192, 8192, 8192)
   if what == "kernels":
-    return [op_program(op, mnk if op == "scaled_matmul" else mk, fmt, "pallas", sharding)
+    return [op_program(op, mnk if op.endswith("_matmul") else mk, fmt, "pallas", sharding)
             for op, fmt in KERNEL_OPS]
   if what == "ops":
-    return [op_program(op, mnk if op == "scaled_matmul" else mk, fmt, "xla", sharding)
+    return [op_program(op, mnk if op.endswith("_matmul") else mk, fmt, "xla", sharding)
             for op, fmt in XLA_OPS]
   if what == "dots":
     return [dot_program(r, (256, 512, 256) if small else (8192, 8192, 8192), sharding)
@@ -407,7 +412,7 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | dequantize | scaled_matmul | ssd | dot | step | kernels | ops | dots "
+                      "quantize_rht_t_sr | dequantize | scaled_matmul | mixed_matmul | ssd | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each), B,L,H,P,G,N for ssd "
@@ -471,7 +476,8 @@ def main(argv):
   elif F.what == "step":
     results, twin, mesh = _step(F, devices)
   else:
-    shape = shape or {"scaled_matmul": (8192, 8192, 8192), "ssd": None}.get(F.what, (8192, 8192))
+    shape = shape or {"scaled_matmul": (8192, 8192, 8192), "mixed_matmul": (8192, 8192, 8192),
+                      "ssd": None}.get(F.what, (8192, 8192))
     if F.impl == "native":
       raise ValueError("--impl native is a GEMM backend (--what dot or step); ops take auto, xla or pallas")
     results.append(_compiled(F, op_program(F.what, shape, F.fmt, None if F.impl == "auto" else F.impl,

@@ -15,6 +15,8 @@ integer constant):
   dQ, dK), 2·B·H·(visible)·(3P + 2Pv) (2.5x the forward at Pv = P); a causal mask keeps
   L·(L+1)/2 of the L·S pairs (about half), a sliding window fewer. The scores never reach HBM: its
   bytes are its operands and outputs;
+- fp4jax's mixed-input GEMM kernel (``mixed_gemm_shape``: M, N, K in its name) as a bf16 GEMM, its
+  bytes the packed operands, scales and output it reads and writes;
 - a Pallas kernel that declares its FLOPs in its name (``declared_flops``: the SSD kernels) at
   max(flops / the TF32 or float32 peak it declares, bytes / HBM bandwidth);
 - any other fusion, Pallas/Triton kernel, copy or standalone op at the bytes it moves / HBM bandwidth:
@@ -344,6 +346,8 @@ class Module:
       for d in out[0][1]:
         n_out *= d
       return 2 * n_out * k, f"{a[0][0]}x{b[0][0]}", (n_out // b[0][1][0], b[0][1][0], k)
+    elif ins.opcode == "custom-call" and mixed_gemm_shape(ins) is not None:
+      return mixed_gemm_shape(ins)
     elif ins.opcode == "custom-call" and BLOCK_SCALED_TARGET in ins.attrs:
       return block_scaled_shape(self.shapes.get(ins.operands[0], ""), self.shapes.get(ins.operands[1], ""))
     elif ins.opcode == "custom-call":
@@ -452,6 +456,23 @@ def _is_pallas_gemm(ins: Instr) -> bool:
   kernels ``fp4jax_gemm_*``; the op_name ends in ``<kernel name>/pallas_call``)."""
   return ('custom_call_target="__gpu$xla.gpu.triton"' in ins.attrs
           and bool(_PALLAS_GEMM.search(ins.op_name)))
+
+
+_MIXED_GEMM = re.compile(r"fp4jax_mixed_matmul_\w*?_(\d+)x(\d+)x(\d+)/pallas_call")
+
+
+def mixed_gemm_shape(ins: Instr):
+  """(flops, "bf16xbf16", (M, N, K)) of fp4jax's mixed-input GEMM (``fp4jax.kernels.mixed_matmul``, named
+  ``fp4jax_mixed_matmul_<fmt>_<layout>_<M>x<N>x<K>``): its operands are packed E2M1 codes and scale
+  bytes, decoded to bf16 in the K loop, so its MMAs run at the bf16 peak; its bytes are its operands'
+  (0.5 byte per element plus the scales) and its output's. None for any other instruction."""
+  if 'custom_call_target="__gpu$xla.gpu.triton"' not in ins.attrs:
+    return None
+  m = _MIXED_GEMM.search(ins.op_name)
+  if not m:
+    return None
+  mm, nn, kk = (int(g) for g in m.groups())
+  return 2 * mm * nn * kk, "bf16xbf16", (mm, nn, kk)
 
 
 _DECLARED_FLOPS = re.compile(r"_(tf32|ieee)_(\d+)flop/pallas_call")

@@ -370,6 +370,45 @@ def test_hlo_walk_knows_pallas_gemm_kernels():
   assert g["bytes"] == (1024 * 256 + 512 * 256 + 1024 * 512) * 2 + 16
 
 
+MIXED = """HloModule mixed, entry_computation_layout={()->bf16[1024,512]}
+
+ENTRY %main (a: u8[1024,128], sa: u8[1024,16], b: u8[512,128], sb: u8[32,16], f: f32[4]) -> bf16[1024,512] {
+  %a = u8[1024,128]{1,0} parameter(0)
+  %sa = u8[1024,16]{1,0} parameter(1)
+  %b = u8[512,128]{1,0} parameter(2)
+  %sb = u8[32,16]{1,0} parameter(3)
+  %f = f32[4]{0} parameter(4)
+  ROOT %g = bf16[1024,512]{1,0} custom-call(%a, %sa, %b, %sb, %f), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/fprop/fp4jax/scaled_matmul/x/fp4jax_scaled_matmul_mixed/fp4jax_mixed_matmul_nvfp4_1x16_16x16_1024x512x256/pallas_call"}, backend_config={grid_x = 8 : i32}
+}
+"""
+
+
+def test_hlo_walk_charges_the_mixed_gemm_by_its_flops_and_bytes():
+  """The mixed-input GEMM (uint8 operands) is a bf16 GEMM of the M x N x K in its name; its bytes are the
+  packed codes and scales it reads and the output it writes, no bf16 copy of either operand."""
+  cost = hlo_cost.analyze(MIXED, PEAKS)
+  (g,) = cost["ops"]
+  assert g["kind"] == "gemm" and g["dtype"] == "bf16xbf16" and g["mnk"] == (1024, 512, 256)
+  assert g["flops"] == 2 * 1024 * 512 * 256
+  assert g["bytes"] == 1024 * 128 + 1024 * 16 + 512 * 128 + 32 * 16 + 16 + 1024 * 512 * 2
+  flop_s = g["flops"] / PEAKS["flops"]["bf16"]
+  assert cost["gemm_seconds"] == pytest.approx(max(flop_s, g["bytes"] / PEAKS["hbm"]))
+  assert hlo_cost.mixed_gemm_shape(hlo_cost.parse_instr(PALLAS.splitlines()[-3])) is None
+
+
+@needs_plugin
+def test_mixed_gemm_compiles_for_sm90(tmp_path):
+  """kernels.mixed_matmul through Triton, LLVM and ptxas for the H200, charged by the cost model as one
+  bf16 GEMM of its shape (a few seconds)."""
+  proc, report = _gpu_aot(tmp_path, "--target", "h200", "--what", "mixed_matmul", "--impl", "pallas",
+                          "--fmt", "nvfp4", "--shape", "256,512,1024", f"--budget_s={KERNEL_BUDGET_S}")
+  _check(proc, report, KERNEL_BUDGET_S)
+  (r,) = report["results"]
+  assert r["kernels"] == 1
+  (g,) = r["cost"]["gemms"]
+  assert g["mnk"] == [256, 512, 1024] and g["dtype"] == "bf16xbf16"
+
+
 # Two cuDNN fused-attention calls as XLA's GPU compile writes them (from a deviceless sm_90 compile of
 # jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) and its vjp; backend configs cut
 # to the fields the cost model reads): GQA, B 2, L = S 512, H 8 query and K 2 KV heads of P 128.

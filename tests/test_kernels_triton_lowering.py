@@ -51,6 +51,17 @@ def test_scaled_matmul_lowers(fmt, w_tile):
   assert _kernels_in(fn, S((2, 304, 320), jnp.bfloat16), S((4096, 320), jnp.bfloat16)) == 5
 
 
+@pytest.mark.parametrize("fmt,w_tile", [("nvfp4", (16, 16)), ("mxfp4", None)])
+def test_mixed_matmul_lowers(fmt, w_tile):
+  from fp4jax import primitives   # pylint: disable=import-outside-toplevel
+  def fn(x, w):
+    a = fp4jax.quantize(x, fmt, impl="pallas")
+    b = fp4jax.quantize(w, fmt, tile=w_tile, impl="pallas")
+    return primitives.fp4_matmul(a, b, out_dtype=jnp.bfloat16, impl="pallas", kernel="mixed")
+  # quantize a, quantize b, then one GEMM that decodes as it loads (no dequantize pass)
+  assert _kernels_in(fn, S((2, 304, 320), jnp.bfloat16), S((4096, 320), jnp.bfloat16)) == 3
+
+
 def test_xla_impl_has_no_kernels():
   fn = lambda x: fp4jax.quantize(x, "nvfp4", impl="xla").data
   assert _kernels_in(fn, S((64, 64), jnp.float32)) == 0

@@ -283,3 +283,47 @@ def test_no_verdict_for_a_program_compiled_for_other_devices(fake_gpu, kernel_fa
   assert impl.default_impl(OP, FMT, target=other) == "xla" and not calls
   assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]     # this device: proved, faster
   assert impl.default_impl(OP, FMT, target=other) == "xla"
+
+
+def _matmul_impl(a, b):
+  from fp4jax import api   # pylint: disable=import-outside-toplevel
+  eqns = jax.make_jaxpr(lambda a, b: api.scaled_matmul(a, b, out_dtype=jnp.bfloat16))(a, b).jaxpr.eqns
+  return [e.params["impl"] for e in eqns if str(e.primitive) == "fp4jax_scaled_matmul"]
+
+
+def test_mixed_matmul_is_proved_and_then_chosen(fake_gpu, kernel_faster, monkeypatch):
+  """The GEMM that decodes as it loads is a candidate; proved exact (and, with faked timings, faster),
+  impl=None's scaled matmul runs it ("mixed") instead of the XLA path."""
+  assert ("mixed_matmul", "nvfp4") in proof.candidates() and ("mixed_matmul", "mxfp4") in proof.candidates()
+  calls = _count_proofs(monkeypatch)
+  a = proof.exact_operand(32, 64, "nvfp4", False, 1)
+  b = proof.exact_operand(32, 64, "nvfp4", True, 2)
+  assert _matmul_impl(a, b) == ["mixed"]
+  assert calls[0] == ("mixed_matmul", "nvfp4")
+  entry = verdicts.entry_for("mixed_matmul", "nvfp4")
+  assert entry["verdict"] == "faster"
+  cases = {c["case"] for v in entry["evidence"]["variants"] for c in v["cases"]}
+  assert {"exact", "amax tiny 2^-100", "amax huge 2^100", "amax nan", "nan scales",
+          "random, summation-order bound"} <= cases
+  assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16.16x16", "1x16.1x16"]
+
+
+def test_wrong_mixed_matmul_is_refused(fake_gpu, kernel_faster, monkeypatch, capsys):
+  """A mixed kernel that drops NaN outputs (a NaN amax or scale byte gives 0, as a Triton max that
+  ignores NaN would) is refused; the scaled matmul then runs what "scaled_matmul" proves (here the pair, exact, and
+  faster with the faked timings)."""
+  from fp4jax.kernels import mixed_matmul as km   # pylint: disable=import-outside-toplevel
+  real = km.mixed_matmul
+
+  def wrong(*args, **kw):
+    out = real(*args, **kw)
+    return jnp.where(jnp.isnan(out), jnp.zeros((), out.dtype), out)
+  monkeypatch.setattr(km, "mixed_matmul", wrong)
+  a = proof.exact_operand(32, 64, "nvfp4", False, 1)
+  b = proof.exact_operand(32, 64, "nvfp4", True, 2)
+  assert _matmul_impl(a, b) == ["pallas"]
+  assert verdicts.entry_for("mixed_matmul", "nvfp4")["verdict"] == "differs"
+  assert verdicts.entry_for("scaled_matmul", "nvfp4")["verdict"] == "faster"
+  err = capsys.readouterr().err
+  assert "mixed_matmul/nvfp4 differs" in err and "case 'amax nan'" in err   # the first NaN case
+  assert "Reproduce: python -m fp4jax.proof --op mixed_matmul --fmt nvfp4" in err

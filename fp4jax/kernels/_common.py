@@ -208,6 +208,25 @@ def e2m1_value(codes):
   return _f32_from_bits(jnp.where(mag < 2, small, normal) | ((c & 8) << 28))
 
 
+def dequantize_tile(p, s, *, fmt: str, tiled: bool, tile: int = 16):
+  """float32 (R, K) of e2m1(code) · block scale (exact) from packed codes p (R, K/2, low nibble first)
+  and scale bytes s (R, K/B), or (R/tile, K/tile) with ``tiled``: the decode both Pallas GEMM designs
+  run (``scaled_matmul``'s dequantize pass, once per element; ``mixed_matmul``'s K loop, per tile)."""
+  p = p.astype(jnp.int32)
+  r, k2 = p.shape
+  k = 2 * k2
+  codes = jnp.stack([p & 0xF, (p >> 4) & 0xF], axis=-1).reshape(r, k)
+  vals = e2m1_value(codes)
+  s = e4m3_value(s) if fmt == "nvfp4" else e8m0_value(s)
+  if tiled:
+    g, nb = s.shape
+    s_full = jnp.broadcast_to(s[:, None, :, None], (g, tile, nb, tile)).reshape(r, k)
+  else:
+    nb = s.shape[1]
+    s_full = jnp.broadcast_to(s[:, :, None], (r, nb, k // nb)).reshape(r, k)
+  return vals * s_full
+
+
 def encode(scaled_f32, bits):
   """E2M1 codes (int32) of values scaled into [-6, 6]; ``bits`` None = nearest even, else stochastic."""
   if bits is None:

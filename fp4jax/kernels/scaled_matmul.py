@@ -49,20 +49,7 @@ DEFAULT_TILES = ScaledMatmulTiles()
 
 def _dequantize_kernel(p_ref, s_ref, o_ref, *, fmt, tiled):
   """bf16 (R, K) tile of e2m1(code) · block scale (exact) from packed codes and scale bytes."""
-  p = p_ref[...].astype(jnp.int32)
-  r, k2 = p.shape
-  k = 2 * k2
-  codes = jnp.stack([p & 0xF, (p >> 4) & 0xF], axis=-1).reshape(r, k)
-  vals = C.e2m1_value(codes)
-  s = s_ref[...]
-  s = C.e4m3_value(s) if fmt == "nvfp4" else C.e8m0_value(s)
-  if tiled:
-    g, nb = s.shape
-    s_full = jnp.broadcast_to(s[:, None, :, None], (g, TILE, nb, TILE)).reshape(r, k)
-  else:
-    nb = s.shape[1]
-    s_full = jnp.broadcast_to(s[:, :, None], (r, nb, k // nb)).reshape(r, k)
-  o_ref[...] = (vals * s_full).astype(jnp.bfloat16)
+  o_ref[...] = C.dequantize_tile(p_ref[...], s_ref[...], fmt=fmt, tiled=tiled, tile=TILE).astype(jnp.bfloat16)
 
 
 def _pow2_divisor(dim: int, pref: int, unit: int) -> int:

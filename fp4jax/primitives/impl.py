@@ -31,7 +31,9 @@ IMPLS = ("xla", "pallas")
 FORCEABLE = IMPLS + ("native",)   # what FP4JAX_DEFAULT_IMPL takes; "native" is a GEMM backend only
 DEFAULT_IMPL_ENV = "FP4JAX_DEFAULT_IMPL"
 # The kernel-backed ops, as named in VERIFIED_KERNELS and in scripts/gpu_check.py's report.
-KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul")
+# "scaled_matmul" is the pair (dequantize passes, then a bf16 GEMM: kernels.scaled_matmul), "mixed_matmul"
+# the GEMM that decodes as it loads (kernels.mixed_matmul); impl=None tries "mixed_matmul" first.
+KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul", "mixed_matmul")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 along K (1D blocks, or nvfp4 16x16 tiles per operand).
 
 Operands: a_data, a_scale, a_amax, b_data, b_scale, b_amax (amax zeros for MXFP4). Params: fmt,
-a_tiled, b_tiled, out_dtype, impl. A K-sharded contraction sums float32 partial products (psum).
+a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (``kernels.scaled_matmul``: dequantize passes, then
+a bf16 GEMM) or "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads). A K-sharded contraction sums float32 partial products (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
 from __future__ import annotations
@@ -11,10 +12,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import formats
+from fp4jax.kernels import mixed_matmul as mixed_kernel
 from fp4jax.kernels import scaled_matmul as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
-from fp4jax.primitives.impl import resolve_impl
+from fp4jax.primitives.impl import default_impl, resolve_impl
 from fp4jax.primitives.quantize import variant
 from fp4jax.qtensor import QTensor, along_last
 from fp4jax.reference import scaled_matmul_reference, tensor_factor_parts
@@ -33,7 +35,11 @@ def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_
            impl, platform):
   a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
   b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
-  if impl == "pallas" and platform in ("cuda", "cpu"):
+  if impl == "mixed" and platform in ("cuda", "cpu"):
+    out = mixed_kernel.mixed_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
+                                    fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
+                                    interpret=platform != "cuda")
+  elif impl == "pallas" and platform in ("cuda", "cpu"):
     out = kernel.pallas_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
                                fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
                                interpret=platform != "cuda")
@@ -71,11 +77,32 @@ scaled_matmul_p = pair.define(pair.OpSpec(
     partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}))
 
 
-def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None):
+KERNELS = ("pair", "mixed")   # the Pallas GEMMs: kernels.scaled_matmul, kernels.mixed_matmul
+
+
+def _choose(fmt: str, impl: str | None, kernel: str | None) -> str:
+  """The primitive's impl: "xla", "pallas" (the pair) or "mixed".
+
+  impl=None (and no FP4JAX_DEFAULT_IMPL): "mixed" where ``default_impl("mixed_matmul", fmt)`` says so
+  (this device proved it exact and faster than the XLA path, or VERIFIED_KERNELS records it), else
+  what ``default_impl("scaled_matmul", fmt)`` says, with the pair. An explicit or forced "pallas" runs
+  ``kernel`` (default "pair")."""
+  if kernel not in (None, *KERNELS):
+    raise ValueError(f"kernel={kernel!r}; use one of {KERNELS} or None")
+  if impl is None and kernel is None and resolve_impl(None, fmt) is None:
+    if default_impl("mixed_matmul", fmt) == "pallas":
+      return "mixed"
+  impl = resolve_impl(impl, fmt, "scaled_matmul")
+  return "mixed" if impl == "pallas" and kernel == "mixed" else impl
+
+
+def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None, kernel=None):
   """a (..., M, K) · b (N, K)ᵀ from two FP4 QTensors quantized along K (validated by the caller).
 
-  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``)."""
-  impl = resolve_impl(impl, a.fmt, "scaled_matmul")
+  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl`` per op: "mixed_matmul"
+  first, then "scaled_matmul"). kernel: which Pallas GEMM impl="pallas" runs: "pair" (the default:
+  dequantize passes, then a bf16 GEMM) or "mixed" (decoded in the GEMM's K loop)."""
+  impl = _choose(a.fmt, impl, kernel)
   a_tiled, b_tiled = a.tile is not None, b.tile is not None
   with pair.scope(f"{variant(a.fmt, a_tiled)}.{variant(b.fmt, b_tiled)}"):
     zero = jnp.zeros((), jnp.float32)

@@ -5,7 +5,8 @@
 
 Candidates are named "<op>/<fmt>": the Pallas kernels (``primitives.KERNEL_OPS`` x the kernel formats,
 every variant the quantized dot runs: RNE and stochastic rounding, 1x and 16x16 tiles, MXFP4's scale
-rules, the GEMM layouts) and "native_gemm/<fmt>", the Blackwell block-scaled GEMM (``fp4jax.native``)
+rules, the GEMM layouts; two Pallas GEMMs, "scaled_matmul" the dequantize passes and bf16 GEMM and
+"mixed_matmul" the GEMM that decodes as it loads) and "native_gemm/<fmt>", the Blackwell block-scaled GEMM (``fp4jax.native``)
 for each ``NATIVE_DEFAULTS`` format. For each variant:
 
 1. Cases, on the device, at the timing size: random bf16 over many binades with E2M1 ties; the same
@@ -57,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
-from fp4jax import api, formats, gemm
+from fp4jax import api, formats, gemm, primitives
 from fp4jax.numerics.hadamard import rht
 from fp4jax.primitives import impl as pimpl
 from fp4jax.primitives import quantize as pquantize
@@ -122,6 +123,9 @@ VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
     ("scaled_matmul", "nvfp4"): (Variant("scaled_matmul", "nvfp4", "1x16.16x16", layout=(False, True)),
                                  Variant("scaled_matmul", "nvfp4", "1x16.1x16")),
     ("scaled_matmul", "mxfp4"): (Variant("scaled_matmul", "mxfp4", "1x32.1x32"),),
+    ("mixed_matmul", "nvfp4"): (Variant("mixed_matmul", "nvfp4", "1x16.16x16", layout=(False, True)),
+                                Variant("mixed_matmul", "nvfp4", "1x16.1x16")),
+    ("mixed_matmul", "mxfp4"): (Variant("mixed_matmul", "mxfp4", "1x32.1x32"),),
     ("native_gemm", "nvfp4"): (
         Variant("native_gemm", "nvfp4", "1x16.16x16", pair=(Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True))),
         Variant("native_gemm", "nvfp4", "1x16.1x16 SR RHT", pair=(
@@ -134,6 +138,9 @@ VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
     ("native_gemm", "nvfp4_dbq"): (Variant("native_gemm", "nvfp4_dbq", "1x16.1x16", pair=(
         Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True))),),
 }
+
+
+GEMM_OPS = ("scaled_matmul", "mixed_matmul", verdicts.NATIVE_OP)
 
 
 def candidates(native: bool | None = None) -> list[tuple[str, str]]:
@@ -408,6 +415,9 @@ def _gemm_fns(v: Variant, out_dtype=jnp.bfloat16):
     side = lambda backend: jax.jit(lambda a, b: gemm.scaled_matmul(a, b, out_dtype=out_dtype, backend=backend))
     return side("native"), side("xla")
   side = lambda impl: jax.jit(lambda a, b: api.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl))
+  if v.op == "mixed_matmul":   # the GEMM that decodes as it loads (kernels.mixed_matmul)
+    mixed = jax.jit(lambda a, b: primitives.fp4_matmul(a, b, out_dtype=out_dtype, impl="pallas", kernel="mixed"))
+    return mixed, side("xla")
   return side("pallas"), side("xla")
 
 
@@ -464,7 +474,7 @@ def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = fl
   entry = dict(verdict="undecided", summary="", command=command(op, fmt), evidence=evidence)
   try:
     for v in VARIANTS[(op, fmt)]:
-      run = _prove_gemm if op in ("scaled_matmul", verdicts.NATIVE_OP) else _prove_quantize
+      run = _prove_gemm if op in GEMM_OPS else _prove_quantize
       record = run(v, sizes, deadline)
       evidence["variants"].append(record)
       bad = [c for c in record["cases"] if c["mismatches"]]
