@@ -79,6 +79,18 @@ def precise_div(a, b, *, interpret: bool):
   return out
 
 
+def precise_sqrt(a, *, interpret: bool):
+  """sqrt(a) rounded to nearest even (IEEE), elementwise float32, inside a kernel: PTX ``sqrt.rn.f32``
+  asked for explicitly (Triton's own sqrt may lower to ``sqrt.approx``); the interpreter is exact."""
+  if interpret:
+    return jnp.sqrt(a)
+  a = jnp.asarray(a, jnp.float32)
+  (out,) = _pltriton.elementwise_inline_asm(
+      "sqrt.rn.f32 $0, $1;", args=[a], constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+  return out
+
+
 def multiple_of(x, m: int):
   """Alignment hint for a dynamic offset inside a kernel."""
   return pl.multiple_of(x, m) if m > 1 else x
