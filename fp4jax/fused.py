@@ -27,6 +27,7 @@ from jax import lax
 
 from fp4jax import formats
 from fp4jax._exact import div
+from fp4jax.kernels import relu2_quantize as relu2_kernel
 from fp4jax.kernels import rmsnorm_quantize as kernel
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.prequantized import PreQuantized, _check_quantizer
@@ -34,6 +35,7 @@ from fp4jax.primitives.impl import resolve_impl
 from fp4jax.qtensor import QTensor
 
 OP = "rmsnorm_quantize"   # its name in fp4jax.primitives.impl.KERNEL_OPS (the impl switch, the proof)
+RELU2_OP = "relu2_quantize"
 
 
 def _halve(s):
@@ -68,10 +70,8 @@ def _forward(x, scale, eps, dtype, quantizer, impl):
         interpret=interpret)
     # compiled for CUDA, interpreted elsewhere: decided when lowering, for the platform lowered for
     h, q, s = lax.platform_dependent(x, scale, amax, cuda=call(False), default=call(True))
-    q_x = QTensor(q.reshape(-1, d // 2), lax.bitcast_convert_type(s.reshape(-1, d // formats.BLOCK[quantizer.fmt]),
-                                                                formats.SCALE_DTYPE[quantizer.fmt]),
-                  amax if quantizer.fmt == "nvfp4" else None, quantizer.fmt, -1, formats.BLOCK[quantizer.fmt],
-                  None, jnp.dtype(dtype), quantizer.scale_rule if quantizer.fmt == "mxfp4" else None)
+    q_x = _qtensor(q.reshape(-1, d // 2), s.reshape(-1, d // formats.BLOCK[quantizer.fmt]), amax, quantizer,
+                   dtype)
     return PreQuantized(h, q_x, quantizer)
   return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, d)), quantizer)
 
@@ -115,3 +115,73 @@ def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) ->
   impl = resolve_impl(impl, quantizer.fmt, OP) if fits else "xla"
   with jax.named_scope(f"fp4jax/{OP}"):   # one pass in profiles and in bench/hlo_cost.py's "fp4jax passes"
     return _rmsnorm_quantize(x, scale, float(eps), jnp.dtype(dtype), quantizer, impl)
+
+
+# ------------------------------------------------------------------------------- relu² + quantize
+
+def relu2(u):
+  """The MLP's squared ReLU as the model computes it (``jnp.square(jax.nn.relu(u))``, u's dtype)."""
+  return jnp.square(jax.nn.relu(u))
+
+
+def relu2_kernel_ok(quantizer, u_shape, u_dtype) -> bool:
+  """Whether the relu² kernel covers this call: plain 1D NVFP4/MXFP4 nearest of a bf16 u, F a multiple of
+  the block."""
+  return (quantizer.fmt in formats.KERNEL_FORMATS and quantizer.four_over_six is None
+          and jnp.dtype(u_dtype) == jnp.bfloat16 and u_shape[-1] % formats.BLOCK[quantizer.fmt] == 0)
+
+
+def _relu2_forward(u, quantizer, impl):
+  f = u.shape[-1]
+  h_twin = relu2(u)
+  amax = jnp.max(jnp.abs(h_twin.astype(jnp.float32)))      # pass 1, read-only (exact in any order)
+  if impl != "pallas":
+    return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, f)), quantizer)
+  call = lambda interpret: lambda u, amax: relu2_kernel.relu2_quantize(
+      u, amax, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule, interpret=interpret)
+  h, q, s = lax.platform_dependent(u, amax, cuda=call(False), default=call(True))
+  return PreQuantized(h, _qtensor(q.reshape(-1, f // 2), s.reshape(-1, f // formats.BLOCK[quantizer.fmt]),
+                                  amax, quantizer, u.dtype), quantizer)
+
+
+def _qtensor(q, s, amax, quantizer, dtype):
+  fmt = quantizer.fmt
+  return QTensor(q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt]), amax if fmt == "nvfp4" else None,
+                 fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(dtype), quantizer.scale_rule if fmt == "mxfp4" else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _relu2_quantize(u, quantizer, impl):
+  return _relu2_forward(u, quantizer, impl)
+
+
+def _relu2_fwd(u, quantizer, impl):
+  return _relu2_forward(u, quantizer, impl), u
+
+
+def _relu2_bwd(quantizer, impl, u, ct):
+  del quantizer, impl
+  return jax.vjp(relu2, u)[1](ct.x)
+
+
+_relu2_quantize.defvjp(_relu2_fwd, _relu2_bwd)
+
+
+def relu2_quantize(u, recipe, *, impl=None) -> PreQuantized:
+  """relu(u)² (u's dtype) pre-quantized for ``recipe``'s fprop GEMM (the MLP's down projection): the same
+  two passes as ``rmsnorm_quantize`` (amax read-only, then one kernel writing h and its codes). Bit-identical
+  to ``fp4jax.dot(relu2(u), w, recipe=recipe)`` whichever impl runs: relu(u)² of bf16 is exact in float32."""
+  from fp4jax.dot import as_recipe   # pylint: disable=import-outside-toplevel
+  roles = as_recipe(recipe).roles
+  quantizer = roles.fprop_x
+  _check_quantizer(quantizer)
+  if u.shape[-1] % roles.alignment()[1]:
+    raise ValueError(f"relu2_quantize: F={u.shape[-1]} is not a multiple of recipe {roles.name!r}'s K "
+                     f"alignment {roles.alignment()[1]}; use relu2 and let the dot pad")
+  fits = relu2_kernel_ok(quantizer, u.shape, u.dtype)
+  if impl == "pallas" and not fits:
+    raise ValueError(f"impl='pallas': the relu2_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16 u; got "
+                     f"{quantizer!r} on {u.dtype}. Use impl='xla' or None")
+  impl = resolve_impl(impl, quantizer.fmt, RELU2_OP) if fits else "xla"
+  with jax.named_scope(f"fp4jax/{RELU2_OP}"):
+    return _relu2_quantize(u, quantizer, impl)

@@ -71,6 +71,23 @@ def fused_norm_recipe(config: ModelConfig, recipe: Any, consumer_paths: Sequence
   return layer_recipe
 
 
+def fused_relu2_recipe(config: ModelConfig, recipe: Any, down_path: Sequence[str]) -> Any:
+  """The recipe the MLP's squared ReLU may pre-quantize its output for (``fp4jax.fused.relu2_quantize``:
+  the down projection's fprop input), or None: as ``fused_norm_recipe``, behind the impl switch
+  ("relu2_quantize", default XLA: the plain activation)."""
+  layer_recipe = policy.decide(config, recipe, down_path).recipe
+  if layer_recipe is None or policy.outcontrol_ratio(config, recipe, down_path):
+    return None
+  roles = layer_recipe.roles
+  if not prequantized.supported(roles.fprop_x) or config.mlp_dim % roles.alignment()[1]:
+    return None
+  if not fused.relu2_kernel_ok(roles.fprop_x, (config.mlp_dim,), config.dtype):
+    return None
+  if pimpl.default_impl(fused.RELU2_OP, roles.fprop_x.fmt) != "pallas":
+    return None
+  return layer_recipe
+
+
 def residual_std(config: ModelConfig) -> float:
   """Init std of projections that write into the residual stream (GPT-2 / Megatron scaling)."""
   return config.init_std / math.sqrt(2 * config.n_blocks)

@@ -104,3 +104,40 @@ def test_kernel_lowers_for_cuda(fmt, d):
   fn = lambda x, s: fused.rmsnorm_quantize(x, s, fmt, eps=1e-5, impl="pallas").q.data
   text = plc.export_for_cuda(fn, S((512, d), jnp.bfloat16), S((d,), jnp.float32))
   assert text.count(plc.TRITON_CUSTOM_CALL) == 1
+
+
+# ------------------------------------------------------------------------------- relu² + quantize
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_relu2_is_the_unfused_path(recipe, impl):
+  """Either impl gives the unfused MLP's bits: relu(u)² of bf16 is exact in float32."""
+  u = (jax.random.normal(jax.random.key(6), (2, 24, 256)) * 2).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.key(7), (256, 64)) * 0.1).astype(jnp.bfloat16)
+  key = jax.random.key(8)
+  g = jax.random.normal(jax.random.key(9), (2, 24, 64)).astype(jnp.bfloat16)
+
+  def unfused(u, w):
+    return jnp.sum(fp4jax.dot(jnp.square(jax.nn.relu(u)), w, recipe=recipe, key=key).astype(jnp.float32) * g)
+
+  def fused_(u, w):
+    return jnp.sum(fp4jax.dot(fused.relu2_quantize(u, recipe, impl=impl), w, recipe=recipe, key=key)
+                   .astype(jnp.float32) * g)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, (0, 1)))(u, w)
+  _assert_same(grad(unfused)[1], grad(fused_)[1])
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_relu2_kernel_is_the_twin(recipe):
+  magnitudes = jnp.exp(jax.random.uniform(jax.random.key(11), (40, 320), minval=-6, maxval=6))
+  u = (jax.random.normal(jax.random.key(10), (40, 320)) * magnitudes).astype(jnp.bfloat16)
+  run = lambda impl: jax.jit(lambda u: fused.relu2_quantize(u, recipe, impl=impl))(u)
+  _assert_same(run("pallas"), run("xla"))
+
+
+@pytest.mark.skipif(not plc.has_triton(), reason="jax without the Pallas Triton backend")
+def test_relu2_kernel_lowers_for_cuda():
+  S = jax.ShapeDtypeStruct
+  fn = lambda u: fused.relu2_quantize(u, "nvfp4", impl="pallas").q.data
+  assert plc.export_for_cuda(fn, S((512, 1024), jnp.bfloat16)).count(plc.TRITON_CUSTOM_CALL) == 1

@@ -1,4 +1,5 @@
-"""The model's norm -> MLP path with the fused RMSNorm + quantize (fp4jax.fused), behind the impl switch.
+"""The model's norm -> MLP path with the fused RMSNorm + quantize and relu² + quantize (fp4jax.fused),
+behind the impl switch.
 
 Default: the plain norm (no kernel on CPU, none proved). With the switch on for "rmsnorm_quantize" (here
 by patching the default, as a proved device verdict would), every MLP block's norm runs the kernel and
@@ -25,7 +26,8 @@ def _loss_and_grads(model, params, tokens):
 
 def _kernels(model, params, tokens):
   jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, rngs={"fp4": jax.random.key(5)}))(params)
-  return str(jaxpr).count("fp4jax_rmsnorm_quantize")
+  text = str(jaxpr)
+  return text.count("fp4jax_rmsnorm_quantize"), text.count("fp4jax_relu2_quantize")
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +40,18 @@ def setup():
 
 def test_default_is_the_plain_norm(setup):
   model, params, tokens = setup
-  assert _kernels(model, params, tokens) == 0
+  assert _kernels(model, params, tokens) == (0, 0)
 
 
-def test_switch_on_fuses_every_mlp_norm(setup, monkeypatch):
+def test_switch_on_fuses_the_mlp_norm_and_activation(setup, monkeypatch):
   model, params, tokens = setup
   base_loss, base_grads = _loss_and_grads(model, params, tokens)
   real = layers.pimpl.default_impl
   monkeypatch.setattr(layers.pimpl, "default_impl",
-                      lambda op, fmt, **kw: "pallas" if op == fused.OP else real(op, fmt, **kw))
+                      lambda op, fmt, **kw: "pallas" if op in (fused.OP, fused.RELU2_OP) else real(op, fmt, **kw))
   n_mlp = sum(k == "mlp" for k in CONFIG.block_kinds)
-  assert n_mlp and _kernels(model, params, tokens) > 0
+  norms, relus = _kernels(model, params, tokens)
+  assert n_mlp and norms > 0 and relus > 0
   init = jax.jit(model.init)({"params": jax.random.key(0)}, tokens)["params"]
   assert jax.tree.structure(init) == jax.tree.structure(params)
   loss, grads = _loss_and_grads(model, params, tokens)

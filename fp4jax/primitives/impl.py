@@ -31,7 +31,8 @@ IMPLS = ("xla", "pallas")
 FORCEABLE = IMPLS + ("native",)   # what FP4JAX_DEFAULT_IMPL takes; "native" is a GEMM backend only
 DEFAULT_IMPL_ENV = "FP4JAX_DEFAULT_IMPL"
 # The kernel-backed ops, as named in VERIFIED_KERNELS and in scripts/gpu_check.py's report.
-KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul", "rmsnorm_quantize")
+KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul", "rmsnorm_quantize",
+              "relu2_quantize")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,8 @@ VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
     ("scaled_matmul", "mxfp4"): (Variant("scaled_matmul", "mxfp4", "1x32.1x32"),),
     ("rmsnorm_quantize", "nvfp4"): (Variant("rmsnorm_quantize", "nvfp4", "rmsnorm 1x16"),),
     ("rmsnorm_quantize", "mxfp4"): (Variant("rmsnorm_quantize", "mxfp4", "rmsnorm 1x32 rceil"),),
+    ("relu2_quantize", "nvfp4"): (Variant("relu2_quantize", "nvfp4", "relu2 1x16"),),
+    ("relu2_quantize", "mxfp4"): (Variant("relu2_quantize", "mxfp4", "relu2 1x32 rceil"),),
     ("native_gemm", "nvfp4"): (
         Variant("native_gemm", "nvfp4", "1x16.16x16", pair=(Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True))),
         Variant("native_gemm", "nvfp4", "1x16.1x16 SR RHT", pair=(
@@ -405,11 +407,15 @@ def _prove_quantize(v: Variant, sizes: Sizes, deadline: float) -> dict:
 
 
 def _rmsnorm_fn(v: Variant, impl: str):
-  """(h, codes, scale bytes) of fp4jax.fused.rmsnorm_quantize for the variant's format."""
+  """(h, codes, scale bytes) of fp4jax.fused.rmsnorm_quantize (or relu2_quantize, which ignores the
+  scale) for the variant's format."""
   from fp4jax import fused   # pylint: disable=import-outside-toplevel
 
   def fn(x, scale):
-    pre = fused.rmsnorm_quantize(x, scale, v.fmt, eps=1e-5, impl=impl)
+    if v.op == "relu2_quantize":
+      pre = fused.relu2_quantize(x, v.fmt, impl=impl)
+    else:
+      pre = fused.rmsnorm_quantize(x, scale, v.fmt, eps=1e-5, impl=impl)
     return pre.x, pre.q.data, pre.q.scale
   return jax.jit(fn)
 
@@ -505,7 +511,7 @@ def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = fl
   try:
     for v in VARIANTS[(op, fmt)]:
       run = (_prove_gemm if op in ("scaled_matmul", verdicts.NATIVE_OP) else
-             _prove_rmsnorm if op == "rmsnorm_quantize" else _prove_quantize)
+             _prove_rmsnorm if op in ("rmsnorm_quantize", "relu2_quantize") else _prove_quantize)
       record = run(v, sizes, deadline)
       evidence["variants"].append(record)
       bad = [c for c in record["cases"] if c["mismatches"]]
