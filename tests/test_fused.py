@@ -141,3 +141,21 @@ def test_relu2_kernel_lowers_for_cuda():
   S = jax.ShapeDtypeStruct
   fn = lambda u: fused.relu2_quantize(u, "nvfp4", impl="pallas").q.data
   assert plc.export_for_cuda(fn, S((512, 1024), jnp.bfloat16)).count(plc.TRITON_CUSTOM_CALL) == 1
+
+
+@pytest.mark.parametrize("op", ["rmsnorm_quantize", "relu2_quantize"])
+def test_proof_passes_the_kernel_and_refuses_a_wrong_one(op, monkeypatch):
+  from fp4jax import proof   # pylint: disable=import-outside-toplevel
+  from fp4jax.kernels import relu2_quantize, rmsnorm_quantize   # pylint: disable=import-outside-toplevel
+  entry = proof.prove(op, "nvfp4", sizes=proof.TINY_SIZES)
+  assert entry["verdict"] in ("faster", "slower"), entry["summary"]
+  assert all(c["mismatches"] == 0 and c["compared"] > 0 for v in entry["evidence"]["variants"] for c in v["cases"])
+  module = rmsnorm_quantize if op == "rmsnorm_quantize" else relu2_quantize
+  real = module.encode_rows
+
+  def wrong(*args, **kw):   # one scale byte off in every block
+    q, s = real(*args, **kw)
+    return q, s ^ jnp.uint8(1)
+  monkeypatch.setattr(module, "encode_rows", wrong)
+  entry = proof.prove(op, "nvfp4", sizes=proof.TINY_SIZES)
+  assert entry["verdict"] == "differs" and "scale byte" in entry["summary"]
