@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
     ``fp4jax.PreQuantized`` for the next linear layers (``linear``); None: the plain norm."""
     scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
                          (x_xD.shape[-1],), self.param_dtype)
-    if prequantize_for is not None:
+    if prequantize_for is not None and fused.kernel_ok(prequantize_for.roles.fprop_x, x_xD.shape, x_xD.dtype,
+                                                       self.dtype):
       return fused.rmsnorm_quantize(x_xD, scale_D, prequantize_for, eps=self.eps, dtype=self.dtype,
                                     impl="pallas")
     x_xD = x_xD.astype(jnp.float32)
