@@ -63,7 +63,9 @@ CASES = [((64, 256), 3.0), ((2, 37, 96), 3.0), ((16, 320), 2.0 ** -60), ((16, 12
 def test_kernel_is_the_twin(shape, magnitude, recipe):
   x, scale = _inputs(shape, seed=len(shape) + shape[-1], magnitude=magnitude)
   x = x.at[..., 0, :].set(0)                                        # an all-zero row
-  run = lambda impl: jax.jit(lambda x, s: fused.rmsnorm_quantize(x, s, recipe, eps=1e-6, impl=impl))(x, scale)
+  # eagerly: XLA CPU compiling the *interpreted* kernel body under jit rewrites its float ops (2.6% of the
+  # code bytes differed, docs/DESIGN.md); the compiled Triton kernel is held to the twin by fp4jax.proof
+  run = lambda impl: fused.rmsnorm_quantize(x, scale, recipe, eps=1e-6, impl=impl)
   _assert_same(run("pallas"), run("xla"))
 
 
@@ -124,15 +126,15 @@ def test_relu2_is_the_unfused_path(recipe, impl):
     return jnp.sum(fp4jax.dot(fused.relu2_quantize(u, recipe, impl=impl), w, recipe=recipe, key=key)
                    .astype(jnp.float32) * g)
 
-  grad = lambda f: jax.jit(jax.value_and_grad(f, (0, 1)))(u, w)
-  _assert_same(grad(unfused)[1], grad(fused_)[1])
+  grad = lambda f, jit=True: (jax.jit if jit else (lambda g: g))(jax.value_and_grad(f, (0, 1)))(u, w)
+  _assert_same(grad(unfused)[1], grad(fused_, jit=impl == "xla")[1])   # the interpreted kernel eagerly
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_relu2_kernel_is_the_twin(recipe):
   magnitudes = jnp.exp(jax.random.uniform(jax.random.key(11), (40, 320), minval=-6, maxval=6))
   u = (jax.random.normal(jax.random.key(10), (40, 320)) * magnitudes).astype(jnp.bfloat16)
-  run = lambda impl: jax.jit(lambda u: fused.relu2_quantize(u, recipe, impl=impl))(u)
+  run = lambda impl: fused.relu2_quantize(u, recipe, impl=impl)   # eagerly (see test_kernel_is_the_twin)
   _assert_same(run("pallas"), run("xla"))
 
 
