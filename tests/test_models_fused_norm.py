@@ -14,7 +14,7 @@ from fp4jax import fused
 from models import LanguageModel, get_model_config
 from models import layers
 
-CONFIG = get_model_config("tiny", chunk_size=8)
+CONFIG = get_model_config("tiny", chunk_size=8, dtype=jnp.bfloat16)   # the kernels take bf16 activations
 
 
 def _loss_and_grads(model, params, tokens):
