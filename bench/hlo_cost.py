@@ -588,7 +588,7 @@ def gemm_peak(peaks: dict, dtype_pair: str, highest: bool = False) -> float:
 
 
 _PASS = re.compile(r"\b(fprop|dgrad|wgrad)\b")
-_PRIM = re.compile(r"fp4jax/(quantize_rht_t|quantize|dequantize|scaled_matmul|rht|random_bits)\b")
+_PRIM = re.compile(r"fp4jax/(quantize_rht_t|quantize|dequantize|scaled_matmul|rht|random_bits|rmsnorm_quantize|relu2_quantize)\b")
 
 
 def label(op_name: str) -> str:

@@ -9,6 +9,7 @@ from fp4jax import recipes  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax import target
 from fp4jax.api import FP4_OPERAND, dequantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
+from fp4jax.prequantized import PreQuantized, prequantize
 from fp4jax.numerics import hadamard
 from fp4jax.numerics.hadamard import rht
 from fp4jax.primitives import can_use_pallas
@@ -21,7 +22,7 @@ from fp4jax import proof  # noqa: E402,F401  registers the on-device prover impl
 
 __all__ = ["FP4_OPERAND", "QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht",
            "target"]
-__all__ += ["dot", "dot_general", "flax", "scaled_matmul", "transpose_tiles"]
+__all__ += ["PreQuantized", "dot", "dot_general", "flax", "prequantize", "scaled_matmul", "transpose_tiles"]
 
 
 def __getattr__(name):

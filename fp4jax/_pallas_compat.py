@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax import export
 from jax.experimental import pallas as pl
 
+from fp4jax import _exact
+
 try:   # the Triton backend of Pallas; present in CPU wheels too (lowering needs no GPU)
   from jax.experimental.pallas import triton as _pltriton
 except ImportError:   # pragma: no cover - very old or stripped jax
@@ -68,13 +70,27 @@ def precise_div(a, b, *, interpret: bool):
   """a / b rounded to nearest even (IEEE), elementwise float32, inside a kernel.
 
   Triton lowers ``arith.divf`` on float32 to PTX ``div.full.f32`` (approximate, up to 2 ulp), so the
-  compiled kernel asks for ``div.rn.f32`` explicitly; the interpreter divides exactly anyway.
+  compiled kernel asks for ``div.rn.f32`` explicitly. Interpreted under jit the kernel body is compiled
+  by XLA, which rewrites divisions (``fp4jax._exact``); the interpreter therefore divides through
+  ``_exact.div``.
   """
-  if interpret:
-    return a / b
+  if interpret:   # XLA compiles the interpreted kernel: guard the division from its rewrites
+    return _exact.div(a, b)
   a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
   (out,) = _pltriton.elementwise_inline_asm(
       "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+  return out
+
+
+def precise_sqrt(a, *, interpret: bool):
+  """sqrt(a) rounded to nearest even (IEEE), elementwise float32, inside a kernel: PTX ``sqrt.rn.f32``
+  asked for explicitly (Triton's own sqrt may lower to ``sqrt.approx``); the interpreter is exact."""
+  if interpret:
+    return jnp.sqrt(a)
+  a = jnp.asarray(a, jnp.float32)
+  (out,) = _pltriton.elementwise_inline_asm(
+      "sqrt.rn.f32 $0, $1;", args=[a], constraints="=r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
   return out
 

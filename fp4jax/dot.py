@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, gemm, recipes
+from fp4jax import api, gemm, prequantized, recipes
 from fp4jax.numerics import eden
 from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
@@ -159,24 +159,25 @@ DENSE = Dense()
 
 
 @jax.named_scope("fprop")
-def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN):
-  """y and the fprop-quantized operands (None when fprop runs unquantized)."""
+def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN, q_x=None):
+  """y and the fprop-quantized operands (None when fprop runs unquantized). ``q_x``: x already
+  quantized as ``roles.fprop_x`` quantizes it (a ``PreQuantized`` input), used instead of quantizing."""
   if roles.fprop_x is None:
     return ops.exact(x_MxK, w_KxN, "fprop", precision).astype(out_dtype), None, None
-  q_x = ops.rows(roles.fprop_x, x_MxK)
+  q_x = ops.rows(roles.fprop_x, x_MxK) if q_x is None else q_x
   q_wt = ops.weight(roles.fprop_w, ops.transpose(w_KxN))                             # (N, K)
   return ops.gemm(q_x, q_wt, out_dtype), q_x, q_wt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups):
+def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x):
   del key
-  return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN)[0]
+  return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN, pre_x)[0]
 
 
-def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups):
+def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x):
   ops = layout.bind(groups, x_MxK.shape[0])
-  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN)
+  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN, pre_x)
   if roles.dgrad_dy is None:
     w_dgrad = w_KxN
   elif roles.dgrad_w == TRANSPOSED or roles.requantize:
@@ -236,7 +237,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
   # epilogue instead of a separate float32 pass after the barrier (issue 22: 1.5 GiB less at 8192³).
   dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)))
-  return dx_MxK, dw_KxN, None, None
+  return dx_MxK, dw_KxN, None, None, None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -245,25 +246,27 @@ _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 def quantized_dot(roles: Roles, layout, x, w, key=None, groups=None, *, precision=None, out_dtype):
   """The custom_vjp on aligned operands, for ``layout``'s operands (``DENSE``, or fp4jax.grouped's
   experts with their traced ``groups``): the one role logic of every quantized dot."""
-  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups)
+  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups, None)
 
 
 def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
   """What the forward pass saves for the backward pass on aligned operands (byte counts, tests)."""
-  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None)[1]
+  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None, None)[1]
 
 
 # ---------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key):
+def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   align_m, align_k, align_n = roles.alignment()
   x_MxK = pad_to_multiple(pad_to_multiple(x_MxK, 0, align_m), 1, align_k)
   w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
-  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None)[:m, :n]
+  if pre_x is not None:
+    pre_x = prequantized.pad_rows(pre_x, x_MxK.shape[0])
+  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x)[:m, :n]
 
 
 def as_recipe(recipe) -> Recipe | Roles:
@@ -296,6 +299,9 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   A recipe that quantizes nothing is exactly ``lax.dot_general`` (values and gradients).
   """
   recipe = as_recipe(recipe)
+  if isinstance(lhs, prequantized.PreQuantized):
+    return _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe, key,
+                             out_sharding)
   lhs, rhs = check_dot_inputs(lhs, rhs, dimension_numbers, preferred_element_type, key,
                               recipe.quantizes_anything)
   if preferred_element_type is None and recipe.out_dtype is not None:
@@ -332,9 +338,34 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   return y
 
 
+def _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe, key,
+                      out_sharding):
+  """``dot_general`` of a ``PreQuantized`` activation: its fprop codes go into the fprop GEMM as they are
+  (no second quantization of x), and its x into the backward pass, exactly as an unfused call would."""
+  x = lhs.x
+  prequantized.check(lhs, recipe.roles, dimension_numbers, rhs)
+  lhs_, rhs = check_dot_inputs(x, rhs, dimension_numbers, preferred_element_type, key, True)
+  if preferred_element_type is None and recipe.out_dtype is not None:
+    preferred_element_type = recipe.out_dtype
+  out = jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
+                                         preferred_element_type=preferred_element_type), lhs_, rhs)
+  rc = int(dimension_numbers[0][1][0]) % rhs.ndim
+  w_KxN = jnp.moveaxis(rhs, rc, 0).reshape(rhs.shape[rc], -1)
+  if key is not None and not needs_key(recipe):
+    key = None
+  y_MxN = _dot_2d(recipe.roles, precision, out.dtype, lhs_.reshape(-1, x.shape[-1]), w_KxN, key, lhs.q)
+  y = y_MxN.reshape(out.shape)
+  if out_sharding is not None:
+    y = lax.with_sharding_constraint(y, out_sharding)
+  return y
+
+
 def dot(x, w, *, recipe, key=None, preferred_element_type=None):
-  """x [..., K] · w [K, N] -> [..., N], quantized as ``recipe`` says (see ``dot_general``)."""
-  x, w = jnp.asarray(x), jnp.asarray(w)
+  """x [..., K] · w [K, N] -> [..., N], quantized as ``recipe`` says (see ``dot_general``). x may be an
+  ``fp4jax.PreQuantized`` (``fp4jax.prequantize``, or a producer kernel's output): its fprop codes are
+  used as they are, bit-identical to quantizing its x here."""
+  x = x if isinstance(x, prequantized.PreQuantized) else jnp.asarray(x)
+  w = jnp.asarray(w)
   if w.ndim != 2:
     raise ValueError(f"fp4jax.dot takes a 2-D weight w [K, N]; got shape {w.shape}. "
                      "Use fp4jax.dot_general for other layouts")

@@ -21,6 +21,7 @@ import flax.linen as nn
 from flax import nnx
 
 from fp4jax.dot import _as_recipe, dot_general, needs_key
+from fp4jax.prequantized import PreQuantized
 from fp4jax.recipes import Recipe
 
 RNG_STREAM = "fp4"
@@ -47,6 +48,29 @@ class Fp4DotGeneral(nn.Module):
     recipe = _as_recipe(self.recipe)
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                        recipe=recipe, key=self._key(recipe), out_sharding=out_sharding)
+
+
+class Dense(nn.Dense):
+  """``nn.Dense`` that also takes an ``fp4jax.PreQuantized`` input (``fp4jax.fused``: a producer that
+  quantized its output for this layer) and hands it to its ``Fp4DotGeneral`` unquantized-again. The same
+  parameters, names and rng streams as ``nn.Dense``; a plain array input is exactly ``nn.Dense``.
+  A PreQuantized input needs ``dot_general_cls`` an ``Fp4DotGeneral`` of the recipe it was quantized for
+  (fp4jax.dot refuses another), no bias, and ``dtype`` that of its x."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    if not isinstance(inputs, PreQuantized):
+      return super().__call__(inputs)
+    if self.dot_general_cls is None or self.use_bias:
+      raise ValueError("a PreQuantized input needs dot_general_cls=fp4jax.flax.dot_general_cls(recipe) "
+                       "and use_bias=False; pass pre.x to this layer instead")
+    if self.dtype is not None and inputs.dtype != self.dtype:
+      raise ValueError(f"PreQuantized x is {inputs.dtype}, the layer computes in {self.dtype}; make the "
+                       "producer return the layer's dtype or pass pre.x")
+    kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype)
+    kernel = kernel.astype(inputs.dtype)
+    return self.dot_general_cls()(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                                  precision=self.precision)
 
 
 def dot_general_cls(recipe: Recipe | str, rng_stream: str = RNG_STREAM):

@@ -14,7 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp4jax import outcontrol
+from fp4jax import fused, outcontrol, prequantized
+from fp4jax import flax as fp4flax
+from fp4jax.prequantized import PreQuantized
+from fp4jax.primitives import impl as pimpl
 from models import policy, remat
 from models.config import ModelConfig
 
@@ -30,12 +33,60 @@ class RMSNorm(nn.Module):
   axis_name: str = "embed"
 
   @nn.compact
-  def __call__(self, x_xD: jax.Array) -> jax.Array:
+  def __call__(self, x_xD: jax.Array, prequantize_for: Any = None) -> jax.Array:
+    """``prequantize_for``: a recipe whose fprop input this norm feeds (``fused_norm_recipe``): the norm
+    and that quantization run as one kernel (``fp4jax.fused.rmsnorm_quantize``) and the output is an
+    ``fp4jax.PreQuantized`` for the next linear layers (``linear``); None: the plain norm."""
     scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
                          (x_xD.shape[-1],), self.param_dtype)
+    if prequantize_for is not None and fused.kernel_ok(prequantize_for.roles.fprop_x, x_xD.shape, x_xD.dtype,
+                                                       self.dtype):
+      return fused.rmsnorm_quantize(x_xD, scale_D, prequantize_for, eps=self.eps, dtype=self.dtype,
+                                    impl="pallas")
     x_xD = x_xD.astype(jnp.float32)
     x_xD = x_xD * jax.lax.rsqrt(jnp.mean(jnp.square(x_xD), axis=-1, keepdims=True) + self.eps)
     return (x_xD * scale_D.astype(jnp.float32)).astype(self.dtype)
+
+
+def fused_norm_recipe(config: ModelConfig, recipe: Any, consumer_paths: Sequence[Sequence[str]]) -> Any:
+  """The recipe a norm may pre-quantize its output for (``RMSNorm(prequantize_for=...)``), or None.
+
+  ``consumer_paths``: the module paths of every linear layer that reads the norm's output, and nothing
+  else may read it. Fused only behind the impl switch (``fp4jax.primitives.impl.default_impl``:
+  "rmsnorm_quantize" is a kernel candidate of the on-device proof; default XLA, the plain norm), when
+  every consumer runs the same recipe with a pre-quantizable fprop input (no OutControl) that the
+  kernel covers at this width."""
+  recipes_ = {policy.decide(config, recipe, path).recipe for path in consumer_paths}
+  if len(recipes_) != 1 or any(policy.outcontrol_ratio(config, recipe, p) for p in consumer_paths):
+    return None
+  (layer_recipe,) = recipes_
+  if layer_recipe is None:
+    return None
+  roles = layer_recipe.roles
+  if not prequantized.supported(roles.fprop_x) or config.d_model % roles.alignment()[1]:
+    return None
+  if not fused.kernel_ok(roles.fprop_x, (config.d_model,), config.dtype, config.dtype):
+    return None
+  if pimpl.default_impl(fused.OP, roles.fprop_x.fmt) != "pallas":
+    return None
+  return layer_recipe
+
+
+def fused_relu2_recipe(config: ModelConfig, recipe: Any, down_path: Sequence[str]) -> Any:
+  """The recipe the MLP's squared ReLU may pre-quantize its output for (``fp4jax.fused.relu2_quantize``:
+  the down projection's fprop input), or None: as ``fused_norm_recipe``, behind the impl switch
+  ("relu2_quantize", default XLA: the plain activation)."""
+  layer_recipe = policy.decide(config, recipe, down_path).recipe
+  if layer_recipe is None or policy.outcontrol_ratio(config, recipe, down_path):
+    return None
+  roles = layer_recipe.roles
+  if not prequantized.supported(roles.fprop_x) or config.mlp_dim % roles.alignment()[1]:
+    return None
+  if not fused.relu2_kernel_ok(roles.fprop_x, (config.mlp_dim,), config.dtype):
+    return None
+  if pimpl.default_impl(fused.RELU2_OP, roles.fprop_x.fmt) != "pallas":
+    return None
+  return layer_recipe
 
 
 def residual_std(config: ModelConfig) -> float:
@@ -54,14 +105,18 @@ def linear(parent: nn.Module, name: str, features: int, kernel_axes: Sequence[st
   """
   path = (*parent.path, name)
   ratio = policy.outcontrol_ratio(config, recipe, path)
-  cls = functools.partial(OutControlDense, outcontrol_ratio=ratio) if ratio else nn.Dense
+  cls = functools.partial(OutControlDense, outcontrol_ratio=ratio) if ratio else fp4flax.Dense
   dense = cls(
       features, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
       kernel_init=nn.with_logical_partitioning(
           nn.initializers.normal(config.init_std if std is None else std), tuple(kernel_axes)),
       dot_general_cls=policy.dot_general_cls(config, recipe, path),
       name=name)
-  return lambda x: remat.tag_linear(dense(x))
+  def apply(x):
+    if isinstance(x, PreQuantized) and (ratio or dense.dot_general_cls is None):
+      x = x.x   # this layer cannot take the codes (fused_norm_recipe fuses only where every consumer can)
+    return remat.tag_linear(dense(x))
+  return apply
 
 
 class OutControlDense(nn.Dense):

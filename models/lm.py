@@ -26,7 +26,7 @@ from flax import traverse_util
 
 from models.attention import Attention
 from models.config import ModelConfig
-from models.layers import RMSNorm, chunked_cross_entropy
+from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
 from models.mamba2 import Mamba2
 from models.mlp import MLP
 from models import mtp, policy, remat
@@ -48,7 +48,11 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     cfg = self.config
-    h_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_BxLxD)
+    pre = None
+    if self.kind == "mlp":   # the norm's only readers are the MLP's input layers
+      mixer = (*self.path, "mixer")
+      pre = fused_norm_recipe(cfg, self.recipe, [(*mixer, "up")] + ([(*mixer, "gate")] if cfg.mlp_kind == "swiglu" else []))
+    h_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_BxLxD, pre)
     h_BxLxD = _MIXERS[self.kind](cfg, self.recipe, self.decode, name="mixer")(h_BxLxD)
     return nn.with_logical_constraint(x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype), _RESIDUAL)
 

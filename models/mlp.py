@@ -4,6 +4,7 @@ Axis legend: B batch, L sequence, D model width, F MLP width.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -11,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import linear, residual_std
+from fp4jax import fused
+from models.layers import fused_relu2_recipe, linear, residual_std
 
 _ACT = ("activation_batch", "activation_seq", "activation_mlp")
 
@@ -29,6 +31,11 @@ class MLP(nn.Module):
     dense = lambda name, features, axes, **kw: linear(self, name, features, axes, config=cfg,
                                                       recipe=self.recipe, **kw)
     up_BxLxF = dense("up", cfg.mlp_dim, ("embed", "mlp"))(x_BxLxD)
+    down_recipe = fused_relu2_recipe(cfg, self.recipe, (*self.path, "down")) if cfg.mlp_kind == "relu2" else None
+    if down_recipe is not None:   # relu² and the down projection's fprop quantize in one kernel
+      h = fused.relu2_quantize(up_BxLxF, down_recipe, impl="pallas")
+      h = dataclasses.replace(h, x=nn.with_logical_constraint(h.x, _ACT))
+      return dense("down", cfg.d_model, ("mlp", "embed"), std=residual_std(cfg))(h)
     if cfg.mlp_kind == "relu2":
       h_BxLxF = jnp.square(jax.nn.relu(up_BxLxF))
     else:

@@ -43,8 +43,16 @@ def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
     x_ref, f_ref, bits_ref, q_ref, s_ref = refs
   else:
     (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
+  bits = None if bits_ref is None else bits_ref[...]
+  q_ref[...], s_ref[...] = encode_rows(x_ref[...].astype(jnp.float32), f_ref, bits, fmt=fmt,
+                                       scale_rule=scale_rule, interpret=interpret)
+
+
+def encode_rows(x_RxK, f_ref, bits_RxK, *, fmt, scale_rule, interpret):
+  """(packed codes (R, K/2), scale bytes (R, NB)) uint8 of a float32 register tile, inside a kernel:
+  the body every 1D quantize kernel shares (``fp4jax.kernels.rmsnorm_quantize`` too). ``f_ref``: the
+  (R, 4) per-row factors (``row_factors``); ``bits_RxK``: uint8 random bits or None."""
   b = formats.BLOCK[fmt]
-  x_RxK = x_ref[...].astype(jnp.float32)
   r, k = x_RxK.shape
   x_RxNxB = x_RxK.reshape(r, k // b, b)
   if fmt == "nvfp4":
@@ -58,10 +66,9 @@ def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
     amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
     byte_RxN, inv_RxN, exp_RxN = C.e8m0_block_encode(amax_RxN, scale_rule)
     scaled = C.mxfp4_scaled(x_RxNxB, inv_RxN[:, :, None], exp_RxN[:, :, None])
-  bits = None if bits_ref is None else bits_ref[...].reshape(r, k // b, b)
+  bits = None if bits_RxK is None else bits_RxK.reshape(r, k // b, b)
   codes = C.encode(scaled, bits)
-  q_ref[...] = C.pack_pairs(codes.reshape(r, k // 2, 2))
-  s_ref[...] = byte_RxN.astype(jnp.uint8)
+  return C.pack_pairs(codes.reshape(r, k // 2, 2)), byte_RxN.astype(jnp.uint8)
 
 
 def _quantize_1d_call(x_RxK, factors_Rx4, bits_RxK, *, fmt, scale_rule, tiles, interpret):

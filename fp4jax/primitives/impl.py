@@ -33,7 +33,8 @@ DEFAULT_IMPL_ENV = "FP4JAX_DEFAULT_IMPL"
 # The kernel-backed ops, as named in VERIFIED_KERNELS and in scripts/gpu_check.py's report.
 # "scaled_matmul" is the pair (dequantize passes, then a bf16 GEMM: kernels.scaled_matmul), "mixed_matmul"
 # the GEMM that decodes as it loads (kernels.mixed_matmul); impl=None tries "mixed_matmul" first.
-KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul", "mixed_matmul")
+KERNEL_OPS = ("quantize_1d", "quantize_2d", "quantize_rht_t", "scaled_matmul", "mixed_matmul", "rmsnorm_quantize",
+              "relu2_quantize")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,6 +126,10 @@ VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
     ("mixed_matmul", "nvfp4"): (Variant("mixed_matmul", "nvfp4", "1x16.16x16", layout=(False, True)),
                                 Variant("mixed_matmul", "nvfp4", "1x16.1x16")),
     ("mixed_matmul", "mxfp4"): (Variant("mixed_matmul", "mxfp4", "1x32.1x32"),),
+    ("rmsnorm_quantize", "nvfp4"): (Variant("rmsnorm_quantize", "nvfp4", "rmsnorm 1x16"),),
+    ("rmsnorm_quantize", "mxfp4"): (Variant("rmsnorm_quantize", "mxfp4", "rmsnorm 1x32 rceil"),),
+    ("relu2_quantize", "nvfp4"): (Variant("relu2_quantize", "nvfp4", "relu2 1x16"),),
+    ("relu2_quantize", "mxfp4"): (Variant("relu2_quantize", "mxfp4", "relu2 1x32 rceil"),),
     ("native_gemm", "nvfp4"): (
         Variant("native_gemm", "nvfp4", "1x16.16x16", pair=(Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True))),
         Variant("native_gemm", "nvfp4", "1x16.1x16 SR RHT", pair=(
@@ -409,6 +413,51 @@ def _prove_quantize(v: Variant, sizes: Sizes, deadline: float) -> dict:
   return record
 
 
+def _rmsnorm_fn(v: Variant, impl: str):
+  """(h, codes, scale bytes) of fp4jax.fused.rmsnorm_quantize (or relu2_quantize, which ignores the
+  scale) for the variant's format."""
+  from fp4jax import fused   # pylint: disable=import-outside-toplevel
+
+  def fn(x, scale):
+    if v.op == "relu2_quantize":
+      pre = fused.relu2_quantize(x, v.fmt, impl=impl)
+    else:
+      pre = fused.rmsnorm_quantize(x, scale, v.fmt, eps=1e-5, impl=impl)
+    return pre.x, pre.q.data, pre.q.scale
+  # Off a GPU the kernel side runs interpreted and eagerly: XLA CPU compiling an interpreted kernel body
+  # whose quantize follows arithmetic in the same body rewrites its float ops (docs/DESIGN.md, issue 30
+  # item 2), which says nothing about the Triton kernel.
+  return fn if impl == "pallas" and jax.default_backend() != "gpu" else jax.jit(fn)
+
+
+def _prove_rmsnorm(v: Variant, sizes: Sizes, deadline: float) -> dict:
+  """The fused norm + quantize against its twin: h bit for bit (NaN = any NaN) and the codes and scales
+  as ``compare_quantized``, on rows of many binades, tiny and huge rows, and zero rows (NaN inputs are
+  not cases: the norm spreads one over its whole row, where no format defines the block)."""
+  kernel, xla = _rmsnorm_fn(v, "pallas"), _rmsnorm_fn(v, "xla")
+  r, d = sizes.quantize
+  d = min(d, 8192)
+  x = many_binades((r, d), 11)
+  scale = 1 + 0.25 * jax.random.normal(jax.random.key(12), (d,), jnp.float32)
+  cases = [("many binades", x), ("tiny 2^-120", (x.astype(jnp.float32) * 2.0 ** -120).astype(jnp.bfloat16)),
+           ("huge 2^118", (x.astype(jnp.float32) * 2.0 ** 118).astype(jnp.bfloat16)),
+           ("zero rows", x.at[::3].set(0))]
+  record = dict(variant=v.name, shape=[r, d], cases=[])
+  for case, xc in cases:
+    _check_time(deadline)
+    (gh, gq, gs), (wh, wq, ws) = jax.device_get(kernel(xc, scale)), jax.device_get(xla(xc, scale))
+    h = compare_floats(gh, wh)
+    qs = compare_quantized((gq, gs), (wq, ws), v)
+    record["cases"].append(dict(case=case, mismatches=h["mismatches"] + qs["mismatches"],
+                                compared=h["compared"] + qs["compared"], dont_care=qs["dont_care"],
+                                first=h["first"] or qs["first"]))
+    if record["cases"][-1]["mismatches"]:
+      return record
+  t_k, t_x = time_pair(kernel, xla, (x, scale), (x, scale), sizes.iters, deadline)
+  record.update(kernel_ms=t_k * 1e3, xla_ms=t_x * 1e3, speedup=t_x / t_k)
+  return record
+
+
 def _gemm_fns(v: Variant, out_dtype=jnp.bfloat16):
   """(candidate, XLA path) GEMM functions of two QTensors."""
   if v.op == verdicts.NATIVE_OP:
@@ -474,7 +523,8 @@ def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = fl
   entry = dict(verdict="undecided", summary="", command=command(op, fmt), evidence=evidence)
   try:
     for v in VARIANTS[(op, fmt)]:
-      run = _prove_gemm if op in GEMM_OPS else _prove_quantize
+      run = (_prove_gemm if op in GEMM_OPS else
+             _prove_rmsnorm if op in ("rmsnorm_quantize", "relu2_quantize") else _prove_quantize)
       record = run(v, sizes, deadline)
       evidence["variants"].append(record)
       bad = [c for c in record["cases"] if c["mismatches"]]

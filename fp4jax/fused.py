@@ -1,0 +1,187 @@
+"""Producers that quantize their output for the next quantized dot in their own pass (issue 30, item 2).
+
+Axis legend: R rows (tokens, every leading axis), D the normalized axis (the next dot's K), P = D padded to
+a power of two.
+
+``rmsnorm_quantize(x, scale, recipe, eps=..., dtype=...)`` is RMSNorm whose output comes back as an
+``fp4jax.PreQuantized``: h = RMSNorm(x)·scale in ``dtype`` and h quantized as ``recipe``'s fprop_x
+quantizes it, so ``fp4jax.dot(pre, w, recipe=recipe)`` quantizes nothing more and gives the bits the
+unfused ``fp4jax.dot(h, w, recipe=recipe)`` gives. Two passes, because NVFP4's FP32 tensor scale needs
+max|h| over the whole tensor before any block can be encoded:
+  1. the amax: ``rmsnorm`` (XLA) reduced to max|h|, read-only (XLA fuses it into one pass over x);
+  2. the norm again and the quantization, in registers: the Pallas kernel
+     (``fp4jax.kernels.rmsnorm_quantize``, impl "pallas") or its XLA twin (impl "xla"), which writes h
+     and quantizes it with the quantizer itself (so it covers every pre-quantizable quantizer).
+The norm sums its squares in one fixed pairwise order (``rms_inverse``), so the kernel and the twin
+agree bit for bit; this order is not ``jnp.mean``'s, so h may differ from ``models.layers.RMSNorm``'s
+in the last bit of some rows (the model uses it only where the impl switch picks the kernel).
+The gradient is RMSNorm's, through the twin (``jax.vjp`` of ``rmsnorm``); the codes have none.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import formats
+from fp4jax._exact import div
+from fp4jax.kernels import relu2_quantize as relu2_kernel
+from fp4jax.kernels import rmsnorm_quantize as kernel
+from fp4jax.numerics.layout import pad_to_multiple
+from fp4jax.prequantized import PreQuantized, _check_quantizer
+from fp4jax.primitives.impl import resolve_impl
+from fp4jax.qtensor import QTensor
+
+OP = "rmsnorm_quantize"   # its name in fp4jax.primitives.impl.KERNEL_OPS (the impl switch, the proof)
+RELU2_OP = "relu2_quantize"
+
+
+def _halve(s):
+  w = s.shape[-1] // 2
+  return s[:, :w] + s[:, w:]
+
+
+def rmsnorm(x, scale, *, eps, dtype):
+  """RMSNorm(x)·scale over the last axis in ``dtype``, the sum of squares in the kernel's fixed order."""
+  *lead, d = x.shape
+  x_RxP = pad_to_multiple(x.reshape(-1, d).astype(jnp.float32), 1, kernel.pow2(d))
+  r_Rx1 = kernel.rms_inverse(x_RxP, d, eps, halve=_halve, div=div, sqrt=jnp.sqrt)
+  h = (x.reshape(-1, d).astype(jnp.float32) * r_Rx1) * scale.astype(jnp.float32)
+  return h.astype(dtype).reshape(*lead, d)
+
+
+def kernel_ok(quantizer, x_shape, x_dtype, dtype) -> bool:
+  """Whether the Pallas kernel covers this call: plain 1D NVFP4/MXFP4 nearest, bf16/fp16 x, a bf16 h, D a
+  multiple of the block (the twin covers every pre-quantizable quantizer)."""
+  return (quantizer.fmt in formats.KERNEL_FORMATS and quantizer.four_over_six is None
+          and jnp.dtype(x_dtype) in kernel.INPUT_DTYPES and jnp.dtype(dtype) == jnp.bfloat16
+          and x_shape[-1] % formats.BLOCK[quantizer.fmt] == 0)
+
+
+def _forward(x, scale, eps, dtype, quantizer, impl):
+  d = x.shape[-1]
+  h_twin = rmsnorm(x, scale, eps=eps, dtype=dtype)
+  amax = jnp.max(jnp.abs(h_twin.astype(jnp.float32)))      # pass 1 (exact in any order)
+  if impl == "pallas":
+    call = lambda interpret: lambda x, scale, amax: kernel.rmsnorm_quantize(
+        x, scale, amax, eps=eps, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule,
+        interpret=interpret)
+    # compiled for CUDA, interpreted elsewhere: decided when lowering, for the platform lowered for
+    h, q, s = lax.platform_dependent(x, scale, amax, cuda=call(False), default=call(True))
+    q_x = _qtensor(q.reshape(-1, d // 2), s.reshape(-1, d // formats.BLOCK[quantizer.fmt]), amax, quantizer,
+                   dtype)
+    return PreQuantized(h, q_x, quantizer)
+  return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, d)), quantizer)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _rmsnorm_quantize(x, scale, eps, dtype, quantizer, impl):
+  return _forward(x, scale, eps, dtype, quantizer, impl)
+
+
+def _fwd(x, scale, eps, dtype, quantizer, impl):
+  return _forward(x, scale, eps, dtype, quantizer, impl), (x, scale)
+
+
+def _bwd(eps, dtype, quantizer, impl, res, ct):
+  del quantizer, impl
+  x, scale = res
+  _, vjp = jax.vjp(functools.partial(rmsnorm, eps=eps, dtype=dtype), x, scale)
+  return vjp(ct.x)
+
+
+_rmsnorm_quantize.defvjp(_fwd, _bwd)
+
+
+def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) -> PreQuantized:
+  """RMSNorm(x)·scale in ``dtype``, pre-quantized for ``recipe``'s fprop GEMM (module docstring).
+
+  impl: "pallas" (the kernel; interpreted off a GPU), "xla" (the twin), or None: the impl switch
+  (``fp4jax.primitives.impl.default_impl("rmsnorm_quantize", fmt)``: a kernel only with evidence).
+  """
+  from fp4jax.dot import as_recipe   # pylint: disable=import-outside-toplevel
+  roles = as_recipe(recipe).roles
+  quantizer = roles.fprop_x
+  _check_quantizer(quantizer)
+  if x.shape[-1] % roles.alignment()[1]:
+    raise ValueError(f"rmsnorm_quantize: D={x.shape[-1]} is not a multiple of recipe {roles.name!r}'s K "
+                     f"alignment {roles.alignment()[1]}; use the plain norm and let the dot pad")
+  fits = kernel_ok(quantizer, x.shape, x.dtype, dtype)
+  if impl == "pallas" and not fits:
+    raise ValueError(f"impl='pallas': the rmsnorm_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16/fp16 x into a bf16 h; "
+                     f"got {quantizer!r} on {x.dtype} -> {jnp.dtype(dtype)}. Use impl='xla' or None")
+  impl = resolve_impl(impl, quantizer.fmt, OP) if fits else "xla"
+  with jax.named_scope(f"fp4jax/{OP}"):   # one pass in profiles and in bench/hlo_cost.py's "fp4jax passes"
+    return _rmsnorm_quantize(x, scale, float(eps), jnp.dtype(dtype), quantizer, impl)
+
+
+# ------------------------------------------------------------------------------- relu² + quantize
+
+def relu2(u):
+  """The MLP's squared ReLU as the model computes it (``jnp.square(jax.nn.relu(u))``, u's dtype)."""
+  return jnp.square(jax.nn.relu(u))
+
+
+def relu2_kernel_ok(quantizer, u_shape, u_dtype) -> bool:
+  """Whether the relu² kernel covers this call: plain 1D NVFP4/MXFP4 nearest of a bf16 u, F a multiple of
+  the block."""
+  return (quantizer.fmt in formats.KERNEL_FORMATS and quantizer.four_over_six is None
+          and jnp.dtype(u_dtype) == jnp.bfloat16 and u_shape[-1] % formats.BLOCK[quantizer.fmt] == 0)
+
+
+def _relu2_forward(u, quantizer, impl):
+  f = u.shape[-1]
+  h_twin = relu2(u)
+  amax = jnp.max(jnp.abs(h_twin.astype(jnp.float32)))      # pass 1, read-only (exact in any order)
+  if impl != "pallas":
+    return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, f)), quantizer)
+  call = lambda interpret: lambda u, amax: relu2_kernel.relu2_quantize(
+      u, amax, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule, interpret=interpret)
+  h, q, s = lax.platform_dependent(u, amax, cuda=call(False), default=call(True))
+  return PreQuantized(h, _qtensor(q.reshape(-1, f // 2), s.reshape(-1, f // formats.BLOCK[quantizer.fmt]),
+                                  amax, quantizer, u.dtype), quantizer)
+
+
+def _qtensor(q, s, amax, quantizer, dtype):
+  fmt = quantizer.fmt
+  return QTensor(q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt]), amax if fmt == "nvfp4" else None,
+                 fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(dtype), quantizer.scale_rule if fmt == "mxfp4" else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _relu2_quantize(u, quantizer, impl):
+  return _relu2_forward(u, quantizer, impl)
+
+
+def _relu2_fwd(u, quantizer, impl):
+  return _relu2_forward(u, quantizer, impl), u
+
+
+def _relu2_bwd(quantizer, impl, u, ct):
+  del quantizer, impl
+  return jax.vjp(relu2, u)[1](ct.x)
+
+
+_relu2_quantize.defvjp(_relu2_fwd, _relu2_bwd)
+
+
+def relu2_quantize(u, recipe, *, impl=None) -> PreQuantized:
+  """relu(u)² (u's dtype) pre-quantized for ``recipe``'s fprop GEMM (the MLP's down projection): the same
+  two passes as ``rmsnorm_quantize`` (amax read-only, then one kernel writing h and its codes). Bit-identical
+  to ``fp4jax.dot(relu2(u), w, recipe=recipe)`` whichever impl runs: relu(u)² of bf16 is exact in float32."""
+  from fp4jax.dot import as_recipe   # pylint: disable=import-outside-toplevel
+  roles = as_recipe(recipe).roles
+  quantizer = roles.fprop_x
+  _check_quantizer(quantizer)
+  if u.shape[-1] % roles.alignment()[1]:
+    raise ValueError(f"relu2_quantize: F={u.shape[-1]} is not a multiple of recipe {roles.name!r}'s K "
+                     f"alignment {roles.alignment()[1]}; use relu2 and let the dot pad")
+  fits = relu2_kernel_ok(quantizer, u.shape, u.dtype)
+  if impl == "pallas" and not fits:
+    raise ValueError(f"impl='pallas': the relu2_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16 u; got "
+                     f"{quantizer!r} on {u.dtype}. Use impl='xla' or None")
+  impl = resolve_impl(impl, quantizer.fmt, RELU2_OP) if fits else "xla"
+  with jax.named_scope(f"fp4jax/{RELU2_OP}"):
+    return _relu2_quantize(u, quantizer, impl)

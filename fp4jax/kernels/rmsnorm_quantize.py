@@ -1,0 +1,131 @@
+"""RMSNorm and the 1D FP4 quantization of its output in one Pallas kernel: the norm's consumer's fprop codes
+are made in the pass that makes its input.
+
+Axis legend: R rows (tokens), D the normalized (and quantized) axis, P = D padded to a power of two,
+NB = D/B blocks of B elements (B = 16 nvfp4, 32 mxfp4).
+
+Each program loads (rows, P) of x and the (1, P) scale, and in registers:
+  h = bf16( (x · r) · scale ),   r = 1 / sqrt( ss / D + eps ),   ss = Σ x²  (``rms_inverse``)
+then stores h and quantizes the same registers with the 1D quantize kernel's body
+(``quantize_1d.encode_rows``): codes (rows, P/2) and scale bytes (rows, P/B).
+NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in, with the
+per-row factors, from a read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a
+max is exact in any order). So the pair reads x twice and writes h and the codes once: two reads and
+one write of D-wide rows, against three reads and one write for the norm, the amax and the quantize
+as separate passes.
+
+The sum of squares is summed in one fixed order, the same in the kernel and in its XLA twin
+(``rms_inverse``): a pairwise tree over the row zero-padded to P, element i paired with i + P/2 at
+every level. x is bf16 or fp16, so each x² is exact in float32 and a fused multiply-add of the first
+level rounds exactly as the product-then-add does; the division and the square root are correctly
+rounded on both sides (``precise_div``, ``precise_sqrt`` here; ``fp4jax._exact.div`` and XLA's sqrt in
+the twin). The kernel is therefore bit-identical with the twin, not merely close.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import _pallas_compat as plc
+from fp4jax import formats
+from fp4jax.kernels import _common as C
+from fp4jax.kernels.quantize_1d import encode_rows, row_factors
+
+INPUT_DTYPES = (jnp.bfloat16, jnp.float16)   # x² exact in float32 (module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsnormQuantizeTiles:
+  elements: int = 4096     # rows per program = elements / P (power of two, at least 1, at most 32)
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+DEFAULT_TILES = RmsnormQuantizeTiles()
+
+
+def pow2(d: int) -> int:
+  p = 1
+  while p < d:
+    p *= 2
+  return p
+
+
+def tree_sum(s_RxP, halve):
+  """Σ over the last axis of a power-of-two width in the fixed pairwise order: ``halve(s)`` returns
+  s[:, :w/2] + s[:, w/2:] (a reshape and a 2-element sum in the kernel, slices in XLA)."""
+  while s_RxP.shape[-1] > 1:
+    s_RxP = halve(s_RxP)
+  return s_RxP
+
+
+def rms_inverse(x_RxP, d, eps, *, halve, div, sqrt):
+  """1 / sqrt(Σx²/d + eps) of each row (R, 1), float32, in the fixed order (module docstring)."""
+  ss_Rx1 = tree_sum(x_RxP * x_RxP, halve)
+  return div(1.0, sqrt(div(ss_Rx1, jnp.float32(d)) + jnp.float32(eps)))
+
+
+def _halve_in_kernel(s):
+  r, w = s.shape
+  return jnp.sum(s.reshape(r, 2, w // 2), axis=1)
+
+
+def _rmsnorm_quantize_kernel(x_ref, w_ref, f_ref, h_ref, q_ref, s_ref, *, d, eps, fmt, scale_rule, interpret):
+  x_RxP = x_ref[...].astype(jnp.float32)
+  div = functools.partial(plc.precise_div, interpret=interpret)
+  sqrt = functools.partial(plc.precise_sqrt, interpret=interpret)
+  r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_halve_in_kernel, div=div, sqrt=sqrt)
+  h_RxP = ((x_RxP * r_Rx1) * w_ref[...].astype(jnp.float32)).astype(jnp.bfloat16)
+  h_ref[...] = h_RxP
+  q_ref[...], s_ref[...] = encode_rows(bf16_value(h_RxP), f_ref, None, fmt=fmt, scale_rule=scale_rule,
+                                       interpret=interpret)
+
+
+def bf16_value(h):
+  """float32 of bf16 values from their bits (the upper half of the float32). Not ``h.astype(float32)``:
+  XLA (xla_allow_excess_precision) removes a float32 -> bf16 -> float32 pair of converts, which would
+  quantize the unrounded float32 instead of h."""
+  bits = lax.bitcast_convert_type(h, jnp.uint16).astype(jnp.uint32) << 16
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TILES,
+                     interpret=False):
+  """(h, codes, scale bytes) of x (..., D): h = RMSNorm(x)·scale in bf16 (..., D), and h quantized
+  in 1D blocks along D: packed codes (..., D/2) uint8, scale bytes (..., D/B) uint8.
+
+  amax: NVFP4's tensor amax of h (float32 scalar; ignored for MXFP4). x: bf16 or fp16; D a multiple of
+  the block B.
+  """
+  *lead, d = x.shape
+  b = formats.BLOCK[fmt]
+  if d % b:
+    raise ValueError(f"rmsnorm_quantize: D={d} must be a multiple of the block {b} for fmt={fmt!r}")
+  if x.dtype not in INPUT_DTYPES:
+    raise ValueError(f"rmsnorm_quantize takes bf16 or fp16 x (exact squares); got {x.dtype}. "
+                     "Use fp4jax.fused with impl='xla' for other dtypes")
+  x_RxD = x.reshape(-1, d)
+  r = x_RxD.shape[0]
+  p = pow2(d)
+  br, rp = C.fit(r, max(1, min(32, tiles.elements // p)))
+  factors = C.pad_axis(row_factors(jnp.asarray(amax, jnp.float32), x_RxD.shape, fmt), 0, rp)
+  kernel = functools.partial(_rmsnorm_quantize_kernel, d=d, eps=eps, fmt=fmt, scale_rule=scale_rule,
+                             interpret=interpret)
+  h, q, s = plc.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((rp, p), jnp.bfloat16), jax.ShapeDtypeStruct((rp, p // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((rp, p // b), jnp.uint8)),
+      grid=(rp // br,),
+      in_specs=[plc.BlockSpec((br, p), lambda i: (i, 0)), plc.BlockSpec((1, p), lambda i: (0, 0)),
+                plc.BlockSpec((br, 4), lambda i: (i, 0))],
+      out_specs=(plc.BlockSpec((br, p), lambda i: (i, 0)), plc.BlockSpec((br, p // 2), lambda i: (i, 0)),
+                 plc.BlockSpec((br, p // b), lambda i: (i, 0))),
+      interpret=interpret, name=f"fp4jax_rmsnorm_quantize_{fmt}_1x{b}",
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(
+          C.pad_axis(C.pad_axis(x_RxD, 0, rp), 1, p), C.pad_axis(scale.reshape(1, d), 1, p), factors)
+  return (h[:r, :d].reshape(*lead, d), q[:r, :d // 2].reshape(*lead, d // 2),
+          s[:r, :d // b].reshape(*lead, d // b))
