@@ -23,33 +23,15 @@ abstract: 25T tokens). Not sourced (the report's schedule was not reachable from
 warmup, decay and the 64-sequence batch are this repository's 12B choices scaled to 64 GPUs; `steps` is 25T
 tokens at that batch. Raise batch_size (and data-parallel replicas: mesh.data) for a production run.
 """
-from configs import base
+from configs import nemotron_h_12b
 
 
 def get_config():
-  c = base.get_config()
+  """The 12B's training settings (schedule, data, logging, checkpoints) with Super's model, batch and mesh."""
+  c = nemotron_h_12b.get_config()
   c.name = "nemotron3_super"
-  c.recipe = "nvfp4"
   c.model.preset = "nemotron3_super"
-  c.model.remat = "full"
-  c.model.scan_blocks = True
   c.batch_size = 64
-  c.data.seq_len = 8192
   c.steps = 25_000_000_000_000 // (64 * 8192)
-  c.data.validation_fraction = 0.001
-  c.data.read_threads = 8
-  c.data.prefetch = 8
-  c.optim.lr = 4.5e-4
-  c.optim.min_lr_ratio = 0.01
-  c.optim.warmup_steps = 2000
-  c.optim.decay_fraction = 0.2
-  c.mesh.data = 1
-  c.mesh.fsdp = -1
   c.mesh.expert = 8
-  c.mesh.tensor = 1
-  c.log_every = 10
-  c.eval.every_steps = 1000
-  c.eval.batches = 8
-  c.checkpoint.every_steps = 1000
-  c.checkpoint.keep = 2
   return c

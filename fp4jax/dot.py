@@ -40,7 +40,7 @@ from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import TRANSPOSED, Roles
-from fp4jax.recipes import Recipe
+from fp4jax.recipes import Recipe, as_recipe
 
 MISSING_KEY_MESSAGE = (
     "stochastic rounding of the gradients (Recipe.stochastic_grad=True) needs random bits, and no key "
@@ -267,16 +267,6 @@ def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
   if pre_x is not None:
     pre_x = prequantized.pad_rows(pre_x, x_MxK.shape[0])
   return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x)[:m, :n]
-
-
-def as_recipe(recipe) -> Recipe | Roles:
-  """A Recipe (or Roles) from a recipe, a preset's name or a Roles; TypeError for anything else."""
-  if isinstance(recipe, str):
-    return recipes.get(recipe)
-  if not isinstance(recipe, (Recipe, Roles)):
-    raise TypeError(f"recipe must be an fp4jax.Recipe or a preset name such as 'nvfp4' "
-                    f"(one of {recipes.NAMES}); got {type(recipe).__name__}")
-  return recipe
 
 
 _as_recipe = as_recipe   # the name fp4jax.flax imports

@@ -33,6 +33,7 @@ from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.prequantized import PreQuantized, _check_quantizer
 from fp4jax.primitives.impl import resolve_impl
 from fp4jax.qtensor import QTensor
+from fp4jax.recipes import as_recipe
 
 OP = "rmsnorm_quantize"   # its name in fp4jax.primitives.impl.KERNEL_OPS (the impl switch, the proof)
 RELU2_OP = "relu2_quantize"
@@ -95,19 +96,23 @@ def _bwd(eps, dtype, quantizer, impl, res, ct):
 _rmsnorm_quantize.defvjp(_fwd, _bwd)
 
 
+def _fprop_quantizer(recipe, k: int, what: str, instead: str):
+  """``recipe``'s fprop input quantizer, checked: one that can pre-quantize, and K a multiple of its alignment."""
+  roles = as_recipe(recipe).roles
+  _check_quantizer(roles.fprop_x)
+  if k % roles.alignment()[1]:
+    raise ValueError(f"{what}={k} is not a multiple of recipe {roles.name!r}'s K alignment "
+                     f"{roles.alignment()[1]}; {instead} and let the dot pad")
+  return roles.fprop_x
+
+
 def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) -> PreQuantized:
   """RMSNorm(x)·scale in ``dtype``, pre-quantized for ``recipe``'s fprop GEMM (module docstring).
 
   impl: "pallas" (the kernel; interpreted off a GPU), "xla" (the twin), or None: the impl switch
   (``fp4jax.primitives.impl.default_impl("rmsnorm_quantize", fmt)``: a kernel only with evidence).
   """
-  from fp4jax.dot import as_recipe   # pylint: disable=import-outside-toplevel
-  roles = as_recipe(recipe).roles
-  quantizer = roles.fprop_x
-  _check_quantizer(quantizer)
-  if x.shape[-1] % roles.alignment()[1]:
-    raise ValueError(f"rmsnorm_quantize: D={x.shape[-1]} is not a multiple of recipe {roles.name!r}'s K "
-                     f"alignment {roles.alignment()[1]}; use the plain norm and let the dot pad")
+  quantizer = _fprop_quantizer(recipe, x.shape[-1], "rmsnorm_quantize: D", "use the plain norm")
   fits = kernel_ok(quantizer, x.shape, x.dtype, dtype)
   if impl == "pallas" and not fits:
     raise ValueError(f"impl='pallas': the rmsnorm_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16/fp16 x into a bf16 h; "
@@ -171,13 +176,7 @@ def relu2_quantize(u, recipe, *, impl=None) -> PreQuantized:
   """relu(u)² (u's dtype) pre-quantized for ``recipe``'s fprop GEMM (the MLP's down projection): the same
   two passes as ``rmsnorm_quantize`` (amax read-only, then one kernel writing h and its codes). Bit-identical
   to ``fp4jax.dot(relu2(u), w, recipe=recipe)`` whichever impl runs: relu(u)² of bf16 is exact in float32."""
-  from fp4jax.dot import as_recipe   # pylint: disable=import-outside-toplevel
-  roles = as_recipe(recipe).roles
-  quantizer = roles.fprop_x
-  _check_quantizer(quantizer)
-  if u.shape[-1] % roles.alignment()[1]:
-    raise ValueError(f"relu2_quantize: F={u.shape[-1]} is not a multiple of recipe {roles.name!r}'s K "
-                     f"alignment {roles.alignment()[1]}; use relu2 and let the dot pad")
+  quantizer = _fprop_quantizer(recipe, u.shape[-1], "relu2_quantize: F", "use relu2")
   fits = relu2_kernel_ok(quantizer, u.shape, u.dtype)
   if impl == "pallas" and not fits:
     raise ValueError(f"impl='pallas': the relu2_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16 u; got "

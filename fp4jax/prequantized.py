@@ -31,6 +31,7 @@ from fp4jax import formats
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import Quantizer
+from fp4jax.recipes import as_recipe
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +73,6 @@ def prequantize(x, recipe) -> PreQuantized:
   """x quantized for the fprop GEMM of ``recipe`` (a Recipe, preset name or Roles) as ``fp4jax.dot``
   would quantize it; hand the result to ``fp4jax.dot`` / ``dot_general`` / the Flax layers in place of
   x. The quantization runs here (XLA or the kernels, the impl switch decides), once."""
-  from fp4jax.dot import as_recipe   # pylint: disable=import-outside-toplevel  (dot imports this module)
   quantizer = as_recipe(recipe).roles.fprop_x
   _check_quantizer(quantizer)
   x = jnp.asarray(x)

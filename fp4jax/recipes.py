@@ -300,3 +300,13 @@ def roles(recipe: Recipe) -> Roles:
   if recipe.scheme == "nvidia":
     return _paper_roles(recipe)
   return _requantizing_roles(recipe)
+
+
+def as_recipe(recipe) -> Recipe | Roles:
+  """A Recipe (or Roles) from a recipe, a preset's name or a Roles; TypeError for anything else."""
+  if isinstance(recipe, str):
+    return get(recipe)
+  if not isinstance(recipe, (Recipe, Roles)):
+    raise TypeError(f"recipe must be an fp4jax.Recipe or a preset name such as 'nvfp4' "
+                    f"(one of {NAMES}); got {type(recipe).__name__}")
+  return recipe

@@ -32,7 +32,8 @@ def _inputs(shape, seed=0, magnitude=3.0):
   return x, scale
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "nvfp4_4over6", "quartet2"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", pytest.param("nvfp4_4over6", marks=pytest.mark.slow),
+                                    pytest.param("quartet2", marks=pytest.mark.slow)])
 def test_twin_is_the_unfused_path(recipe):
   x, scale = _inputs((2, 24, 128))
   w = (jax.random.normal(jax.random.key(2), (128, 64)) * 0.1).astype(jnp.bfloat16)
@@ -110,7 +111,7 @@ def test_kernel_lowers_for_cuda(fmt, d):
 
 # ------------------------------------------------------------------------------- relu² + quantize
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_relu2_is_the_unfused_path(recipe, impl):
   """Either impl gives the unfused MLP's bits: relu(u)² of bf16 is exact in float32."""

@@ -43,6 +43,7 @@ def test_default_is_the_plain_norm(setup):
   assert _kernels(model, params, tokens) == (0, 0)
 
 
+@pytest.mark.slow   # ~2 min; tests/test_fused.py checks each kernel against the unfused path by default
 def test_switch_on_fuses_the_mlp_norm_and_activation(setup, monkeypatch):
   model, params, tokens = setup
   base_loss, base_grads = _loss_and_grads(model, params, tokens)

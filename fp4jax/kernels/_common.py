@@ -258,6 +258,18 @@ def fit(dim: int, pref: int) -> tuple[int, int]:
   return best, -(-dim // best) * best
 
 
+MIN_DOT = 16   # tl.dot needs every dimension >= 16
+
+
+def fit_dot(dim: int, pref: int) -> tuple[int, int]:
+  """``fit`` for a GEMM axis: a block of at least MIN_DOT (padding up when the dimension is small)."""
+  b, padded = fit(dim, pref)
+  if b < MIN_DOT:
+    b = MIN_DOT
+    padded = -(-dim // b) * b
+  return b, padded
+
+
 def pad_axis(x, axis: int, new_len: int):
   """Zero-pad ``x`` along ``axis`` to ``new_len`` (no-op when already that long)."""
   if x.shape[axis] == new_len:

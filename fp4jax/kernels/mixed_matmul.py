@@ -36,7 +36,6 @@ from fp4jax import formats, reference
 from fp4jax.kernels import _common as C
 
 TILE = formats.NVFP4.tile[0]   # side of the square 2D tiles (nvfp4 is the kernel format with tiles)
-_MIN_DOT = 16                  # tl.dot needs every dimension >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +79,6 @@ def kernel_name(fmt: str, a_tiled: bool, b_tiled: bool, m: int, n: int, k: int) 
   return f"fp4jax_mixed_matmul_{fmt}_{layout_name(fmt, a_tiled, b_tiled)}_{m}x{n}x{k}"
 
 
-def _fit_min(dim: int, pref: int) -> tuple[int, int]:
-  """``C.fit`` with a block of at least _MIN_DOT (padding up when the dimension is small)."""
-  b, padded = C.fit(dim, pref)
-  if b < _MIN_DOT:
-    b = _MIN_DOT
-    padded = -(-dim // b) * b
-  return b, padded
-
 
 def _mixed_call(a_data, a_scale, b_data, b_scale, factor_4, *, fmt, a_tiled, b_tiled, out_dtype, tiles,
                 interpret):
@@ -102,8 +93,8 @@ def _mixed_call(a_data, a_scale, b_data, b_scale, factor_4, *, fmt, a_tiled, b_t
                      "a K that is (fp4jax.dot pads), or use impl='xla'")
   ku, kup = C.fit(k // unit, max(1, tiles.bk // unit))   # bk: whole 1xB blocks and 16-column tiles
   bk, kp = ku * unit, kup * unit
-  bm, mp = _fit_min(m, tiles.bm)
-  bn, np_ = _fit_min(n, tiles.bn)
+  bm, mp = C.fit_dot(m, tiles.bm)
+  bn, np_ = C.fit_dot(n, tiles.bn)
 
   def pad(data, scale, tiled, rows):
     r_unit, c_unit = (TILE, TILE) if tiled else (1, blk)

@@ -30,7 +30,6 @@ from fp4jax import formats, reference
 from fp4jax.kernels import _common as C
 
 TILE = formats.NVFP4.tile[0]   # side of the square 2D tiles (nvfp4 is the kernel format with tiles)
-_MIN_DOT = 16                  # tl.dot needs every dimension >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +106,6 @@ def _gemm_call(a_bf16, b_bf16, factor_4, *, bm, bn, bk, out_dtype, tiles, interp
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(a_bf16, b_bf16, factor_4)
 
 
-def _fit_min(dim: int, pref: int) -> tuple[int, int]:
-  """``C.fit`` with a block of at least _MIN_DOT (padding up when the dimension is small)."""
-  b, padded = C.fit(dim, pref)
-  if b < _MIN_DOT:
-    b = _MIN_DOT
-    padded = -(-dim // b) * b
-  return b, padded
-
 
 def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_4, *, fmt, a_tiled, b_tiled,
                         out_dtype, tiles, interpret):
@@ -126,8 +117,8 @@ def _scaled_matmul_call(a_data, a_scale, b_data, b_scale, factor_4, *, fmt, a_ti
   unit = max(TILE if (a_tiled or b_tiled) else blk, blk)   # K granularity that keeps scales aligned
   ku, kup = C.fit(k // unit, max(1, tiles.bk // unit))      # bk >= unit >= 16
   bk, kp = ku * unit, kup * unit
-  bm, mp = _fit_min(m, tiles.bm)
-  bn, np_ = _fit_min(n, tiles.bn)
+  bm, mp = C.fit_dot(m, tiles.bm)
+  bn, np_ = C.fit_dot(n, tiles.bn)
   dq = functools.partial(_dequantize_call, fmt=fmt, cols=kp, tiles=tiles, interpret=interpret)
   a_bf16 = dq(a_data, a_scale, tiled=a_tiled, rows=mp)
   b_bf16 = dq(b_data, b_scale, tiled=b_tiled, rows=np_)
