@@ -60,33 +60,29 @@ def fused_norm_recipe(config: ModelConfig, recipe: Any, consumer_paths: Sequence
   if len(recipes_) != 1 or any(policy.outcontrol_ratio(config, recipe, p) for p in consumer_paths):
     return None
   (layer_recipe,) = recipes_
-  if layer_recipe is None:
-    return None
-  roles = layer_recipe.roles
-  if not prequantized.supported(roles.fprop_x) or config.d_model % roles.alignment()[1]:
-    return None
-  if not fused.kernel_ok(roles.fprop_x, (config.d_model,), config.dtype, config.dtype):
-    return None
-  if pimpl.default_impl(fused.OP, roles.fprop_x.fmt) != "pallas":
-    return None
-  return layer_recipe
+  return _fusable(layer_recipe, config.d_model, fused.OP,
+                  lambda q: fused.kernel_ok(q, (config.d_model,), config.dtype, config.dtype))
 
 
 def fused_relu2_recipe(config: ModelConfig, recipe: Any, down_path: Sequence[str]) -> Any:
   """The recipe the MLP's squared ReLU may pre-quantize its output for (``fp4jax.fused.relu2_quantize``:
   the down projection's fprop input), or None: as ``fused_norm_recipe``, behind the impl switch
   ("relu2_quantize", default XLA: the plain activation)."""
-  layer_recipe = policy.decide(config, recipe, down_path).recipe
-  if layer_recipe is None or policy.outcontrol_ratio(config, recipe, down_path):
+  if policy.outcontrol_ratio(config, recipe, down_path):
     return None
-  roles = layer_recipe.roles
-  if not prequantized.supported(roles.fprop_x) or config.mlp_dim % roles.alignment()[1]:
+  return _fusable(policy.decide(config, recipe, down_path).recipe, config.mlp_dim, fused.RELU2_OP,
+                  lambda q: fused.relu2_kernel_ok(q, (config.mlp_dim,), config.dtype))
+
+
+def _fusable(layer_recipe, width: int, op: str, kernel_covers) -> Any:
+  """``layer_recipe`` where its fprop input quantizer can pre-quantize a width-``width`` input, the kernel
+  ``op`` covers it (``kernel_covers(quantizer)``) and the impl switch picks that kernel; else None."""
+  if layer_recipe is None:
     return None
-  if not fused.relu2_kernel_ok(roles.fprop_x, (config.mlp_dim,), config.dtype):
+  q = layer_recipe.roles.fprop_x
+  if not prequantized.supported(q) or width % layer_recipe.roles.alignment()[1] or not kernel_covers(q):
     return None
-  if pimpl.default_impl(fused.RELU2_OP, roles.fprop_x.fmt) != "pallas":
-    return None
-  return layer_recipe
+  return layer_recipe if pimpl.default_impl(op, q.fmt) == "pallas" else None
 
 
 def residual_std(config: ModelConfig) -> float:

@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
 from fp4jax import fused
+from models.config import ModelConfig
 from models.layers import fused_relu2_recipe, linear, residual_std
 
 _ACT = ("activation_batch", "activation_seq", "activation_mlp")
