@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, gemm, prequantized, recipes
+from fp4jax import api, gemm, prequantized
 from fp4jax.numerics import eden
 from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import TRANSPOSED, Roles
-from fp4jax.recipes import Recipe, as_recipe
+from fp4jax.recipes import as_recipe
 
 MISSING_KEY_MESSAGE = (
     "stochastic rounding of the gradients (Recipe.stochastic_grad=True) needs random bits, and no key "
@@ -267,9 +267,6 @@ def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
   if pre_x is not None:
     pre_x = prequantized.pad_rows(pre_x, x_MxK.shape[0])
   return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x)[:m, :n]
-
-
-_as_recipe = as_recipe   # the name fp4jax.flax imports
 
 
 @jax.named_scope("fp4jax/dot")   # names every op of the three GEMMs in XLA profiles

@@ -20,9 +20,9 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from fp4jax.dot import _as_recipe, dot_general, needs_key
+from fp4jax.dot import dot_general, needs_key
 from fp4jax.prequantized import PreQuantized
-from fp4jax.recipes import Recipe
+from fp4jax.recipes import Recipe, as_recipe
 
 RNG_STREAM = "fp4"
 
@@ -45,7 +45,7 @@ class Fp4DotGeneral(nn.Module):
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                out_sharding=None):
-    recipe = _as_recipe(self.recipe)
+    recipe = as_recipe(self.recipe)
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                        recipe=recipe, key=self._key(recipe), out_sharding=out_sharding)
 
@@ -75,7 +75,7 @@ class Dense(nn.Dense):
 
 def dot_general_cls(recipe: Recipe | str, rng_stream: str = RNG_STREAM):
   """``functools.partial(Fp4DotGeneral, recipe=...)`` for ``nn.Dense(..., dot_general_cls=...)``."""
-  return functools.partial(Fp4DotGeneral, recipe=_as_recipe(recipe), rng_stream=rng_stream)
+  return functools.partial(Fp4DotGeneral, recipe=as_recipe(recipe), rng_stream=rng_stream)
 
 
 class Fp4DotGeneralNNX(nnx.Module):
@@ -87,7 +87,7 @@ class Fp4DotGeneralNNX(nnx.Module):
 
   def __init__(self, recipe: Recipe | str = "nvfp4", *, rngs: nnx.Rngs | nnx.RngStream | None = None,
                rng_stream: str = RNG_STREAM):
-    self.recipe = _as_recipe(recipe)
+    self.recipe = as_recipe(recipe)
     self.rng_stream = rng_stream
     if isinstance(rngs, nnx.Rngs):
       self.rngs = rngs[rng_stream].fork()

@@ -39,11 +39,12 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import gemm, random_bits
-from fp4jax.dot import as_recipe, gemm_keys, quantized_dot, values
+from fp4jax.dot import gemm_keys, quantized_dot, values
 from fp4jax.api import transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import Quantizer
+from fp4jax.recipes import as_recipe
 
 def alignment(recipe) -> int:
   """A: the multiple every group size must be (the token axis ``fp4jax.dot`` pads M to); 1 unquantized."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import api, formats, primitives
+from fp4jax import api, formats, primitives, proof
 from fp4jax.kernels import mixed_matmul as MM
 from fp4jax.primitives import matmul as pmatmul
 from fp4jax.qtensor import QTensor
@@ -30,20 +30,10 @@ def _bytes(s):
 
 
 def exact_operand(shape, fmt, tile, seed, amax=None):
-  """Random codes, scales 0.5 or 1 (E4M3 0x30/0x38, E8M0 126/127): every float32 partial sum of a GEMM
-  of two of them is exact whatever the order. ``amax``: the nvfp4 tensor amax (default random)."""
-  rng = np.random.default_rng(seed)
-  r, k = shape
-  data = jnp.asarray(rng.integers(0, 256, (r, k // 2)), jnp.uint8)
-  s_shape = (r // tile[0], k // tile[1]) if tile else (r, k // formats.BLOCK[fmt])
-  choices = np.array([0x30, 0x38] if fmt == "nvfp4" else [126, 127], np.uint8)
-  scale = jax.lax.bitcast_convert_type(jnp.asarray(rng.choice(choices, s_shape)), formats.SCALE_DTYPE[fmt])
-  if fmt == "nvfp4":
-    amax = jnp.float32(rng.uniform(1, 100) if amax is None else amax)
-  else:
-    amax = None
-  return QTensor(data, scale, amax, fmt, -1, None if tile else formats.BLOCK[fmt], tile,
-                 jnp.dtype(jnp.float32), "rceil" if fmt == "mxfp4" else None)
+  """``fp4jax.proof.exact_operand`` (random codes, scales 0.5 or 1: every float32 partial sum of a GEMM of
+  two of them is exact in any order) of ``shape``; ``tile``: the format's 2D tile, or None for 1D blocks."""
+  assert tile in (None, formats.TILE.get(fmt))
+  return proof.exact_operand(*shape, fmt, tile is not None, seed, amax=amax)
 
 
 class _MixedMatmulCases:

@@ -3,7 +3,8 @@ along K (1D blocks, or nvfp4 16x16 tiles per operand).
 
 Operands: a_data, a_scale, a_amax, b_data, b_scale, b_amax (amax zeros for MXFP4). Params: fmt,
 a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (``kernels.scaled_matmul``: dequantize passes, then
-a bf16 GEMM) or "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads). A K-sharded contraction sums float32 partial products (psum).
+a bf16 GEMM) or "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads). A K-sharded
+contraction sums float32 partial products (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
 from __future__ import annotations
@@ -35,14 +36,10 @@ def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_
            impl, platform):
   a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
   b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
-  if impl == "mixed" and platform in ("cuda", "cpu"):
-    out = mixed_kernel.mixed_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
-                                    fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
-                                    interpret=platform != "cuda")
-  elif impl == "pallas" and platform in ("cuda", "cpu"):
-    out = kernel.pallas_matmul(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b),
-                               fmt=fmt, a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype,
-                               interpret=platform != "cuda")
+  if impl in ("pallas", "mixed") and platform in ("cuda", "cpu"):
+    gemm = mixed_kernel.mixed_matmul if impl == "mixed" else kernel.pallas_matmul
+    out = gemm(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b), fmt=fmt,
+               a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype, interpret=platform != "cuda")
   elif platform == "cuda" and fmt == "nvfp4" and jnp.dtype(out_dtype).itemsize < 4:
     out = kernel.scaled_matmul_narrow_xla(a, b, out_dtype)   # the factor and cast fuse into the GEMM
   else:
