@@ -49,7 +49,8 @@ def _dot_value_and_grads(recipe, x, w, key):
   return y, jax.grad(loss, argnums=(0, 1))(x, w)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r.startswith("quartet2") else r
+                                    for r in RECIPES])   # Quartet II's dot is tested in test_recipes_quartet2
 def test_linen_dense_equals_dot(recipe):
   x, w = _data()
   cls = dot_general_cls(recipe)

@@ -96,7 +96,7 @@ def _rows_cases():
   return out
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_quantize_rht_t_rows_equals_the_reference(dtype):
   cases = _rows_cases()
   rng = np.random.default_rng(7)

@@ -48,7 +48,7 @@ class _ScaledMatmulCases:
   INTERPRET = True
 
   @pytest.mark.parametrize("m,n,k,a_tile,b_tile", [
-      (16, 16, 16, None, None), (304, 304, 304, None, TILE), (256, 512, 1024, None, TILE),
+      (16, 16, 16, None, None), (304, 304, 304, None, TILE), pytest.param(256, 512, 1024, None, TILE, marks=pytest.mark.slow),
       (48, 80, 96, TILE, TILE), (304, 304, 304, TILE, None)])
   def test_nvfp4_vs_dequantized_dot(self, m, n, k, a_tile, b_tile):
     self._check("nvfp4", m, n, k, a_tile, b_tile, jnp.float32)

@@ -30,9 +30,9 @@ def _qkv(B, L, S, H, K, P, dtype=jnp.float32, seed=0):
 CASES = [  # (B, L, S, H, K, P, block, first query position)
     (2, 16, 16, 4, 4, 8, 4, 0),      # MHA, blocks divide L
     (2, 19, 19, 6, 2, 8, 8, 0),      # GQA (3 query heads per KV head), ragged last block
-    (1, 32, 32, 8, 1, 16, 32, 0),    # MQA, one block
+    pytest.param(1, 32, 32, 8, 1, 16, 32, 0, marks=pytest.mark.slow),    # MQA, one block
     (2, 3, 24, 4, 2, 8, 8, 10),      # decode: 3 new queries at positions 10..12 over a 24-key cache
-    (2, 1, 24, 4, 2, 8, 5, 23),      # decode: the last position
+    pytest.param(2, 1, 24, 4, 2, 8, 5, 23, marks=pytest.mark.slow),      # decode: the last position
 ]
 
 

@@ -129,6 +129,7 @@ def _flatten(tree, prefix=()):
 class TestNvfp4Model:
   """The real quantized dot in the tiny model (start running once fp4jax.flax lands)."""
 
+  @pytest.mark.slow   # ~15 s idle; the nvfp4 model trains in tests/test_train_loop.py by default
   def test_forward_backward_finite_and_close_to_bf16(self):
     # Every linear layer of a 2-block model in NVFP4 (the CPU reference path compiles slowly).
     config = get_model_config("tiny", pattern="M-", bf16_last_blocks=0)

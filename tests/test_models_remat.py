@@ -28,6 +28,8 @@ def setup():
   return params, tokens
 
 
+@pytest.mark.slow   # ~70 s idle; by default each policy's saved names are checked below and the FP4 operands
+# that save_linear_fp4 keeps by tests/test_dot_remat_names.py
 @pytest.mark.parametrize("recipe", ["nvfp4"])
 def test_every_policy_gives_the_loss_and_grads_of_none(setup, recipe):
   params, tokens = setup

@@ -323,7 +323,8 @@ def test_items_cover_every_row_once():
       assert (owner[len(group_of):] == -1).all()
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_4over6", "nvfp4_row_scaled",
+@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("nvfp4_4over6", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4_row_scaled", marks=pytest.mark.slow),
                                     pytest.param("quartet2", marks=pytest.mark.slow),
                                     pytest.param("tetrajet2", marks=pytest.mark.slow)])
 def test_grouped_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):

@@ -91,6 +91,7 @@ class TestDefaultIsToday:
     rows = describe_linear_layers(get_model_config("nemotron_h_12b"), "nvfp4")
     assert sum(r[1] == "bf16" for r in rows) == 20 and len(rows) == 124
 
+  @pytest.mark.slow   # ~60 s idle; every decision of the policy is compared with the old one by default above
   def test_loss_and_gradients_bit_identical_to_the_recorded_policy(self, monkeypatch):
     """The default ("nemotron_h") and the same policy as explicit rules give, bit for bit, the loss and
     gradients of the policy before config.precision, computed in this process: the model built with that

@@ -76,6 +76,7 @@ def _setup(threshold):
   return model_config, recipe, model, tx, lr, osci, state
 
 
+@pytest.mark.slow   # ~55 s idle; the config checks and the scanned-kernel tracking run by default
 def test_the_step_resets_exactly_what_the_pure_update_resets():
   """Steps 0-2 of the trainer (snapshot, two tracking steps), then the reset step 3 compared with AdamW alone
   followed by fp4jax.osci_reset.update on the quantized kernels: bit for bit, some elements reset, others not."""

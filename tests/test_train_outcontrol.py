@@ -100,6 +100,7 @@ def test_the_toy_picks_its_loud_channels_and_perm_is_numpys_argsort():
   assert set(perm[:128].tolist()) == set(loud.tolist())
 
 
+@pytest.mark.slow   # ~20 s idle; outcontrol's dot is tested in tests/test_recipes_tetrajet2.py by default
 def test_the_on_phase_forward_is_outcontrol_dot():
   loud = np.arange(0, K, 2)
   toy = _Toy()

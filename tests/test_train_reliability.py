@@ -476,6 +476,7 @@ def test_unreadable_run_record_is_refused(finished, tmp_path, kind):
   assert workdir_lib.check_resume(workdir, _config(steps=6), None).step is None   # a fresh start needs no record
 
 
+@pytest.mark.slow   # ~6 s idle; the run-record fallbacks are tested in-process above
 def test_cli_unreadable_run_record(finished, tmp_path):
   workdir = _copy(finished, tmp_path)
   _corrupt(workdir, workdir_lib.CONFIG_FILE, CORRUPT_RECORDS["truncated"])
@@ -567,6 +568,7 @@ def test_init_from_an_imported_run(tmp_path):
   assert (summary["status"], summary["step"]) == ("done", 2)
 
 
+@pytest.mark.slow   # ~7 s idle, two training runs
 def test_init_from_a_per_block_run_into_a_scanned_model(tmp_path):
   """An imported (per-block) checkpoint initializes a scan_blocks=True run: the blocks are stacked on restore."""
   layout = {"model.pattern": "M*-M*-M*-"}
@@ -615,6 +617,7 @@ def test_second_run_on_a_held_workdir(tmp_path):
     holder.wait()
 
 
+@pytest.mark.slow   # ~9 s idle; the lock's other cases run by default
 def test_killed_holder_lock_is_taken_over(tmp_path, capsys):
   workdir = tmp_path / "w"
   holder = _hold(workdir)
