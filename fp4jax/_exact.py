@@ -72,3 +72,22 @@ def product(a, b):
   b = jnp.asarray(b, jnp.float32)
   p = a * b
   return _opaque(p, p)
+
+
+def stored(x):
+  """x as its dtype stores it, even where XLA would keep more precision (a float narrower than float32).
+
+  With ``xla_allow_excess_precision`` (its default) XLA removes a float32 -> bf16 -> float32 pair of
+  converts: when the producer of a bf16 tensor (relu(u)², a norm, computed in float32) fuses with a
+  consumer that upcasts it again (a quantizer), the consumer reads the unrounded float32 value. The
+  quantization of "the same" bf16 tensor then depends on fusion: eager and jit differ, and so do a fused
+  kernel, which quantizes the bf16 it stores, and its XLA twin. ``reduce_precision`` to the dtype's own
+  exponent and mantissa widths is the rounding XLA keeps: where no excess precision exists it is the
+  identity (eager, or an input read from memory); where the converts were removed it rounds the float32
+  value to nearest-even at that width, as the convert would have.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits >= 32:
+    return x
+  info = jnp.finfo(x.dtype)
+  wide = lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  return wide.astype(x.dtype)

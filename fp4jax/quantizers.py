@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats, random_bits
+from fp4jax import _exact, formats, random_bits
 from fp4jax.numerics import dbq, e2m1, eden, four_over_six as fos, hadamard, mxfp8
 from fp4jax.api import quantize, quantize_rht_transposed
 from fp4jax.qtensor import QTensor
@@ -85,7 +85,9 @@ class Quantizer:
     return self._quantize(self.prepare(t_RxC, signs), key, amax)
 
   def prepare(self, t_RxC, signs=None):
-    """What ``__call__`` quantizes: t after the random (``signs``) or fixed Hadamard transform along C."""
+    """What ``__call__`` quantizes: t after the random (``signs``) or fixed Hadamard transform along C. t is
+    read as its dtype stores it (``_exact.stored``), however XLA fuses its producer."""
+    t_RxC = _exact.stored(t_RxC)
     if signs is not None:
       return eden.rht(t_RxC, signs)
     if self.rht_size:
@@ -103,6 +105,7 @@ class Quantizer:
 
   def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
+    t_TxC = _exact.stored(t_TxC)
     if self._fused_t(signs):
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
