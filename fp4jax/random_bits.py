@@ -261,15 +261,13 @@ class KeyedBits:
   @classmethod
   def of(cls, key, shape, axis: int = -1):
     """The bits of ``moveaxis(bits(key, shape), axis, -1)``: what a kernel quantizing along ``axis`` sees.
-    ``key``: one threefry key, or a ``Window`` (then ``shape`` is its shape and ``axis`` the last). None
-    where ``bits`` itself would not use threefry2x32's partitionable counters (the caller then draws)."""
+    ``key``: one threefry key, or a ``Window`` (its shape, along the last axis). None where ``bits`` itself
+    would not use threefry2x32's partitionable counters, or for another rectangle of a Window (the caller
+    then draws with ``bits``)."""
     shape = tuple(int(d) for d in shape)
     axis = axis % len(shape)
-    if isinstance(key, Window):
-      if shape != key.shape or axis != 1:
-        raise ValueError(f"KeyedBits of a Window of shape {key.shape} are along its last axis; got {shape}, "
-                         f"{axis=}")
-      return key.keyed()
+    if isinstance(key, Window):   # its own rectangle, along its last axis; else the caller draws
+      return key.keyed() if shape == key.shape and axis == 1 else None
     data = _threefry_key_data(key)
     if data is None or not _tied_form_applies(shape, jnp.uint8):
       return None
