@@ -208,6 +208,11 @@ def _mul_u32(i, c):
 # ---------------------------------------------------------------------------------------------------
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+# uint32 ops ``hashed_bits`` spends per element, as written: the 64-bit counter sum (5), threefry's key
+# schedule and first injection (4), 20 rounds of add, rotate (shift, shift, or) and xor (100), 5 injections
+# (15), the output xor (1) and the byte mask of ``kernels._common.keyed_bits`` (1). A GPU rotates with one
+# funnel shift, so it issues about 40 fewer; what the cost model charges a kernel that hashes (bench/hlo_cost.py).
+HASH_OPS = 126
 _KS_PARITY = 0x1BD11BDA   # threefry's key-schedule constant (Salmon et al. 2011, Random123)
 
 

@@ -266,6 +266,13 @@ def tile_bits(mode, refs):
   return keyed_bits(row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
 
 
+def int_ops_suffix(mode, elements: int) -> str:
+  """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key"), n = elements x
+  ``random_bits.HASH_OPS``, else "": appended to the pallas_call name, it tells bench/hlo_cost.py the
+  integer work the kernel does beside its bytes (the Triton backend drops ``pl.CostEstimate``)."""
+  return f"_{elements * random_bits.HASH_OPS}iop" if mode == "key" else ""
+
+
 def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_block: int, col_block: int,
                   index):
   """(operands, BlockSpecs) of the rounding bits of an x viewed as (rows, cols) in (row_block, col_block)

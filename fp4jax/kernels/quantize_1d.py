@@ -90,7 +90,7 @@ def _quantize_1d_call(x_RxK, factors_Rx4, bits, *, fmt, scale_rule, tiles, inter
       grid=(rp // br, nbp // bn), in_specs=in_specs + bits_specs,
       out_specs=(plc.BlockSpec((br, bn * b // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((br, bn), lambda i, j: (i, j))),
-      interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}",
+      interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}" + C.int_ops_suffix(C.sr_mode(bits), rp * nbp * b),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
   return q[:r, :k // 2], s[:r, :nb]
 

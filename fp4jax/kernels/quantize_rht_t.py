@@ -142,7 +142,7 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
       grid=(up // bu, cp // bc), in_specs=in_specs,
       out_specs=(plc.BlockSpec((bc, bu, L // 8), lambda i, j: (j, i, 0)),
                  plc.BlockSpec((bc, bu, L // b), lambda i, j: (j, i, 0))),
-      interpret=interpret, name=f"fp4jax_quantize_rht_t_{fmt}",
+      interpret=interpret, name=f"fp4jax_quantize_rht_t_{fmt}" + C.int_ops_suffix(sr, cp * up * L),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
   q = lax.bitcast_convert_type(words[:c, :u], jnp.uint8).reshape(c, t // 2)
   return q, s[:c, :u].reshape(c, t // b)
