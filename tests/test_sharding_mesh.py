@@ -53,6 +53,18 @@ _SCRIPT = textwrap.dedent(r"""
       out[name] = dict(equal=same(f(xs, bs), jax.jit(fn)(x, bits)),
                        all_gather="all-gather" in hlo(f, xs, bs))
 
+    # SR bits hashed in the kernels from the key: each shard's counters are global (KeyedBits' rows and
+    # cols shard with x), so the sharded kernel equals the single-device XLA path.
+    key = jax.random.key(3)
+    for name, fn in (
+        ("sr_key", lambda x, k, impl: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=k, impl=impl)),
+        ("rht_t_key", lambda x, k, impl: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", key=k,
+                                                                 impl=impl)),
+    ):
+      f = jax.jit(lambda x, k, fn=fn: fn(x, k, "pallas"))
+      out[name] = dict(equal=same(f(xs, key), jax.jit(lambda x, k, fn=fn: fn(x, k, "xla"))(x, key)),
+                       all_gather="all-gather" in hlo(f, xs, key))
+
     q = fp4jax.quantize(x, "nvfp4", impl="xla")
     f = jax.jit(lambda q: fp4jax.dequantize(q, impl="pallas"))
     qs = jax.tree.map(lambda a: put(a, "data", "model") if a.ndim == 2 else a, q)
@@ -100,7 +112,7 @@ def test_row_sharded_quantize_is_local(mesh_results, layout, impl):
   assert "data" in r["data_spec"]
 
 
-@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "dequantize"])
+@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "sr_key", "rht_t_key", "dequantize"])
 def test_other_ops_stay_sharded(mesh_results, name):
   r = mesh_results[name]
   assert r["equal"] and not r["all_gather"]
