@@ -12,11 +12,11 @@ its use, inside the loop, where XLA fuses it with the hash.
 
 The arithmetic is threefry's own (``jax.extend.random.threefry2x32_p``, the primitive ``jax.random.bits``
 binds) on the same counters, so the bits are identical (tests/test_random_bits.py checks shapes, dtypes, jit,
-vmap and scan). ``KeyedBits`` describes such a draw without making it: a key and counters per row of the array
-as a kernel sees it, a counter per column, so that a Pallas kernel hashes its own bits (``threefry2x32``, the
-same arithmetic in plain uint32 ops) and no bits array reaches HBM. Whenever that cannot be guaranteed (another PRNG implementation, a 64-bit width,
-``jax_threefry_partitionable=False``, a zero-size or symbolic shape, a JAX without the primitive) ``bits``
-returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
+vmap and scan). ``KeyedBits`` describes such a draw without making it: a key and counters per row of the
+array as a kernel sees it, a counter per column, so that a Pallas kernel hashes its own bits
+(``threefry2x32``, the same arithmetic in plain uint32 ops) and no bits array reaches HBM. Whenever that
+cannot be guaranteed (another PRNG implementation, a 64-bit width, ``jax_threefry_partitionable=False``, a
+zero-size or symbolic shape, a JAX without the primitive) ``bits`` returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
 """
 from __future__ import annotations
 
@@ -224,8 +224,8 @@ def threefry2x32(k1, k2, x0, x1):
   """threefry2x32 (20 rounds) of the counter words (x0, x1) under the key (k1, k2), in uint32 adds, shifts,
   ors and xors only, so that it runs inside a Pallas kernel body as well as in XLA. All arguments uint32
   arrays that broadcast together. Equals ``jax.extend.random.threefry2x32_p`` (tests/test_random_bits.py).
-  About 110 integer ops per counter: 20 rounds of add, rotate (two shifts and an or), xor, and 5 key
-  injections of three adds."""
+  119 uint32 ops per counter: the key schedule and first injection (4), 20 rounds of add, rotate (two shifts
+  and an or) and xor (100), 5 key injections of three adds (15)."""
   ks = (k1, k2, k1 ^ k2 ^ _U32(_KS_PARITY))
   x0, x1 = x0 + ks[0], x1 + ks[1]
   for block in range(5):
@@ -292,10 +292,7 @@ class KeyedBits:
     bcast = lambda v: jnp.broadcast_to(v[..., None], r.shape[:-1] + (k,))
     lo = bcast(r[..., 3]) + self.cols[:, 1]
     hi = bcast(r[..., 2]) + self.cols[:, 0] + (lo < bcast(r[..., 3])).astype(_U32)
-    if _THREEFRY2X32_P is not None:
-      b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)
-    else:   # pragma: no cover - a JAX without the primitive: the same hash in plain ops
-      b1, b2 = threefry2x32(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)
+    b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)   # KeyedBits exist only with it
     mixed = b1 ^ b2
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
 

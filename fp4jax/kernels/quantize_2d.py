@@ -73,7 +73,8 @@ def _quantize_2d_call(x_RxK, factors_Gx4, bits, *, tiles, interpret):
       grid=(gp // bg, nbp // bn), in_specs=in_specs + bits_specs,
       out_specs=(plc.BlockSpec((bg * TILE, bn * TILE // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((bg, bn), lambda i, j: (i, j))),
-      interpret=interpret, name="fp4jax_quantize_nvfp4_16x16" + C.int_ops_suffix(C.sr_mode(bits), gp * nbp * TILE * TILE),
+      interpret=interpret,
+      name="fp4jax_quantize_nvfp4_16x16" + C.int_ops_suffix(C.sr_mode(bits), gp * nbp * TILE * TILE),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
   return q[:r, :k // 2], s[:g, :nb]
 

@@ -243,7 +243,8 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
   """Codes (C, T/2) and scale bytes (C, T/B) of RHT(x)ᵀ quantized along T, x of shape (T, C).
 
   amax: float32 scalar, max |RHT(x)| (``rht_amax``); ignored for MXFP4. bits: uint8 (C, T),
-  ``random_bits.KeyedBits`` of (C, T) (rows (C, 4): hashed in the kernel), or None. T must be a multiple of rht_size and of the block.
+  ``random_bits.KeyedBits`` of (C, T) (rows (C, 4): hashed in the kernel), or None. T must be a multiple
+  of rht_size and of the block.
   """
   t, c = x.shape
   L = max(formats.BLOCK[fmt], rht_size)
@@ -262,6 +263,6 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
 def quantize_rht_t_reference(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,
                              scale_rule="rceil"):
   """The oracle: ``fp4jax.reference.quantize_rht_t_reference`` as (codes, scale bytes)."""
-  q, s = reference.quantize_rht_t_reference(x, amax, random_bits.drawn(bits), fmt=fmt, rht_size=rht_size,
-                                            rht_seed=rht_seed, scale_rule=scale_rule)
+  q, s = reference.quantize_rht_t_reference(x, amax, random_bits.drawn(bits), fmt=fmt,
+                                            rht_size=rht_size, rht_seed=rht_seed, scale_rule=scale_rule)
   return q, lax.bitcast_convert_type(s, jnp.uint8)
