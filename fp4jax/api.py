@@ -197,8 +197,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
     E2M1 codes are packed along. tile: (16, 16) for NVFP4 2D weight scaling (fp8: (128, 128)) over the
     last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
-    ``bits`` of the input's shape, for bit-exact comparisons). amax: the NVFP4 tensor amax to use
-    instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
+    ``bits`` of the input's shape, for bit-exact comparisons; with the Pallas kernels the bits of ``key`` are
+    hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). amax: the NVFP4 tensor
+    amax to use instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
     CPU), "xla" (the pure-JAX reference), or None = the kernel only where
     ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
