@@ -182,8 +182,10 @@ class _QuantizeRhtTCases:
   def test_mxfp4_matches_reference(self):
     self._check("mxfp4", (64, 48), jnp.bfloat16, True)
 
-  @pytest.mark.slow   # ~200 s interpreted on a loaded 2-core VM (16 unrolled hashes); sm_90/sm_100 compiles
-  def test_keyed_bits_match_reference(self):   # of it are default (tests/test_kernels_triton_lowering.py)
+  # ~200 s interpreted on a loaded 2-core VM (16 unrolled hashes); its Triton lowering and sm_90 compile are
+  # default tests (test_kernels_triton_lowering.py, test_gpu_aot.py)
+  @pytest.mark.slow
+  def test_keyed_bits_match_reference(self):
     """The bits (C, T) hashed in the kernel per channel row and token column == jax.random.bits (C, T)."""
     key = jax.random.key(14)
     x = make_input((48, 40), jnp.bfloat16)
