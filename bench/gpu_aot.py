@@ -76,14 +76,23 @@ _SPEC = {
                         "f4e2m1fn": 9e15, "f32": 75e12, "tf32": 1.12e15}, hbm=8e12, link=900e9),
 }
 COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
+# 32-bit integer ops (add, logic, shift, funnel shift): 64 per SM per clock on sm_90 (the CUDA guide's
+# throughput table) and assumed the same on sm_100; SMs and the 1.98 GHz clock as for f32 above.
+_INT_OPS = {"h100": 132 * 64 * 1.98e9, "h200": 132 * 64 * 1.98e9, "b200": 148 * 64 * 1.98e9}
 
 
-def peaks(target: str, which: str = "derated") -> dict:
+def peaks(target: str, which: str = "derated", int_ops: bool = False) -> dict:
+  """The cost model's rates; ``int_ops``: also the integer rate ("int"), so that hlo_cost charges integer
+  work (fusions' integer ops, kernels' declared ones) and not only bytes."""
   spec = _SPEC[target]
   if which == "spec":
-    return dict(spec, flops=dict(spec["flops"]))
-  return dict(flops={k: v * COMPUTE_DERATE for k, v in spec["flops"].items()},
-              hbm=spec["hbm"] * HBM_DERATE, link=spec["link"])
+    out = dict(spec, flops=dict(spec["flops"]))
+  else:
+    out = dict(flops={k: v * COMPUTE_DERATE for k, v in spec["flops"].items()},
+               hbm=spec["hbm"] * HBM_DERATE, link=spec["link"])
+  if int_ops:
+    out["int"] = _INT_OPS[target] * (1.0 if which == "spec" else COMPUTE_DERATE)
+  return out
 
 
 def target_config(target: str) -> str:
@@ -310,19 +319,20 @@ def combined(name: str, progs: list[Program]) -> Program:
 GiB, MiB = 2 ** 30, 2 ** 20
 
 
-def summarize(res: dict, target: str, peak_kind: str = "derated") -> dict:
+def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool = False) -> dict:
   """The compile result with the cost model applied (``cost``) and the HLO text dropped."""
   from bench import hlo_cost   # pylint: disable=import-outside-toplevel
   out = {k: v for k, v in res.items() if k != "text"}
   if res.get("error"):
     return out
-  cost = hlo_cost.analyze(res["text"], peaks(target, peak_kind))
+  cost = hlo_cost.analyze(res["text"], peaks(target, peak_kind, int_ops))
   gemms = [o for o in cost["ops"] if o["kind"] == "gemm"]
   out["cost"] = dict(
       predicted_ms=cost["seconds"] * 1e3, gemm_ms=cost["gemm_seconds"] * 1e3,
       attention_ms=cost["attention_seconds"] * 1e3, attention_tflop=cost["attention_flops"] / 1e12,
       other_ms=cost["other_seconds"] * 1e3, gemm_tflop=cost["gemm_flops"] / 1e12,
-      other_gib=cost["other_bytes"] / GiB, naive_gib=hlo_cost.naive_bytes(res["text"]) / GiB,
+      other_gib=cost["other_bytes"] / GiB, int_gops=cost["int_ops"] / 1e9, int_ops_charged=cost["int_ops_charged"],
+      naive_gib=hlo_cost.naive_bytes(res["text"]) / GiB,
       counts=cost["counts"], collectives=cost["collectives"],
       collective_gib=cost["collective_bytes"] / GiB,
       # expert parallelism's dispatch and combine (a ragged all-to-all counts its worst-case output buffer)
@@ -356,7 +366,8 @@ def report(s: dict, twin: dict | None = None) -> str:
            f"  predicted {c['predicted_ms']:.3f} ms = GEMMs {c['gemm_ms']:.3f} ms ({c['gemm_tflop']:.2f} "
            f"TFLOP) + cuDNN attention {c['attention_ms']:.3f} ms ({c['attention_tflop']:.2f} TFLOP) + "
            f"other ops {c['other_ms']:.3f} ms ({c['other_gib']:.2f} GiB moved; a walk without "
-           f"slice accounting: {c['naive_gib']:.2f} GiB)"]
+           f"slice accounting: {c['naive_gib']:.2f} GiB)",
+           f"  integer ops {c['int_gops']:.2f} G ({'charged' if c['int_ops_charged'] else 'not charged: --int_ops'})"]
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
                  f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
@@ -435,6 +446,10 @@ def _flags():
                     "or 'all') count as proved exact and faster on --target, as the on-device proof "
                     "(fp4jax.proof) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
+  flags.DEFINE_boolean("int_ops", False, "charge integer work too (hlo_cost: fusions' integer elementwise "
+                       "ops, e.g. jax.random.bits's threefry, and the ops a kernel declares, e.g. the quantize "
+                       "kernels that hash their SR bits) at 64 int32 ops per SM per clock; off: bytes only "
+                       "(integer ops counted and printed, not charged).")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS
@@ -483,7 +498,7 @@ def main(argv):
     results.append(_compiled(F, op_program(F.what, shape, F.fmt, None if F.impl == "auto" else F.impl,
                                            single)))
     print(report(results[0]))
-  out = dict(target=F.target, peaks=peaks(F.target, F.peaks), peaks_kind=F.peaks, what=F.what,
+  out = dict(target=F.target, peaks=peaks(F.target, F.peaks, F.int_ops), peaks_kind=F.peaks, what=F.what,
              devices=len(devices), jax_version=jax.__version__, results=results, twin=twin)
   if twin is not None and not twin.get("error") and results and not results[0].get("error"):
     out["ratio_vs_bf16"] = results[0]["cost"]["predicted_ms"] / twin["cost"]["predicted_ms"]
@@ -528,7 +543,7 @@ def _compiled(F, prog, mesh=None) -> dict:
     with open(F.hlo, "w", encoding="utf-8") as f:
       f.write(res["text"])
     _HLO_WRITTEN.append(F.hlo)
-  return summarize(res, F.target, F.peaks)
+  return summarize(res, F.target, F.peaks, F.int_ops)
 
 
 def _step(F, devices):

@@ -19,6 +19,11 @@ integer constant):
   bytes the packed operands, scales and output it reads and writes;
 - a Pallas kernel that declares its FLOPs in its name (``declared_flops``: the SSD kernels) at
   max(flops / the TF32 or float32 peak it declares, bytes / HBM bandwidth);
+- integer work, when ``peaks`` has an "int" rate (ops/s; ``gpu_aot.py --int_ops``): a fusion's integer
+  elementwise ops (add, xor, shifts, ... on integer arrays, one op per element: the threefry hash of
+  ``jax.random.bits`` is about 126 per element) and the ops a Pallas kernel declares in its name
+  (``declared_int_ops``: the quantize kernels that hash their stochastic-rounding bits) at max(ops / int
+  rate, bytes / HBM bandwidth). Without the rate they are counted (``int_ops``), not charged;
 - any other fusion, Pallas/Triton kernel, copy or standalone op at the bytes it moves / HBM bandwidth:
   its operands and outputs, except that an operand the fused computation only reads through
   dynamic-slice/slice is charged the slices, and an output built by dynamic-update-slice into an
@@ -173,6 +178,7 @@ class Op:
   seconds: float = 0.0
   bound: str = ""
   highest: bool = False   # a GEMM whose dot asks for full f32 precision (no TF32)
+  iops: int = 0           # integer elementwise ops per execution (a fusion's, or a kernel's declared)
   reads: tuple = ()       # ((producer of an operand, bytes read of it), ...) per execution
 
 
@@ -289,6 +295,26 @@ class Module:
     if comp not in self.comps:
       return self.plain_bytes(ins)
     return sum(b for _, b in self.reads(ins)) + self._write_bytes(comp, ins.shape)
+
+  def int_ops(self, ins: Instr) -> int:
+    """Integer elementwise ops of a fusion (one per element of each integer-typed add, xor, shift, ...
+    in its computation and the fusions nested in it); 0 for other instructions."""
+    if ins.opcode != "fusion":
+      return 0
+    total, todo, seen = 0, [ins.attr("calls")], set()
+    while todo:
+      comp = todo.pop()
+      if comp in seen or comp not in self.comps:
+        continue
+      seen.add(comp)
+      for i in self.comps[comp]:
+        if i.opcode == "fusion":
+          todo.append(i.attr("calls"))
+        elif i.opcode in INT_ELEMENTWISE:
+          for dtype, dims in arrays(i.shape):
+            if dtype in INT_DTYPES:
+              total += _prod(dims)
+    return total
 
   def plain_bytes(self, ins: Instr) -> int:
     return sum(nbytes(self.shapes.get(o, "")) for o in ins.operands) + nbytes(ins.shape)
@@ -476,6 +502,17 @@ def mixed_gemm_shape(ins: Instr):
 
 
 _DECLARED_FLOPS = re.compile(r"_(tf32|ieee)_(\d+)flop/pallas_call")
+_DECLARED_IOPS = re.compile(r"_(\d+)iop/pallas_call")
+INT_ELEMENTWISE = ("add", "subtract", "multiply", "and", "or", "xor", "not", "shift-left", "shift-right-logical",
+                   "shift-right-arithmetic", "negate")
+INT_DTYPES = ("s8", "u8", "s16", "u16", "s32", "u32", "s64", "u64")
+
+
+def declared_int_ops(ins: Instr) -> int:
+  """Integer ops a Pallas kernel declares in its name, ``<name>_<n>iop`` (fp4jax's quantize kernels that
+  hash their rounding bits: ``kernels._common.int_ops_suffix``); 0 when it declares none."""
+  m = _DECLARED_IOPS.search(ins.op_name) if ins.opcode == "custom-call" else None
+  return int(m.group(1)) if m else 0
 
 
 def declared_flops(ins: Instr) -> tuple[int, bool]:
@@ -542,12 +579,18 @@ def analyze(text: str, peaks: dict) -> dict:
         continue
       b = mod.fusion_bytes(ins) if ins.opcode == "fusion" else mod.plain_bytes(ins)
       flops, ieee = declared_flops(ins)
+      iops = declared_int_ops(ins) or mod.int_ops(ins)
       reads = tuple((mod.producer(o), r) for o, r in mod.reads(ins))
       ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name, flops=flops, dtype="f32" if flops else "",
-                    highest=ieee, reads=reads))
+                    highest=ieee, iops=iops, reads=reads))
+  int_rate = peaks.get("int")
   for op in ops:
     mem_s = op.bytes / peaks["hbm"]
-    if op.kind in ("gemm", "attention") or op.flops:
+    if int_rate and op.iops and not op.flops and op.kind not in ("gemm", "attention"):
+      int_s = op.iops / int_rate
+      op.seconds = max(int_s, mem_s) * op.count
+      op.bound = "integer" if int_s >= mem_s else "memory"
+    elif op.kind in ("gemm", "attention") or op.flops:
       # a kernel that declares its FLOPs: float32 dots, TF32 or (highest) IEEE
       peak = gemm_peak(peaks, op.dtype, highest=op.highest)
       flop_s = op.flops / peak
@@ -571,6 +614,7 @@ def analyze(text: str, peaks: dict) -> dict:
       other_seconds=other_s, gemm_flops=sum(o.flops * o.count for o in ops if o.kind == "gemm"),
       attention_flops=sum(o.flops * o.count for o in ops if o.kind == "attention"),
       other_bytes=sum(o.bytes * o.count for o in ops if o.kind not in ("gemm", "attention")),
+      int_ops=sum(o.iops * o.count for o in ops), int_ops_charged=bool(int_rate),
       counts=dict(counts), collectives=collectives,
       collective_bytes=coll_bytes, collective_seconds=coll_bytes / link if link else None,
       ops=[dataclasses.asdict(o) for o in ops])

@@ -132,7 +132,8 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
     if key is None and bits is None:
       raise ValueError("rounding='stochastic' needs random bits: pass key=jax.random.key(...) "
                        "(or bits=, uint8 of the input's shape)")
-    check_key(key, "fp4jax.quantize")
+    if not isinstance(key, random_bits.Window):   # a Window: fp4jax.grouped's piece of an expert's draw
+      check_key(key, "fp4jax.quantize")
     if bits is not None:
       if not _is_array(bits) or not jnp.issubdtype(bits.dtype, jnp.unsignedinteger):
         raise TypeError(f"bits= must be an unsigned integer array (uint8: 8 random bits per element); "
@@ -196,8 +197,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
     E2M1 codes are packed along. tile: (16, 16) for NVFP4 2D weight scaling (fp8: (128, 128)) over the
     last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
-    ``bits`` of the input's shape, for bit-exact comparisons). amax: the NVFP4 tensor amax to use
-    instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
+    ``bits`` of the input's shape, for bit-exact comparisons; with the Pallas kernels the bits of ``key`` are
+    hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). amax: the NVFP4 tensor
+    amax to use instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
     CPU), "xla" (the pure-JAX reference), or None = the kernel only where
     ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
@@ -210,22 +212,28 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   """
   x = as_array(x, "fp4jax.quantize")
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling)
-  impl = primitives.resolve_impl(impl, fmt)
+  kernel_path = fmt in formats.KERNEL_FORMATS and x.size > 0   # zero-size: no kernel launch
+  impl = primitives.resolve_impl(impl, fmt, ("quantize_2d" if tile is not None else "quantize_1d")
+                                 if kernel_path else None)
+  # The primitive quantizes (and packs) along the last axis: move the axis there and back. For 16x16
+  # tiles packed along axis -2 that is the tile quantization of the transpose, transposed back.
+  last = x.ndim - 1
+  src = axis if tile is None else (last - 1 if axis == last - 1 else last)
+  keyed = None
   if rounding == "stochastic" and bits is None:
-    bits = random_bits.bits(key, x.shape, jnp.uint8)
-  if fmt not in formats.KERNEL_FORMATS or x.size == 0:   # zero-size: no kernel launch
+    if kernel_path and impl == "pallas":   # the kernel hashes its own bits: none in HBM
+      keyed = random_bits.KeyedBits.of(key, x.shape, src)
+    if keyed is None:
+      bits = random_bits.bits(key, x.shape, jnp.uint8)
+  if not kernel_path:
     return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
                               scale_rule=scale_rule, scaling=scaling)
   amax_g = None
   if fmt == "nvfp4":
     amax_g = nvfp4.tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
   prim_amax = jnp.zeros((), jnp.float32) if amax_g is None else amax_g
-  # The primitive quantizes (and packs) along the last axis: move the axis there and back. For 16x16
-  # tiles packed along axis -2 that is the tile quantization of the transpose, transposed back.
-  last = x.ndim - 1
-  src = axis if tile is None else (last - 1 if axis == last - 1 else last)
   x_l = jnp.moveaxis(x, src, -1)
-  bits_l = None if bits is None else jnp.moveaxis(bits, src, -1)
+  bits_l = keyed if bits is None else jnp.moveaxis(bits, src, -1)
   data, scale = primitives.quantize_last(x_l, prim_amax, bits_l, fmt=fmt, tiled=tile is not None,
                                          scale_rule=scale_rule, impl=impl)
   data, scale = jnp.moveaxis(data, -1, src), jnp.moveaxis(scale, -1, src)
@@ -278,9 +286,12 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   if x.shape[0] % rht_size:
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
   _validate(x.T, fmt, -1, None, rounding, key, bits, None, scale_rule, "block")
-  impl = primitives.resolve_impl(impl, fmt)
+  impl = primitives.resolve_impl(impl, fmt, "quantize_rht_t")
   if rounding == "stochastic" and bits is None:
-    bits = random_bits.bits(key, x.T.shape, jnp.uint8)
+    # With the kernel, its own bits (hashed from the key, none in HBM); else drawn here.
+    bits = random_bits.KeyedBits.of(key, x.T.shape) if impl == "pallas" else None
+    if bits is None:
+      bits = random_bits.bits(key, x.T.shape, jnp.uint8)
   hadamard.signs(rht_size, rht_seed)   # validates rht_size
   amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed, one_pass=True) if fmt == "nvfp4" else None
   data, scale = primitives.quantize_rht_t(

@@ -141,11 +141,8 @@ class Quantizer:
       kw = {"scale_rule": self.scale_rule} if fmt == "mxfp4" else {}
       if amax is not None:
         kw["amax"] = amax
-      bits = None
-      if self.stochastic and isinstance(key, random_bits.Window):
-        bits, key = random_bits.bits(key, t.shape, jnp.uint8), None
       return quantize(t, fmt, axis=-1, tile=formats.TILE[fmt] if self.tiled else None, rounding=rounding,
-                      key=key if self.stochastic else None, bits=bits, **kw)
+                      key=key if self.stochastic else None, **kw)
     t32 = t.astype(jnp.float32)
     block = None if self.tiled else formats.BLOCK[fmt]
     tile = formats.TILE[fmt] if self.tiled else None

@@ -12,9 +12,11 @@ its use, inside the loop, where XLA fuses it with the hash.
 
 The arithmetic is threefry's own (``jax.extend.random.threefry2x32_p``, the primitive ``jax.random.bits``
 binds) on the same counters, so the bits are identical (tests/test_random_bits.py checks shapes, dtypes, jit,
-vmap and scan). Whenever that cannot be guaranteed (another PRNG implementation, a 64-bit width,
-``jax_threefry_partitionable=False``, a zero-size or symbolic shape, a JAX without the primitive) ``bits``
-returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
+vmap and scan). ``KeyedBits`` describes such a draw without making it: a key and counters per row of the
+array as a kernel sees it, a counter per column, so that a Pallas kernel hashes its own bits
+(``threefry2x32``, the same arithmetic in plain uint32 ops) and no bits array reaches HBM. Whenever that
+cannot be guaranteed (another PRNG implementation, a 64-bit width, ``jax_threefry_partitionable=False``, a
+zero-size or symbolic shape, a JAX without the primitive) ``bits`` returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
 """
 from __future__ import annotations
 
@@ -83,12 +85,14 @@ def _opaque_zero(k1, k2):
   return (b1 ^ k1) | (b2 ^ k2)
 
 
-def _counters(shape, zero):
+def _counters(shape, zero, strides=None):
   """(high, low) uint32 words of the row-major index of every element of ``shape``: what
   ``jax.random.bits`` hashes, each dimension's iota offset by the opaque ``zero``. The sum of index x stride
   runs in 64 bits on uint32 pairs (no x64 mode needed); each per-dimension iota keeps the SPMD partitioner's
-  sharding of the counters (as JAX's own lowering does)."""
-  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+  sharding of the counters (as JAX's own lowering does). ``strides``: those of another layout (a larger
+  array's, whose axes these are), default row-major of ``shape``."""
+  if strides is None:
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
   hi = lo = None
   for d, stride in enumerate(strides):
     if shape[d] == 1:
@@ -177,6 +181,15 @@ class Window:
     mixed = bits1 ^ bits2
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
 
+  def keyed(self):
+    """``KeyedBits`` of the rectangle (one draw per element): row r's counter (start_r + r)·full_c +
+    start_c under the window's key, column k's counter k."""
+    rows, cols = self.shape
+    i = lax.broadcasted_iota(_U32, (rows,), 0) + self.start[0]
+    hi, lo = _add_u64(_mul_u32(i, self.full[1]), (jnp.zeros_like(i), jnp.broadcast_to(self.start[1], (rows,))))
+    j = jnp.arange(cols, dtype=_U32)
+    return KeyedBits(_rows(self.key_data, hi, lo), jnp.stack([jnp.zeros_like(j), j], axis=-1))
+
 
 def _mul_u32(i, c):
   """(high, low) of the 64-bit product of uint32 arrays ``i`` and ``c`` (traced), from 16-bit halves."""
@@ -188,3 +201,108 @@ def _mul_u32(i, c):
   lo = (p0 & _U32(0xFFFF)) | (mid << _U32(16))
   hi = p3 + (p1 >> _U32(16)) + (p2 >> _U32(16)) + (mid >> _U32(16))
   return hi, lo
+
+
+# ---------------------------------------------------------------------------------------------------
+# The draw as a kernel makes it: threefry2x32 in plain uint32 ops, and the counters it hashes
+# ---------------------------------------------------------------------------------------------------
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+# uint32 ops ``hashed_bits`` spends per element, as written: the 64-bit counter sum (5), threefry's key
+# schedule and first injection (4), 20 rounds of add, rotate (shift, shift, or) and xor (100), 5 injections
+# (15), the output xor (1) and the byte mask of ``kernels._common.keyed_bits`` (1). A GPU rotates with one
+# funnel shift, so it issues about 40 fewer; what the cost model charges a kernel that hashes (bench/hlo_cost.py).
+HASH_OPS = 126
+_KS_PARITY = 0x1BD11BDA   # threefry's key-schedule constant (Salmon et al. 2011, Random123)
+
+
+def _rotl(v, r: int):
+  return (v << _U32(r)) | (v >> _U32(32 - r))
+
+
+def threefry2x32(k1, k2, x0, x1):
+  """threefry2x32 (20 rounds) of the counter words (x0, x1) under the key (k1, k2), in uint32 adds, shifts,
+  ors and xors only, so that it runs inside a Pallas kernel body as well as in XLA. All arguments uint32
+  arrays that broadcast together. Equals ``jax.extend.random.threefry2x32_p`` (tests/test_random_bits.py).
+  119 uint32 ops per counter: the key schedule and first injection (4), 20 rounds of add, rotate (two shifts
+  and an or) and xor (100), 5 key injections of three adds (15)."""
+  ks = (k1, k2, k1 ^ k2 ^ _U32(_KS_PARITY))
+  x0, x1 = x0 + ks[0], x1 + ks[1]
+  for block in range(5):
+    for r in _ROTATIONS[block % 2]:
+      x0 = x0 + x1
+      x1 = _rotl(x1, r) ^ x0
+    x0 = x0 + ks[(block + 1) % 3]
+    x1 = x1 + ks[(block + 2) % 3] + _U32(block + 1)
+  return x0, x1
+
+
+def hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
+  """The uint32 bits ``jax.random.bits`` gives the element whose counter is row + col (64-bit sums of
+  (high, low) uint32 words): threefry2x32 of (high, low), its two outputs xored. Plain uint32 ops on arrays
+  that broadcast together (a kernel passes a row column and a column row); the low 8 bits are the uint8
+  draw."""
+  lo = row_lo + col_lo
+  hi = row_hi + col_hi + (lo < row_lo).astype(_U32)
+  b1, b2 = threefry2x32(k1, k2, hi, lo)
+  return b1 ^ b2
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class KeyedBits:
+  """The draw ``bits`` would make for an array x (..., K), unmade: element (r..., k) of x gets the bits of
+  counter ``rows[r..., 2:4] + cols[k]`` under key ``rows[r..., 0:2]``.
+
+  rows: uint32 (..., 4) = (k1, k2, counter high, counter low) per row of x; cols: uint32 (K, 2) = (counter
+  high, low) per column. 12 bytes per row and 8 per column describe R·K elements: a kernel loads its tile of
+  each and hashes (``hashed_bits``). The columns are constants of the shape (never vmapped: a window's
+  start or a vmapped key lives in ``rows``), so they shard along K as x does and carry global counters.
+  ``make(dtype)`` draws the same bits in XLA (the twin's side)."""
+
+  rows: Any
+  cols: Any
+
+  @classmethod
+  def of(cls, key, shape, axis: int = -1):
+    """The bits of ``moveaxis(bits(key, shape), axis, -1)``: what a kernel quantizing along ``axis`` sees.
+    ``key``: one threefry key, or a ``Window`` (its shape, along the last axis). None where ``bits`` itself
+    would not use threefry2x32's partitionable counters, or for another rectangle of a Window (the caller
+    then draws with ``bits``)."""
+    shape = tuple(int(d) for d in shape)
+    axis = axis % len(shape)
+    if isinstance(key, Window):   # its own rectangle, along its last axis; else the caller draws
+      return key.keyed() if shape == key.shape and axis == 1 else None
+    data = _threefry_key_data(key)
+    if data is None or not _tied_form_applies(shape, jnp.uint8):
+      return None
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    lead = tuple(d for d in range(len(shape)) if d != axis)
+    lead_shape = tuple(shape[d] for d in lead)
+    hi, lo = _counters(lead_shape, _U32(0), [strides[d] for d in lead]) if lead_shape else (
+        jnp.zeros((), _U32), jnp.zeros((), _U32))
+    col_hi, col_lo = _mul_u32_by_const(jnp.arange(shape[axis], dtype=_U32), strides[axis])
+    return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1))
+
+  def make(self, dtype=jnp.uint8):
+    """The bits as an array (..., K) of ``dtype``, drawn in XLA: equal to ``jax.random.bits`` moved as
+    ``of`` says (tests/test_random_bits.py)."""
+    r = self.rows
+    k = self.cols.shape[0]
+    bcast = lambda v: jnp.broadcast_to(v[..., None], r.shape[:-1] + (k,))
+    lo = bcast(r[..., 3]) + self.cols[:, 1]
+    hi = bcast(r[..., 2]) + self.cols[:, 0] + (lo < bcast(r[..., 3])).astype(_U32)
+    b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)   # KeyedBits exist only with it
+    mixed = b1 ^ b2
+    return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
+
+
+def drawn(bits, dtype=jnp.uint8):
+  """The bits as an array: a ``KeyedBits`` made (``make``), anything else (an array, None) as it is."""
+  return bits.make(dtype) if isinstance(bits, KeyedBits) else bits
+
+
+def _rows(key_data, hi, lo):
+  """(k1, k2, hi, lo) uint32 per row of the counters' shape."""
+  return jnp.stack([jnp.broadcast_to(key_data[0], hi.shape), jnp.broadcast_to(key_data[1], hi.shape), hi, lo],
+                   axis=-1)

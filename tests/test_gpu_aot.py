@@ -396,6 +396,45 @@ def test_hlo_walk_charges_the_mixed_gemm_by_its_flops_and_bytes():
   assert hlo_cost.mixed_gemm_shape(hlo_cost.parse_instr(PALLAS.splitlines()[-3])) is None
 
 
+HASHING = """HloModule hashing, entry_computation_layout={()->u8[1024,256]}
+
+%fused_bits (p0: u32[1024,256], p1: u32[1024,256]) -> u8[1024,256] {
+  %p0 = u32[1024,256]{1,0} parameter(0)
+  %p1 = u32[1024,256]{1,0} parameter(1)
+  %s = u32[1024,256]{1,0} add(%p0, %p1)
+  %c = u32[] constant(13)
+  %cb = u32[1024,256]{1,0} broadcast(%c), dimensions={}
+  %r = u32[1024,256]{1,0} shift-left(%s, %cb)
+  %x = u32[1024,256]{1,0} xor(%r, %s)
+  ROOT %t = u8[1024,256]{1,0} convert(%x)
+}
+
+ENTRY %main (a: u32[1024,256], b: u32[1024,256], x: bf16[1024,256], k: u32[1024,4]) -> u8[1024,256] {
+  %a = u32[1024,256]{1,0} parameter(0)
+  %b = u32[1024,256]{1,0} parameter(1)
+  %x = bf16[1024,256]{1,0} parameter(2)
+  %k = u32[1024,4]{1,0} parameter(3)
+  %q = u8[1024,128]{1,0} custom-call(%x, %k), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/fp4jax/quantize/nvfp4_1x16_sr/fp4jax_quantize_pallas/fp4jax_quantize_nvfp4_1x16_33030144iop/pallas_call"}
+  ROOT %f = u8[1024,256]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_bits
+}
+"""
+
+
+def test_hlo_walk_counts_integer_work_and_charges_it_with_an_int_rate():
+  """A fusion's integer elementwise ops (the threefry of jax.random.bits: add, shifts, xors on u32) and a
+  kernel's declared ops (``_<n>iop``, the quantize kernels that hash their bits) are counted always and
+  charged at max(ops / int rate, bytes / HBM) only when the peaks carry an "int" rate."""
+  ops = {o["name"]: o for o in hlo_cost.analyze(HASHING, PEAKS)["ops"]}
+  assert ops["f"]["iops"] == 3 * 1024 * 256          # add, shift-left, xor; not the convert or broadcast
+  assert ops["q"]["iops"] == 33030144 and ops["q"]["kind"] == "kernel"
+  assert ops["q"]["bound"] == "memory"
+  slow_int = dict(PEAKS, int=1e9)
+  charged = {o["name"]: o for o in hlo_cost.analyze(HASHING, slow_int)["ops"]}
+  assert charged["q"]["bound"] == "integer"
+  assert charged["q"]["seconds"] == pytest.approx(33030144 / 1e9)
+  assert charged["f"]["seconds"] == pytest.approx(max(3 * 1024 * 256 / 1e9, ops["f"]["bytes"] / PEAKS["hbm"]))
+
+
 @needs_plugin
 def test_mixed_gemm_compiles_for_sm90(tmp_path):
   """kernels.mixed_matmul through Triton, LLVM and ptxas for the H200, charged by the cost model as one

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fp4jax
+from fp4jax import random_bits
 from fp4jax.numerics import e2m1
 from fp4jax.kernels import _common as C
 from fp4jax.kernels import quantize_1d as K1
@@ -116,8 +118,30 @@ class _Quantize1dCases:
     assert_bits_equal(got, K1.quantize_1d_reference(x, amax, bits, fmt=fmt, scale_rule=scale_rule))
 
 
+  @pytest.mark.slow   # the default representative: test_quantize_with_key_hashes_in_the_kernel
+  @pytest.mark.parametrize("fmt,shape,axis", [("nvfp4", (2, 24, 48), -1), ("mxfp4", (64, 3, 16), 0)])
+  def test_keyed_bits_match_reference(self, fmt, shape, axis):
+    """SR bits hashed in the kernel from the key (random_bits.KeyedBits) == the twin with
+    jax.random.bits drawn in x's own layout and moved to the quantized axis."""
+    key = jax.random.key(12)
+    x = jnp.moveaxis(make_input(shape, jnp.bfloat16), axis, -1)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    keyed = random_bits.KeyedBits.of(key, shape, axis)
+    got = K1.quantize_1d(x, amax, keyed, fmt=fmt, interpret=self.INTERPRET)
+    bits = jnp.moveaxis(jax.random.bits(key, shape, jnp.uint8), axis, -1)
+    assert_bits_equal(got, K1.quantize_1d_reference(x, amax, bits, fmt=fmt))
+
+
 class _Quantize2dCases:
   INTERPRET = True
+
+  @pytest.mark.slow
+  def test_keyed_bits_match_reference(self):
+    key = jax.random.key(13)
+    x = make_input((48, 80), jnp.float32)
+    amax = jnp.max(jnp.abs(x))
+    got = K2.quantize_2d(x, amax, random_bits.KeyedBits.of(key, x.shape), interpret=self.INTERPRET)
+    assert_bits_equal(got, K2.quantize_2d_reference(x, amax, jax.random.bits(key, x.shape, jnp.uint8)))
 
   @pytest.mark.parametrize("shape,dtype,stochastic", NVFP4_CASES)
   def test_matches_reference(self, shape, dtype, stochastic):
@@ -157,6 +181,17 @@ class _QuantizeRhtTCases:
 
   def test_mxfp4_matches_reference(self):
     self._check("mxfp4", (64, 48), jnp.bfloat16, True)
+
+  # ~200 s interpreted on a loaded 2-core VM (16 unrolled hashes); its Triton lowering and sm_90 compile are
+  # default tests (test_kernels_triton_lowering.py, test_gpu_aot.py)
+  @pytest.mark.slow
+  def test_keyed_bits_match_reference(self):
+    """The bits (C, T) hashed in the kernel per channel row and token column == jax.random.bits (C, T)."""
+    key = jax.random.key(14)
+    x = make_input((48, 40), jnp.bfloat16)
+    amax = KR.rht_amax(x)
+    got = KR.quantize_rht_t(x, amax, random_bits.KeyedBits.of(key, (40, 48)), interpret=self.INTERPRET)
+    assert_bits_equal(got, KR.quantize_rht_t_reference(x, amax, jax.random.bits(key, (40, 48), jnp.uint8)))
 
   @pytest.mark.slow
   @pytest.mark.parametrize("dtype,stochastic", FULL)
@@ -200,6 +235,19 @@ class TestQuantize2dInterpret(_Quantize2dCases):
 
 class TestQuantizeRhtTInterpret(_QuantizeRhtTCases):
   INTERPRET = True
+
+
+def test_quantize_with_key_hashes_in_the_kernel():
+  """fp4jax.quantize(rounding="stochastic", key=...) with impl="pallas" hands the kernel the key (no
+  bits array of x's size) and gives the XLA path's codes; here along axis 0 (the counters of x's own
+  layout, moved)."""
+  key = jax.random.key(15)
+  x = make_input((64, 48), jnp.bfloat16)
+  q = lambda impl: fp4jax.quantize(x, "nvfp4", axis=0, rounding="stochastic", key=key, impl=impl)
+  eqn = [e for e in jax.make_jaxpr(lambda: q("pallas"))().eqns if str(e.primitive) == "fp4jax_quantize"][0]
+  assert eqn.params["keyed"] and all(v.aval.size < x.size for v in eqn.invars[1:])
+  got, want = q("pallas"), q("xla")
+  assert_bits_equal((got.data, got.scale.view(jnp.uint8)), (want.data, want.scale.view(jnp.uint8)))
 
 
 # ----------------------------------------------------------------- kernel-friendly numerics

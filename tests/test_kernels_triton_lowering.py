@@ -31,14 +31,18 @@ def test_quantize_1d_lowers(fmt, shape, dtype):
 
 
 def test_quantize_2d_lowers():
-  fn = lambda x: fp4jax.quantize(x, "nvfp4", tile=(16, 16), impl="pallas").data
-  assert _kernels_in(fn, S((304, 304), jnp.bfloat16)) == 1
+  # stochastic: the SR bits hashed in the kernel from the key (random_bits.KeyedBits), as in 1d above
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  fn = lambda x, k: fp4jax.quantize(x, "nvfp4", tile=(16, 16), rounding="stochastic", key=k, impl="pallas").data
+  assert _kernels_in(fn, S((304, 304), jnp.bfloat16), key) == 1
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_quantize_rht_t_lowers(fmt):
-  fn = lambda x: quantize_rht_transposed(x, fmt, impl="pallas").data
-  assert _kernels_in(fn, S((1024, 256), jnp.bfloat16)) == 1
+@pytest.mark.parametrize("fmt,rounding", [("nvfp4", "stochastic"), ("mxfp4", "nearest")])
+def test_quantize_rht_t_lowers(fmt, rounding):
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  fn = lambda x, k: quantize_rht_transposed(x, fmt, rounding=rounding,
+                                            key=k if rounding == "stochastic" else None, impl="pallas").data
+  assert _kernels_in(fn, S((1024, 256), jnp.bfloat16), key) == 1
 
 
 @pytest.mark.parametrize("fmt,w_tile", [("nvfp4", (16, 16)), ("mxfp4", None)])

@@ -116,3 +116,63 @@ def test_counters_stay_in_the_loop():
   temp_tied, total_tied = temp_bytes(random_bits.bits)
   assert int(total_jax) == int(total_tied)
   assert temp_tied <= temp_jax - counter_bytes, (temp_tied, temp_jax)
+
+
+# ------------------------------------------------------------------------------------ the draw a kernel makes
+
+def test_plain_op_threefry_equals_the_primitive():
+  # threefry2x32 in uint32 adds/shifts/xors (what a Pallas kernel runs) == jax's threefry2x32 primitive,
+  # on random words and on the carries' edge values.
+  rng = np.random.default_rng(3)
+  words = rng.integers(0, 2 ** 32, size=(4, 4096), dtype=np.uint64).astype(np.uint32)
+  words[:, :3] = [[0, 2 ** 32 - 1, 2 ** 31]] * 4
+  k1, k2, hi, lo = (jnp.asarray(w) for w in words)
+  want = random_bits._THREEFRY2X32_P.bind(k1, k2, hi, lo)
+  got = random_bits.threefry2x32(k1, k2, hi, lo)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+KEYED_CASES = [((7,), 0), ((3, 5), -1), ((3, 5), 0), ((2, 3, 4), 1), ((16, 1, 33), 0), ((5, 1, 2, 3), 2),
+               ((131, 1031, 3), 1), ((1, 4096, 16), -1)]
+
+
+@pytest.mark.parametrize("case", [pytest.param(i, marks=() if i in (2, 5, 6) else pytest.mark.slow)
+                                  for i in range(len(KEYED_CASES))])
+def test_keyed_bits_are_jax_random_bits(case):
+  # KeyedBits.of(key, shape, axis): rows (..., 4) and cols (K, 2) whose hash (plain ops, as in a kernel) and
+  # whose XLA draw (make) are moveaxis(jax.random.bits(key, shape), axis, -1). Eager (each jit of the
+  # unrolled hash costs seconds of CPU compile); jit and vmap in the next test.
+  shape, axis = KEYED_CASES[case]
+  key = _keys()[case % 3]
+  kb = random_bits.KeyedBits.of(key, shape, axis)
+  r, c = kb.rows, kb.cols
+  hashed = random_bits.hashed_bits(r[..., 0, None], r[..., 1, None], r[..., 2, None], r[..., 3, None],
+                                   c[:, 0], c[:, 1])
+  _assert_same(hashed, jnp.moveaxis(jax.random.bits(key, shape, jnp.uint32), axis, -1))
+  dtype = DTYPES[case % 3]
+  _assert_same(kb.make(dtype), jnp.moveaxis(jax.random.bits(key, shape, dtype), axis, -1))
+
+
+def test_keyed_bits_under_vmap_over_keys_and_of_a_window():
+  keys = jax.random.split(jax.random.key(1), 3)
+  got = jax.jit(jax.vmap(lambda k: random_bits.KeyedBits.of(k, (33, 48), 0).make()))(keys)
+  _assert_same(got, jax.vmap(lambda k: jax.random.bits(k, (33, 48), jnp.uint8).T)(keys))
+  key = jax.random.key(4)
+  window = random_bits.Window.of(key, (40, 96), (5, 17), (8, 32))
+  _assert_same(window.keyed().make(), jax.random.bits(key, (40, 96), jnp.uint8)[5:13, 17:49])
+  assert random_bits.KeyedBits.of(window, (8, 32), 0) is None     # another rectangle: the caller draws
+
+
+def test_hashed_counters_carry_into_the_high_word():
+  # row + col past 2**32 (arrays beyond 4 Gi elements): the 64-bit sum's carry reaches the hashed high word.
+  rng = np.random.default_rng(5)
+  row = rng.integers(0, 2 ** 63, size=512, dtype=np.uint64)
+  col = rng.integers(0, 2 ** 40, size=512, dtype=np.uint64)
+  row[:2] = [2 ** 32 - 1, 2 ** 33 - 5]
+  col[:2] = [1, 7]
+  split = lambda v: (jnp.asarray(v >> np.uint64(32), jnp.uint32), jnp.asarray(v & np.uint64(0xFFFFFFFF), jnp.uint32))
+  k1, k2 = jnp.uint32(0x12345678), jnp.uint32(0x9ABCDEF0)
+  got = random_bits.hashed_bits(k1, k2, *split(row), *split(col))
+  b1, b2 = random_bits._THREEFRY2X32_P.bind(*(jnp.broadcast_to(k, (512,)) for k in (k1, k2)), *split(row + col))
+  _assert_same(got, b1 ^ b2)

@@ -53,6 +53,14 @@ _SCRIPT = textwrap.dedent(r"""
       out[name] = dict(equal=same(f(xs, bs), jax.jit(fn)(x, bits)),
                        all_gather="all-gather" in hlo(f, xs, bs))
 
+    # SR bits hashed in the kernel from the key: each shard's counters are global (KeyedBits' rows and
+    # cols shard with x), so the sharded kernel equals the single-device XLA path.
+    key = jax.random.key(3)
+    keyed = lambda x, k, impl: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=k, impl=impl)
+    f = jax.jit(lambda x, k: keyed(x, k, "pallas"))
+    out["sr_key"] = dict(equal=same(f(xs, key), jax.jit(lambda x, k: keyed(x, k, "xla"))(x, key)),
+                         all_gather="all-gather" in hlo(f, xs, key))
+
     q = fp4jax.quantize(x, "nvfp4", impl="xla")
     f = jax.jit(lambda q: fp4jax.dequantize(q, impl="pallas"))
     qs = jax.tree.map(lambda a: put(a, "data", "model") if a.ndim == 2 else a, q)
@@ -100,7 +108,7 @@ def test_row_sharded_quantize_is_local(mesh_results, layout, impl):
   assert "data" in r["data_spec"]
 
 
-@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "dequantize"])
+@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "sr_key", "dequantize"])
 def test_other_ops_stay_sharded(mesh_results, name):
   r = mesh_results[name]
   assert r["equal"] and not r["all_gather"]
@@ -112,3 +120,37 @@ def test_scaled_matmul_follows_dot_sharding(mesh_results, name, psum):
   assert r["rel_err"] <= 1e-6
   assert not r["all_gather"]
   assert r["all_reduce"] == psum   # a sharded contraction reduces partial sums, nothing else does
+
+
+_RHT_KEYED_SCRIPT = textwrap.dedent(r"""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from fp4jax.api import quantize_rht_transposed
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.bfloat16)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    key = jax.random.key(3)
+    fn = lambda x, k, impl: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", key=k, impl=impl)
+    f = jax.jit(lambda x, k: fn(x, k, "pallas"))
+    got, want = f(xs, key), jax.jit(lambda x, k: fn(x, k, "xla"))(x, key)
+    raw = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a)
+    equal = all(np.array_equal(raw(u), raw(v)) for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    print("RESULT" + json.dumps(dict(equal=equal,
+                                     all_gather="all-gather" in f.lower(xs, key).compile().as_text())))
+""")
+
+
+@pytest.mark.slow   # the keyed 1d quantize above is the default representative
+def test_keyed_rht_t_stays_sharded():
+  """The RHT-transposed quantize with its SR bits hashed in the kernel, x sharded over (tokens, channels):
+  KeyedBits' rows (C, 4) and cols (T, 2) shard with the output's axes, so the global counters match the
+  single-device XLA path, without gathering x."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _RHT_KEYED_SCRIPT], capture_output=True, text=True, env=env,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+  assert r["equal"] and not r["all_gather"]

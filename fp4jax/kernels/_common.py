@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax import _pallas_compat as plc
+from fp4jax import random_bits
 from fp4jax._exact import div
 from fp4jax.numerics import nvfp4
 from fp4jax._pallas_compat import precise_div
@@ -232,6 +234,60 @@ def encode(scaled_f32, bits):
   if bits is None:
     return encode_rne_bits(scaled_f32)
   return encode_sr_bits(scaled_f32, bits)
+
+
+# ---------------------------------------------------------------- stochastic-rounding bits
+
+def sr_mode(bits):
+  """How a kernel gets its rounding bits: None (nearest even), "bits" (a uint8 array of x's shape, loaded)
+  or "key" (``random_bits.KeyedBits``: two small operands, rows (R, 4) and cols (K, 2), hashed in the
+  kernel; no bits array in HBM)."""
+  if bits is None:
+    return None
+  return "key" if isinstance(bits, random_bits.KeyedBits) else "bits"
+
+
+def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
+  """8 random bits (uint32 < 256) per element of the broadcast of a row column and a column row,
+  hashed in the kernel: the low byte of ``jax.random.bits`` at counter row + col (``random_bits``)."""
+  return random_bits.hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo) & jnp.uint32(0xFF)
+
+
+def tile_bits(mode, refs):
+  """The rounding bits of a (R, K) tile: None, the loaded tile (``mode`` "bits": refs = (bits_ref,)), or
+  hashed from refs = (rows_ref (R, 4), cols_ref (K, 2)) (``mode`` "key"). Ref reads, not register
+  slices (Triton has no slice)."""
+  if mode is None:
+    return None
+  if mode == "bits":
+    return refs[0][...]
+  rows_ref, cols_ref = refs
+  row = lambda i: rows_ref[:, i][:, None]
+  return keyed_bits(row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
+
+
+def int_ops_suffix(mode, elements: int) -> str:
+  """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key"), n = elements x
+  ``random_bits.HASH_OPS``, else "": appended to the pallas_call name, it tells bench/hlo_cost.py the
+  integer work the kernel does beside its bytes (the Triton backend drops ``pl.CostEstimate``)."""
+  return f"_{elements * random_bits.HASH_OPS}iop" if mode == "key" else ""
+
+
+def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_block: int, col_block: int,
+                  index):
+  """(operands, BlockSpecs) of the rounding bits of an x viewed as (rows, cols) in (row_block, col_block)
+  blocks on the grid position ``index(i, j) -> (row block, col block)``, zero-padded to (row_pad, col_pad):
+  nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2)."""
+  mode = sr_mode(bits)
+  if mode is None:
+    return [], []
+  if mode == "bits":
+    b = pad_axis(pad_axis(bits.reshape(rows, cols), 0, row_pad), 1, col_pad)
+    return [b], [plc.BlockSpec((row_block, col_block), index)]
+  r = pad_axis(bits.rows.reshape(rows, 4), 0, row_pad)
+  c = pad_axis(bits.cols, 0, col_pad)
+  return [r, c], [plc.BlockSpec((row_block, 4), lambda i, j: (index(i, j)[0], 0)),
+                  plc.BlockSpec((col_block, 2), lambda i, j: (index(i, j)[1], 0))]
 
 
 # ---------------------------------------------------------------- tiles

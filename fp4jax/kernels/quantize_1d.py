@@ -6,7 +6,8 @@ Axis legend: R rows (all leading axes flattened), K the quantized axis, NB = K/B
 Each program loads a (rows, blocks·B) tile of x as contiguous rows (wide, vectorized loads; the tile's
 last axis is at least 128 elements), reshapes it in registers to (rows, blocks, B) for the block amax,
 encodes with the bit-arithmetic E2M1 encode of ``_common`` (RNE, or stochastic with 8 random bits per
-element, an input, so kernel and reference agree bit for bit), and packs code pairs from a
+element: an input, or hashed in the kernel from the key and the element's counter, ``random_bits.KeyedBits``;
+either way the bits of ``jax.random.bits``, so kernel and reference agree bit for bit), and packs code pairs from a
 (rows, blocks·P, 2) register view into a (rows, blocks·P) byte tile.
 The tensor amax (NVFP4) is computed before this pass (a separate reduction) and enters as per-row
 factors (S_enc/6, 1/S_enc, p) — one row of factors per amax when vmapped; p = 2^64 rescales a
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import formats
+from fp4jax import formats, random_bits
 from fp4jax.kernels import _common as C
 from fp4jax.reference import quantize_last_reference
 
@@ -38,12 +39,9 @@ class Quantize1dTiles:
 DEFAULT_TILES = Quantize1dTiles()
 
 
-def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
-  if stochastic:
-    x_ref, f_ref, bits_ref, q_ref, s_ref = refs
-  else:
-    (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
-  bits = None if bits_ref is None else bits_ref[...]
+def _quantize_1d_kernel(x_ref, f_ref, *refs, fmt, scale_rule, sr, interpret):
+  *bits_refs, q_ref, s_ref = refs
+  bits = C.tile_bits(sr, bits_refs)
   q_ref[...], s_ref[...] = encode_rows(x_ref[...].astype(jnp.float32), f_ref, bits, fmt=fmt,
                                        scale_rule=scale_rule, interpret=interpret)
 
@@ -51,7 +49,7 @@ def _quantize_1d_kernel(*refs, fmt, scale_rule, stochastic, interpret):
 def encode_rows(x_RxK, f_ref, bits_RxK, *, fmt, scale_rule, interpret):
   """(packed codes (R, K/2), scale bytes (R, NB)) uint8 of a float32 register tile, inside a kernel:
   the body every 1D quantize kernel shares (``fp4jax.kernels.rmsnorm_quantize`` too). ``f_ref``: the
-  (R, 4) per-row factors (``row_factors``); ``bits_RxK``: uint8 random bits or None."""
+  (R, 4) per-row factors (``row_factors``); ``bits_RxK``: random bits (uint8, or uint32 below 256) or None."""
   b = formats.BLOCK[fmt]
   r, k = x_RxK.shape
   x_RxNxB = x_RxK.reshape(r, k // b, b)
@@ -71,31 +69,29 @@ def encode_rows(x_RxK, f_ref, bits_RxK, *, fmt, scale_rule, interpret):
   return C.pack_pairs(codes.reshape(r, k // 2, 2)), byte_RxN.astype(jnp.uint8)
 
 
-def _quantize_1d_call(x_RxK, factors_Rx4, bits_RxK, *, fmt, scale_rule, tiles, interpret):
-  """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles."""
+def _quantize_1d_call(x_RxK, factors_Rx4, bits, *, fmt, scale_rule, tiles, interpret):
+  """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles.
+  ``bits``: None, uint8 (R, K), or ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
   r, k = x_RxK.shape
   b = formats.BLOCK[fmt]
   nb = k // b
   br, rp = C.fit(r, tiles.rows)
   bn, nbp = C.fit(nb, tiles.blocks)
-  pad = lambda a: C.pad_axis(C.pad_axis(a, 0, rp), 1, nbp * b)
-  ops = [pad(x_RxK), C.pad_axis(factors_Rx4, 0, rp)]
-  in_specs = [plc.BlockSpec((br, bn * b), lambda i, j: (i, j)),
-              plc.BlockSpec((br, 4), lambda i, j: (i, 0))]
-  if bits_RxK is not None:
-    ops.append(pad(bits_RxK))
-    in_specs.append(plc.BlockSpec((br, bn * b), lambda i, j: (i, j)))
-  kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule,
-                             stochastic=bits_RxK is not None, interpret=interpret)
+  index = lambda i, j: (i, j)
+  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, rp), 1, nbp * b), C.pad_axis(factors_Rx4, 0, rp)]
+  in_specs = [plc.BlockSpec((br, bn * b), index), plc.BlockSpec((br, 4), lambda i, j: (i, 0))]
+  bits_ops, bits_specs = C.bits_operands(bits, r, k, rp, nbp * b, br, bn * b, index)
+  kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule, sr=C.sr_mode(bits),
+                             interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((rp, nbp * b // 2), jnp.uint8),
                  jax.ShapeDtypeStruct((rp, nbp), jnp.uint8)),
-      grid=(rp // br, nbp // bn), in_specs=in_specs,
+      grid=(rp // br, nbp // bn), in_specs=in_specs + bits_specs,
       out_specs=(plc.BlockSpec((br, bn * b // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((br, bn), lambda i, j: (i, j))),
-      interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}",
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
+      interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}" + C.int_ops_suffix(C.sr_mode(bits), rp * nbp * b),
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
   return q[:r, :k // 2], s[:r, :nb]
 
 
@@ -117,7 +113,8 @@ def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DE
   """Quantize x (..., K) in 1D blocks along the last axis with the Pallas kernel.
 
   amax: NVFP4 tensor amax, float32 of shape x.shape[:n] (n = 0 normally; one per vmapped slice);
-  ignored for MXFP4. bits: uint8 of x's shape for stochastic rounding, or None.
+  ignored for MXFP4. bits: for stochastic rounding, uint8 of x's shape or ``random_bits.KeyedBits`` of it
+  (rows of shape x.shape[:-1] + (4,): the kernel hashes the same bits itself); None: nearest even.
   Returns packed codes (..., K/2) uint8 and scale bytes (..., K/B) uint8. K must be a multiple of B.
   """
   *lead, k = x.shape
@@ -125,14 +122,13 @@ def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DE
   if k % b:
     raise ValueError(f"{k=} must be a multiple of the block {b} for fmt={fmt!r}; pad the input")
   x_RxK = x.reshape(-1, k)
-  bits_RxK = None if bits is None else bits.reshape(-1, k)
   factors = row_factors(jnp.asarray(amax, jnp.float32), x.shape, fmt)
-  q, s = _quantize_1d_call(x_RxK, factors, bits_RxK, fmt=fmt, scale_rule=scale_rule, tiles=tiles,
+  q, s = _quantize_1d_call(x_RxK, factors, bits, fmt=fmt, scale_rule=scale_rule, tiles=tiles,
                            interpret=interpret)
   return q.reshape(*lead, k // 2), s.reshape(*lead, k // b)
 
 
 def quantize_1d_reference(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil"):
   """The oracle: ``fp4jax.reference.quantize_last_reference`` in 1D blocks, as (codes, bytes)."""
-  q, s = quantize_last_reference(x, amax, bits, fmt=fmt, scale_rule=scale_rule)
+  q, s = quantize_last_reference(x, amax, random_bits.drawn(bits), fmt=fmt, scale_rule=scale_rule)
   return q, lax.bitcast_convert_type(s, jnp.uint8)

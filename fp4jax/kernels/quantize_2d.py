@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import formats
+from fp4jax import formats, random_bits
 from fp4jax.kernels import _common as C
 from fp4jax.reference import quantize_last_reference
 
@@ -35,11 +35,8 @@ class Quantize2dTiles:
 DEFAULT_TILES = Quantize2dTiles()
 
 
-def _quantize_2d_kernel(*refs, stochastic, interpret):
-  if stochastic:
-    x_ref, f_ref, bits_ref, q_ref, s_ref = refs
-  else:
-    (x_ref, f_ref, q_ref, s_ref), bits_ref = refs, None
+def _quantize_2d_kernel(x_ref, f_ref, *refs, sr, interpret):
+  *bits_refs, q_ref, s_ref = refs
   x_RxK = x_ref[...].astype(jnp.float32)
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
@@ -49,36 +46,36 @@ def _quantize_2d_kernel(*refs, stochastic, interpret):
   s_dec_Gx1 = f_ref[:, 1][:, None]
   byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
   scaled = jnp.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
-  bits = None if bits_ref is None else bits_ref[...].reshape(g, TILE, nb, TILE)
+  bits = C.tile_bits(sr, bits_refs)
+  bits = None if bits is None else bits.reshape(g, TILE, nb, TILE)
   codes = C.encode(scaled, bits)
   q_ref[...] = C.pack_pairs(codes.reshape(r, k // 2, 2))
   s_ref[...] = byte_GxN.astype(jnp.uint8)
 
 
-def _quantize_2d_call(x_RxK, factors_Gx4, bits_RxK, *, tiles, interpret):
-  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8."""
+def _quantize_2d_call(x_RxK, factors_Gx4, bits, *, tiles, interpret):
+  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8. ``bits``: None, uint8 (R, K), or
+  ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
   bg, gp = C.fit(g, tiles.tile_rows)
   bn, nbp = C.fit(nb, tiles.tile_cols)
-  pad = lambda a: C.pad_axis(C.pad_axis(a, 0, gp * TILE), 1, nbp * TILE)
-  spec = plc.BlockSpec((bg * TILE, bn * TILE), lambda i, j: (i, j))
-  ops = [pad(x_RxK), C.pad_axis(factors_Gx4, 0, gp)]
+  index = lambda i, j: (i, j)
+  spec = plc.BlockSpec((bg * TILE, bn * TILE), index)
+  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, gp * TILE), 1, nbp * TILE), C.pad_axis(factors_Gx4, 0, gp)]
   in_specs = [spec, plc.BlockSpec((bg, 4), lambda i, j: (i, 0))]
-  if bits_RxK is not None:
-    ops.append(pad(bits_RxK))
-    in_specs.append(spec)
-  kernel = functools.partial(_quantize_2d_kernel, stochastic=bits_RxK is not None,
-                             interpret=interpret)
+  bits_ops, bits_specs = C.bits_operands(bits, r, k, gp * TILE, nbp * TILE, bg * TILE, bn * TILE, index)
+  kernel = functools.partial(_quantize_2d_kernel, sr=C.sr_mode(bits), interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((gp * TILE, nbp * TILE // 2), jnp.uint8),
                  jax.ShapeDtypeStruct((gp, nbp), jnp.uint8)),
-      grid=(gp // bg, nbp // bn), in_specs=in_specs,
+      grid=(gp // bg, nbp // bn), in_specs=in_specs + bits_specs,
       out_specs=(plc.BlockSpec((bg * TILE, bn * TILE // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((bg, bn), lambda i, j: (i, j))),
-      interpret=interpret, name="fp4jax_quantize_nvfp4_16x16",
-      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
+      interpret=interpret,
+      name="fp4jax_quantize_nvfp4_16x16" + C.int_ops_suffix(C.sr_mode(bits), gp * nbp * TILE * TILE),
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
   return q[:r, :k // 2], s[:g, :nb]
 
 
@@ -93,19 +90,19 @@ def tile_row_factors(amax, x_shape):
 def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):
   """NVFP4 16x16-tile quantization of x (..., M, K) with the Pallas kernel.
 
-  amax: float32 tensor amax of shape x.shape[:n] (n = 0 normally). bits: uint8 of x's shape or None.
+  amax: float32 tensor amax of shape x.shape[:n] (n = 0 normally). bits: uint8 of x's shape,
+  ``random_bits.KeyedBits`` of it (hashed in the kernel), or None.
   Returns packed codes (..., M, K/2) uint8 (packed along K) and scale bytes (..., M/16, K/16) uint8.
   """
   *lead, m, k = x.shape
   if m % TILE or k % TILE:
     raise ValueError(f"x.shape[-2:]={(m, k)} must be multiples of {TILE} for 16x16 tiles; pad it")
   factors = tile_row_factors(jnp.asarray(amax, jnp.float32), x.shape)
-  bits_RxK = None if bits is None else bits.reshape(-1, k)
-  q, s = _quantize_2d_call(x.reshape(-1, k), factors, bits_RxK, tiles=tiles, interpret=interpret)
+  q, s = _quantize_2d_call(x.reshape(-1, k), factors, bits, tiles=tiles, interpret=interpret)
   return q.reshape(*lead, m, k // 2), s.reshape(*lead, m // TILE, k // TILE)
 
 
 def quantize_2d_reference(x, amax, bits=None):
   """The oracle: ``quantize_reference(x, 'nvfp4', tile=(16, 16))`` as (codes, scale bytes)."""
-  q, s = quantize_last_reference(x, amax, bits, fmt="nvfp4", tiled=True)
+  q, s = quantize_last_reference(x, amax, random_bits.drawn(bits), fmt="nvfp4", tiled=True)
   return q, lax.bitcast_convert_type(s, jnp.uint8)

@@ -10,7 +10,8 @@ Walsh-Hadamard butterfly runs on a list of row tiles in exactly the order of
 ``fp4jax.hadamard.fwht_last`` (sign flip, log2 n stages of a+b / a-b, then one multiply by
 f32(1/sqrt n)) and block amaxes are elementwise maxima across rows. Codes are packed eight to a 32-bit
 word (element 0 in the low nibble, little-endian bytes = the packed layout); words, scale bytes and
-random bits are already in the output's (C, T) orientation, so they are stored and loaded as they are.
+random bits are already in the output's (C, T) orientation, so they are stored and loaded as they are
+(or, as ``random_bits.KeyedBits``, hashed in the kernel from a key per channel and a counter per token).
 The tensor amax (taken after the transform) is a separate reduction before this pass.
 
 Transpose only at the loads. The first version transposed each output word and scale tile in
@@ -31,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import formats, reference
+from fp4jax import formats, random_bits, reference
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels import _common as C
 
@@ -64,11 +65,21 @@ def _butterfly(rows, signs, scale):
   return rows if scale is None else [r * jnp.float32(scale) for r in rows]
 
 
-def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochastic, interpret):
-  if stochastic:
-    x_ref, f_ref, bits_ref, w_ref, s_ref = refs
-  else:
-    (x_ref, f_ref, w_ref, s_ref), bits_ref = refs, None
+def _row_bits(sr, bits_refs):
+  """Row i's rounding bits (C-tile, chunks) as a function of i: loaded from the (C-tile, chunks, L) bits
+  tile, or hashed from the key rows (C-tile, 4) and the counter columns (chunks, L, 2)."""
+  if sr is None:
+    return lambda i: None
+  if sr == "bits":
+    return lambda i: bits_refs[0][:, :, i]
+  rows_ref, cols_ref = bits_refs
+  k1, k2, hi, lo = (rows_ref[:, c][:, None] for c in range(4))
+  return lambda i: C.keyed_bits(k1, k2, hi, lo, cols_ref[:, i, 0][None, :], cols_ref[:, i, 1][None, :])
+
+
+def _quantize_rht_t_kernel(x_ref, f_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
+  *bits_refs, w_ref, s_ref = refs
+  row_bits = _row_bits(sr, bits_refs)
   n, b, L = len(signs), formats.BLOCK[fmt], rows_per_unit
   scale = float(np.float32(1.0 / np.sqrt(n)))
   # 1. RHT of every n-row chunk, rows as (C-tile, chunks) float32 tiles (transposed at the load).
@@ -96,14 +107,14 @@ def _quantize_rht_t_kernel(*refs, fmt, scale_rule, signs, rows_per_unit, stochas
       word = None
       for e in range(8):
         i = j * b + w * 8 + e
-        bits = None if bits_ref is None else bits_ref[:, :, i]
-        code = C.encode(scaled(y[i]), bits).astype(jnp.int32)
+        code = C.encode(scaled(y[i]), row_bits(i)).astype(jnp.int32)
         word = code if word is None else word | (code << (4 * e))
       w_ref[:, :, (j * b + w * 8) // 8] = word
 
 
 def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
-  """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T."""
+  """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T.
+  ``bits_CxT``: None, uint8 (C, T), or ``random_bits.KeyedBits`` with rows (C, 4) and cols (T, 2)."""
   t, c = x_TxC.shape
   b = formats.BLOCK[fmt]
   L = max(b, len(signs))
@@ -114,12 +125,16 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
   ops = [x_v, factors_4]
   in_specs = [plc.BlockSpec((bu, L, bc), lambda i, j: (i, 0, j)),
               plc.BlockSpec((4,), lambda i, j: (0,))]
-  if bits_CxT is not None:
+  sr = C.sr_mode(bits_CxT)
+  if sr == "bits":
     ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
     in_specs.append(plc.BlockSpec((bc, bu, L), lambda i, j: (j, i, 0)))
+  elif sr == "key":
+    ops += [C.pad_axis(bits_CxT.rows, 0, cp), C.pad_axis(bits_CxT.cols.reshape(u, L, 2), 0, up)]
+    in_specs += [plc.BlockSpec((bc, 4), lambda i, j: (j, 0)),
+                 plc.BlockSpec((bu, L, 2), lambda i, j: (i, 0, 0))]
   kernel = functools.partial(_quantize_rht_t_kernel, fmt=fmt, scale_rule=scale_rule,
-                             signs=tuple(signs), rows_per_unit=L,
-                             stochastic=bits_CxT is not None, interpret=interpret)
+                             signs=tuple(signs), rows_per_unit=L, sr=sr, interpret=interpret)
   words, s = plc.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((cp, up, L // 8), jnp.int32),
@@ -127,7 +142,7 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
       grid=(up // bu, cp // bc), in_specs=in_specs,
       out_specs=(plc.BlockSpec((bc, bu, L // 8), lambda i, j: (j, i, 0)),
                  plc.BlockSpec((bc, bu, L // b), lambda i, j: (j, i, 0))),
-      interpret=interpret, name=f"fp4jax_quantize_rht_t_{fmt}",
+      interpret=interpret, name=f"fp4jax_quantize_rht_t_{fmt}" + C.int_ops_suffix(sr, cp * up * L),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops)
   q = lax.bitcast_convert_type(words[:c, :u], jnp.uint8).reshape(c, t // 2)
   return q, s[:c, :u].reshape(c, t // b)
@@ -227,8 +242,9 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
                    scale_rule="rceil", tiles=DEFAULT_TILES, interpret=False):
   """Codes (C, T/2) and scale bytes (C, T/B) of RHT(x)ᵀ quantized along T, x of shape (T, C).
 
-  amax: float32 scalar, max |RHT(x)| (``rht_amax``); ignored for MXFP4. bits: uint8 (C, T) or None.
-  T must be a multiple of rht_size and of the block.
+  amax: float32 scalar, max |RHT(x)| (``rht_amax``); ignored for MXFP4. bits: uint8 (C, T),
+  ``random_bits.KeyedBits`` of (C, T) (rows (C, 4): hashed in the kernel), or None. T must be a multiple
+  of rht_size and of the block.
   """
   t, c = x.shape
   L = max(formats.BLOCK[fmt], rht_size)
@@ -247,6 +263,6 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
 def quantize_rht_t_reference(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=None,
                              scale_rule="rceil"):
   """The oracle: ``fp4jax.reference.quantize_rht_t_reference`` as (codes, scale bytes)."""
-  q, s = reference.quantize_rht_t_reference(x, amax, bits, fmt=fmt, rht_size=rht_size,
-                                            rht_seed=rht_seed, scale_rule=scale_rule)
+  q, s = reference.quantize_rht_t_reference(x, amax, random_bits.drawn(bits), fmt=fmt,
+                                            rht_size=rht_size, rht_seed=rht_seed, scale_rule=scale_rule)
   return q, lax.bitcast_convert_type(s, jnp.uint8)

@@ -2,17 +2,19 @@
 along T: packed codes (C, T/2) and scales (C, T/B).
 
 Axis legend: T tokens, C channels, B the block (16 nvfp4, 32 mxfp4). Operands: x, the NVFP4 tensor
-amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T).
-Params: fmt, rht_size, rht_seed, scale_rule, impl. vmapped calls loop over the batch.
+amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T) or (param
+``keyed``) ``random_bits.KeyedBits`` of (C, T) as rows (C, 4) and cols (T, 2), hashed in the kernel.
+Params: fmt, rht_size, rht_seed, scale_rule, keyed, impl. vmapped calls loop over the batch.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats
+from fp4jax import formats, random_bits
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
+from fp4jax.primitives.quantize import sr_bits, sr_operands
 from fp4jax.primitives import sharding as shd
 from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_rht_t_reference
@@ -23,33 +25,34 @@ def _rows(fmt, rht_size):
   return max(formats.BLOCK[fmt], rht_size)
 
 
-def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl):
+def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl):
   t, c = x.shape
   return (pair.ShapedArray((c, t // 2), jnp.uint8),
           pair.ShapedArray((c, t // formats.BLOCK[fmt]), formats.SCALE_DTYPE[fmt]))
 
 
-def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, impl, platform):
-  bits = bits[0] if bits else None
+def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, platform):
+  bits = sr_bits(bits, keyed)
   if impl == "pallas" and platform in ("cuda", "cpu"):
     q, s = kernel.quantize_rht_t(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                  scale_rule=scale_rule, interpret=platform != "cuda")
     return q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt])
   if fmt == "nvfp4":   # the reference's bits in a form XLA's GPU compiler fuses (issue 22)
-    return kernel.quantize_rht_t_rows(x, amax, bits, rht_size=rht_size, rht_seed=rht_seed)
-  return quantize_rht_t_reference(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
+    return kernel.quantize_rht_t_rows(x, amax, random_bits.drawn(bits), rht_size=rht_size, rht_seed=rht_seed)
+  return quantize_rht_t_reference(x, amax, random_bits.drawn(bits), fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                   scale_rule=scale_rule)
 
 
-def _shardings(mesh, arg_shapes, *, fmt, rht_size, **_):
+def _shardings(mesh, arg_shapes, *, fmt, rht_size, keyed, **_):
   x = arg_shapes[0]
   t_e, c_e = shd.quantize_rht_t_specs(mesh, x.shape, x.sharding, rows=_rows(fmt, rht_size))
-  args = [[t_e, c_e], []] + [[c_e, t_e]] * (len(arg_shapes) - 2)
+  sr = [[c_e, None], [t_e, None]] if keyed else [[c_e, t_e]] * (len(arg_shapes) - 2)
+  args = [[t_e, c_e], []] + sr
   return args, [[c_e, t_e], [c_e, t_e]], ()
 
 
-def _rule(ndims, *, fmt, rht_size, **_):
-  return shd.quantize_rht_t_rule(len(ndims) == 3, rows=_rows(fmt, rht_size),
+def _rule(ndims, *, fmt, rht_size, keyed, **_):
+  return shd.quantize_rht_t_rule("key" if keyed else len(ndims) == 3, rows=_rows(fmt, rht_size),
                                  block=formats.BLOCK[fmt])
 
 
@@ -61,11 +64,13 @@ def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale
                    impl=None):
   """(packed codes (C, T/2), scales (C, T/B)) of RHT(x)ᵀ quantized along T; x of shape (T, C).
 
+  bits: uint8 (C, T), ``random_bits.KeyedBits`` of (C, T), or None.
   impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``)."""
   impl = resolve_impl(impl, fmt, "quantize_rht_t")
   name = f"{fmt}_rht{rht_size}_t_1x{formats.BLOCK[fmt]}" + ("_sr" if bits is not None else "")
   with pair.scope(name):
-    ops = (x, jnp.asarray(amax, jnp.float32)) + (() if bits is None else (bits.astype(jnp.uint8),))
+    ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
-                                        scale_rule=scale_rule, impl=impl)
+                                        scale_rule=scale_rule, keyed=isinstance(bits, random_bits.KeyedBits),
+                                        impl=impl)
   return data, scale

@@ -27,8 +27,10 @@ def _join(*dims) -> str:
 
 # ------------------------------------------------------------------------------------- rules
 
-def quantize_rule(x_ndim: int, amax_ndim: int, has_bits: bool, *, block: int, tile: int | None):
-  """Shardy rule for quantize x (..., K) -> (packed (..., K/2), scales)."""
+def quantize_rule(x_ndim: int, amax_ndim: int, has_bits, *, block: int, tile: int | None):
+  """Shardy rule for quantize x (..., K) -> (packed (..., K/2), scales). ``has_bits``: False, True (uint8
+  bits of x's shape) or "key" (``random_bits.KeyedBits``: rows (..., 4) with x's rows, cols (K, 2) with
+  its last axis)."""
   tiled = tile is not None
   lead = _names(x_ndim - (2 if tiled else 1))
   m_in, m_s = "(m r)", "m"
@@ -37,7 +39,11 @@ def quantize_rule(x_ndim: int, amax_ndim: int, has_bits: bool, *, block: int, ti
   amax = _join(*lead[:amax_ndim])          # amax covers leading (vmapped) axes only
   data = _join(*body, "(k j)")
   scale = _join(*lead, *([m_s] if tiled else []), "k")
-  operands = [x, amax] + ([x] if has_bits else [])
+  if has_bits == "key":
+    sr = [_join(*body, "w"), _join("(k i)", "v")]
+  else:
+    sr = [x] if has_bits else []
+  operands = [x, amax] + sr
   sizes = dict(i=block, j=block // 2)
   if tiled:
     sizes["r"] = tile
@@ -52,11 +58,16 @@ def dequantize_rule(ndim: int, amax_ndim: int, *, block: int, tile: int | None):
   return f"{outs}, {amax} -> {x}", sizes
 
 
-def quantize_rht_t_rule(has_bits: bool, *, rows: int, block: int):
-  """Shardy rule for the RHT-transposed quantize x (T, C) -> (packed (C, T/2), scales (C, T/B))."""
+def quantize_rht_t_rule(has_bits, *, rows: int, block: int):
+  """Shardy rule for the RHT-transposed quantize x (T, C) -> (packed (C, T/2), scales (C, T/B)).
+  ``has_bits``: False, True (uint8 bits (C, T)) or "key" (KeyedBits rows (C, 4), cols (T, 2))."""
   per = rows // block
   scale = "c t" if per == 1 else "c (t v)"
-  ops = ["(t l) c", ""] + (["c (t l)"] if has_bits else [])
+  if has_bits == "key":
+    sr = ["c w", "(t l) u"]
+  else:
+    sr = ["c (t l)"] if has_bits else []
+  ops = ["(t l) c", ""] + sr
   sizes = dict(l=rows, j=rows // 2)
   if per > 1:
     sizes["v"] = per

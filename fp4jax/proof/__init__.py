@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
-from fp4jax import api, formats, gemm, primitives
+from fp4jax import api, formats, gemm, primitives, random_bits
 from fp4jax.numerics.hadamard import rht
 from fp4jax.primitives import impl as pimpl
 from fp4jax.primitives import quantize as pquantize
@@ -399,7 +399,9 @@ def _prove_quantize(v: Variant, sizes: Sizes, deadline: float) -> dict:
   kernel, xla = _quantize_fn(v, "pallas"), _quantize_fn(v, "xla")
   shape = sizes.quantize
   bits_shape = shape[::-1] if v.op == "quantize_rht_t" else shape
-  bits = jax.random.bits(jax.random.key(7), bits_shape, jnp.uint8) if v.stochastic else None
+  # SR as the quantized dot runs it: the kernel hashes its bits from the key (random_bits.KeyedBits), the
+  # XLA side draws the same bits as an array (inside the timed function on both sides).
+  bits = random_bits.KeyedBits.of(jax.random.key(7), bits_shape) if v.stochastic else None
   record = dict(variant=v.name, shape=list(shape), cases=[])
   for case, x, amax in _quantize_cases(v, shape):
     _check_time(deadline)
