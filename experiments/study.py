@@ -420,8 +420,11 @@ def render_markdown(s: dict) -> str:
       "",
       f"Seed noise: the bf16 runs' final losses differ by {s['bf16_seed_std_percent']:.2f}% (sample std / mean "
       "over seeds); a gap smaller than that, or than its own ± over seeds, is not a result.",
-      f"Precision switch: the last {100 * s['switch_fraction']:.0f}% of the steps (from token "
-      f"{s['switch_tokens']:,}) run the forward pass in bf16.",
+  ]
+  if "nvfp4_switch" in s["variants"]:
+    lines.append(f"Precision switch: the last {100 * s['switch_fraction']:.0f}% of the steps (from token "
+                 f"{s['switch_tokens']:,}) run the forward pass in bf16.")
+  lines += [
       "",
       "![relative loss gap](loss_gap.png)",
       "",
