@@ -201,6 +201,9 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
   log(f"study {config.name}: {len(variants)} variants x {len(seeds)} seeds; {len(todo)} run(s) to do")
   for i, (variant, seed) in enumerate(todo):
     workdir = run_dir(runs_dir, variant, seed)
+    if load_result(workdir) is not None:   # finished meanwhile by another study process on the same runs
+      log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed}: finished meanwhile, skipped")
+      continue
     log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
     record = train_one(run_config(config, variant, seed), workdir, log)
     if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
