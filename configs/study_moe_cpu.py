@@ -17,7 +17,16 @@ study counts them) - ``models.moe.inactive_params`` (the 6 routed experts of 8 a
 E block). The dense study (configs/study_cpu.py) trains 59,960 parameters on 819,200 tokens: 13.7 tokens per
 parameter; this study keeps that ratio per active parameter.
 
-SIZING (the numbers of the short timed runs are filled in below).
+Sizing (2026-12-02, 2-core AMD EPYC VM shared with a full test suite and other jobs, this study at nice 19):
+a first try at d_model 32 (66,632 parameters, 54,344 active) timed 40 Quartet II steps of 32 x 64 tokens at
+1.8-2.3 s/step after 148 s to compile the train step and 158 s the evaluation step; 13.7 tokens per active
+parameter (363 such steps) would have taken ~15 min per FP4 run, ~3 h for the 15. The step's cost grows with
+the activations (tokens x width), so the model shrank to width 16 (26,764 parameters, 20,620 active; 8,192 of
+them the byte embedding and LM head) and the batch to 16 x 64: 276 steps = 282,624 tokens = 13.7 per active
+parameter (10.6 per parameter). Measured in the study itself: bf16 0.25-0.3 s/step, nvfp4 ~1.1 s/step, and
+~10 min to compile an FP4 train step at that load (once per variant: the seeds share the compilation cache).
+The five variants run in two processes (bf16, nvfp4, nvfp4_super | tetrajet2, quartet2; the second with
+``--config.study.variants=bf16,tetrajet2,quartet2``, its bf16 runs the first's) to use both cores' idle time.
 """
 from ml_collections import config_dict
 
