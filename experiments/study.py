@@ -42,6 +42,7 @@ from models import count_params, moe
 from training import config as config_lib
 from training import report as report_lib
 from training import sharding
+from training.errors import WorkdirInUse
 
 # Each variant is a set of overrides (dotted config paths) of the study's base training config.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -205,7 +206,11 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
       log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed}: finished meanwhile, skipped")
       continue
     log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
-    record = train_one(run_config(config, variant, seed), workdir, log)
+    try:
+      record = train_one(run_config(config, variant, seed), workdir, log)
+    except WorkdirInUse as e:   # another study process is training it: its result is read when it is done
+      log(f"  skipped: {e}")
+      continue
     if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
       log(f"run {variant}/seed{seed} ended with status {record['status']}; stopping the study")
       break
