@@ -42,7 +42,6 @@ from models import count_params, moe
 from training import config as config_lib
 from training import report as report_lib
 from training import sharding
-from training.errors import WorkdirInUse
 
 # Each variant is a set of overrides (dotted config paths) of the study's base training config.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -208,7 +207,7 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
     log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
     try:
       record = train_one(run_config(config, variant, seed), workdir, log)
-    except WorkdirInUse as e:   # another study process is training it: its result is read when it is done
+    except training.WorkdirInUse as e:   # another study process is training it: its result is read when it is done
       log(f"  skipped: {e}")
       continue
     if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
