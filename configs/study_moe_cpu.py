@@ -25,8 +25,10 @@ the activations (tokens x width), so the model shrank to width 16 (26,764 parame
 them the byte embedding and LM head) and the batch to 16 x 64: 276 steps = 282,624 tokens = 13.7 per active
 parameter (10.6 per parameter). Measured in the study itself: bf16 0.25-0.3 s/step, nvfp4 ~1.1 s/step, and
 ~10 min to compile an FP4 train step at that load (once per variant: the seeds share the compilation cache).
-The five variants run in two processes (bf16, nvfp4, nvfp4_super | tetrajet2, quartet2; the second with
-``--config.study.variants=bf16,tetrajet2,quartet2``, its bf16 runs the first's) to use both cores' idle time.
+TetraJet-v2's step is ~10x nvfp4's here (58 min for its seed 0 at that load), Quartet II's compile took 28 min:
+on 2026-12-02 10 of the 15 runs finished by the deadline (docs/STUDY.md lists the missing ones). The runs were
+split over processes on the same runs directory (``--config.study.variants=bf16,nvfp4,nvfp4_super`` and
+``=bf16,tetrajet2,quartet2``) to use both cores' idle time; each skips what another finished or is training.
 """
 from ml_collections import config_dict
 
