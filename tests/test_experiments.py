@@ -124,3 +124,32 @@ def test_balance_rows_pair_each_variant_with_bf16_by_seed():
   assert "| nvfp4 | 0.550 ± 0.071; vs bf16 +0.250 ± 0.071 (+0.300, +0.200) |" in text
   assert "| tetrajet2 | 0.100; vs bf16 -0.100 (-0.100) |" in text
   assert "bf16's late MaxVio 0.300 ± 0.141" in text
+
+
+def test_run_study_skips_runs_another_process_finished_or_holds(tmp_path, monkeypatch):
+  """Two study processes on one runs directory: a run finished meanwhile is not retrained, a locked one skipped."""
+  import training
+  c = micro_study_config()
+  c.study.variants, c.study.seeds = "bf16,nvfp4,mxfp4", (0,)
+  runs = str(tmp_path / "runs")
+  trained = []
+
+  def fake_train(run, workdir, log):
+    variant = run.name.split("/")[1]
+    if variant == "bf16":   # meanwhile another process finishes nvfp4 and is training mxfp4
+      other = study.run_dir(runs, "nvfp4", 0)
+      os.makedirs(other)
+      with open(os.path.join(other, study.RESULT_FILE), "w", encoding="utf-8") as f:
+        json.dump({"status": "done"}, f)
+    if variant == "mxfp4":
+      raise training.WorkdirInUse("in use by another run")
+    trained.append(variant)
+    return {"status": "done"}
+
+  monkeypatch.setattr(study, "train_one", fake_train)
+  monkeypatch.setattr(study, "write_summary", lambda *a: {})
+  logs = []
+  study.run_study(c, str(tmp_path / "out"), runs_dir=runs, log=logs.append)
+  assert trained == ["bf16"]
+  assert any("nvfp4 seed 0: finished meanwhile, skipped" in line for line in logs)
+  assert any("skipped: in use by another run" in line for line in logs)
