@@ -13,7 +13,9 @@ switch (the last ``study.switch_fraction`` of the steps with the forward pass in
    next time; an interrupted one resumes from its latest checkpoint (the trainer's own resume).
 2. After every run the summary is rewritten from all finished runs: ``summary.md`` (final validation loss,
    relative gap to bf16 per seed, mean and spread over seeds, tokens/s, wall time), ``summary.json`` and
-   ``loss_gap.png`` (relative validation-loss gap to bf16 against tokens, one line per variant).
+   ``loss_gap.png`` (relative validation-loss gap to bf16 against tokens, one line per variant). A model with
+   MoE blocks adds the expert balance (``balance_of_records``: MaxVio and load entropy averaged over the E
+   blocks, final and late in training, paired with bf16 by seed) as a second table and ``balance.png``.
 
 The gap of a variant is paired by seed: (loss_variant(seed) - loss_bf16(seed)) / loss_bf16(seed), so
 init, data order and validation batches are the same on both sides; mean and sample std over seeds.
@@ -36,7 +38,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import training
-from models import count_params
+from models import count_params, moe
 from training import config as config_lib
 from training import report as report_lib
 from training import sharding
@@ -199,8 +201,15 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
   log(f"study {config.name}: {len(variants)} variants x {len(seeds)} seeds; {len(todo)} run(s) to do")
   for i, (variant, seed) in enumerate(todo):
     workdir = run_dir(runs_dir, variant, seed)
+    if load_result(workdir) is not None:   # finished meanwhile by another study process on the same runs
+      log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed}: finished meanwhile, skipped")
+      continue
     log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
-    record = train_one(run_config(config, variant, seed), workdir, log)
+    try:
+      record = train_one(run_config(config, variant, seed), workdir, log)
+    except training.WorkdirInUse as e:   # another study process is training it: its result is read when it is done
+      log(f"  skipped: {e}")
+      continue
     if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
       log(f"run {variant}/seed{seed} ended with status {record['status']}; stopping the study")
       break
@@ -221,8 +230,47 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
   return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
 
 
-def _eval_curve(workdir: str) -> dict[int, float]:
-  return {int(r["step"]): float(r["loss"]) for r in read_metrics(workdir).get("eval", []) if r["loss"] is not None}
+BALANCE_STATS = ("max_vio", "entropy")
+
+
+def balance_of_records(train_records: Sequence[dict], steps: int, window: float) -> dict | None:
+  """A run's expert balance from its ``train`` records (``moe/<block>/max_vio`` and ``entropy``, the logged
+  step's load, ``training.step.moe_balance``), each averaged over the E blocks: ``final_<stat>`` at the last
+  logged step, ``late_<stat>`` the mean over the logged steps after ``(1 - window) * steps``, and ``curve``
+  [(step, max_vio, entropy)]. None for a run without MoE blocks."""
+  curve = []
+  for r in train_records:
+    per_stat = [[v for k, v in r.items() if k.startswith("moe/") and k.endswith(f"/{stat}") and v is not None]
+                for stat in BALANCE_STATS]
+    if all(per_stat):
+      curve.append((int(r["step"]), *(float(np.mean(v)) for v in per_stat)))
+  if not curve:
+    return None
+  late = [c for c in curve if c[0] > (1.0 - window) * steps] or curve[-1:]
+  out = {"curve": curve}
+  for i, stat in enumerate(BALANCE_STATS, start=1):
+    out[f"final_{stat}"] = curve[-1][i]
+    out[f"late_{stat}"] = float(np.mean([c[i] for c in late]))
+  return out
+
+
+BALANCE_KEYS = tuple(f"{when}_{stat}" for stat in BALANCE_STATS for when in ("late", "final"))
+
+
+def balance_rows(balance: dict[tuple[str, int], dict], variants: Sequence[str], seeds: Sequence[int]) -> dict:
+  """Per variant and per ``BALANCE_KEYS`` statistic: the per-seed values, their mean and sample std, and the
+  paired difference to bf16 (variant - bf16 with the same seed) per seed, with its mean and std."""
+  rows = {}
+  for v in variants:
+    row = {}
+    for key in BALANCE_KEYS:
+      values = {s: balance[(v, s)][key] for s in seeds if (v, s) in balance}
+      diffs = {s: x - balance[("bf16", s)][key] for s, x in values.items() if ("bf16", s) in balance}
+      mean, std = _mean_std(list(values.values()))
+      d_mean, d_std = _mean_std(list(diffs.values()))
+      row[key] = dict(per_seed=values, mean=mean, std=std, vs_bf16=diffs, vs_bf16_mean=d_mean, vs_bf16_std=d_std)
+    rows[v] = row
+  return rows
 
 
 def collect(config, runs_dir: str) -> dict:
@@ -232,13 +280,19 @@ def collect(config, runs_dir: str) -> dict:
   base_run = run_config(config, "bf16", seeds[0])
   tokens_per_step = int(config.batch_size * config.data.seq_len)
   n_params = _count_params(base_run)
-  results, curves = {}, {}
+  n_active = n_params - moe.inactive_params(config_lib.resolve_model_config(base_run.model))
+  window = float(config.study.get("balance_window", 0.25))
+  results, curves, balance = {}, {}, {}
   for v in variants:
     for s in seeds:
       rec = load_result(run_dir(runs_dir, v, s))
       if rec is not None:
         results[(v, s)] = rec
-        curves[(v, s)] = _eval_curve(run_dir(runs_dir, v, s))
+        metrics = read_metrics(run_dir(runs_dir, v, s))
+        curves[(v, s)] = {int(r["step"]): float(r["loss"]) for r in metrics.get("eval", []) if r["loss"] is not None}
+        b = balance_of_records(metrics.get("train", []), int(config.steps), window)
+        if b is not None:
+          balance[(v, s)] = b
   rows = {}
   for v in variants:
     done = [s for s in seeds if (v, s) in results]
@@ -282,6 +336,10 @@ def collect(config, runs_dir: str) -> dict:
       name=config.name, variants=variants, seeds=seeds, rows=rows,
       runs_done=len(results), runs_total=len(variants) * len(seeds),
       params=n_params, tokens_per_run=tokens, tokens_per_param=tokens / n_params,
+      active_params=n_active, tokens_per_active_param=tokens / n_active,
+      balance=balance_rows(balance, variants, seeds) if balance else None, balance_window=window,
+      balance_curves={v: _mean_curve([balance[(v, k)]["curve"] for k in seeds if (v, k) in balance])
+                      for v in variants} if balance else None,
       steps=int(config.steps), batch_size=int(config.batch_size), seq_len=int(config.data.seq_len),
       switch_fraction=float(config.study.switch_fraction), switch_tokens=switch_step * tokens_per_step,
       bf16_seed_std_percent=noise, reference=reference,
@@ -292,6 +350,15 @@ def collect(config, runs_dir: str) -> dict:
       total_wall_seconds=float(sum(r["wall_seconds"] for r in results.values())),
       updated=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   )
+
+
+def _mean_curve(curves: Sequence[Sequence[tuple]]) -> list[tuple]:
+  """[(step, *means over the curves)] at the steps every curve has."""
+  if not curves:
+    return []
+  by_step = [{c[0]: c[1:] for c in curve} for curve in curves]
+  steps = sorted(set.intersection(*(set(b) for b in by_step)))
+  return [(st, *(float(x) for x in np.mean([b[st] for b in by_step], axis=0))) for st in steps]
 
 
 def _cpu_name() -> str:
@@ -324,9 +391,10 @@ def render_markdown(s: dict) -> str:
       f"# Recipe study `{s['name']}`",
       "",
       f"Model: `{m['preset']}` preset, pattern `{m['pattern']}`, d_model {m['d_model']}, MLP {m['mlp_dim']}, "
-      f"{s['params']:,} parameters; bf16 blocks: first {m['bf16_first_blocks']}, last {m['bf16_last_blocks']}. "
-      f"{s['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens = {s['tokens_per_run']:,} tokens per run "
-      f"({s['tokens_per_param']:.1f} tokens/parameter). Seeds {s['seeds']}; runs finished "
+      f"{s['params']:,} parameters{_active(s)}; bf16 blocks: first {m['bf16_first_blocks']}, last "
+      f"{m['bf16_last_blocks']}. {s['steps']} steps x {s['batch_size']} x {s['seq_len']} tokens = "
+      f"{s['tokens_per_run']:,} tokens per run ({s['tokens_per_param']:.1f} tokens/parameter"
+      f"{_active(s, per_token=True)}). Seeds {s['seeds']}; runs finished "
       f"{s['runs_done']}/{s['runs_total']}.",
       f"Hardware: {hw['cpus']} x {hw['processor']} ({hw['platform']}), jax {hw['jax']}; "
       f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
@@ -359,13 +427,67 @@ def render_markdown(s: dict) -> str:
       "",
       f"Seed noise: the bf16 runs' final losses differ by {s['bf16_seed_std_percent']:.2f}% (sample std / mean "
       "over seeds); a gap smaller than that, or than its own ± over seeds, is not a result.",
-      f"Precision switch: the last {100 * s['switch_fraction']:.0f}% of the steps (from token "
-      f"{s['switch_tokens']:,}) run the forward pass in bf16.",
+  ]
+  if "nvfp4_switch" in s["variants"]:
+    lines.append(f"Precision switch: the last {100 * s['switch_fraction']:.0f}% of the steps (from token "
+                 f"{s['switch_tokens']:,}) run the forward pass in bf16.")
+  lines += [
       "",
       "![relative loss gap](loss_gap.png)",
       "",
   ]
+  if s.get("balance"):
+    lines += render_balance(s)
   return "\n".join(lines)
+
+
+def _active(s: dict, per_token: bool = False) -> str:
+  """", N active per token" (or ", T per active parameter") for a model with idle experts, else ""."""
+  if s.get("active_params", s["params"]) == s["params"]:
+    return ""
+  if per_token:
+    return f", {s['tokens_per_active_param']:.1f} per active parameter"
+  return f" ({s['active_params']:,} active per token)"
+
+
+def render_balance(s: dict) -> list[str]:
+  """The expert-balance table: MaxVio and entropy averaged over the E blocks, per variant, paired with bf16."""
+  b, w = s["balance"], s["balance_window"]
+
+  def cell(v, key, fmt):
+    c = b[v][key]
+    if not c["per_seed"]:
+      return "not run yet"
+    text = _pm(c["mean"], c["std"], fmt)
+    if v != "bf16" and c["vs_bf16"]:
+      text += (f"; vs bf16 {_pm(c['vs_bf16_mean'], c['vs_bf16_std'], '+' + fmt)} ("
+               + ", ".join(f"{c['vs_bf16'][k]:+{fmt}}" for k in sorted(c["vs_bf16"])) + ")")
+    return text
+
+  lines = [
+      "## Expert balance",
+      "",
+      "Per run, each logged step's expert load (the (token, choice) pairs each routed expert received in that "
+      "step's batch) gives MaxVio = max load / mean load - 1 (0: balanced) and the load's entropy / log E "
+      "(1: balanced), averaged over the E blocks. *late* = the mean over the logged steps of the last "
+      f"{100 * w:.0f}% of training, *final* = the last logged step. Mean ± sample std over seeds; vs bf16 = "
+      "variant - bf16 with the same seed (per seed in brackets).",
+      "",
+      "| variant | MaxVio, late | MaxVio, final | entropy, late | entropy, final |",
+      "|---|---|---|---|---|",
+  ]
+  for v in s["variants"]:
+    lines.append(f"| {v} | {cell(v, 'late_max_vio', '.3f')} | {cell(v, 'final_max_vio', '.3f')} | "
+                 f"{cell(v, 'late_entropy', '.4f')} | {cell(v, 'final_entropy', '.4f')} |")
+  ref = b["bf16"]["late_max_vio"]
+  lines += [
+      "",
+      f"Seed noise of the balance: bf16's late MaxVio {_pm(ref['mean'], ref['std'], '.3f')} over seeds.",
+      "",
+      "![expert balance](balance.png)",
+      "",
+  ]
+  return lines
 
 
 def plot_gaps(s: dict, path: str) -> None:
@@ -413,12 +535,40 @@ def plot_gaps(s: dict, path: str) -> None:
   plt.close(fig)
 
 
+def plot_balance(s: dict, path: str) -> None:
+  """MaxVio and load entropy (mean over the E blocks and the seeds) against tokens, one line per variant."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  tokens_per_step = s["batch_size"] * s["seq_len"]
+  for v in s["variants"]:
+    curve = s["balance_curves"].get(v)
+    if not curve:
+      continue
+    steps, max_vio, entropy = zip(*curve)
+    x = [st * tokens_per_step / 1e6 for st in steps]
+    lw = 1.8 if v == "bf16" else 1.1
+    axes[0].plot(x, max_vio, lw=lw, label=f"{v} ({len(s['balance'][v]['late_max_vio']['per_seed'])} seeds)")
+    axes[1].plot(x, entropy, lw=lw, label=v)
+  for ax, label in zip(axes, ("MaxVio (0: balanced)", "load entropy / log E (1: balanced)")):
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.axvline((1 - s["balance_window"]) * s["tokens_per_run"] / 1e6, color="gray", lw=0.8, ls=":")
+  axes[0].legend(fontsize=8, loc="best")
+  fig.suptitle(f"{s['name']}: expert balance, mean over the E blocks and the seeds (dotted: start of 'late')")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def _jsonable(s: dict) -> dict:
   def clean(x):
     if isinstance(x, float):
       return None if not math.isfinite(x) else round(x, 6)
     if isinstance(x, dict):
-      return {str(k): clean(v) for k, v in x.items() if k != "gap_curve"}
+      return {str(k): clean(v) for k, v in x.items() if not str(k).endswith(("_curve", "_curves"))}
     if isinstance(x, (list, tuple)):
       return [clean(v) for v in x]
     return x
@@ -433,6 +583,8 @@ def write_summary(config, out_dir: str, runs_dir: str) -> dict:
   with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(_jsonable(s), f, indent=1)
   plot_gaps(s, os.path.join(out_dir, "loss_gap.png"))
+  if s.get("balance"):
+    plot_balance(s, os.path.join(out_dir, "balance.png"))
   return s
 
 

@@ -86,3 +86,70 @@ def test_sqnr_of_gaussian_data_orders_the_formats():
   assert ns.sqnr_db(x, "nvfp4", axis=0, rht_size=16) > 15.0
   exact = np.tile(np.array([0, .5, 1, 1.5, 2, 3, 4, 6] * 2, np.float32), (4, 1))
   assert ns.sqnr_db(exact, "nvfp4") == float("inf")
+
+
+def _moe_record(step, max_vio, entropy):
+  """A synthetic ``train`` record of a model with two E blocks (blocks_1, blocks_4), as the trainer logs it."""
+  return {"kind": "train", "step": step, "loss": 3.0,
+          "moe/blocks_1/max_vio": max_vio[0], "moe/blocks_4/max_vio": max_vio[1],
+          "moe/blocks_1/entropy": entropy[0], "moe/blocks_4/entropy": entropy[1],
+          "moe/blocks_1/dropped": 0.0, "moe/blocks_4/dropped": 0.0}
+
+
+def test_balance_of_records_averages_blocks_and_the_late_window():
+  records = [_moe_record(4 * i, (0.1 * i, 0.3 * i), (0.9, 0.95)) for i in range(1, 6)]   # steps 4 ... 20
+  b = study.balance_of_records(records, steps=20, window=0.25)   # late: steps > 15, i.e. 16 and 20
+  assert b["curve"][0] == pytest.approx((4, 0.2, 0.925))
+  assert b["final_max_vio"] == pytest.approx(1.0) and b["final_entropy"] == pytest.approx(0.925)
+  assert b["late_max_vio"] == pytest.approx((0.8 + 1.0) / 2)
+  # A dense run logs no moe/ metrics: no balance. A window that holds no logged step falls back to the last.
+  assert study.balance_of_records([{"kind": "train", "step": 4, "loss": 3.0}], steps=20, window=0.25) is None
+  assert study.balance_of_records(records[:2], steps=20, window=0.25)["late_max_vio"] == pytest.approx(0.4)
+
+
+def test_balance_rows_pair_each_variant_with_bf16_by_seed():
+  def run(late_vio):
+    return {"late_max_vio": late_vio, "final_max_vio": late_vio + 0.5, "late_entropy": 0.99, "final_entropy": 0.98}
+  balance = {("bf16", 0): run(0.2), ("bf16", 1): run(0.4), ("nvfp4", 0): run(0.5), ("nvfp4", 1): run(0.6),
+             ("tetrajet2", 0): run(0.1)}
+  rows = study.balance_rows(balance, ["bf16", "nvfp4", "tetrajet2"], [0, 1])
+  vio = rows["nvfp4"]["late_max_vio"]
+  assert vio["per_seed"] == {0: 0.5, 1: 0.6} and vio["mean"] == pytest.approx(0.55)
+  assert vio["vs_bf16"] == pytest.approx({0: 0.3, 1: 0.2}) and vio["vs_bf16_mean"] == pytest.approx(0.25)
+  assert vio["vs_bf16_std"] == pytest.approx(0.0707107, abs=1e-6)
+  one = rows["tetrajet2"]["final_max_vio"]   # one seed: a difference, no spread
+  assert one["vs_bf16"] == pytest.approx({0: -0.1}) and one["vs_bf16_std"] != one["vs_bf16_std"]
+  text = "\n".join(study.render_balance(dict(balance=rows, balance_window=0.25,
+                                             variants=["bf16", "nvfp4", "tetrajet2"])))
+  assert "| nvfp4 | 0.550 ± 0.071; vs bf16 +0.250 ± 0.071 (+0.300, +0.200) |" in text
+  assert "| tetrajet2 | 0.100; vs bf16 -0.100 (-0.100) |" in text
+  assert "bf16's late MaxVio 0.300 ± 0.141" in text
+
+
+def test_run_study_skips_runs_another_process_finished_or_holds(tmp_path, monkeypatch):
+  """Two study processes on one runs directory: a run finished meanwhile is not retrained, a locked one skipped."""
+  import training
+  c = micro_study_config()
+  c.study.variants, c.study.seeds = "bf16,nvfp4,mxfp4", (0,)
+  runs = str(tmp_path / "runs")
+  trained = []
+
+  def fake_train(run, workdir, log):
+    variant = run.name.split("/")[1]
+    if variant == "bf16":   # meanwhile another process finishes nvfp4 and is training mxfp4
+      other = study.run_dir(runs, "nvfp4", 0)
+      os.makedirs(other)
+      with open(os.path.join(other, study.RESULT_FILE), "w", encoding="utf-8") as f:
+        json.dump({"status": "done"}, f)
+    if variant == "mxfp4":
+      raise training.WorkdirInUse("in use by another run")
+    trained.append(variant)
+    return {"status": "done"}
+
+  monkeypatch.setattr(study, "train_one", fake_train)
+  monkeypatch.setattr(study, "write_summary", lambda *a: {})
+  logs = []
+  study.run_study(c, str(tmp_path / "out"), runs_dir=runs, log=logs.append)
+  assert trained == ["bf16"]
+  assert any("nvfp4 seed 0: finished meanwhile, skipped" in line for line in logs)
+  assert any("skipped: in use by another run" in line for line in logs)
