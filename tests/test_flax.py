@@ -161,6 +161,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # ~24 s idle; sharded quantize/dot: tests/test_sharding_mesh.py by default
 def test_sharded_inputs():
   """Tokens sharded over two (host) devices: same result as unsharded, up to summation order."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")

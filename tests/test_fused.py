@@ -32,7 +32,8 @@ def _inputs(shape, seed=0, magnitude=3.0):
   return x, scale
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", pytest.param("nvfp4_4over6", marks=pytest.mark.slow),
+@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4_4over6", marks=pytest.mark.slow),
                                     pytest.param("quartet2", marks=pytest.mark.slow)])
 def test_twin_is_the_unfused_path(recipe):
   x, scale = _inputs((2, 24, 128))

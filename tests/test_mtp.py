@@ -124,6 +124,7 @@ def test_masked_positions_do_not_reach_the_loss():
   assert len(mtp.sown_losses(ref)) == 2
 
 
+@pytest.mark.slow   # ~38 s idle (AMD EPYC); the masked loss of each depth runs by default
 def test_gradients_reach_every_mtp_parameter():
   config = CONFIG.replace(mtp_pattern="*E", **MOE)
   model = LanguageModel(config, "bf16")
