@@ -288,6 +288,7 @@ def compute_params(model: LanguageModel, params):
     p = _shard_gradient(p, axes[path])
     gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head" and "router" not in path
     if gemm_weight and p.dtype != cfg.dtype and layer_precision(cfg, model.recipe, path[:-1]) == "bf16":
-      p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
+      with scopes.part("param_cast"):
+        p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
     flat[path] = p
   return traverse_util.unflatten_dict(flat)

@@ -21,7 +21,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-import fp4jax
 from models import remat, scopes, ssd, ssd_pallas
 from models.config import ModelConfig
 from models.layers import linear, residual_std
@@ -99,7 +98,7 @@ def _conv1d_silu_bwd(res, dy_BxLxE):
 
 _conv1d_silu.defvjp(_conv1d_silu_fwd, _conv1d_silu_bwd)
 
-CONV_VJPS = ("auto", "autodiff", "recompute")
+CONV_VJPS = ("autodiff", "recompute")
 
 
 def conv1d_silu(x_BxLxE, weight_WxE, bias_E=None, *, vjp: str = "autodiff"):
@@ -108,12 +107,10 @@ def conv1d_silu(x_BxLxE, weight_WxE, bias_E=None, *, vjp: str = "autodiff"):
   (the same bits). ``vjp``: "autodiff" (jax's gradient of those ops; it keeps or rematerializes the
   pre-activation and, in XLA's GPU program, writes the conv's partial sums and each tap's product), "recompute"
   (a custom_vjp that keeps only x, w, b and recomputes the pre-activation in the backward pass: three passes,
-  d pre, dx, and (dw, db) together; its gradients differ from autodiff's in the last bits), "auto" ("recompute"
-  for a CUDA target, ``fp4jax.target.current()``, else "autodiff": the CPU keeps its bits)."""
+  d pre, dx, and (dw, db) together; its gradients differ from autodiff's in the last bits). "recompute" is
+  opt-in: the 12B step on 8 H200 predicted it 17 ms slower than "autodiff" (docs/PERF.md, issue 29 item 4)."""
   if vjp not in CONV_VJPS:
     raise ValueError(f"conv vjp={vjp!r}; use one of {CONV_VJPS}")
-  if vjp == "auto":
-    vjp = "recompute" if fp4jax.target.current().cuda else "autodiff"
   if vjp == "autodiff":
     return conv1d_silu_reference(x_BxLxE, weight_WxE, bias_E)
   return _conv1d_silu(x_BxLxE, weight_WxE, bias_E)
@@ -140,7 +137,8 @@ class Mamba2(nn.Module):
 
     zxbcdt_BxLxGxF = linear(self, "in_proj", cfg.in_proj_dim, ("embed", "ssm_in"), config=cfg,
                             recipe=self.recipe)(u_BxLxD).reshape(B, L, G, -1)
-    z_BxLxGxRP, xbc_BxLxGxEg, dt_BxLxGxR = jnp.split(zxbcdt_BxLxGxF, [R * P, 2 * R * P + 2 * N], axis=-1)
+    with scopes.part("mamba2_split"):
+      z_BxLxGxRP, xbc_BxLxGxEg, dt_BxLxGxR = jnp.split(zxbcdt_BxLxGxF, [R * P, 2 * R * P + 2 * N], axis=-1)
 
     # Depthwise causal conv over x, B, C (float32), with the cached inputs when decoding.
     bound = 1.0 / math.sqrt(W)
