@@ -158,7 +158,8 @@ class Mamba2(nn.Module):
       else:
         xbc_BxLxE = conv1d_silu(xbc_BxLxGxEg.reshape(B, L, E), conv_w_WxE, conv_b_E, vjp=cfg.conv_vjp)
       xbc_BxLxGxEg = xbc_BxLxE.reshape(B, L, G, -1)
-    x_BxLxGxRP, b_BxLxGxN, c_BxLxGxN = jnp.split(xbc_BxLxGxEg, [R * P, R * P + N], axis=-1)
+    with scopes.part("mamba2_split"):
+      x_BxLxGxRP, b_BxLxGxN, c_BxLxGxN = jnp.split(xbc_BxLxGxEg, [R * P, R * P + N], axis=-1)
     x_BxLxHxP = nn.with_logical_constraint(
         x_BxLxGxRP.reshape(B, L, H, P),
         ("activation_batch", "activation_seq", "activation_ssm_heads", "activation_head_dim"))

@@ -17,7 +17,7 @@ PARTS = {
     "rmsnorm": "a pre-norm or the final norm (RMSNorm)",
     "linear": "a linear layer (its GEMMs, and fp4jax.dot's quantize passes inside)",
     "param_cast": "the float32 master weights of bf16 layers cast to bf16 (and their gradients back)",
-    "mamba2_split": "the in_proj output split into z, x B C, dt (and the cotangents joined)",
+    "mamba2_split": "the in_proj output split into z, x B C, dt, the conv's output into x, B, C (and back)",
     "mamba2_conv_silu": "the Mamba-2 causal depthwise conv over x, B, C and its SiLU",
     "mamba2_dt": "dt = softplus(dt + dt_bias) and A = -exp(A_log)",
     "mamba2_ssd": "the SSD scan with the D skip (ssd_chunked or the Pallas kernels)",
