@@ -26,7 +26,10 @@ def _grad_fn(preset: str, recipe: str, **overrides):
   return jax.value_and_grad(loss), params
 
 
-@pytest.mark.parametrize("preset,recipe", [("tiny", "nvfp4"), ("moe_tiny", "bf16")])
+@pytest.mark.slow   # 30-100 s on the loaded 2-core VM; the default suite has the compiled-gradient test
+@pytest.mark.parametrize("preset,recipe", [("tiny", "bf16"),
+                                           pytest.param("tiny", "nvfp4", marks=pytest.mark.slow),
+                                           pytest.param("moe_tiny", "bf16", marks=pytest.mark.slow)])
 def test_scopes_change_no_operation(monkeypatch, preset, recipe):
   """The gradient's jaxpr, equation for equation, is the one traced with every part a no-op scope."""
   fn, params = _grad_fn(preset, recipe, rope=True)
