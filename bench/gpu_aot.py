@@ -346,6 +346,8 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
       # each fp4jax primitive's passes over memory as a multiple of one copy of what they read
       passes=[dict(label=r["label"], calls=r["calls"], ms=r["ms"], gib=r["bytes"] / GiB,
                    read_gib=r["read_bytes"] / GiB, copy_ratio=r["copy_ratio"]) for r in hlo_cost.passes(cost)],
+      # the step by the model's named parts (models.scopes) and phase, and in the issue-29 table's columns
+      parts=hlo_cost.by_part(cost), columns=hlo_cost.columns(cost),
       # Pallas kernels that declare their FLOPs (the SSD's): charged by FLOPs and bytes
       flop_kernels=[dict(name=o["name"], op_name=o["op_name"], count=o["count"], ms=o["seconds"] * 1e3,
                          bound=o["bound"], bytes=o["bytes"], flops=o["flops"])
@@ -371,6 +373,12 @@ def report(s: dict, twin: dict | None = None) -> str:
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
                  f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
+  if s.get("mfu"):
+    lines.append(f"  MFU {100 * s['mfu']:.1f}% (6 x {s['params'] / 1e9:.3f}e9 params x {s['tokens_per_device']} "
+                 f"tokens per device / (step x the datasheet bf16 peak))")
+  k = c["columns"]
+  lines.append("  columns (ms): linear-layer GEMMs {linear_gemm:.3f}, other GEMMs {other_gemm:.3f}, attention "
+               "{attention:.3f}, SSD {ssd:.3f}, quantize passes {quantize:.3f}, other {other:.3f}".format(**k))
   if c["gemms"]:
     lines.append("  GEMMs (dtype, M x N x K, executions per step, ms per step, bound):")
     agg = {}
@@ -384,6 +392,10 @@ def report(s: dict, twin: dict | None = None) -> str:
   lines.append("  other ops by what they belong to (ms, GiB per step):")
   for r in c["by_label"][:16]:
     lines.append(f"    {r['label']:<40}{r['ms']:>10.3f}{r['gib']:>10.3f}")
+  lines.append("  by model part (models.scopes; ms per step: fwd, remat, bwd, total, of which GEMMs; GiB moved):")
+  for r in c["parts"][:28]:
+    lines.append(f"    {r['part'] or '(no op_name)':<34}{r['fwd']:>9.3f}{r['remat']:>9.3f}{r['bwd']:>9.3f}"
+                 f"{r['ms']:>10.3f}{r['gemm_ms']:>10.3f}{r['gib']:>9.2f}")
   if c.get("passes"):
     lines.append("  fp4jax passes (calls, ms, GiB moved, GiB read from outside the call, moved / one copy "
                  "of what is read):")
@@ -562,7 +574,13 @@ def _step(F, devices):
   def one(cfg, name):
     built = scale.build_step(cfg, mesh, bpd)
     prog = Program(name, built["step_fn"], (built["state_in"], built["tokens_in"]))
-    return _compiled(F, prog, mesh)
+    out = _compiled(F, prog, mesh)
+    if not out.get("error"):   # MFU = 6 · params · tokens per device / (step · datasheet bf16 peak)
+      out["params"] = sum(x.size for x in jax.tree.leaves(built["abstract"]["params"]))
+      out["tokens_per_device"] = built["tokens_in"].shape[0] * cfg.data.seq_len // len(devices)
+      out["mfu"] = (6 * out["params"] * out["tokens_per_device"]
+                    / (out["cost"]["predicted_ms"] * 1e-3 * peaks(F.target, "spec")["flops"]["bf16"]))
+    return out
 
   res = one(config, f"step {config.name} recipe {config.recipe} mesh {dict(mesh.shape)} "
             f"{bpd}x{config.data.seq_len} tokens/rank")

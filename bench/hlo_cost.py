@@ -180,6 +180,7 @@ class Op:
   highest: bool = False   # a GEMM whose dot asks for full f32 precision (no TF32)
   iops: int = 0           # integer elementwise ops per execution (a fusion's, or a kernel's declared)
   reads: tuple = ()       # ((producer of an operand, bytes read of it), ...) per execution
+  origin: str = ""        # for an op without an op_name: the op_name of the nearest producer that has one
 
 
 class Module:
@@ -318,6 +319,24 @@ class Module:
 
   def plain_bytes(self, ins: Instr) -> int:
     return sum(nbytes(self.shapes.get(o, "")) for o in ins.operands) + nbytes(ins.shape)
+
+  def origin(self, ins: Instr, depth: int = 4) -> str:
+    """The op_name of the nearest instruction upstream of ``ins`` that has one (breadth-first over the
+    operands, ``depth`` levels, through fusions' own op_names): XLA's copies and layout fusions carry
+    none, so they are charged to the work that made their input. "" when none is found."""
+    frontier, seen = list(ins.operands), set()
+    for _ in range(depth):
+      nxt = []
+      for name in frontier:
+        if name in seen or name not in self.by_name:
+          continue
+        seen.add(name)
+        producer = self.by_name[name]
+        if producer.op_name:
+          return producer.op_name
+        nxt.extend(producer.operands)
+      frontier = nxt
+    return ""
 
   def producer(self, name: str) -> str:
     """The instruction that made a value, looking through the ops that only rename one
@@ -582,7 +601,7 @@ def analyze(text: str, peaks: dict) -> dict:
       iops = declared_int_ops(ins) or mod.int_ops(ins)
       reads = tuple((mod.producer(o), r) for o, r in mod.reads(ins))
       ops.append(Op(ins.name, _kind_of(mod, ins), m, b, ins.op_name, flops=flops, dtype="f32" if flops else "",
-                    highest=ieee, iops=iops, reads=reads))
+                    highest=ieee, iops=iops, reads=reads, origin="" if ins.op_name else mod.origin(ins)))
   int_rate = peaks.get("int")
   for op in ops:
     mem_s = op.bytes / peaks["hbm"]
@@ -704,6 +723,84 @@ def passes(cost: dict) -> list[dict]:
                copy_ratio=v["bytes"] / (2 * v["read_bytes"]) if v["read_bytes"] else float("inf"))
           for k, v in acc.items()]
   return sorted(rows, key=lambda r: -r["bytes"])
+
+
+# ------------------------------------------------------------------ the model's parts (models.scopes)
+
+_MODEL_PART = re.compile(r"\bmodels/([a-z0-9_]+)")
+_STEP_PART = re.compile(r"(?:^|/)(optimizer|grad_norm|nonfinite_guard|moe_balance|osci_reset)(?:/|$)")
+LINEAR_PARTS = ("linear", "moe_experts")   # the model parts whose GEMMs are linear layers'
+# fp4jax labels of quantize passes (``label``'s names; a dequantize is not one)
+_QUANTIZE = re.compile(r"(?:^|/)(?:quantize|quantize_rht_t|rht|random_bits|rmsnorm_quantize|relu2_quantize)$")
+
+
+def part(op_name: str) -> str:
+  """Where an op belongs: fp4jax's ``label`` inside fp4jax.dot or a primitive (``fprop/quantize``,
+  ``wgrad/other``, ...), else the innermost ``models/<part>`` scope (``models.scopes``:
+  ``mamba2_conv_silu``, ``rmsnorm``, ...), else a train-step scope (``optimizer``, ``grad_norm``, ...),
+  else "unscoped" (an op_name outside every named part) or "" (no op_name)."""
+  lab = label(op_name)
+  if lab != "other":
+    return lab
+  parts = _MODEL_PART.findall(op_name)
+  if parts:
+    return parts[-1]
+  step = _STEP_PART.findall(op_name)
+  if step:
+    return step[-1]
+  return "unscoped" if op_name else ""
+
+
+def phase(op_name: str) -> str:
+  """"fwd", "remat" (a rematerialized forward, inside the backward pass) or "bwd" (jvp's transpose)."""
+  if "rematted_computation" in op_name:
+    return "remat"
+  return "bwd" if "transpose(" in op_name else "fwd"
+
+
+def by_part(cost: dict) -> list[dict]:
+  """The step's time by ``part`` and ``phase``: ``dict(part, fwd, remat, bwd, ms, gib, gemm_ms)`` per
+  part (ms per step; an op without an op_name is charged to ``origin``'s part, its name prefixed with
+  "copy:"), largest first. GEMMs and attention included (``gemm_ms`` says how much of ``ms`` they are)."""
+  acc = collections.defaultdict(lambda: dict(fwd=0.0, remat=0.0, bwd=0.0, gib=0.0, gemm_ms=0.0))
+  for o in cost["ops"]:
+    name = o["op_name"] or o.get("origin", "")
+    key = part(name) if o["op_name"] else f"copy:{part(name) or '?'}"
+    row = acc[key]
+    row[phase(name)] += o["seconds"] * 1e3
+    row["gib"] += o["bytes"] * o["count"] / 2 ** 30
+    if o["kind"] in ("gemm", "attention"):
+      row["gemm_ms"] += o["seconds"] * 1e3
+  rows = [dict(part=k, ms=v["fwd"] + v["remat"] + v["bwd"], **v) for k, v in acc.items()]
+  return sorted(rows, key=lambda r: -r["ms"])
+
+
+def columns(cost: dict) -> dict:
+  """The step's time in the issue-29 table's columns (ms): ``linear_gemm`` (GEMMs of linear layers:
+  inside a ``models/linear`` or ``models/moe_experts`` scope, or fp4jax's dots), ``other_gemm`` (the
+  rest: the LM head, the XLA SSD's einsums, a router), ``attention`` (cuDNN's fused attention and
+  every op of ``models/attention_core``), ``ssd`` (every op of ``models/mamba2_ssd``: the Pallas kernels,
+  or ssd_chunked's GEMMs and elementwise work), ``quantize`` (fp4jax's quantize, RHT and random-bits
+  passes), ``other`` (everything else: norms, conv, gates, the dot's dequantize and epilogue work, the
+  optimizer, copies)."""
+  out = dict(linear_gemm=0.0, other_gemm=0.0, attention=0.0, ssd=0.0, quantize=0.0, other=0.0)
+  for o in cost["ops"]:
+    name = o["op_name"] or o.get("origin", "")
+    parts = _MODEL_PART.findall(name)
+    inner = parts[-1] if parts else ""
+    ms = o["seconds"] * 1e3
+    if o["kind"] == "attention" or inner == "attention_core":
+      out["attention"] += ms
+    elif inner == "mamba2_ssd":
+      out["ssd"] += ms
+    elif o["kind"] == "gemm":
+      linear = inner in LINEAR_PARTS or re.search(r"fp4jax/(dot|grouped_dot)\b", name)
+      out["linear_gemm" if linear else "other_gemm"] += ms
+    elif _QUANTIZE.search(label(name)):
+      out["quantize"] += ms
+    else:
+      out["other"] += ms
+  return out
 
 
 def naive_bytes(text: str) -> int:

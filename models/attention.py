@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import fp4jax
+from models import scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std, rope
 
@@ -62,7 +63,9 @@ class Attention(nn.Module):
 
     impl = resolve_attention_impl(cfg, q_BxLxHxP.dtype)
     if not self.decode:
-      o_BxLxHxP = attend(q_BxLxHxP, k_BxLxKxP, v_BxLxKxP, positions_BxL[0], impl=impl, block=cfg.attention_block)
+      with scopes.part("attention_core"):
+        o_BxLxHxP = attend(q_BxLxHxP, k_BxLxKxP, v_BxLxKxP, positions_BxL[0], impl=impl,
+                           block=cfg.attention_block)
     else:
       # At init the cache is created with the call's length as the maximum decode length.
       zeros = lambda: jnp.zeros((B, L, K, P), cfg.dtype)

@@ -49,6 +49,9 @@ class ModelConfig:
   # The SSD scan: "xla" (models.ssd.ssd_chunked), "pallas" (models.ssd_pallas, the GPU kernels; the
   # Pallas interpreter on a CPU), "auto" (fp4jax.primitives.impl's recorded rule: "xla" until a device run).
   ssd_impl: str = "auto"
+  # The gradient of the conv + SiLU (models.mamba2.conv1d_silu): "autodiff" (jax's), "recompute" (a custom_vjp
+  # that keeps only the conv's inputs; other last bits; opt-in: predicted slower for the 12B, docs/PERF.md).
+  conv_vjp: str = "autodiff"
   dt_min: float = 0.001           # dt_bias init: softplus(dt_bias) log-uniform in [dt_min, dt_max]
   dt_max: float = 0.1
   a_init_range: tuple[float, float] = (1.0, 16.0)  # A = -exp(A_log), A_log init log(uniform(range))
@@ -124,6 +127,8 @@ class ModelConfig:
       raise ValueError(f"attention_impl={self.attention_impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
     if self.ssd_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"ssd_impl={self.ssd_impl!r}; use 'auto', 'xla' or 'pallas'")
+    if self.conv_vjp not in ("autodiff", "recompute"):
+      raise ValueError(f"conv_vjp={self.conv_vjp!r}; use 'autodiff' or 'recompute'")
     if self.attention_block <= 0:
       raise ValueError(f"attention_block={self.attention_block} must be > 0 (keys per block)")
     if self.loss_chunk <= 0:

@@ -18,7 +18,7 @@ from fp4jax import fused, outcontrol, prequantized
 from fp4jax import flax as fp4flax
 from fp4jax.prequantized import PreQuantized
 from fp4jax.primitives import impl as pimpl
-from models import policy, remat
+from models import policy, remat, scopes
 from models.config import ModelConfig
 
 OUTCONTROL = "outcontrol"   # the variable collection of OutControl's per-layer state
@@ -39,13 +39,14 @@ class RMSNorm(nn.Module):
     ``fp4jax.PreQuantized`` for the next linear layers (``linear``); None: the plain norm."""
     scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
                          (x_xD.shape[-1],), self.param_dtype)
-    if prequantize_for is not None and fused.kernel_ok(prequantize_for.roles.fprop_x, x_xD.shape, x_xD.dtype,
-                                                       self.dtype):
-      return fused.rmsnorm_quantize(x_xD, scale_D, prequantize_for, eps=self.eps, dtype=self.dtype,
-                                    impl="pallas")
-    x_xD = x_xD.astype(jnp.float32)
-    x_xD = x_xD * jax.lax.rsqrt(jnp.mean(jnp.square(x_xD), axis=-1, keepdims=True) + self.eps)
-    return (x_xD * scale_D.astype(jnp.float32)).astype(self.dtype)
+    with scopes.part("rmsnorm"):
+      if prequantize_for is not None and fused.kernel_ok(prequantize_for.roles.fprop_x, x_xD.shape, x_xD.dtype,
+                                                         self.dtype):
+        return fused.rmsnorm_quantize(x_xD, scale_D, prequantize_for, eps=self.eps, dtype=self.dtype,
+                                      impl="pallas")
+      x_xD = x_xD.astype(jnp.float32)
+      x_xD = x_xD * jax.lax.rsqrt(jnp.mean(jnp.square(x_xD), axis=-1, keepdims=True) + self.eps)
+      return (x_xD * scale_D.astype(jnp.float32)).astype(self.dtype)
 
 
 def fused_norm_recipe(config: ModelConfig, recipe: Any, consumer_paths: Sequence[Sequence[str]]) -> Any:
@@ -111,7 +112,8 @@ def linear(parent: nn.Module, name: str, features: int, kernel_axes: Sequence[st
   def apply(x):
     if isinstance(x, PreQuantized) and (ratio or dense.dot_general_cls is None):
       x = x.x   # this layer cannot take the codes (fused_norm_recipe fuses only where every consumer can)
-    return remat.tag_linear(dense(x))
+    with scopes.part("linear"):
+      return remat.tag_linear(dense(x))
   return apply
 
 
@@ -159,14 +161,15 @@ class OutControlDense(nn.Dense):
 
 def rope(x_BxLxHxP: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
   """Rotary position embedding (rotate-half form), computed in float32."""
-  P = x_BxLxHxP.shape[-1]
-  inv_freq_P2 = theta ** (-jnp.arange(0, P, 2, dtype=jnp.float32) / P)
-  angle_BxLxP2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_P2
-  sin_BxLx1xP2, cos_BxLx1xP2 = jnp.sin(angle_BxLxP2)[:, :, None], jnp.cos(angle_BxLxP2)[:, :, None]
-  x1, x2 = jnp.split(x_BxLxHxP.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([x1 * cos_BxLx1xP2 - x2 * sin_BxLx1xP2,
-                             x2 * cos_BxLx1xP2 + x1 * sin_BxLx1xP2], axis=-1)
-  return rotated.astype(x_BxLxHxP.dtype)
+  with scopes.part("attention_rope"):
+    P = x_BxLxHxP.shape[-1]
+    inv_freq_P2 = theta ** (-jnp.arange(0, P, 2, dtype=jnp.float32) / P)
+    angle_BxLxP2 = positions_BxL.astype(jnp.float32)[..., None] * inv_freq_P2
+    sin_BxLx1xP2, cos_BxLx1xP2 = jnp.sin(angle_BxLxP2)[:, :, None], jnp.cos(angle_BxLxP2)[:, :, None]
+    x1, x2 = jnp.split(x_BxLxHxP.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos_BxLx1xP2 - x2 * sin_BxLx1xP2,
+                               x2 * cos_BxLx1xP2 + x1 * sin_BxLx1xP2], axis=-1)
+    return rotated.astype(x_BxLxHxP.dtype)
 
 
 # ----------------------------------------------------------------------- vocabulary-chunked cross entropy
@@ -282,4 +285,5 @@ def chunked_cross_entropy(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax
     raise ValueError(f"{chunk=} must be > 0 (vocabulary columns per chunk)")
   if weights_BxL is not None:
     weights_BxL = jax.lax.stop_gradient(weights_BxL).astype(jnp.float32)
-  return _chunked_ce(x_BxLxD, w_DxV, targets_BxL.astype(jnp.int32), weights_BxL, -(-V // chunk))
+  with scopes.part("cross_entropy"):
+    return _chunked_ce(x_BxLxD, w_DxV, targets_BxL.astype(jnp.int32), weights_BxL, -(-V // chunk))

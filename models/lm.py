@@ -29,7 +29,7 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
 from models.mamba2 import Mamba2
 from models.mlp import MLP
-from models import mtp, policy, remat
+from models import mtp, policy, remat, scopes
 from models.moe import STATS as MOE_STATS, MoE
 from models.policy import layer_precision
 
@@ -54,7 +54,8 @@ class Block(nn.Module):
       pre = fused_norm_recipe(cfg, self.recipe, [(*mixer, "up")] + ([(*mixer, "gate")] if cfg.mlp_kind == "swiglu" else []))
     h_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_BxLxD, pre)
     h_BxLxD = _MIXERS[self.kind](cfg, self.recipe, self.decode, name="mixer")(h_BxLxD)
-    return nn.with_logical_constraint(x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype), _RESIDUAL)
+    with scopes.part("residual"):
+      return nn.with_logical_constraint(x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype), _RESIDUAL)
 
 
 class BlockGroup(nn.Module):
@@ -148,9 +149,10 @@ class LMHead(nn.Module):
     x_BxLxD = x_BxLxD.astype(cfg.dtype)
     if targets_BxL is not None:
       return chunked_cross_entropy(x_BxLxD, kernel_DxV, targets_BxL, chunk=cfg.loss_chunk, weights_BxL=weights_BxL)
-    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, kernel_DxV.astype(cfg.dtype),
-                              preferred_element_type=jnp.float32)
-    return nn.with_logical_constraint(logits_BxLxV, ("activation_batch", "activation_seq", "activation_vocab"))
+    with scopes.part("lm_head"):
+      logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, kernel_DxV.astype(cfg.dtype),
+                                preferred_element_type=jnp.float32)
+      return nn.with_logical_constraint(logits_BxLxV, ("activation_batch", "activation_seq", "activation_vocab"))
 
 
 class LanguageModel(nn.Module):
@@ -170,7 +172,8 @@ class LanguageModel(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
-    x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL).astype(cfg.dtype), _RESIDUAL)
+    with scopes.part("embed"):
+      x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL).astype(cfg.dtype), _RESIDUAL)
     if mtp_logits and (targets_BxL is not None or decode or not cfg.mtp_depths):
       raise ValueError("mtp_logits=True takes no targets_BxL and decode=False, on a model with mtp_depths > 0")
     block_cls = remat.block_class(Block, cfg.remat)
@@ -210,7 +213,8 @@ class LanguageModel(nn.Module):
         tokens_d = mtp.shift_left(tokens_BxL, depth)
       else:
         tokens_d, targets_d, weights_d = mtp.depth_inputs(targets_BxL, depth)
-      e_BxLxD = nn.with_logical_constraint(embed(tokens_d).astype(cfg.dtype), _RESIDUAL)
+      with scopes.part("embed"):
+        e_BxLxD = nn.with_logical_constraint(embed(tokens_d).astype(cfg.dtype), _RESIDUAL)
       h_BxLxD = modules[min(depth, cfg.mtp_modules) - 1](h_BxLxD, e_BxLxD)
       if targets_BxL is None:
         out.append(head(h_BxLxD))
@@ -284,6 +288,7 @@ def compute_params(model: LanguageModel, params):
     p = _shard_gradient(p, axes[path])
     gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head" and "router" not in path
     if gemm_weight and p.dtype != cfg.dtype and layer_precision(cfg, model.recipe, path[:-1]) == "bf16":
-      p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
+      with scopes.part("param_cast"):
+        p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
     flat[path] = p
   return traverse_util.unflatten_dict(flat)

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import remat, ssd, ssd_pallas
+from models import remat, scopes, ssd, ssd_pallas
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -55,6 +55,67 @@ def causal_conv1d(x_BxLxE, weight_WxE, bias_E=None, state_BxW1xE=None):
   return out_BxLxE, padded_BxL1xE[:, L:]
 
 
+def conv1d_silu_reference(x_BxLxE, weight_WxE, bias_E=None):
+  """silu(causal_conv1d(x)) in float32 from no cached inputs: the ops the mixer runs, differentiated by jax."""
+  out_BxLxE, _ = causal_conv1d(x_BxLxE.astype(jnp.float32), weight_WxE.astype(jnp.float32),
+                               None if bias_E is None else bias_E.astype(jnp.float32))
+  return jax.nn.silu(out_BxLxE)
+
+
+@jax.custom_vjp
+def _conv1d_silu(x_BxLxE, weight_WxE, bias_E):
+  return conv1d_silu_reference(x_BxLxE, weight_WxE, bias_E)
+
+
+def _conv1d_silu_fwd(x_BxLxE, weight_WxE, bias_E):
+  return conv1d_silu_reference(x_BxLxE, weight_WxE, bias_E), (x_BxLxE, weight_WxE, bias_E)
+
+
+def _conv1d_silu_bwd(res, dy_BxLxE):
+  """From the inputs alone: the pre-activation recomputed, d pre = dy · silu'(pre), then with the taps
+  s_k[t] = d pre[t + W-1-k] (zero past the end): dx = sum_k w[k] s_k, and dw[k] = sum over (b, t) of x s_k
+  with db = sum d pre as one reduction over (B, L) of a (W+1, ...) stack (one pass over d pre and x).
+  The taps shift d pre, not x: x's shifted slices are the forward conv's, and XLA would write them out once
+  to share them between a rematerialized forward and this backward."""
+  # behind a barrier, so that XLA does not share this recomputation with a rematerialized forward's conv
+  # (it would write the shared pre-activation and taps out, in the layout the backward's GEMMs want)
+  x_BxLxE, weight_WxE, bias_E = jax.lax.optimization_barrier(res)
+  B, L, E = x_BxLxE.shape
+  W = weight_WxE.shape[0]
+  f32 = jnp.float32
+  w_WxE = weight_WxE.astype(f32)
+  pre_BxLxE, _ = causal_conv1d(x_BxLxE.astype(f32), w_WxE, None if bias_E is None else bias_E.astype(f32))
+  sig_BxLxE = jax.nn.sigmoid(pre_BxLxE)
+  dpre_BxLxE = dy_BxLxE.astype(f32) * sig_BxLxE * (1 + pre_BxLxE * (1 - sig_BxLxE))
+  dpre_BxLWxE = jnp.pad(dpre_BxLxE, [(0, 0), (0, W - 1), (0, 0)])
+  taps = [dpre_BxLWxE[:, W - 1 - k:W - 1 - k + L] for k in range(W)]
+  dx_BxLxE = sum(w_WxE[k] * taps[k] for k in range(W))
+  x_BxLxE32 = x_BxLxE.astype(f32)
+  dwb_W1xE = jnp.sum(jnp.stack([x_BxLxE32 * t for t in taps] + [dpre_BxLxE]), axis=(1, 2))
+  db_E = None if bias_E is None else dwb_W1xE[W].astype(bias_E.dtype)
+  return dx_BxLxE.astype(x_BxLxE.dtype), dwb_W1xE[:W].astype(weight_WxE.dtype), db_E
+
+
+_conv1d_silu.defvjp(_conv1d_silu_fwd, _conv1d_silu_bwd)
+
+CONV_VJPS = ("autodiff", "recompute")
+
+
+def conv1d_silu(x_BxLxE, weight_WxE, bias_E=None, *, vjp: str = "autodiff"):
+  """``silu(causal_conv1d(x, w, b))`` in float32 from no cached inputs (training, a prompt from an empty
+  cache); x in any float dtype, its gradient in that dtype. The forward is ``conv1d_silu_reference``'s ops
+  (the same bits). ``vjp``: "autodiff" (jax's gradient of those ops; it keeps or rematerializes the
+  pre-activation and, in XLA's GPU program, writes the conv's partial sums and each tap's product), "recompute"
+  (a custom_vjp that keeps only x, w, b and recomputes the pre-activation in the backward pass: three passes,
+  d pre, dx, and (dw, db) together; its gradients differ from autodiff's in the last bits). "recompute" is
+  opt-in: the 12B step on 8 H200 predicted it 17 ms slower than "autodiff" (docs/PERF.md, issue 29 item 4)."""
+  if vjp not in CONV_VJPS:
+    raise ValueError(f"conv vjp={vjp!r}; use one of {CONV_VJPS}")
+  if vjp == "autodiff":
+    return conv1d_silu_reference(x_BxLxE, weight_WxE, bias_E)
+  return _conv1d_silu(x_BxLxE, weight_WxE, bias_E)
+
+
 class Mamba2(nn.Module):
   """Mamba-2 mixer with grouped B/C, scalar A per head, D skip and gated group-wise RMSNorm."""
 
@@ -76,7 +137,8 @@ class Mamba2(nn.Module):
 
     zxbcdt_BxLxGxF = linear(self, "in_proj", cfg.in_proj_dim, ("embed", "ssm_in"), config=cfg,
                             recipe=self.recipe)(u_BxLxD).reshape(B, L, G, -1)
-    z_BxLxGxRP, xbc_BxLxGxEg, dt_BxLxGxR = jnp.split(zxbcdt_BxLxGxF, [R * P, 2 * R * P + 2 * N], axis=-1)
+    with scopes.part("mamba2_split"):
+      z_BxLxGxRP, xbc_BxLxGxEg, dt_BxLxGxR = jnp.split(zxbcdt_BxLxGxF, [R * P, 2 * R * P + 2 * N], axis=-1)
 
     # Depthwise causal conv over x, B, C (float32), with the cached inputs when decoding.
     bound = 1.0 / math.sqrt(W)
@@ -87,11 +149,17 @@ class Mamba2(nn.Module):
     if self.decode:
       conv_state = self.variable("cache", "conv_state", jnp.zeros, (B, W - 1, E), f32)
       ssm_state = self.variable("cache", "ssm_state", jnp.zeros, (B, H, P, N), f32)
-    xbc_BxLxE, new_conv_state_BxW1xE = causal_conv1d(
-        xbc_BxLxGxEg.reshape(B, L, E).astype(f32), conv_w_WxE.astype(f32),
-        None if conv_b_E is None else conv_b_E.astype(f32), conv_state.value if use_cache else None)
-    xbc_BxLxGxEg = jax.nn.silu(xbc_BxLxE).reshape(B, L, G, -1)
-    x_BxLxGxRP, b_BxLxGxN, c_BxLxGxN = jnp.split(xbc_BxLxGxEg, [R * P, R * P + N], axis=-1)
+    with scopes.part("mamba2_conv_silu"):
+      if use_cache:   # decoding: the conv continues from the cached inputs and updates them
+        xbc_BxLxE, new_conv_state_BxW1xE = causal_conv1d(
+            xbc_BxLxGxEg.reshape(B, L, E).astype(f32), conv_w_WxE.astype(f32),
+            None if conv_b_E is None else conv_b_E.astype(f32), conv_state.value)
+        xbc_BxLxE = jax.nn.silu(xbc_BxLxE)
+      else:
+        xbc_BxLxE = conv1d_silu(xbc_BxLxGxEg.reshape(B, L, E), conv_w_WxE, conv_b_E, vjp=cfg.conv_vjp)
+      xbc_BxLxGxEg = xbc_BxLxE.reshape(B, L, G, -1)
+    with scopes.part("mamba2_split"):
+      x_BxLxGxRP, b_BxLxGxN, c_BxLxGxN = jnp.split(xbc_BxLxGxEg, [R * P, R * P + N], axis=-1)
     x_BxLxHxP = nn.with_logical_constraint(
         x_BxLxGxRP.reshape(B, L, H, P),
         ("activation_batch", "activation_seq", "activation_ssm_heads", "activation_head_dim"))
@@ -99,25 +167,28 @@ class Mamba2(nn.Module):
     dt_bias_H = param("dt_bias", _dt_bias_init(cfg), (H,), ("ssm_heads",))
     a_log_H = param("A_log", _a_log_init(cfg), (H,), ("ssm_heads",))
     d_H = param("D", nn.initializers.ones, (H,), ("ssm_heads",))
-    dt_BxLxH = jax.nn.softplus(dt_BxLxGxR.reshape(B, L, H).astype(f32) + dt_bias_H.astype(f32))
-    a_H = -jnp.exp(a_log_H.astype(f32))
+    with scopes.part("mamba2_dt"):
+      dt_BxLxH = jax.nn.softplus(dt_BxLxGxR.reshape(B, L, H).astype(f32) + dt_bias_H.astype(f32))
+      a_H = -jnp.exp(a_log_H.astype(f32))
 
-    if use_cache and L == 1:
-      y_BxHxP, state_BxHxPxN = ssd.ssd_step(ssm_state.value, x_BxLxHxP[:, 0], dt_BxLxH[:, 0], a_H,
-                                            b_BxLxGxN[:, 0], c_BxLxGxN[:, 0])
-      y_BxLxHxP = y_BxHxP[:, None] + d_H.astype(f32)[:, None] * x_BxLxHxP
-    else:   # the scan and the D skip: ssd_chunked, or the Pallas kernels (cfg.ssd_impl)
-      y_BxLxHxP, state_BxHxPxN = ssd_pallas.ssd(
-          x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=cfg.chunk_size,
-          d_H=d_H.astype(f32), initial_state_BxHxPxN=ssm_state.value if use_cache else None,
-          impl=cfg.ssd_impl, remat_chunks=remat.ssd_chunk_remat(cfg.remat))
+    with scopes.part("mamba2_ssd"):
+      if use_cache and L == 1:
+        y_BxHxP, state_BxHxPxN = ssd.ssd_step(ssm_state.value, x_BxLxHxP[:, 0], dt_BxLxH[:, 0], a_H,
+                                              b_BxLxGxN[:, 0], c_BxLxGxN[:, 0])
+        y_BxLxHxP = y_BxHxP[:, None] + d_H.astype(f32)[:, None] * x_BxLxHxP
+      else:   # the scan and the D skip: ssd_chunked, or the Pallas kernels (cfg.ssd_impl)
+        y_BxLxHxP, state_BxHxPxN = ssd_pallas.ssd(
+            x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=cfg.chunk_size,
+            d_H=d_H.astype(f32), initial_state_BxHxPxN=ssm_state.value if use_cache else None,
+            impl=cfg.ssd_impl, remat_chunks=remat.ssd_chunk_remat(cfg.remat))
     if use_cache:
       conv_state.value, ssm_state.value = new_conv_state_BxW1xE, state_BxHxPxN
 
     # Gated RMSNorm, normalized per group so tensor-parallel shards of whole groups need no reduction.
     norm_scale_GxRP = param("norm_scale", nn.initializers.ones, (H * P,), ("ssm_inner",)).reshape(G, R * P)
-    g_BxLxGxRP = y_BxLxHxP.reshape(B, L, G, R * P) * jax.nn.silu(z_BxLxGxRP.astype(f32))
-    g_BxLxGxRP = g_BxLxGxRP * jax.lax.rsqrt(jnp.mean(jnp.square(g_BxLxGxRP), -1, keepdims=True) + cfg.norm_eps)
-    g_BxLxI = (g_BxLxGxRP * norm_scale_GxRP.astype(f32)).reshape(B, L, H * P).astype(cfg.dtype)
+    with scopes.part("mamba2_gate_norm"):
+      g_BxLxGxRP = y_BxLxHxP.reshape(B, L, G, R * P) * jax.nn.silu(z_BxLxGxRP.astype(f32))
+      g_BxLxGxRP = g_BxLxGxRP * jax.lax.rsqrt(jnp.mean(jnp.square(g_BxLxGxRP), -1, keepdims=True) + cfg.norm_eps)
+      g_BxLxI = (g_BxLxGxRP * norm_scale_GxRP.astype(f32)).reshape(B, L, H * P).astype(cfg.dtype)
     return linear(self, "out_proj", D, ("ssm_inner", "embed"), config=cfg, recipe=self.recipe,
                   std=residual_std(cfg))(g_BxLxI)

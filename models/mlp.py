@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import fused
+from models import scopes
 from models.config import ModelConfig
 from models.layers import fused_relu2_recipe, linear, residual_std
 
@@ -36,9 +37,11 @@ class MLP(nn.Module):
       h = fused.relu2_quantize(up_BxLxF, down_recipe, impl="pallas")
       h = dataclasses.replace(h, x=nn.with_logical_constraint(h.x, _ACT))
       return dense("down", cfg.d_model, ("mlp", "embed"), std=residual_std(cfg))(h)
-    if cfg.mlp_kind == "relu2":
-      h_BxLxF = jnp.square(jax.nn.relu(up_BxLxF))
-    else:
-      h_BxLxF = jax.nn.silu(dense("gate", cfg.mlp_dim, ("embed", "mlp"))(x_BxLxD)) * up_BxLxF
-    h_BxLxF = nn.with_logical_constraint(h_BxLxF, _ACT)
+    gate_BxLxF = dense("gate", cfg.mlp_dim, ("embed", "mlp"))(x_BxLxD) if cfg.mlp_kind == "swiglu" else None
+    with scopes.part("mlp_act"):
+      if cfg.mlp_kind == "relu2":
+        h_BxLxF = jnp.square(jax.nn.relu(up_BxLxF))
+      else:
+        h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
+      h_BxLxF = nn.with_logical_constraint(h_BxLxF, _ACT)
     return dense("down", cfg.d_model, ("mlp", "embed"), std=residual_std(cfg))(h_BxLxF)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grouped, recipes
-from models import expert_parallel, policy
+from models import expert_parallel, policy, scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -127,9 +127,10 @@ class Router(nn.Module):
                             (x_TxD.shape[-1], cfg.n_routed_experts), jnp.float32)
     bias_E = self.param("e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                         (cfg.n_routed_experts,), jnp.float32)
-    logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), kernel_DxE.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
-    return route(logits_TxE, jax.lax.stop_gradient(bias_E), cfg)
+    with scopes.part("moe_router"):
+      logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), kernel_DxE.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
+      return route(logits_TxE, jax.lax.stop_gradient(bias_E), cfg)
 
 
 class RoutedExperts(nn.Module):
@@ -246,17 +247,23 @@ class MoE(nn.Module):
     gemms = RoutedExperts(cfg, q_axis, self.recipe, name="experts")(h_TxQ.shape[-1])
     where = expert_parallel.layout(cfg.n_routed_experts, x_TxD.shape[0])
     if where is None:
-      rows_S, position_TxR, sizes_E, counts_E = dispatch(experts_TxR, cfg.n_routed_experts, align)
-      h_SxQ = jnp.concatenate([h_TxQ, jnp.zeros((1, h_TxQ.shape[-1]), h_TxQ.dtype)])[rows_S]
-      picked_TxRxQ = mlp(h_SxQ, sizes_E, gemms)[position_TxR]
+      with scopes.part("moe_dispatch"):
+        rows_S, position_TxR, sizes_E, counts_E = dispatch(experts_TxR, cfg.n_routed_experts, align)
+        h_SxQ = jnp.concatenate([h_TxQ, jnp.zeros((1, h_TxQ.shape[-1]), h_TxQ.dtype)])[rows_S]
+      with scopes.part("moe_experts"):
+        out_SxQ = mlp(h_SxQ, sizes_E, gemms)
+      with scopes.part("moe_dispatch"):
+        picked_TxRxQ = out_SxQ[position_TxR]
     else:   # expert parallelism: the same per-expert rows, on the device that holds the expert
       counts_E = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[experts_TxR.reshape(-1)].add(1)
       gemms = tuple(g.per_expert_keys() for g in gemms)
       specs = jax.tree.map(lambda a: expert_parallel.expert_spec(where, a.ndim), gemms)
-      picked_TxRxQ = expert_parallel.routed(h_TxQ, experts_TxR, gemms, specs, experts_fn=mlp,
-                                            n_experts=cfg.n_routed_experts, align=align, where=where)
-    picked_TxRxQ = picked_TxRxQ.astype(jnp.float32)
-    routed_TxQ = jnp.sum(picked_TxRxQ * weights_TxR[..., None], axis=1).astype(cfg.dtype)
+      with scopes.part("moe_experts"):   # dispatch, experts and combine in one shard_map
+        picked_TxRxQ = expert_parallel.routed(h_TxQ, experts_TxR, gemms, specs, experts_fn=mlp,
+                                              n_experts=cfg.n_routed_experts, align=align, where=where)
+    with scopes.part("moe_dispatch"):
+      picked_TxRxQ = picked_TxRxQ.astype(jnp.float32)
+      routed_TxQ = jnp.sum(picked_TxRxQ * weights_TxR[..., None], axis=1).astype(cfg.dtype)
     if cfg.moe_latent_size:
       routed_TxQ = dense("fc2_latent_proj", d, ("moe_latent", "embed"), std=residual_std(cfg))(routed_TxQ)
     y_TxD = routed_TxQ

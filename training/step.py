@@ -178,7 +178,8 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
       outcontrol = state.get("outcontrol")
     else:
       (loss, (outcontrol, stats)), grads = jax.value_and_grad(outcontrol_loss_fn, has_aux=True)(state["params"])
-  grad_norm = optim.global_norm(grads)
+  with jax.named_scope("grad_norm"):
+    grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -192,18 +193,19 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
     with jax.named_scope("osci_reset"):
       perms = state["outcontrol"] if outcontrol_phase == optim.ON else None
       params, osci_state = osci.apply(params, state["osci_reset"], applied, outcontrol_state=perms)
-  new_state = dict(
-      step=state["step"] + 1,
-      params=keep(params, state["params"]),
-      opt_state=keep(opt_state, state["opt_state"]),
-      rng=state["rng"],
-      nonfinite_total=state["nonfinite_total"] + (~ok).astype(jnp.int32),
-      nonfinite_streak=jnp.where(ok, 0, state["nonfinite_streak"] + 1),
-  )
-  if osci is not None:
-    new_state["osci_reset"] = keep(osci_state, state["osci_reset"])
-  if outcontrol is not None:
-    new_state["outcontrol"] = keep(outcontrol, state["outcontrol"])
+  with jax.named_scope("nonfinite_guard"):
+    new_state = dict(
+        step=state["step"] + 1,
+        params=keep(params, state["params"]),
+        opt_state=keep(opt_state, state["opt_state"]),
+        rng=state["rng"],
+        nonfinite_total=state["nonfinite_total"] + (~ok).astype(jnp.int32),
+        nonfinite_streak=jnp.where(ok, 0, state["nonfinite_streak"] + 1),
+    )
+    if osci is not None:
+      new_state["osci_reset"] = keep(osci_state, state["osci_reset"])
+    if outcontrol is not None:
+      new_state["outcontrol"] = keep(outcontrol, state["outcontrol"])
   metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
                  nonfinite_streak=new_state["nonfinite_streak"], **moe_metrics)
   if _has_mtp(model):   # "loss" becomes the next-token loss, comparable with runs without MTP
