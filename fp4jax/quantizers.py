@@ -87,7 +87,10 @@ class Quantizer:
   def prepare(self, t_RxC, signs=None):
     """What ``__call__`` quantizes: t after the random (``signs``) or fixed Hadamard transform along C. t is
     read as its dtype stores it (``_exact.stored``), however XLA fuses its producer."""
-    t_RxC = _exact.stored(t_RxC)
+    return self._transform(_exact.stored(t_RxC), signs)
+
+  def _transform(self, t_RxC, signs):
+    """``prepare`` of a t already read as stored."""
     if signs is not None:
       return eden.rht(t_RxC, signs)
     if self.rht_size:
@@ -105,22 +108,23 @@ class Quantizer:
 
   def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
-    t_TxC = _exact.stored(t_TxC)
     if self._fused_t(signs):
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
-      return quantize_rht_transposed(t_TxC, self.fmt, rht_size=self.rht_size, rht_seed=self.rht_seed,
-                                     rounding=rounding, key=key if self.stochastic else None, **kw)
+      return quantize_rht_transposed(_exact.stored(t_TxC), self.fmt, rht_size=self.rht_size,
+                                     rht_seed=self.rht_seed, rounding=rounding,
+                                     key=key if self.stochastic else None, **kw)
     return self._quantize(self.prepare_t(t_TxC, signs), key)
 
   def prepare_t(self, t_TxC, signs=None):
     """What ``quantize_t`` quantizes: tᵀ (C, T) after the transform along T, in its order (the fused
-    primitive's: ``hadamard.rht`` of tᵀ, ``reference.quantize_rht_t_reference``)."""
+    primitive's: ``hadamard.rht`` of tᵀ, ``reference.quantize_rht_t_reference``); t read as stored."""
+    t_TxC = _exact.stored(t_TxC)
     if self._fused_t(signs):
       return hadamard.rht(t_TxC.T, axis=-1, size=self.rht_size, seed=self.rht_seed)
     if self.four_over_six is not None or self.fmt not in formats.NAMES:
       t_TxC = t_TxC.astype(jnp.float32)
-    return self.prepare(t_TxC.T, signs)
+    return self._transform(t_TxC.T, signs)
 
   def quantize_prepared(self, t_RxC, key=None, amax=None) -> QTensor:
     """A prepared t (``prepare``, ``prepare_t``) quantized along its last axis: ``__call__`` without the
