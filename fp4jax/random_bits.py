@@ -242,8 +242,7 @@ def hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
   (high, low) uint32 words): threefry2x32 of (high, low), its two outputs xored. Plain uint32 ops on arrays
   that broadcast together (a kernel passes a row column and a column row); the low 8 bits are the uint8
   draw."""
-  lo = row_lo + col_lo
-  hi = row_hi + col_hi + (lo < row_lo).astype(_U32)
+  hi, lo = _add_u64((row_hi, row_lo), (col_hi, col_lo))
   b1, b2 = threefry2x32(k1, k2, hi, lo)
   return b1 ^ b2
 
@@ -290,8 +289,7 @@ class KeyedBits:
     r = self.rows
     k = self.cols.shape[0]
     bcast = lambda v: jnp.broadcast_to(v[..., None], r.shape[:-1] + (k,))
-    lo = bcast(r[..., 3]) + self.cols[:, 1]
-    hi = bcast(r[..., 2]) + self.cols[:, 0] + (lo < bcast(r[..., 3])).astype(_U32)
+    hi, lo = _add_u64((bcast(r[..., 2]), bcast(r[..., 3])), (self.cols[:, 0], self.cols[:, 1]))
     b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)   # KeyedBits exist only with it
     mixed = b1 ^ b2
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
