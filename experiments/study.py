@@ -11,6 +11,9 @@ switch (the last ``study.switch_fraction`` of the steps with the forward pass in
 1. Each (variant, seed) trains with ``training.train_and_evaluate`` in ``<runs_dir>/<variant>/seed<k>``,
    one after the other in this process. A finished run leaves ``study_result.json`` there and is skipped
    next time; an interrupted one resumes from its latest checkpoint (the trainer's own resume).
+   The summary keeps each finished run's small records (``KEPT_FILES``: its result and ``metrics.jsonl``)
+   under the output directory, ``<workdir>/runs/<variant>/seed<k>``, and reads a run from there when the runs
+   directory (checkpoints, git-ignored) lacks it: a committed output directory survives the machine.
 2. After every run the summary is rewritten from all finished runs: ``summary.md`` (final validation loss,
    relative gap to bf16 per seed, mean and spread over seeds, tokens/s, wall time), ``summary.json`` and
    ``loss_gap.png`` (relative validation-loss gap to bf16 against tokens, one line per variant). A model with
@@ -28,6 +31,8 @@ import json
 import math
 import os
 import platform
+import re
+import shutil
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -90,6 +95,9 @@ DESCRIPTIONS.update({f"{n}_all_fp4": f"{DESCRIPTIONS[n]}; every linear layer in 
                      for n in ("nvfp4_4over6", "quartet2_rtn", "quartet2", "tetrajet2")})
 
 RESULT_FILE = "study_result.json"
+METRICS_FILE = "metrics.jsonl"
+KEPT_FILES = (RESULT_FILE, METRICS_FILE)   # a finished run's records the output directory keeps (KB-MB)
+KEPT_DIR = "runs"                          # under the output directory
 
 
 # ------------------------------------------------------------------------------------------- configs
@@ -169,7 +177,7 @@ def train_one(run, workdir: str, log: Callable[[str], None] = print) -> dict:
                 validation_loss=summary.get("validation_loss"), train_loss=summary.get("train_loss"),
                 bits_per_byte=summary.get("bits_per_byte"), tokens_per_second=summary.get("tokens_per_second"),
                 nonfinite_steps=summary.get("nonfinite_steps"), wall_seconds=wall, resumed=resumed,
-                finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                processor=_cpu_name(), finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   if record["status"] in ("done", "diverged"):
     with open(os.path.join(workdir, RESULT_FILE), "w", encoding="utf-8") as f:
       json.dump(record, f, indent=2)
@@ -182,6 +190,29 @@ def load_result(workdir: str) -> dict | None:
     return None
   with open(path, encoding="utf-8") as f:
     return json.load(f)
+
+
+def records_dir(runs_dir: str, out_dir: str | None, variant: str, seed: int) -> str | None:
+  """Where a finished run's records are: its work directory, else the copy kept under ``out_dir``; None if
+  neither holds a result."""
+  for root in (runs_dir, os.path.join(out_dir, KEPT_DIR) if out_dir else None):
+    if root and load_result(run_dir(root, variant, seed)) is not None:
+      return run_dir(root, variant, seed)
+  return None
+
+
+def keep_records(runs_dir: str, out_dir: str, variants: Sequence[str], seeds: Sequence[int]) -> None:
+  """Copies ``KEPT_FILES`` of every run finished in ``runs_dir`` to ``out_dir/runs/<variant>/seed<k>``."""
+  for v in variants:
+    for s in seeds:
+      src = run_dir(runs_dir, v, s)
+      if load_result(src) is None:
+        continue
+      dst = run_dir(os.path.join(out_dir, KEPT_DIR), v, s)
+      os.makedirs(dst, exist_ok=True)
+      for name in KEPT_FILES:
+        if os.path.exists(os.path.join(src, name)):
+          shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
 def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callable[[str], None] = print,
@@ -197,11 +228,11 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
   summary = write_summary(config, out_dir, runs_dir)
   if not train:
     return summary
-  todo = [(v, s) for s in seeds for v in variants if load_result(run_dir(runs_dir, v, s)) is None]
+  todo = [(v, s) for s in seeds for v in variants if records_dir(runs_dir, out_dir, v, s) is None]
   log(f"study {config.name}: {len(variants)} variants x {len(seeds)} seeds; {len(todo)} run(s) to do")
   for i, (variant, seed) in enumerate(todo):
     workdir = run_dir(runs_dir, variant, seed)
-    if load_result(workdir) is not None:   # finished meanwhile by another study process on the same runs
+    if records_dir(runs_dir, out_dir, variant, seed) is not None:   # finished meanwhile by another process
       log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed}: finished meanwhile, skipped")
       continue
     log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
@@ -219,6 +250,65 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
 
 def run_dir(runs_dir: str, variant: str, seed: int) -> str:
   return os.path.join(runs_dir, variant, f"seed{seed}")
+
+
+_LOG_RUN = re.compile(r"^=== \[\d+/\d+\] (\S+) seed (\d+) -> ")
+_LOG_EVAL = re.compile(r"^step (\d+): validation loss (\S+)\s+(\S+) bits/byte")
+
+
+def evaluations_of_logs(log_paths: Sequence[str]) -> dict[tuple[str, int], dict[int, dict]]:
+  """The ``eval`` records a study's logs print ("step N: validation loss L  B bits/byte", 4 decimals) under
+  each run's "=== [i/n] <variant> seed <k> -> ..." line, by (variant, seed) and step; a later line wins."""
+  out: dict[tuple[str, int], dict[int, dict]] = {}
+  for path in log_paths:
+    run = None
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if m := _LOG_RUN.match(line):
+          run = (m.group(1), int(m.group(2)))
+        elif run is not None and (m := _LOG_EVAL.match(line)):
+          step = int(m.group(1))
+          out.setdefault(run, {})[step] = dict(kind="eval", step=step, loss=float(m.group(2)),
+                                               bits_per_byte=float(m.group(3)))
+  return out
+
+
+def seed_kept_records(summary_path: str, log_paths: Sequence[str], out_dir: str) -> list[tuple[str, int]]:
+  """Kept records (``keep_records``' layout) for the finished runs of an earlier ``summary.json`` whose work
+  directories are gone; returns the (variant, seed) written. Each result holds what the summary kept per
+  seed (validation loss, the ``BALANCE_KEYS`` statistics), the variant's mean tokens/s and wall time (the
+  summary keeps no per-seed value) and ``kept_from`` saying so; its ``metrics.jsonl`` holds only the
+  evaluations its logs printed (4 decimals; no train records, so no balance curve)."""
+  with open(summary_path, encoding="utf-8") as f:
+    old = json.load(f)
+  evals = evaluations_of_logs(log_paths)
+  written = []
+  for v, row in old["rows"].items():
+    for k in row["seeds"]:
+      if row["statuses"] != ["done"] or row["nonfinite_steps"]:
+        raise ValueError(f"{summary_path}: {v} has statuses {row['statuses']} and {row['nonfinite_steps']} "
+                         "non-finite steps; only runs that all finished cleanly can be kept from a summary")
+      loss = row["validation_loss"][str(k)]
+      curve = evals.get((v, int(k)), {})
+      if not curve or abs(curve[max(curve)]["loss"] - loss) > 6e-5:
+        raise ValueError(f"{v} seed {k}: the logs' last evaluation {curve and curve[max(curve)]} is not the "
+                         f"summary's validation loss {loss}; pass the logs this study printed")
+      result = dict(status="done", step=old["steps"], validation_loss=loss, nonfinite_steps=0,
+                    tokens_per_second=row["tokens_per_second"], wall_seconds=row["wall_seconds"],
+                    processor=old["hardware"]["processor"],
+                    balance={key: old["balance"][v][key]["per_seed"][str(k)] for key in BALANCE_KEYS},
+                    kept_from=f"{summary_path} (updated {old['updated']}): validation_loss and balance per "
+                              "seed; tokens_per_second and wall_seconds are the variant's mean over its "
+                              f"seeds {row['seeds']}. {METRICS_FILE}: the evaluations the study's log printed "
+                              "(4 decimals), no train records.")
+      dst = run_dir(os.path.join(out_dir, KEPT_DIR), v, int(k))
+      os.makedirs(dst, exist_ok=True)
+      with open(os.path.join(dst, RESULT_FILE), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+      with open(os.path.join(dst, METRICS_FILE), "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(curve[st]) + "\n" for st in sorted(curve))
+      written.append((v, int(k)))
+  return written
 
 
 # ------------------------------------------------------------------------------------------ summary
@@ -273,8 +363,11 @@ def balance_rows(balance: dict[tuple[str, int], dict], variants: Sequence[str], 
   return rows
 
 
-def collect(config, runs_dir: str) -> dict:
-  """Everything the summary shows, from the finished runs on disk."""
+def collect(config, runs_dir: str, out_dir: str | None = None) -> dict:
+  """Everything the summary shows, from the finished runs on disk (``records_dir``).
+
+  A run's balance comes from its ``train`` records or, for a record that has none (``seed_kept_records``),
+  from the ``balance`` statistics its result holds, without a curve."""
   variants = study_variants(config)
   seeds = [int(s) for s in config.study.seeds]
   base_run = run_config(config, "bf16", seeds[0])
@@ -285,12 +378,14 @@ def collect(config, runs_dir: str) -> dict:
   results, curves, balance = {}, {}, {}
   for v in variants:
     for s in seeds:
-      rec = load_result(run_dir(runs_dir, v, s))
-      if rec is not None:
-        results[(v, s)] = rec
-        metrics = read_metrics(run_dir(runs_dir, v, s))
+      where = records_dir(runs_dir, out_dir, v, s)
+      if where is not None:
+        rec = results[(v, s)] = load_result(where)
+        metrics = read_metrics(where)
         curves[(v, s)] = {int(r["step"]): float(r["loss"]) for r in metrics.get("eval", []) if r["loss"] is not None}
         b = balance_of_records(metrics.get("train", []), int(config.steps), window)
+        if b is None and rec.get("balance"):
+          b = dict(rec["balance"], curve=[])
         if b is not None:
           balance[(v, s)] = b
   rows = {}
@@ -338,12 +433,14 @@ def collect(config, runs_dir: str) -> dict:
       params=n_params, tokens_per_run=tokens, tokens_per_param=tokens / n_params,
       active_params=n_active, tokens_per_active_param=tokens / n_active,
       balance=balance_rows(balance, variants, seeds) if balance else None, balance_window=window,
-      balance_curves={v: _mean_curve([balance[(v, k)]["curve"] for k in seeds if (v, k) in balance])
+      balance_curves={v: _mean_curve([balance[(v, k)]["curve"] for k in seeds if balance.get((v, k), {}).get("curve")])
                       for v in variants} if balance else None,
+      balance_curve_seeds={v: sum(bool(balance.get((v, k), {}).get("curve")) for k in seeds) for v in variants},
       steps=int(config.steps), batch_size=int(config.batch_size), seq_len=int(config.data.seq_len),
       switch_fraction=float(config.study.switch_fraction), switch_tokens=switch_step * tokens_per_step,
       bf16_seed_std_percent=noise, reference=reference,
       model=_model_summary(base_run),
+      processors=_processors(results),
       hardware=dict(machine=platform.machine(), processor=_cpu_name(), cpus=os.cpu_count(),
                     platform=jax.devices()[0].platform, device=str(jax.devices()[0].device_kind),
                     jax=jax.__version__, python=platform.python_version()),
@@ -359,6 +456,14 @@ def _mean_curve(curves: Sequence[Sequence[tuple]]) -> list[tuple]:
   by_step = [{c[0]: c[1:] for c in curve} for curve in curves]
   steps = sorted(set.intersection(*(set(b) for b in by_step)))
   return [(st, *(float(x) for x in np.mean([b[st] for b in by_step], axis=0))) for st in steps]
+
+
+def _processors(results: dict) -> dict[str, list[str]]:
+  """{processor: ["variant/seed<k>", ...]} of the finished runs (a result without one: "?")."""
+  out: dict[str, list[str]] = {}
+  for (v, s), rec in sorted(results.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    out.setdefault(rec.get("processor") or "?", []).append(f"{v}/seed{s}")
+  return out
 
 
 def _cpu_name() -> str:
@@ -396,7 +501,7 @@ def render_markdown(s: dict) -> str:
       f"{s['tokens_per_run']:,} tokens per run ({s['tokens_per_param']:.1f} tokens/parameter"
       f"{_active(s, per_token=True)}). Seeds {s['seeds']}; runs finished "
       f"{s['runs_done']}/{s['runs_total']}.",
-      f"Hardware: {hw['cpus']} x {hw['processor']} ({hw['platform']}), jax {hw['jax']}; "
+      f"Hardware: {_hardware(s)}, jax {hw['jax']}; "
       f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
       "",
       "Gap = (validation loss - bf16 validation loss) / bf16 validation loss, paired by seed; "
@@ -439,6 +544,15 @@ def render_markdown(s: dict) -> str:
   if s.get("balance"):
     lines += render_balance(s)
   return "\n".join(lines)
+
+
+def _hardware(s: dict) -> str:
+  """This machine, or per processor the runs that ran on it when they did not all run here."""
+  hw, procs = s["hardware"], s.get("processors") or {}
+  here = f"{hw['cpus']} x {hw['processor']} ({hw['platform']})"
+  if set(procs) <= {hw["processor"]}:
+    return here
+  return "; ".join(f"{p}: {', '.join(runs)}" for p, runs in procs.items()) + f" (summarized on {here})"
 
 
 def _active(s: dict, per_token: bool = False) -> str:
@@ -549,14 +663,15 @@ def plot_balance(s: dict, path: str) -> None:
     steps, max_vio, entropy = zip(*curve)
     x = [st * tokens_per_step / 1e6 for st in steps]
     lw = 1.8 if v == "bf16" else 1.1
-    axes[0].plot(x, max_vio, lw=lw, label=f"{v} ({len(s['balance'][v]['late_max_vio']['per_seed'])} seeds)")
+    axes[0].plot(x, max_vio, lw=lw, label=f"{v} ({s['balance_curve_seeds'][v]} seeds)")
     axes[1].plot(x, entropy, lw=lw, label=v)
   for ax, label in zip(axes, ("MaxVio (0: balanced)", "load entropy / log E (1: balanced)")):
     ax.set_xlabel("tokens (M)")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
     ax.axvline((1 - s["balance_window"]) * s["tokens_per_run"] / 1e6, color="gray", lw=0.8, ls=":")
-  axes[0].legend(fontsize=8, loc="best")
+  if axes[0].get_legend_handles_labels()[0]:
+    axes[0].legend(fontsize=8, loc="best")
   fig.suptitle(f"{s['name']}: expert balance, mean over the E blocks and the seeds (dotted: start of 'late')")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -576,7 +691,8 @@ def _jsonable(s: dict) -> dict:
 
 
 def write_summary(config, out_dir: str, runs_dir: str) -> dict:
-  s = collect(config, runs_dir)
+  keep_records(runs_dir, out_dir, study_variants(config), [int(k) for k in config.study.seeds])
+  s = collect(config, runs_dir, out_dir)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
     f.write(render_markdown(s))

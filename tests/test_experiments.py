@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from ml_collections import config_dict
@@ -153,3 +154,63 @@ def test_run_study_skips_runs_another_process_finished_or_holds(tmp_path, monkey
   assert trained == ["bf16"]
   assert any("nvfp4 seed 0: finished meanwhile, skipped" in line for line in logs)
   assert any("skipped: in use by another run" in line for line in logs)
+
+
+def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
+  """The output directory keeps each finished run's records: with the runs directory gone nothing retrains and
+  the summary is the same; a summary.json plus its logs seed such records for runs finished before."""
+  c = micro_study_config()
+  c.study.seeds = (0, 1)
+  out, runs = str(tmp_path / "results"), str(tmp_path / "runs")
+  loss = {("bf16", 0): 2.5, ("bf16", 1): 2.25, ("nvfp4", 0): 2.625, ("nvfp4", 1): 2.3125}
+  trained = []
+
+  def fake_train(run, workdir, log):
+    variant, seed = run.name.split("/")[1], run.seed
+    trained.append((variant, seed))
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, study.METRICS_FILE), "w", encoding="utf-8") as f:
+      for step in (2, 4):
+        f.write(json.dumps(dict(kind="train", step=step, loss=3.0, **{"moe/blocks_1/max_vio": 0.1 * step + seed,
+                                                                     "moe/blocks_1/entropy": 0.9})) + "\n")
+        f.write(json.dumps(dict(kind="eval", step=step, loss=loss[(variant, seed)] + 4 - step,
+                                bits_per_byte=1.0)) + "\n")
+    result = dict(status="done", step=4, validation_loss=loss[(variant, seed)], nonfinite_steps=0,
+                  tokens_per_second=100.0 + seed, wall_seconds=10.0)
+    with open(os.path.join(workdir, study.RESULT_FILE), "w", encoding="utf-8") as f:
+      json.dump(result, f)
+    return result
+
+  monkeypatch.setattr(study, "train_one", fake_train)
+  first = study.run_study(c, out, runs_dir=runs, log=lambda _: None)
+  assert sorted(trained) == sorted(loss) and first["runs_done"] == 4
+  for v, k in loss:
+    kept = study.run_dir(os.path.join(out, study.KEPT_DIR), v, k)
+    assert sorted(os.listdir(kept)) == sorted(study.KEPT_FILES)
+  shutil.rmtree(runs)
+  trained.clear()
+  again = study.run_study(c, out, runs_dir=runs, log=lambda _: None)
+  assert trained == [] and again["runs_done"] == 4
+  assert again["rows"]["nvfp4"]["gap_percent"] == first["rows"]["nvfp4"]["gap_percent"]
+  assert again["rows"]["nvfp4"]["gap_curve"] == first["rows"]["nvfp4"]["gap_curve"] != []
+  assert again["balance"] == first["balance"] and again["balance"]["nvfp4"]["late_max_vio"]["per_seed"] == {0: 0.4, 1: 1.4}
+
+  # An earlier study's summary.json and log, its runs directory gone: seeded records, no retraining.
+  log = tmp_path / "log.txt"
+  log.write_text("".join(f"=== [1/4] {v} seed {k} -> runs/{v}/seed{k}\nstep 2: validation loss {x + 2:.4f}  1.0 bits/byte\n"
+                         f"step 4: validation loss {x:.4f}  1.0 bits/byte\n" for (v, k), x in loss.items()))
+  seeded = str(tmp_path / "seeded")
+  assert sorted(study.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], seeded)) == sorted(loss)
+  summary = study.run_study(c, seeded, runs_dir=runs, log=lambda _: None)
+  assert trained == [] and summary["runs_done"] == 4
+  for v in ("bf16", "nvfp4"):
+    assert summary["rows"][v]["gap_percent"] == pytest.approx(first["rows"][v]["gap_percent"], abs=1e-5)
+    assert summary["rows"][v]["gap_curve"] == pytest.approx(first["rows"][v]["gap_curve"], abs=1e-5)
+    for key in study.BALANCE_KEYS:
+      assert summary["balance"][v][key]["per_seed"] == pytest.approx(first["balance"][v][key]["per_seed"], abs=1e-6)
+  assert summary["balance_curve_seeds"] == {"bf16": 0, "nvfp4": 0}   # the summary kept no balance curve
+  with open(study.run_dir(os.path.join(seeded, study.KEPT_DIR), "nvfp4", 1) + "/" + study.RESULT_FILE) as f:
+    assert "kept_from" in json.load(f)
+  log.write_text(log.read_text().replace("2.3125", "2.3000"))
+  with pytest.raises(ValueError, match="nvfp4 seed 1: the logs' last evaluation"):
+    study.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], str(tmp_path / "bad"))
