@@ -26,9 +26,15 @@ them the byte embedding and LM head) and the batch to 16 x 64: 276 steps = 282,6
 parameter (10.6 per parameter). Measured in the study itself: bf16 0.25-0.3 s/step, nvfp4 ~1.1 s/step, and
 ~10 min to compile an FP4 train step at that load (once per variant: the seeds share the compilation cache).
 TetraJet-v2's step is ~10x nvfp4's here (58 min for its seed 0 at that load), Quartet II's compile took 28 min:
-on 2026-12-02 10 of the 15 runs finished by the deadline (docs/STUDY.md lists the missing ones). The runs were
-split over processes on the same runs directory (``--config.study.variants=bf16,nvfp4,nvfp4_super`` and
-``=bf16,tetrajet2,quartet2``) to use both cores' idle time; each skips what another finished or is training.
+on 2026-12-02 10 of the 15 runs finished by that session's deadline. The other 5 (quartet2 x 3, tetrajet2 seeds
+1 and 2) ran the same evening on a 2-core Intel Xeon VM at load 10-13, two study processes side by side
+(``--config.study.variants=bf16,quartet2`` and ``=bf16,tetrajet2``): Quartet II compiled its train step in 475 s
+(70 s to initialize the state) and ran 0.73-1.6 s/step (per-run means), TetraJet-v2 382 s and 1.8-3.0 s/step;
+the seeds after the first took 70-140 s to trace, lower and load the cached step. The 5 runs took 40 min in all
+(docs/PERF.md, session 10, has why these two recipes are the slow ones). The runs were split over processes on
+the same runs directory to use both cores' idle time; each skips what another finished or is training, and the
+output directory keeps every finished run's records (``experiments.study.KEPT_FILES``), so a summary needs no
+runs directory.
 """
 from ml_collections import config_dict
 

@@ -177,7 +177,8 @@ def train_one(run, workdir: str, log: Callable[[str], None] = print) -> dict:
                 validation_loss=summary.get("validation_loss"), train_loss=summary.get("train_loss"),
                 bits_per_byte=summary.get("bits_per_byte"), tokens_per_second=summary.get("tokens_per_second"),
                 nonfinite_steps=summary.get("nonfinite_steps"), wall_seconds=wall, resumed=resumed,
-                processor=_cpu_name(), finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                processor=_cpu_name(),
+                finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
   if record["status"] in ("done", "diverged"):
     with open(os.path.join(workdir, RESULT_FILE), "w", encoding="utf-8") as f:
       json.dump(record, f, indent=2)

@@ -193,11 +193,13 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
   assert trained == [] and again["runs_done"] == 4
   assert again["rows"]["nvfp4"]["gap_percent"] == first["rows"]["nvfp4"]["gap_percent"]
   assert again["rows"]["nvfp4"]["gap_curve"] == first["rows"]["nvfp4"]["gap_curve"] != []
-  assert again["balance"] == first["balance"] and again["balance"]["nvfp4"]["late_max_vio"]["per_seed"] == {0: 0.4, 1: 1.4}
+  assert again["balance"] == first["balance"]
+  assert again["balance"]["nvfp4"]["late_max_vio"]["per_seed"] == {0: 0.4, 1: 1.4}
 
   # An earlier study's summary.json and log, its runs directory gone: seeded records, no retraining.
   log = tmp_path / "log.txt"
-  log.write_text("".join(f"=== [1/4] {v} seed {k} -> runs/{v}/seed{k}\nstep 2: validation loss {x + 2:.4f}  1.0 bits/byte\n"
+  log.write_text("".join(f"=== [1/4] {v} seed {k} -> runs/{v}/seed{k}\n"
+                         f"step 2: validation loss {x + 2:.4f}  1.0 bits/byte\n"
                          f"step 4: validation loss {x:.4f}  1.0 bits/byte\n" for (v, k), x in loss.items()))
   seeded = str(tmp_path / "seeded")
   assert sorted(study.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], seeded)) == sorted(loss)
