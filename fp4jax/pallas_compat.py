@@ -6,6 +6,7 @@ place, ``fp4jax._pallas_compat``, and this module names what a kernel written el
 """
 from fp4jax._pallas_compat import (TRITON_CUSTOM_CALL, BlockSpec, by_platform, ds, export_for_cuda, gpu_available,
                                    has_triton, multiple_of, pallas_call)
+from fp4jax.kernels._common import fit
 
-__all__ = ["TRITON_CUSTOM_CALL", "BlockSpec", "by_platform", "ds", "export_for_cuda", "gpu_available", "has_triton",
+__all__ = ["TRITON_CUSTOM_CALL", "BlockSpec", "by_platform", "ds", "export_for_cuda", "fit", "gpu_available", "has_triton",
            "multiple_of", "pallas_call"]

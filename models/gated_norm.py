@@ -14,6 +14,8 @@ normalization: a reduction does not fuse with a consumer that rereads its input)
               dg = r dh - g r³ mean(dh g);   dy = dg silu(z);   dz = dg y silu'(z)
             and dw = Σ_rows dout g r accumulated in registers: one row per program, summed over the
             programs by XLA (a (tokens / chunk) x G x R P float32 partial, ~1/256 of y's bytes for the 12B).
+Tokens that no power-of-two tile divides are padded with zero rows (``pallas_compat.fit``: at most 1/8
+more); a zero row's output and gradients are zero.
 A group's row (R P channels: 1280 for the 12B) need not be a power of two: the kernels read it in static
 power-of-two column pieces (1024 + 256). Everything computes in float32; y and z may be bf16 or float32.
 The row sums run in another order than XLA's, so the kernel agrees with the twin to float32 rounding,
@@ -136,22 +138,11 @@ def _bwd_kernel(y_ref, z_ref, w_ref, do_ref, dy_ref, dz_ref, dw_ref, *, n, eps, 
 
 def _fit_rows(T: int, n: int, tiles: GatedNormTiles) -> tuple[int, int]:
   """(rows per block, padded T) for the forward: a power of two from the elements budget."""
-  return _fit(T, max(1, min(32, tiles.elements // _pow2(n))))
+  return plc.fit(T, max(1, min(32, tiles.elements // _pow2(n))))
 
 
 def _pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
-
-
-def _fit(dim: int, pref: int) -> tuple[int, int]:
-  """(block, padded dim): the largest power-of-two block <= pref that divides dim, when it is at least
-  pref/4; else pref, padding dim up (at most one block of padded rows, zeros: their dw is 0)."""
-  d = 1
-  while d * 2 <= pref and dim % (d * 2) == 0:
-    d *= 2
-  if d >= max(1, pref // 4) or d >= dim:
-    return d, dim
-  return pref, -(-dim // pref) * pref
 
 
 def kernel_flops(name: str, T: int, G: int, RP: int) -> int:
@@ -188,7 +179,7 @@ def _bwd_call(y_TxGxRP, z_TxGxRP, w_GxRP, do_TxGxRP, eps, tiles, interpret):
   """dy, dz in y's and z's dtypes; dw (G, RP) float32."""
   T, G, RP = y_TxGxRP.shape
   tb, _ = _fit_rows(T, RP, tiles)
-  chunk, Tp = _fit(T, tb * tiles.bwd_blocks)
+  chunk, Tp = plc.fit(T, tb * tiles.bwd_blocks)
   tb = min(tb, chunk)
   pad = lambda t: t if Tp == T else jnp.pad(t, [(0, Tp - T), (0, 0), (0, 0)])
   spec = plc.BlockSpec((chunk, None, RP), lambda t, g: (t, g, 0))
