@@ -8,6 +8,10 @@ is orders larger). A result rounded to bf16 (the output, bf16 inputs' gradients)
 a bf16 rounding boundary: one bf16 ulp, 2^-7 relative, on top.
 """
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -150,3 +154,51 @@ def test_the_mixer_with_the_kernels_matches_the_twin():
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_k), jax.tree.leaves(g_x)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=F32_TOL * float(jnp.abs(b).max()),
                                err_msg=jax.tree_util.keystr(path))
+
+
+_SHARDED = """
+import json, sys
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from models import gated_norm
+from training import sharding as sh
+
+mesh = jax.make_mesh(sh.mesh_shape(dict(data=1, fsdp=2, tensor=2), 4), sh.MESH_AXES,
+                     axis_types=(jax.sharding.AxisType.Auto,) * len(sh.MESH_AXES))
+B, L, G, RP = 2, 9, 2, 24
+k = jax.random.split(jax.random.key(0), 4)
+y, z = jax.random.normal(k[0], (B, L, G, RP)), jax.random.normal(k[1], (B, L, G, RP))
+w, cot = 1 + 0.2 * jax.random.normal(k[2], (G, RP)), jax.random.normal(k[3], (B, L, G, RP))
+
+def grads(impl):
+  f = lambda y, z, w: jnp.sum(gated_norm.gated_norm(y, z, w, eps=1e-5, out_dtype=jnp.float32, impl=impl,
+                                                    interpret=True) * cot)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+ref = grads("xla")(y, z, w)
+put = lambda t, *spec: jax.device_put(t, NamedSharding(mesh, P(*spec)))
+bat = ("data", "fsdp")
+with sh.mesh_context(mesh):
+  specs = gated_norm.partition_specs(B, G)
+  res = grads("pallas")(put(y, bat, None, "tensor"), put(z, bat, None, "tensor"), put(w, "tensor"))
+out = dict(devices=jax.device_count(), specs=str(specs))
+for name, want, got in zip(("loss", "dy", "dz", "dw"), jax.tree.leaves(ref), jax.tree.leaves(res)):
+  out[name] = float(np.abs(np.asarray(want) - np.asarray(got)).max() / np.abs(np.asarray(want)).max())
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow   # a subprocess with 4 host devices
+def test_sharded_kernels_equal_the_unsharded_twin():
+  """Under a (fsdp 2, tensor 2) mesh the kernels run in a shard_map, batch over fsdp and groups over tensor:
+  the loss and the gradients (dw summed over the batch shards) equal the unsharded twin's."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-c", _SHARDED.format(root=root)], cwd=root, env=env, capture_output=True,
+                     text=True, timeout=600)
+  assert p.returncode == 0, p.stdout + p.stderr
+  res = json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+  assert res["devices"] == 4 and "'tensor'" in res["specs"] and "'fsdp'" in res["specs"], res
+  for name in ("loss", "dy", "dz", "dw"):
+    assert res[name] <= F32_TOL, (name, res)
