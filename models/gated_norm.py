@@ -40,6 +40,7 @@ from models import ssd_pallas
 IMPLS = ("xla", "pallas")
 KERNEL_NAMES = ("gated_norm_fwd", "gated_norm_bwd")
 _f32 = jnp.float32
+pl_ds = plc.ds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +74,6 @@ def _pieces(n: int) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
-pl_ds = plc.ds
-
-
 def _silu_parts(z):
   sig = jax.nn.sigmoid(z)
   return z * sig, sig
@@ -83,7 +81,6 @@ def _silu_parts(z):
 
 def _rows(ref, rows, c0, cw):
   return ref[rows, pl_ds(c0, cw)].astype(_f32)
-
 
 
 def _fwd_kernel(y_ref, z_ref, w_ref, o_ref, *, n, eps):
@@ -115,7 +112,8 @@ def _bwd_kernel(y_ref, z_ref, w_ref, do_ref, dy_ref, dz_ref, dw_ref, *, n, eps, 
       dh_RxW = _rows(do_ref, rs, c0, cw) * w_1xW
       ss_Rx1 = ss_Rx1 + jnp.sum(g_RxW * g_RxW, axis=1, keepdims=True)
       dot_Rx1 = dot_Rx1 + jnp.sum(dh_RxW * g_RxW, axis=1, keepdims=True)
-      ys.append(y_RxW), zs.append(z_RxW), gs.append(g_RxW), dhs.append(dh_RxW)
+      for keep, t in ((ys, y_RxW), (zs, z_RxW), (gs, g_RxW), (dhs, dh_RxW)):
+        keep.append(t)
     r_Rx1 = lax.rsqrt(ss_Rx1 / n + eps)
     coef_Rx1 = r_Rx1 * r_Rx1 * r_Rx1 * (dot_Rx1 / n)
     out = []
@@ -125,7 +123,7 @@ def _bwd_kernel(y_ref, z_ref, w_ref, do_ref, dy_ref, dz_ref, dw_ref, *, n, eps, 
       s_RxW, sig_RxW = _silu_parts(z_RxW)
       dy_ref[rs, cols] = (dg_RxW * s_RxW).astype(dy_ref.dtype)
       dz_ref[rs, cols] = (dg_RxW * y_RxW * sig_RxW * (1 + z_RxW * (1 - sig_RxW))).astype(dz_ref.dtype)
-      # dout g r = dh g r / w, without dividing: dout is reloaded (an L1 hit)
+      # dout g r, not dh g r / w (no division): dout is read again, from cache (these rows were just read)
       out.append(acc_W + jnp.sum(_rows(do_ref, rs, c0, cw) * g_RxW * r_Rx1, axis=0))
     return tuple(out)
 
