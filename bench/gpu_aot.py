@@ -229,6 +229,8 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
                    (qa, qb), 3 * kern)
   if what == "ssd":
     return ssd_program(shape, impl, sharding)
+  if what == "gated_norm":
+    return gated_norm_program(shape, impl, sharding)
   raise ValueError(f"unknown op {what!r}")
 
 
@@ -254,6 +256,29 @@ def ssd_program(shape, impl: str, sharding, chunk_size: int = 256) -> Program:
   args = tuple(_spec(s, f32, sharding) for s in ((b, l, h, p), (b, l, h), (h,), (b, l, g, n), (b, l, g, n),
                                                  (h,), (b, l, h, p)))
   return Program(f"ssd_{impl}", fn, args, len(ssd_pallas.KERNEL_NAMES) + 1 if impl == "pallas" else 0)
+
+
+GATED_NORM_12B_MIXER = (1, 8192, 8, 1280)   # B, L, G, R P of one 12B Mamba-2 mixer per GPU
+
+
+def gated_norm_program(shape, impl: str, sharding) -> Program:
+  """The mixer's gated RMSNorm (``models.gated_norm.gated_norm``) forward and backward as the mixer calls
+  it (float32 y from the scan, bf16 z from in_proj, float32 scale, bf16 out), for a cotangent input:
+  out, dy, dz, dscale. ``shape``: (B, L, G, RP)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from models import gated_norm   # pylint: disable=import-outside-toplevel
+  b, l, g, rp = shape or GATED_NORM_12B_MIXER
+
+  def fn(y, z, w, dout):
+    out, vjp = jax.vjp(lambda y, z, w: gated_norm.gated_norm(y, z, w, eps=1e-5, out_dtype=jnp.bfloat16,
+                                                             impl=impl), y, z, w)
+    return (out, *vjp(dout))
+
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  args = (_spec((b, l, g, rp), f32, sharding), _spec((b, l, g, rp), bf16, sharding),
+          _spec((g, rp), f32, sharding), _spec((b, l, g, rp), bf16, sharding))
+  return Program(f"gated_norm_{impl}", fn, args, len(gated_norm.KERNEL_NAMES) if impl == "pallas" else 0)
 
 
 def dot_program(recipe: str, shape, sharding) -> Program:
@@ -435,11 +460,11 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | dequantize | scaled_matmul | mixed_matmul | ssd | dot | step | kernels | ops | dots "
+                      "quantize_rht_t_sr | dequantize | scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each), B,L,H,P,G,N for ssd "
-                      "(default the 12B mixer's).")
+                      "and B,L,G,RP for gated_norm (default the 12B mixer's).")
   flags.DEFINE_string("fmt", "nvfp4", "nvfp4 | mxfp4 (ops).")
   flags.DEFINE_enum("impl", "auto", ("auto", "xla", "pallas", "native"),
                     "auto: every default decided for --target as a GPU process decides it (fp4jax.target: "
@@ -504,7 +529,7 @@ def main(argv):
     results, twin, mesh = _step(F, devices)
   else:
     shape = shape or {"scaled_matmul": (8192, 8192, 8192), "mixed_matmul": (8192, 8192, 8192),
-                      "ssd": None}.get(F.what, (8192, 8192))
+                      "ssd": None, "gated_norm": None}.get(F.what, (8192, 8192))
     if F.impl == "native":
       raise ValueError("--impl native is a GEMM backend (--what dot or step); ops take auto, xla or pallas")
     results.append(_compiled(F, op_program(F.what, shape, F.fmt, None if F.impl == "auto" else F.impl,

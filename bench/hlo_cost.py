@@ -17,7 +17,7 @@ integer constant):
   bytes are its operands and outputs;
 - fp4jax's mixed-input GEMM kernel (``mixed_gemm_shape``: M, N, K in its name) as a bf16 GEMM, its
   bytes the packed operands, scales and output it reads and writes;
-- a Pallas kernel that declares its FLOPs in its name (``declared_flops``: the SSD kernels) at
+- a Pallas kernel that declares its FLOPs in its name (``declared_flops``: the SSD and gated-norm kernels) at
   max(flops / the TF32 or float32 peak it declares, bytes / HBM bandwidth);
 - integer work, when ``peaks`` has an "int" rate (ops/s; ``gpu_aot.py --int_ops``): a fusion's integer
   elementwise ops (add, xor, shifts, ... on integer arrays, one op per element: the threefry hash of
@@ -536,7 +536,8 @@ def declared_int_ops(ins: Instr) -> int:
 
 def declared_flops(ins: Instr) -> tuple[int, bool]:
   """(FLOPs, at IEEE float32) a Pallas kernel declares in its name, ``<name>_<tf32|ieee>_<n>flop``
-  (models.ssd_pallas's SSD kernels: an analytic count from their shapes, ``ssd_pallas.kernel_flops``);
+  (models.ssd_pallas's SSD kernels and models.gated_norm's: an analytic count from their shapes, their
+  modules' ``kernel_flops``);
   (0, False) when it declares none. The name is the carrier because the Triton backend drops
   ``pl.CostEstimate``."""
   m = _DECLARED_FLOPS.search(ins.op_name) if ins.opcode == "custom-call" else None

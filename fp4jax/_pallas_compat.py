@@ -66,6 +66,12 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool
                         compiler_params=params)
 
 
+def by_platform(call):
+  """``call(interpret)`` chosen by the platform the program is lowered for (a deviceless CUDA compile
+  included): the compiled kernel (interpret=False) for CUDA, the interpreter elsewhere."""
+  return lambda *args: jax.lax.platform_dependent(*args, cuda=call(False), default=call(True))
+
+
 def precise_div(a, b, *, interpret: bool):
   """a / b rounded to nearest even (IEEE), elementwise float32, inside a kernel.
 

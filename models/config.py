@@ -49,6 +49,9 @@ class ModelConfig:
   # The SSD scan: "xla" (models.ssd.ssd_chunked), "pallas" (models.ssd_pallas, the GPU kernels; the
   # Pallas interpreter on a CPU), "auto" (fp4jax.primitives.impl's recorded rule: "xla" until a device run).
   ssd_impl: str = "auto"
+  # The gated RMSNorm after the scan: "xla" (models.gated_norm.gated_norm_reference), "pallas" (its forward
+  # and backward kernels; the interpreter on a CPU), "auto" (the same recorded rule as ssd_impl's).
+  gate_norm_impl: str = "auto"
   # The gradient of the conv + SiLU (models.mamba2.conv1d_silu): "autodiff" (jax's), "recompute" (a custom_vjp
   # that keeps only the conv's inputs; other last bits; opt-in: predicted slower for the 12B, docs/PERF.md).
   conv_vjp: str = "autodiff"
@@ -127,6 +130,8 @@ class ModelConfig:
       raise ValueError(f"attention_impl={self.attention_impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
     if self.ssd_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"ssd_impl={self.ssd_impl!r}; use 'auto', 'xla' or 'pallas'")
+    if self.gate_norm_impl not in ("auto", "xla", "pallas"):
+      raise ValueError(f"gate_norm_impl={self.gate_norm_impl!r}; use 'auto', 'xla' or 'pallas'")
     if self.conv_vjp not in ("autodiff", "recompute"):
       raise ValueError(f"conv_vjp={self.conv_vjp!r}; use 'autodiff' or 'recompute'")
     if self.attention_block <= 0:

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import remat, scopes, ssd, ssd_pallas
+from models import gated_norm, remat, scopes, ssd, ssd_pallas
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -186,9 +186,9 @@ class Mamba2(nn.Module):
 
     # Gated RMSNorm, normalized per group so tensor-parallel shards of whole groups need no reduction.
     norm_scale_GxRP = param("norm_scale", nn.initializers.ones, (H * P,), ("ssm_inner",)).reshape(G, R * P)
-    with scopes.part("mamba2_gate_norm"):
-      g_BxLxGxRP = y_BxLxHxP.reshape(B, L, G, R * P) * jax.nn.silu(z_BxLxGxRP.astype(f32))
-      g_BxLxGxRP = g_BxLxGxRP * jax.lax.rsqrt(jnp.mean(jnp.square(g_BxLxGxRP), -1, keepdims=True) + cfg.norm_eps)
-      g_BxLxI = (g_BxLxGxRP * norm_scale_GxRP.astype(f32)).reshape(B, L, H * P).astype(cfg.dtype)
+    with scopes.part("mamba2_gate_norm"):   # models.gated_norm: its twin, or the kernels (cfg.gate_norm_impl)
+      g_BxLxI = gated_norm.gated_norm(y_BxLxHxP.reshape(B, L, G, R * P), z_BxLxGxRP, norm_scale_GxRP,
+                                      eps=cfg.norm_eps, out_dtype=cfg.dtype,
+                                      impl=cfg.gate_norm_impl).reshape(B, L, H * P)
     return linear(self, "out_proj", D, ("ssm_inner", "embed"), config=cfg, recipe=self.recipe,
                   std=residual_std(cfg))(g_BxLxI)

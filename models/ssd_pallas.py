@@ -204,11 +204,7 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, 
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
       name=f"models_{name}_{tiles.precision}_{flops}flop", num_warps=tiles.num_warps,
       num_stages=tiles.num_stages)
-  if interpret is not None:
-    return call(interpret)
-  # None: decided by the platform the program is lowered for (a deviceless CUDA compile included):
-  # the compiled kernel for CUDA, the interpreter elsewhere.
-  return lambda *args: lax.platform_dependent(*args, cuda=call(False), default=call(True))
+  return call(interpret) if interpret is not None else plc.by_platform(call)   # None: by the platform
 
 
 def _sequential_specs(B, Lp, H, P, N, R, Q, Pb):
@@ -319,14 +315,14 @@ _ssd_core.defvjp(_ssd_fwd, _ssd_bwd)
 
 # ------------------------------------------------------------------------------- partitioning
 
-def partition_specs(B: int, H: int, G: int):
-  """(in_specs, out_specs) of the kernels' ``shard_map`` under the mesh being traced for, or None (no
-  mesh, one device, nothing to split). A pallas_call does not partition itself: under jit with sharded
-  inputs XLA would gather every operand onto each device. So each device runs the kernels on its
-  shard: the batch over the mesh axes of the logical axis "activation_batch", the heads (and with
-  them the groups, whose B and C the heads share) over those of "activation_ssm_heads", by the flax
-  rules in force (training.sharding.LOGICAL_RULES). An axis whose size does not divide B (or H and G)
-  is not split, and the sequence never is (every chunk needs the state of the one before)."""
+def mesh_split(B: int, H: int, G: int):
+  """(batch axes, head axes) to split a model kernel's operands over under the mesh being traced for, or
+  None (no mesh, one device, nothing to split). A pallas_call does not partition itself: under jit with
+  sharded inputs XLA would gather every operand onto each device. So each device runs the kernels on its
+  shard: the batch over the mesh axes of the logical axis "activation_batch", the heads (and with them
+  the groups, whose B and C the heads share) over those of "activation_ssm_heads", by the flax rules in
+  force (training.sharding.LOGICAL_RULES). An axis whose size does not divide B (or H and G) is not split
+  (None in its place)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return None
@@ -340,8 +336,16 @@ def partition_specs(B: int, H: int, G: int):
     return None if n == 1 or any(size % n for size in sizes) else (names[0] if len(names) == 1 else names)
 
   bat, hd = fit(batch, B), fit(heads, H, G)
-  if bat is None and hd is None:
+  return None if bat is None and hd is None else (bat, hd)
+
+
+def partition_specs(B: int, H: int, G: int):
+  """(in_specs, out_specs) of the SSD kernels' ``shard_map``, split by ``mesh_split``, or None. The
+  sequence is never split (every chunk needs the state of the one before)."""
+  split = mesh_split(B, H, G)
+  if split is None:
     return None
+  bat, hd = split
   spec = jax.sharding.PartitionSpec
   x, t, st = spec(bat, None, hd, None), spec(bat, None, hd), spec(bat, hd, None, None)
   return (x, t, t, x, x, spec(hd), st), (x, st)

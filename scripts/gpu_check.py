@@ -17,7 +17,9 @@ each NVFP4-family pair against the XLA path on the device, bit for bit on exactl
 by relative error at the timing size, timed against the bf16 GEMM; and value_and_grad of fp4jax.dot
 native vs bf16), which print "skipped: not Blackwell" elsewhere; then times one train step of the small
 config in bf16 and in nvfp4 (default impl, then every kernel forced); before those, the Mamba-2
-SSD forward+backward at the 12B mixer's shape, XLA path then the Pallas kernels (models.ssd_pallas). Beside each measured time stands the cost model's prediction for the same compiled
+SSD forward+backward and the gated RMSNorm forward+backward at the 12B mixer's shape, XLA path then the
+Pallas kernels (models.ssd_pallas, models.gated_norm). Beside each measured time stands the cost model's
+prediction for the same compiled
 executable (bench/hlo_cost.py on its HLO, the derated peaks of bench/gpu_aot.py for the device's
 kind), so the first device run tests the model too. Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
 $OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
@@ -85,7 +87,7 @@ REHEARSE_SIZES = Sizes(256, 256, (64, 128), (64, 64, 256), 1, "tiny", (("pattern
 
 @dataclasses.dataclass
 class Row:
-  section: str             # "yardstick" | "quantize" | "matmul" | "native" | "ssd" | "train"
+  section: str             # "yardstick" | "quantize" | "matmul" | "native" | "ssd" | "gated_norm" | "train"
   name: str
   impl: str                # "xla" | "pallas" | "native" | "default"
   shape: str
@@ -553,7 +555,6 @@ def ssd_rows(report: Report):
           -jnp.exp(jax.random.uniform(k[2], (H,), minval=0.0, maxval=2.5)),
           jax.random.normal(k[3], (B, L, G, N)) / np.sqrt(N), jax.random.normal(k[4], (B, L, G, N)) / np.sqrt(N),
           jax.random.normal(k[5], (H,)), jax.random.normal(k[6], (B, L, H, P)))
-  outputs = {}
 
   def fn_of(impl):
     def fn(x, dt, a, b, c, d, dy):
@@ -562,8 +563,42 @@ def ssd_rows(report: Report):
       return (y, *vjp(dy))
     return jax.jit(fn)
 
+  _kernel_vs_xla_rows(report, "ssd", "ssd fwd+bwd (+D x)", "x".join(map(str, (L, H, P, G, N))), fn_of, args,
+                      SSD_OUTPUTS, SSD_TOL, s)
+
+
+# The mixer's gated RMSNorm forward+backward (models.gated_norm.gated_norm: out, then dy, dz, dscale) at the
+# 12B mixer's shape (B, L, G, R P): float32 y, bf16 z, bf16 out as the mixer runs it. Both paths compute in
+# float32 and differ in the order of the row sums (and the rsqrt), so the same SSD_TOL of the largest
+# magnitude is far above their difference (bf16 rounding of out and dz, 2^-8) and far below a wrong term.
+GATED_NORM_SHAPES = {False: (1, 8192, 8, 1280), True: (2, 21, 2, 24)}
+GATED_NORM_OUTPUTS = ("out", "dy", "dz", "dscale")
+
+
+def gated_norm_rows(report: Report):
+  from models import gated_norm   # pylint: disable=g-import-not-at-top
+  B, L, G, RP = GATED_NORM_SHAPES[report.rehearse]
+  k = jax.random.split(jax.random.key(4), 4)
+  args = (jax.random.normal(k[0], (B, L, G, RP)), jax.random.normal(k[1], (B, L, G, RP)).astype(jnp.bfloat16),
+          1.0 + 0.1 * jax.random.normal(k[2], (G, RP)), jax.random.normal(k[3], (B, L, G, RP)).astype(jnp.bfloat16))
+
+  def fn_of(impl):
+    def fn(y, z, w, dout):
+      f = lambda y, z, w: gated_norm.gated_norm(y, z, w, eps=1e-5, out_dtype=jnp.bfloat16, impl=impl)
+      out, vjp = jax.vjp(f, y, z, w)
+      return tuple(t.astype(jnp.float32) for t in (out, *vjp(dout)))
+    return jax.jit(fn)
+
+  _kernel_vs_xla_rows(report, "gated_norm", "gated norm fwd+bwd", "x".join(map(str, (L, G, RP))), fn_of, args,
+                      GATED_NORM_OUTPUTS, SSD_TOL, report.sizes)
+
+
+def _kernel_vs_xla_rows(report: Report, section, name, shape, fn_of, args, outputs_named, tol, s):
+  """Two rows: ``fn_of("xla")`` (finite outputs), then ``fn_of("pallas")`` within ``tol`` x each output's
+  largest magnitude on the XLA path, both timed; the kernel's ratio is the XLA time / its own."""
+  outputs = {}
   for impl in ("xla", "pallas"):
-    row = Row("ssd", "ssd fwd+bwd (+D x)", impl, "x".join(map(str, (L, H, P, G, N))))
+    row = Row(section, name, impl, shape)
     row.target = "kernel within tol, faster" if impl == "pallas" else ""
 
     def work(row, impl=impl):
@@ -578,8 +613,8 @@ def ssd_rows(report: Report):
           errs = [float(jnp.max(jnp.abs(o - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
                   for o, r in zip(out, outputs["xla"])]
           worst = int(np.argmax(errs))
-          row.exact = f"vs XLA: {SSD_OUTPUTS[worst]} {errs[worst]:.1e} (tol {SSD_TOL:.0e})"
-          if not np.isfinite(errs[worst]) or errs[worst] > SSD_TOL:
+          row.exact = f"vs XLA: {outputs_named[worst]} {errs[worst]:.1e} (tol {tol:.0e})"
+          if not np.isfinite(errs[worst]) or errs[worst] > tol:
             row.status = "MISMATCH"
       else:
         finite = all(bool(jnp.isfinite(o).all()) for o in out)
@@ -624,12 +659,13 @@ def verdicts(rows):
     verdict = "confirms" if r.status == "ok" and r.ratio <= TARGETS["native_dot"] else "revokes"
     lines.append(f"dot nvfp4 native: {r.status}, {r.ratio:.2f}x the bf16 dot -> {verdict} impl=None = native "
                  "on cc 10.x (fp4jax.primitives.impl.NATIVE_DEFAULTS)")
-  r, x = by.get(("ssd fwd+bwd (+D x)", "pallas")), by.get(("ssd fwd+bwd (+D x)", "xla"))
-  if r and x and r.ms and x.ms:
-    ok = r.status == "ok" and x.ms > r.ms
-    lines.append(f"kernel ssd: {r.status} ({r.exact}), {x.ms / r.ms:.2f}x the XLA path"
-                 + (f" -> candidate: fp4jax.primitives.impl.VERIFIED_MODEL_KERNELS['ssd'] = Evidence(...)"
-                    if ok else " -> stays impl='xla'"))
+  for op, row_name in (("ssd", "ssd fwd+bwd (+D x)"), ("gated_norm", "gated norm fwd+bwd")):
+    r, x = by.get((row_name, "pallas")), by.get((row_name, "xla"))
+    if r and x and r.ms and x.ms:
+      ok = r.status == "ok" and x.ms > r.ms
+      lines.append(f"kernel {op}: {r.status} ({r.exact}), {x.ms / r.ms:.2f}x the XLA path"
+                   + (f" -> candidate: fp4jax.primitives.impl.VERIFIED_MODEL_KERNELS['{op}'] = Evidence(...)"
+                      if ok else " -> stays impl='xla'"))
   r = by.get(("train step nvfp4", "default"))
   if r and r.ratio is not None:
     lines.append(f"target small nvfp4 step: {r.ratio:.2f}x the bf16 step (target <= {TARGETS['step']:.2f}) "
@@ -765,6 +801,7 @@ def main(argv=None) -> int:
   matmul_rows(report, "pallas", bf16_tflops, xla_matmul)
   native_rows(report, bf16_tflops, {})
   ssd_rows(report)
+  gated_norm_rows(report)
   train_rows(report)
   write_report(report, env)
   failed = [r for r in report.rows if r.status in ("ERROR", "MISMATCH")]

@@ -1,4 +1,4 @@
-"""The Pallas SSD kernels (models/ssd_pallas.py) compile for sm_90 (H200) and sm_100 (B200) on a machine
+"""The Pallas SSD kernels (models/ssd_pallas.py) and the gated RMSNorm's (models/gated_norm.py) compile for sm_90 (H200) and sm_100 (B200) on a machine
 without a GPU, forward and backward, through XLA's Triton pipeline, LLVM and ptxas; and the cost model
 charges their custom calls by the FLOPs their names declare.
 
@@ -9,7 +9,7 @@ about 10 s.
 import pytest
 
 from bench import hlo_cost
-from models import ssd_pallas
+from models import gated_norm, ssd_pallas
 from test_gpu_aot import KERNEL_BUDGET_S, RSS_BUDGET_GIB, _check, _gpu_aot, needs_plugin
 
 SHAPE = "1,512,16,64,2,128"   # B, L, H, P, G, N
@@ -29,6 +29,27 @@ def test_ssd_kernels_compile_forward_and_backward(tmp_path, target):
   C = ssd_pallas.DEFAULT_TILES.chunk
   want = sum(ssd_pallas.kernel_flops(k, B, L, H, P, G, N, C)
              for k in ("ssd_states", "ssd_scan", "ssd_states", "ssd_dstates", "ssd_dchunk"))
+  assert sum(o["flops"] * o["count"] for o in kernels) == want
+
+
+
+GATED_NORM_SHAPE = "1,200,2,1280"   # B, L, G, RP: the 12B's row width, a token count no tile divides
+
+
+@needs_plugin
+@pytest.mark.slow   # the Triton lowering of both kernels is checked by default (tests/test_models_gated_norm.py)
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_gated_norm_kernels_compile_forward_and_backward(tmp_path, target):
+  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "gated_norm", "--impl", "pallas", "--shape",
+                          GATED_NORM_SHAPE, f"--budget_s={KERNEL_BUDGET_S}", f"--budget_gib={RSS_BUDGET_GIB}")
+  _check(proc, report, KERNEL_BUDGET_S)
+  (r,) = report["results"]
+  assert r["kernels"] == 2   # the forward, the backward
+  kernels = r["cost"]["flop_kernels"]
+  assert len(kernels) == 2 and all(o["ms"] > 0 for o in kernels)
+  B, L, G, RP = map(int, GATED_NORM_SHAPE.split(","))
+  # the backward runs on the tokens padded to its tiles (224 of the 200: 7 programs of 32)
+  want = gated_norm.kernel_flops("gated_norm_fwd", 200, G, RP) + gated_norm.kernel_flops("gated_norm_bwd", 224, G, RP)
   assert sum(o["flops"] * o["count"] for o in kernels) == want
 
 

@@ -63,7 +63,7 @@ def test_rehearsal_runs_every_row(tmp_path):
   keys = [(r["section"], r["name"], r["impl"]) for r in rows]
   assert [k[0] for k in keys] == (["yardstick"] * 2 + ["quantize"] * 5 + ["matmul"] * 3
                                   + ["quantize"] * 5 + ["matmul"] * 3 + ["native"] * 7 + ["ssd"] * 2
-                                  + ["train"] * 3)
+                                  + ["gated_norm"] * 2 + ["train"] * 3)
   assert [k[2] for k in keys[2:10]] == ["xla"] * 8 and [k[2] for k in keys[10:18]] == ["pallas"] * 8
   for r in rows[2:18]:                     # every kernel and XLA composition checked bit for bit
     assert "==" in r["exact"] and r["ms"] > 0, r
@@ -77,9 +77,13 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert (ssd_xla["impl"], ssd_kernel["impl"]) == ("xla", "pallas") and ssd_xla["exact"] == "finite"
   assert ssd_kernel["exact"].startswith("vs XLA: ") and ssd_kernel["ratio"] > 0
   assert any(v.startswith("kernel ssd: ok") for v in report["verdicts"])
-  assert [r["name"] for r in rows[27:]] == ["train step bf16", "train step nvfp4",
+  gn_xla, gn_kernel = rows[27:29]          # the gated RMSNorm fwd+bwd: XLA, then the Pallas kernels
+  assert (gn_xla["impl"], gn_kernel["impl"]) == ("xla", "pallas") and gn_xla["exact"] == "finite"
+  assert gn_kernel["exact"].startswith("vs XLA: ") and gn_kernel["ratio"] > 0
+  assert any(v.startswith("kernel gated_norm: ok") for v in report["verdicts"])
+  assert [r["name"] for r in rows[29:]] == ["train step bf16", "train step nvfp4",
                                             "train step nvfp4, kernels forced"]
-  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[27:])
+  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[29:])
   assert all(r["predicted_ms"] > 0 for r in rows), [r["name"] for r in rows if not r["predicted_ms"]]
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
@@ -87,5 +91,6 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert len(proof) == 10 and all(e["verdict"] in ("faster", "slower") for e in proof.values()), proof
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked
   printed = [line.split()[1:3] for line in proc.stdout.splitlines()
-             if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "native", "ssd", "train")]
+             if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "native", "ssd", "gated_norm",
+                                                            "train")]
   assert len(printed) == len(rows)         # each row printed as it finished

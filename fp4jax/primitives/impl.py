@@ -202,13 +202,14 @@ def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | Non
 
 
 # ---------------------------------------------------------------- kernels outside the library
-# Model ops with a Pallas kernel (``models.ssd_pallas``: "ssd", the Mamba-2 SSD forward and backward)
+# Model ops with a Pallas kernel (``models.ssd_pallas``: "ssd", the Mamba-2 SSD forward and backward;
+# ``models.gated_norm``: "gated_norm", the mixer's gated RMSNorm forward and backward)
 # follow the same rule as VERIFIED_KERNELS: the kernel becomes impl=None's choice on a GPU only once
 # scripts/gpu_check.py's rows for it show it within its stated tolerance of the XLA path and faster.
-# Empty: the SSD kernel compiles deviceless for sm_90 and sm_100 (docs/PERF.md, issue 29) but has no
-# device run, so the model runs ``ssd_chunked`` (XLA) everywhere by default.
+# Empty: the SSD and gated-norm kernels compile deviceless for sm_90 and sm_100 (docs/PERF.md, issue 29)
+# but have no device run, so the model runs their XLA twins everywhere by default.
 VERIFIED_MODEL_KERNELS: dict[str, Evidence] = {}
-MODEL_KERNEL_OPS = ("ssd",)
+MODEL_KERNEL_OPS = ("ssd", "gated_norm")
 
 
 def model_kernel_default(op: str) -> str:
