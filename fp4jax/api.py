@@ -267,7 +267,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
 
 @jax.named_scope("fp4jax/quantize_rht_t")   # the op, its amax and layout work, named in profiles
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
-                            bits=None, scale_rule="rceil", impl: str | None = None) -> QTensor:
+                            bits=None, amax=None, scale_rule="rceil", impl: str | None = None) -> QTensor:
   """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
 
   Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T
@@ -275,8 +275,9 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   the output's shape (C, T). T must be a multiple of both ``rht_size`` and the format's block.
   Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"; with "xla" for
   nvfp4, ``kernels.quantize_rht_t.quantize_rht_t_rows``, the reference's bits in a form XLA fuses); the
-  tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``).
-  impl: as for ``quantize``.
+  tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``), unless
+  ``amax`` (nvfp4) gives it: max |RHT(x)|, from a pass that reads x anyway (``rht_amaxes``: fp4jax.dot's
+  fprop and dgrad quantizes), so that this pass reads x once. impl: as for ``quantize``.
   """
   x = as_array(x, "fp4jax.api.quantize_rht_transposed")
   if x.ndim != 2:
@@ -285,7 +286,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
     raise ValueError("the RHT weight-gradient path is for nvfp4 and mxfp4")
   if x.shape[0] % rht_size:
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
-  _validate(x.T, fmt, -1, None, rounding, key, bits, None, scale_rule, "block")
+  _validate(x.T, fmt, -1, None, rounding, key, bits, amax, scale_rule, "block")
   impl = primitives.resolve_impl(impl, fmt, "quantize_rht_t")
   if rounding == "stochastic" and bits is None:
     # With the kernel, its own bits (hashed from the key, none in HBM); else drawn here.
@@ -293,7 +294,9 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
     if bits is None:
       bits = random_bits.bits(key, x.T.shape, jnp.uint8)
   hadamard.signs(rht_size, rht_seed)   # validates rht_size
-  amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed, one_pass=True) if fmt == "nvfp4" else None
+  if fmt == "nvfp4":
+    amax = (rht_amax(x, rht_size=rht_size, rht_seed=rht_seed, one_pass=True) if amax is None
+            else jnp.asarray(amax, jnp.float32).reshape(()))
   data, scale = primitives.quantize_rht_t(
       x, jnp.zeros((), jnp.float32) if amax is None else amax, bits, fmt=fmt, rht_size=rht_size,
       rht_seed=rht_seed, scale_rule=scale_rule, impl=impl)

@@ -36,6 +36,7 @@ from jax import lax
 from fp4jax import _exact, formats, random_bits
 from fp4jax.numerics import dbq, e2m1, eden, four_over_six as fos, hadamard, mxfp8
 from fp4jax.api import quantize, quantize_rht_transposed
+from fp4jax.kernels import quantize_rht_t as rht_t
 from fp4jax.qtensor import QTensor
 
 TRANSPOSED = "fprop tiles, transposed"   # Roles.dgrad_w: dgrad reads the fprop weight tiles (spec §2)
@@ -106,15 +107,18 @@ class Quantizer:
     """Whether ``quantize_t`` is the fused RHT-and-transpose primitive (the paper's wgrad)."""
     return signs is None and bool(self.rht_size) and self.four_over_six is None and self.fmt in formats.FP4
 
-  def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
-    """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
+  def quantize_t(self, t_TxC, key=None, signs=None, amax=None) -> QTensor:
+    """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens). ``amax``: the tensor amax
+    of the transformed tᵀ to use instead of its own (``shared_amaxes``)."""
     if self._fused_t(signs):
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
+      if amax is not None:
+        kw["amax"] = amax
       return quantize_rht_transposed(_exact.stored(t_TxC), self.fmt, rht_size=self.rht_size,
                                      rht_seed=self.rht_seed, rounding=rounding,
                                      key=key if self.stochastic else None, **kw)
-    return self._quantize(self.prepare_t(t_TxC, signs), key)
+    return self._quantize(self.prepare_t(t_TxC, signs), key, amax)
 
   def prepare_t(self, t_TxC, signs=None):
     """What ``quantize_t`` quantizes: tᵀ (C, T) after the transform along T, in its order (the fused
@@ -166,6 +170,24 @@ class Quantizer:
       scale = lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
       return QTensor(q.data, scale, None, fmt, -1, block, None, t.dtype)
     raise ValueError(f"no quantizer for fmt={fmt!r}")
+
+
+def _plain_nvfp4(q) -> bool:
+  """An NVFP4 quantizer whose tensor amax is max |t| of what it quantizes (no 4/6, not row-scaled)."""
+  return isinstance(q, Quantizer) and q.fmt == "nvfp4" and q.four_over_six is None and not q.row_scaled
+
+
+def shared_amaxes(q_rows, q_tokens, t_TxC):
+  """(amax of ``q_rows(t)``, amax of ``q_tokens.quantize_t(t)``) from one read of t (T, C), or (None, None)
+  where the two cannot share it: the tensor amaxes of one operand's 1x16 quantize along C and its RHT
+  quantize along the tokens (fprop x and wgrad x; dgrad dy and wgrad dy), each bit for bit what the
+  quantizer would take itself (``kernels.quantize_rht_t.rht_amaxes``), so that the wgrad pass reads its
+  operand once. Shared when q_rows is plain NVFP4 with no transform of its own, q_tokens the fused
+  NVFP4 RHT quantize (``_fused_t``; no random signs), and T a multiple of the RHT size <= 32."""
+  if not (_plain_nvfp4(q_rows) and not q_rows.rht_size and _plain_nvfp4(q_tokens) and q_tokens._fused_t(None)
+          and t_TxC.ndim == 2 and rht_t.shares_amaxes(t_TxC.shape, q_tokens.rht_size)):
+    return None, None
+  return rht_t.rht_amaxes(_exact.stored(t_TxC), rht_size=q_tokens.rht_size, rht_seed=q_tokens.rht_seed)
 
 
 @dataclasses.dataclass(frozen=True)
