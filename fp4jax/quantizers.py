@@ -83,6 +83,8 @@ class Quantizer:
     """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first. ``amax``: the
     tensor amax of the transformed t to use instead of its own (nvfp4, nvfp4_eden; fp4jax.grouped passes
     an expert's amax to each piece of it). ``key`` may be a ``random_bits.Window``."""
+    if signs is None and not self.rht_size:   # no transform: t goes to the quantize as it is, read as stored
+      return self._quantize(t_RxC, key, amax, stored=True)
     return self._quantize(self.prepare(t_RxC, signs), key, amax)
 
   def prepare(self, t_RxC, signs=None):
@@ -115,9 +117,8 @@ class Quantizer:
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
       if amax is not None:
         kw["amax"] = amax
-      return quantize_rht_transposed(_exact.stored(t_TxC), self.fmt, rht_size=self.rht_size,
-                                     rht_seed=self.rht_seed, rounding=rounding,
-                                     key=key if self.stochastic else None, **kw)
+      return quantize_rht_transposed(t_TxC, self.fmt, rht_size=self.rht_size, rht_seed=self.rht_seed,
+                                     rounding=rounding, key=key if self.stochastic else None, stored=True, **kw)
     return self._quantize(self.prepare_t(t_TxC, signs), key, amax)
 
   def prepare_t(self, t_TxC, signs=None):
@@ -135,22 +136,27 @@ class Quantizer:
     transform (fp4jax.grouped quantizes each expert's pieces of a tensor, with the expert's ``amax``)."""
     return self._quantize(t_RxC, key, amax)
 
-  def _quantize(self, t, key, amax=None):
+  def _quantize(self, t, key, amax=None, stored=False):
+    """t quantized along its last axis; ``stored``: t is read as its dtype stores it (``_exact.stored``) here,
+    where the plain formats' ``api.quantize`` does it itself (only its XLA side: a kernel's operand is read from
+    memory, so no rounded copy of t is written for it, docs/DESIGN.md)."""
     fmt = self.fmt
     if amax is not None and not self.has_tensor_amax:
       raise ValueError(f"Quantizer(fmt={fmt!r}, row_scaled={self.row_scaled}) has no tensor amax to replace")
     if self.row_scaled:   # each row its own tensor: the second level is amax_row (R,)
       plain = dataclasses.replace(self, row_scaled=False)
       if not self.stochastic:
-        return jax.vmap(lambda row: plain._quantize(row, None))(t)
-      return jax.vmap(plain._quantize)(t, jax.random.split(key, t.shape[0]))   # one key per row
+        return jax.vmap(lambda row: plain._quantize(row, None, stored=stored))(t)
+      return jax.vmap(lambda row, k: plain._quantize(row, k, stored=stored))(   # one key per row
+          t, jax.random.split(key, t.shape[0]))
     if fmt in formats.NAMES and self.four_over_six is None:
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if fmt == "mxfp4" else {}
       if amax is not None:
         kw["amax"] = amax
       return quantize(t, fmt, axis=-1, tile=formats.TILE[fmt] if self.tiled else None, rounding=rounding,
-                      key=key if self.stochastic else None, **kw)
+                      key=key if self.stochastic else None, stored=stored, **kw)
+    t = _exact.stored(t) if stored else t
     t32 = t.astype(jnp.float32)
     block = None if self.tiled else formats.BLOCK[fmt]
     tile = formats.TILE[fmt] if self.tiled else None
