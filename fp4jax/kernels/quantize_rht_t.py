@@ -209,7 +209,7 @@ def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
   operands: the elementwise maximum of |x| over the n token rows of each chunk, and ``rht_amax``'s
   maximum of |y| over the n rows of the transform (``_rht_rows``, the same float32 ops). Max is exact
   in any order, so each amax is ``nvfp4.tensor_amax(x)`` and ``rht_amax(x, one_pass=True)`` bit for bit,
-  with one difference in tensor_amax's favour of the NaN policy: a NaN in x makes both NaN, where
+  with one difference, in favour of the NaN policy: a NaN in x makes both NaN, where
   XLA CPU's vectorized ``jnp.max(|x|)`` can lose it for some shapes (tests/test_gpu_aot_cuts.py). T must
   be a multiple of n <= 32 (``shares_amaxes``)."""
   if not shares_amaxes(x_TxC.shape, rht_size):
