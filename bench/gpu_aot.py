@@ -81,6 +81,11 @@ COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
 _INT_OPS = {"h100": 132 * 64 * 1.98e9, "h200": 132 * 64 * 1.98e9, "b200": 148 * 64 * 1.98e9}
 
 
+INT_OPS_HELP = ("charge integer work too (hlo_cost: fusions' integer elementwise ops, e.g. jax.random.bits's "
+                "threefry, and the ops a kernel declares, e.g. the quantize kernels that hash their SR bits) at 64 "
+                "int32 ops per SM per clock; off: bytes only (integer ops counted and printed, not charged).")
+
+
 def peaks(target: str, which: str = "derated", int_ops: bool = False) -> dict:
   """The cost model's rates; ``int_ops``: also the integer rate ("int"), so that hlo_cost charges integer
   work (fusions' integer ops, kernels' declared ones) and not only bytes."""
@@ -483,10 +488,7 @@ def _flags():
                     "or 'all') count as proved exact and faster on --target, as the on-device proof "
                     "(fp4jax.proof) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
-  flags.DEFINE_boolean("int_ops", False, "charge integer work too (hlo_cost: fusions' integer elementwise "
-                       "ops, e.g. jax.random.bits's threefry, and the ops a kernel declares, e.g. the quantize "
-                       "kernels that hash their SR bits) at 64 int32 ops per SM per clock; off: bytes only "
-                       "(integer ops counted and printed, not charged).")
+  flags.DEFINE_boolean("int_ops", False, INT_OPS_HELP)
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS

@@ -8,7 +8,8 @@ GEMM's implementation per compile: "xla" (FP4JAX_DEFAULT_IMPL=xla: ``lax.ragged_
 GEMM padded to S) or "native:T" (tiles of T rows). Prints, per recipe and plan, whether it compiled, the
 compile seconds, XLA's per-device temp memory, how XLA lowered the grouped GEMMs (block-scaled cuDNN calls /
 ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/hlo_cost.py's
-prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP and the bytes of the non-GEMM ops. Uses
+prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP, the bytes of the non-GEMM ops and the
+integer ops (charged at the int32 rate with ``--int_ops``, as in bench/gpu_aot.py). Uses
 bench/gpu_aot.py's deviceless topology and compile; one GPU.
 """
 from __future__ import annotations
@@ -35,18 +36,20 @@ def _plan(plan: str):
 
 
 def main() -> int:
+  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser()
   p.add_argument("--target", default="b200")
   p.add_argument("--recipes", default="nvfp4,mxfp4,quartet2,tetrajet2")
   p.add_argument("--shape", default="8,1024,256,512")
   p.add_argument("--plans", default="xla,native")
   p.add_argument("--json", default=None)
+  p.add_argument("--int_ops", action="store_true", help=gpu_aot.INT_OPS_HELP)
   args = p.parse_args()
   from fp4jax import _platform   # pylint: disable=import-outside-toplevel
   _platform.enable_deviceless()
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
-  from bench import gpu_aot, hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench import hlo_cost   # pylint: disable=import-outside-toplevel
   from fp4jax import _native_compat as nc   # pylint: disable=import-outside-toplevel
   from fp4jax import grouped, native   # pylint: disable=import-outside-toplevel
   n_e, s, k, n = (int(v) for v in args.shape.split(","))
@@ -74,10 +77,11 @@ def main() -> int:
                  cublas_gemms=text.count("__cublas$gemm") + text.count("__cublas$lt$matmul"),
                  triton_fusions=text.count("__triton"), dots=text.count(" dot("))
       if text:
-        cost = hlo_cost.analyze(text, gpu_aot.peaks(args.target))
+        cost = hlo_cost.analyze(text, gpu_aot.peaks(args.target, int_ops=args.int_ops))
         res.update(predicted_ms=round(cost["seconds"] * 1e3, 4), gemm_ms=round(cost["gemm_seconds"] * 1e3, 4),
                    gemm_tflop=round(cost["gemm_flops"] / 1e12, 4),
                    other_mb=round(cost["other_bytes"] / 2**20, 1),
+                   int_gops=round(cost["int_ops"] / 1e9, 3), int_ops_charged=cost["int_ops_charged"],
                    gemm_mb=round(sum(o["bytes"] * o["count"] for o in cost["ops"] if o["kind"] == "gemm") / 2**20, 1))
       out.append(res)
       print(json.dumps({k_: v for k_, v in res.items() if k_ != "error"} | {"error": (res["error"] or "")[:300]}),

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp4jax import formats, primitives, random_bits
+from fp4jax import _exact, formats, primitives, random_bits
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
@@ -191,7 +191,7 @@ def _is_array(v) -> bool:
 
 @jax.named_scope("fp4jax/quantize")   # the op, its amax and layout work, named in profiles
 def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=None, amax=None,
-             scale_rule="rceil", scaling="block", impl: str | None = None) -> QTensor:
+             scale_rule="rceil", scaling="block", impl: str | None = None, stored: bool = False) -> QTensor:
   """Quantize ``x`` to ``fmt`` ("nvfp4" | "mxfp4" | "fp8").
 
   axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
@@ -203,7 +203,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
     CPU), "xla" (the pure-JAX reference), or None = the kernel only where
     ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
-    fp8 runs the reference directly.
+    fp8 runs the reference directly. stored: quantize x as its dtype stores it (``fp4jax._exact.stored``), even
+    where XLA fuses x's float32 producer and would keep more precision (fp4jax.dot's quantizers set it): the
+    amax and the XLA path read x through it, a compiled kernel reads x from memory, stored already.
   NaN: an NVFP4 tensor with a NaN has a NaN amax, so all its scales are NaN and it dequantizes to NaN;
     an MXFP4 block with a NaN gets the NaN scale byte 0xFF; fp8 stores NaN and ±inf as E4M3's NaN.
   amax=: checked (finite, > 0; 0 only for an all-zero x) when its value is known; under jit it is
@@ -226,16 +228,17 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     if keyed is None:
       bits = random_bits.bits(key, x.shape, jnp.uint8)
   if not kernel_path:
-    return quantize_reference(x, fmt, axis=axis, tile=tile, bits=bits, amax=amax,
-                              scale_rule=scale_rule, scaling=scaling)
+    return quantize_reference(_exact.stored(x) if stored else x, fmt, axis=axis, tile=tile, bits=bits,
+                              amax=amax, scale_rule=scale_rule, scaling=scaling)
   amax_g = None
   if fmt == "nvfp4":
-    amax_g = nvfp4.tensor_amax(x) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
+    amax_g = (nvfp4.tensor_amax(_exact.stored(x) if stored else x) if amax is None
+              else jnp.asarray(amax, jnp.float32).reshape(()))
   prim_amax = jnp.zeros((), jnp.float32) if amax_g is None else amax_g
   x_l = jnp.moveaxis(x, src, -1)
   bits_l = keyed if bits is None else jnp.moveaxis(bits, src, -1)
   data, scale = primitives.quantize_last(x_l, prim_amax, bits_l, fmt=fmt, tiled=tile is not None,
-                                         scale_rule=scale_rule, impl=impl)
+                                         scale_rule=scale_rule, impl=impl, stored=stored)
   data, scale = jnp.moveaxis(data, -1, src), jnp.moveaxis(scale, -1, src)
   data, scale, amax_g = _named_operand(data, scale, amax_g)
   block = None if tile is not None else formats.BLOCK[fmt]
@@ -267,7 +270,8 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
 
 @jax.named_scope("fp4jax/quantize_rht_t")   # the op, its amax and layout work, named in profiles
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
-                            bits=None, scale_rule="rceil", impl: str | None = None) -> QTensor:
+                            bits=None, amax=None, scale_rule="rceil", impl: str | None = None,
+                            stored: bool = False) -> QTensor:
   """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
 
   Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T
@@ -275,8 +279,9 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   the output's shape (C, T). T must be a multiple of both ``rht_size`` and the format's block.
   Runs as the ``fp4jax_quantize_rht_t`` primitive (one fused kernel with impl="pallas"; with "xla" for
   nvfp4, ``kernels.quantize_rht_t.quantize_rht_t_rows``, the reference's bits in a form XLA fuses); the
-  tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``).
-  impl: as for ``quantize``.
+  tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``), unless
+  ``amax`` (nvfp4) gives it: max |RHT(x)|, from a pass that reads x anyway (``rht_amaxes``: fp4jax.dot's
+  fprop and dgrad quantizes), so that this pass reads x once. impl, stored: as for ``quantize``.
   """
   x = as_array(x, "fp4jax.api.quantize_rht_transposed")
   if x.ndim != 2:
@@ -285,7 +290,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
     raise ValueError("the RHT weight-gradient path is for nvfp4 and mxfp4")
   if x.shape[0] % rht_size:
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
-  _validate(x.T, fmt, -1, None, rounding, key, bits, None, scale_rule, "block")
+  _validate(x.T, fmt, -1, None, rounding, key, bits, amax, scale_rule, "block")
   impl = primitives.resolve_impl(impl, fmt, "quantize_rht_t")
   if rounding == "stochastic" and bits is None:
     # With the kernel, its own bits (hashed from the key, none in HBM); else drawn here.
@@ -293,10 +298,12 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
     if bits is None:
       bits = random_bits.bits(key, x.T.shape, jnp.uint8)
   hadamard.signs(rht_size, rht_seed)   # validates rht_size
-  amax = rht_amax(x, rht_size=rht_size, rht_seed=rht_seed, one_pass=True) if fmt == "nvfp4" else None
+  if fmt == "nvfp4":
+    amax = (jnp.asarray(amax, jnp.float32).reshape(()) if amax is not None else
+            rht_amax(_exact.stored(x) if stored else x, rht_size=rht_size, rht_seed=rht_seed, one_pass=True))
   data, scale = primitives.quantize_rht_t(
       x, jnp.zeros((), jnp.float32) if amax is None else amax, bits, fmt=fmt, rht_size=rht_size,
-      rht_seed=rht_seed, scale_rule=scale_rule, impl=impl)
+      rht_seed=rht_seed, scale_rule=scale_rule, impl=impl, stored=stored)
   data, scale, amax = _named_operand(data, scale, amax)
   return QTensor(data, scale, amax, fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(jnp.float32),
                  scale_rule if fmt == "mxfp4" else None)

@@ -39,7 +39,7 @@ from fp4jax.numerics import eden
 from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
-from fp4jax.quantizers import TRANSPOSED, Roles
+from fp4jax.quantizers import TRANSPOSED, Roles, shared_amaxes
 from fp4jax.recipes import as_recipe
 
 MISSING_KEY_MESSAGE = (
@@ -113,11 +113,14 @@ class Dense:
     del groups, m
     return self
 
-  def rows(self, q, t_RxC, key=None, signs=None):        # t (R, C) along C: x, dy
-    return q(t_RxC, key, signs)
+  def rows(self, q, t_RxC, key=None, signs=None, amax=None):    # t (R, C) along C: x, dy
+    return q(t_RxC, key, signs, amax)
 
-  def tokens(self, q, t_TxC, key=None, signs=None):      # tᵀ (C, T) along the tokens T: x, dy of wgrad
-    return q.quantize_t(t_TxC, key, signs)
+  def tokens(self, q, t_TxC, key=None, signs=None, amax=None):  # tᵀ (C, T) along the tokens T: x, dy of wgrad
+    return q.quantize_t(t_TxC, key, signs, amax)
+
+  def amaxes(self, q_rows, q_tokens, t_TxC):             # both tensor amaxes of t from one read of it
+    return shared_amaxes(q_rows, q_tokens, t_TxC)
 
   def weight(self, q, w, key=None, signs=None):          # w along its last axis
     return q(w, key, signs)
@@ -159,12 +162,13 @@ DENSE = Dense()
 
 
 @jax.named_scope("fprop")
-def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN, q_x=None):
+def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN, q_x=None, amax_x=None):
   """y and the fprop-quantized operands (None when fprop runs unquantized). ``q_x``: x already
-  quantized as ``roles.fprop_x`` quantizes it (a ``PreQuantized`` input), used instead of quantizing."""
+  quantized as ``roles.fprop_x`` quantizes it (a ``PreQuantized`` input), used instead of quantizing;
+  ``amax_x``: x's tensor amax, when ``_shared_amaxes`` read it with the wgrad's."""
   if roles.fprop_x is None:
     return ops.exact(x_MxK, w_KxN, "fprop", precision).astype(out_dtype), None, None
-  q_x = ops.rows(roles.fprop_x, x_MxK) if q_x is None else q_x
+  q_x = ops.rows(roles.fprop_x, x_MxK, amax=amax_x) if q_x is None else q_x
   q_wt = ops.weight(roles.fprop_w, ops.transpose(w_KxN))                             # (N, K)
   return ops.gemm(q_x, q_wt, out_dtype), q_x, q_wt
 
@@ -175,9 +179,19 @@ def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x)
   return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN, pre_x)[0]
 
 
+def _shared_amaxes(ops, gemm_name, q_rows, q_tokens, t_TxC):
+  """(amax of the rows quantize, amax of the wgrad's RHT quantize) of one operand (x, dy) from one read of
+  it, or (None, None) (``quantizers.shared_amaxes``): the wgrad pass then reads the operand once. Named as
+  the rows quantize (``gemm_name``: fprop for x, dgrad for dy), the pass whose own amax read it replaces."""
+  with jax.named_scope(gemm_name), jax.named_scope("fp4jax/quantize"):
+    return ops.amaxes(q_rows, q_tokens, t_TxC)
+
+
 def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x):
   ops = layout.bind(groups, x_MxK.shape[0])
-  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN, pre_x)
+  amax_x, amax_xt = (None, None) if pre_x is not None or roles.requantize else _shared_amaxes(
+      ops, "fprop", roles.fprop_x, roles.wgrad_x, x_MxK)
+  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN, pre_x, amax_x)
   if roles.dgrad_dy is None:
     w_dgrad = w_KxN
   elif roles.dgrad_w == TRANSPOSED or roles.requantize:
@@ -190,7 +204,7 @@ def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pr
     elif roles.requantize:
       x_wgrad = x_MxK if q_x is None else q_x
     else:
-      x_wgrad = ops.tokens(roles.wgrad_x, x_MxK)                                     # (K, M) along M
+      x_wgrad = ops.tokens(roles.wgrad_x, x_MxK, amax=amax_xt)                       # (K, M) along M
   res = Residuals(key if roles.needs_key else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype, groups)
   return y_MxN, res
 
@@ -204,6 +218,8 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
       raise ValueError(MISSING_KEY_MESSAGE if roles.key_reason is None else
                        MISSING_KEY_REASON_MESSAGE.format(name=roles.name, why=roles.key_reason))
     key_d, key_w = ops.split(res.key)
+  amax_dy, amax_dyt = (None, None) if roles.requantize or roles.dgrad_rht or roles.wgrad_rht else _shared_amaxes(
+      ops, "dgrad", roles.dgrad_dy, roles.wgrad_dy, dy_MxN)
   # Dgrad dx = dy · wᵀ, contracting N.
   with jax.named_scope("dgrad"):   # inside "fp4jax/dot" (the caller's scope)
     if roles.dgrad_dy is None:
@@ -216,7 +232,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
         q_w = ops.weight_t(roles.dgrad_w, ops.weight_values(res.w_dgrad), k_w, signs)   # ŵ (N, K) -> (K, N)
       else:
         q_w = res.w_dgrad
-      q_dy = ops.rows(roles.dgrad_dy, dy_MxN, k_dy, signs)
+      q_dy = ops.rows(roles.dgrad_dy, dy_MxN, k_dy, signs, amax_dy)
       dx_MxK = ops.gemm(q_dy, q_w, res.x_dtype)
   # Wgrad dw = xᵀ · dy, both operands along the tokens.
   with jax.named_scope("wgrad"):
@@ -228,7 +244,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
         q_xt = ops.tokens(roles.wgrad_x, ops.values(res.x_wgrad), k_x, signs)        # x̂ (M, K) -> (K, M)
       else:
         q_xt = res.x_wgrad
-      q_dyt = ops.tokens(roles.wgrad_dy, dy_MxN, k_dy, signs)                        # (N, M)
+      q_dyt = ops.tokens(roles.wgrad_dy, dy_MxN, k_dy, signs, amax_dyt)              # (N, M)
       dw_KxN = ops.gemm_tokens(q_xt, q_dyt, res.w_dtype)
   # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
   # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM

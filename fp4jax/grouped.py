@@ -143,11 +143,18 @@ class _Bound:
   """``fp4jax.dot.Dense``'s operations, each expert its own tensor (module docstring)."""
   ch: gemm.Groups
 
-  def rows(self, q, t_SxC, keys_E=None, signs_E=None):
+  def rows(self, q, t_SxC, keys_E=None, signs_E=None, amax=None):
+    del amax   # always None: each expert has its own amaxes (``amaxes``)
     return _quantize_rows(q, t_SxC, self.ch, keys_E, signs_E)
 
-  def tokens(self, q, t_SxC, keys_E=None, signs_E=None):
+  def tokens(self, q, t_SxC, keys_E=None, signs_E=None, amax=None):
+    del amax
     return _quantize_tokens(q, t_SxC, self.ch, keys_E, signs_E)
+
+  def amaxes(self, q_rows, q_tokens, t_SxC):
+    """Not shared: each expert's operand has its own tensor amaxes, taken where its pieces are quantized."""
+    del q_rows, q_tokens, t_SxC
+    return None, None
 
   def weight(self, q, w_Exx, keys_E=None, signs_E=None):
     return _expert_vmap(q, w_Exx, keys_E, signs_E)

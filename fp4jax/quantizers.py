@@ -36,6 +36,7 @@ from jax import lax
 from fp4jax import _exact, formats, random_bits
 from fp4jax.numerics import dbq, e2m1, eden, four_over_six as fos, hadamard, mxfp8
 from fp4jax.api import quantize, quantize_rht_transposed
+from fp4jax.kernels import quantize_rht_t as rht_t
 from fp4jax.qtensor import QTensor
 
 TRANSPOSED = "fprop tiles, transposed"   # Roles.dgrad_w: dgrad reads the fprop weight tiles (spec §2)
@@ -82,6 +83,8 @@ class Quantizer:
     """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first. ``amax``: the
     tensor amax of the transformed t to use instead of its own (nvfp4, nvfp4_eden; fp4jax.grouped passes
     an expert's amax to each piece of it). ``key`` may be a ``random_bits.Window``."""
+    if signs is None and not self.rht_size:   # no transform: t goes to the quantize as it is, read as stored
+      return self._quantize(t_RxC, key, amax, stored=True)
     return self._quantize(self.prepare(t_RxC, signs), key, amax)
 
   def prepare(self, t_RxC, signs=None):
@@ -106,15 +109,17 @@ class Quantizer:
     """Whether ``quantize_t`` is the fused RHT-and-transpose primitive (the paper's wgrad)."""
     return signs is None and bool(self.rht_size) and self.four_over_six is None and self.fmt in formats.FP4
 
-  def quantize_t(self, t_TxC, key=None, signs=None) -> QTensor:
-    """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens)."""
+  def quantize_t(self, t_TxC, key=None, signs=None, amax=None) -> QTensor:
+    """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens). ``amax``: the tensor amax
+    of the transformed tᵀ to use instead of its own (``shared_amaxes``)."""
     if self._fused_t(signs):
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
-      return quantize_rht_transposed(_exact.stored(t_TxC), self.fmt, rht_size=self.rht_size,
-                                     rht_seed=self.rht_seed, rounding=rounding,
-                                     key=key if self.stochastic else None, **kw)
-    return self._quantize(self.prepare_t(t_TxC, signs), key)
+      if amax is not None:
+        kw["amax"] = amax
+      return quantize_rht_transposed(t_TxC, self.fmt, rht_size=self.rht_size, rht_seed=self.rht_seed,
+                                     rounding=rounding, key=key if self.stochastic else None, stored=True, **kw)
+    return self._quantize(self.prepare_t(t_TxC, signs), key, amax)
 
   def prepare_t(self, t_TxC, signs=None):
     """What ``quantize_t`` quantizes: tᵀ (C, T) after the transform along T, in its order (the fused
@@ -131,22 +136,27 @@ class Quantizer:
     transform (fp4jax.grouped quantizes each expert's pieces of a tensor, with the expert's ``amax``)."""
     return self._quantize(t_RxC, key, amax)
 
-  def _quantize(self, t, key, amax=None):
+  def _quantize(self, t, key, amax=None, stored=False):
+    """t quantized along its last axis; ``stored``: t is read as its dtype stores it (``_exact.stored``) here,
+    where the plain formats' ``api.quantize`` does it itself (only its XLA side: a kernel's operand is read from
+    memory, so no rounded copy of t is written for it, docs/DESIGN.md)."""
     fmt = self.fmt
     if amax is not None and not self.has_tensor_amax:
       raise ValueError(f"Quantizer(fmt={fmt!r}, row_scaled={self.row_scaled}) has no tensor amax to replace")
     if self.row_scaled:   # each row its own tensor: the second level is amax_row (R,)
       plain = dataclasses.replace(self, row_scaled=False)
       if not self.stochastic:
-        return jax.vmap(lambda row: plain._quantize(row, None))(t)
-      return jax.vmap(plain._quantize)(t, jax.random.split(key, t.shape[0]))   # one key per row
+        return jax.vmap(lambda row: plain._quantize(row, None, stored=stored))(t)
+      return jax.vmap(lambda row, k: plain._quantize(row, k, stored=stored))(   # one key per row
+          t, jax.random.split(key, t.shape[0]))
     if fmt in formats.NAMES and self.four_over_six is None:
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if fmt == "mxfp4" else {}
       if amax is not None:
         kw["amax"] = amax
       return quantize(t, fmt, axis=-1, tile=formats.TILE[fmt] if self.tiled else None, rounding=rounding,
-                      key=key if self.stochastic else None, **kw)
+                      key=key if self.stochastic else None, stored=stored, **kw)
+    t = _exact.stored(t) if stored else t
     t32 = t.astype(jnp.float32)
     block = None if self.tiled else formats.BLOCK[fmt]
     tile = formats.TILE[fmt] if self.tiled else None
@@ -166,6 +176,24 @@ class Quantizer:
       scale = lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
       return QTensor(q.data, scale, None, fmt, -1, block, None, t.dtype)
     raise ValueError(f"no quantizer for fmt={fmt!r}")
+
+
+def _plain_nvfp4(q) -> bool:
+  """An NVFP4 quantizer whose tensor amax is max |t| of what it quantizes (no 4/6, not row-scaled)."""
+  return isinstance(q, Quantizer) and q.fmt == "nvfp4" and q.four_over_six is None and not q.row_scaled
+
+
+def shared_amaxes(q_rows, q_tokens, t_TxC):
+  """(amax of ``q_rows(t)``, amax of ``q_tokens.quantize_t(t)``) from one read of t (T, C), or (None, None)
+  where the two cannot share it: the tensor amaxes of one operand's 1x16 quantize along C and its RHT
+  quantize along the tokens (fprop x and wgrad x; dgrad dy and wgrad dy), each bit for bit what the
+  quantizer would take itself (``kernels.quantize_rht_t.rht_amaxes``), so that the wgrad pass reads its
+  operand once. Shared when q_rows is plain NVFP4 with no transform of its own, q_tokens the fused
+  NVFP4 RHT quantize (``_fused_t``; no random signs), and T a multiple of the RHT size <= 32."""
+  if not (_plain_nvfp4(q_rows) and not q_rows.rht_size and _plain_nvfp4(q_tokens) and q_tokens._fused_t(None)
+          and t_TxC.ndim == 2 and rht_t.shares_amaxes(t_TxC.shape, q_tokens.rht_size)):
+    return None, None
+  return rht_t.rht_amaxes(_exact.stored(t_TxC), rht_size=q_tokens.rht_size, rht_seed=q_tokens.rht_seed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,8 @@ import pytest
 
 from fp4jax import hadamard
 from fp4jax import reference
-from fp4jax.kernels.quantize_rht_t import quantize_rht_t_rows, rht_amax
+from fp4jax.kernels.quantize_rht_t import quantize_rht_t_rows, rht_amax, rht_amaxes
+from fp4jax.numerics import nvfp4
 
 
 def _old_rht_amax(x, rht_size, rht_seed):
@@ -69,6 +70,44 @@ def test_one_pass_rht_amax_on_bf16_extremes():
   big = jnp.asarray(x[: (x.size // 256) * 256].reshape(-1, 16), jnp.bfloat16)
   assert np.isnan(np.asarray(hadamard.rht(big, axis=0))).any()
   assert np.isnan(np.asarray(rht_amax(big, one_pass=True)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
+def test_rht_amaxes_are_the_two_amaxes_from_one_read(dtype):
+  """``rht_amaxes`` (what fp4jax.dot gives the rows quantize and the wgrad, issue 30 item 2) equals
+  ``nvfp4.tensor_amax`` and the one-pass ``rht_amax`` bit for bit; a NaN input makes both NaN (where
+  ``jnp.max(|x|)`` may lose it on the CPU: its value is not compared then), and it is one reduce op."""
+  cases = _cases()
+
+  def all_(*xs):
+    return [(rht_amaxes(x, rht_size=n, rht_seed=s), nvfp4.tensor_amax(x), rht_amax(x, rht_size=n, rht_seed=s,
+                                                                                 one_pass=True))
+            for x, (_, n, s) in zip(xs, cases)]
+  xs = [jnp.asarray(x, dtype) for x, _, _ in cases]
+  for (x, n, seed), ((a, r), a0, r0) in zip(cases, jax.jit(all_)(*xs)):
+    if np.isnan(x).any():
+      assert np.isnan(np.asarray(a)) and np.isnan(np.asarray(r)), (x.shape, n, seed, a, r)
+      continue
+    assert np.asarray(a).tobytes() == np.asarray(a0).tobytes(), (x.shape, n, seed, a, a0)
+    assert np.asarray(r).tobytes() == np.asarray(r0).tobytes(), (x.shape, n, seed, r, r0)
+  text = jax.jit(lambda x: rht_amaxes(x)).lower(xs[0]).as_text()
+  assert text.count("stablehlo.reduce") == 1, "both amaxes must come from one reduction (one read of x)"
+  with pytest.raises(ValueError, match="multiple of rht_size"):
+    rht_amaxes(jnp.ones((24, 8)), rht_size=16)
+
+
+def test_rht_amaxes_on_bf16_extremes():
+  """Every finite bf16 value: equal to both passes while the transform is finite; with the largest binades
+  the butterfly meets inf - inf, and the RHT amax is NaN while max |x| stays the largest bf16."""
+  x = np.arange(0, 1 << 16, 1, dtype=np.uint16).view(jnp.bfloat16).astype(np.float32)
+  x = x[np.isfinite(x)]
+  for part in (x[np.abs(x) < 2.0 ** 120], x):
+    xx = jnp.asarray(part[: (part.size // 256) * 256].reshape(-1, 16), jnp.bfloat16)
+    a, r = rht_amaxes(xx)
+    assert np.asarray(a).tobytes() == np.asarray(nvfp4.tensor_amax(xx)).tobytes()
+    r0 = rht_amax(xx, one_pass=True)
+    assert np.asarray(r).tobytes() == np.asarray(r0).tobytes() or (np.isnan(r) and np.isnan(r0))
+  assert np.isnan(np.asarray(r)) and np.isfinite(np.asarray(a))
 
 
 def _rows_cases():

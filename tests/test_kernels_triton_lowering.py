@@ -69,3 +69,17 @@ def test_mixed_matmul_lowers(fmt, w_tile):
 def test_xla_impl_has_no_kernels():
   fn = lambda x: fp4jax.quantize(x, "nvfp4", impl="xla").data
   assert _kernels_in(fn, S((64, 64), jnp.float32)) == 0
+
+
+def test_a_compiled_kernel_reads_its_operand_without_a_rounded_copy():
+  """stored=True (fp4jax.dot's quantizers): XLA's ops read x through ``_exact.stored``, a compiled kernel
+  reads x itself (its buffer holds the stored value), so no reduce_precision feeds the kernel and XLA writes
+  no rounded copy of x for it. With the amax given there is no XLA op left to read x through it; without,
+  the amax reads it so."""
+  x = S((256, 256), jnp.bfloat16)
+  given = [lambda x: fp4jax.quantize(x, "nvfp4", amax=1.0, impl="pallas", stored=True).data,
+           lambda x: quantize_rht_transposed(x, "nvfp4", amax=1.0, impl="pallas", stored=True).data]
+  for fn in given:
+    assert "stablehlo.reduce_precision" not in plc.export_for_cuda(fn, x)
+  own = lambda x: quantize_rht_transposed(x, "nvfp4", impl="pallas", stored=True).data
+  assert plc.export_for_cuda(own, x).count("stablehlo.reduce_precision") == 1

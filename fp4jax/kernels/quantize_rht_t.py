@@ -193,6 +193,39 @@ def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
   return jnp.max(functools.reduce(jnp.maximum, [jnp.abs(r) for r in y]))
 
 
+def shares_amaxes(shape, rht_size) -> bool:
+  """Whether ``rht_amaxes`` takes x of this (T, C) shape: not empty, T a multiple of the RHT size, and a
+  size that ``rht_amax`` runs as one pass."""
+  t, c = shape
+  return t * c > 0 and rht_size <= _ONE_PASS_MAX and t % rht_size == 0
+
+
+def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
+  """(max |x|, max |RHT(x) along T|), float32 scalars, from one read of x (T, C): the NVFP4 tensor amaxes
+  of x's 1x16 quantize along C (fprop x, dgrad dy) and of its transposed RHT quantize along T (the wgrad),
+  so that the wgrad pass needs no read of its own for its amax (docs/DESIGN.md, issue 30 item 2).
+
+  One variadic reduction (a single reduce op: XLA cannot split it into two passes) of two (T/n, C)
+  operands: the elementwise maximum of |x| over the n token rows of each chunk, and ``rht_amax``'s
+  maximum of |y| over the n rows of the transform (``_rht_rows``, the same float32 ops). Max is exact
+  in any order, so each amax is ``nvfp4.tensor_amax(x)`` and ``rht_amax(x, one_pass=True)`` bit for bit,
+  with one difference, in favour of the NaN policy: a NaN in x makes both NaN, where
+  XLA CPU's vectorized ``jnp.max(|x|)`` can lose it for some shapes (tests/test_gpu_aot_cuts.py). T must
+  be a multiple of n <= 32 (``shares_amaxes``)."""
+  if not shares_amaxes(x_TxC.shape, rht_size):
+    raise ValueError(f"rht_amaxes takes a non-empty x (T, C) with T a multiple of rht_size <= "
+                     f"{_ONE_PASS_MAX}; got shape {x_TxC.shape}, rht_size={rht_size}: use "
+                     "nvfp4.tensor_amax and rht_amax")
+  t, c = x_TxC.shape
+  n = rht_size
+  x_UxNxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // n, n, c)
+  a_UxC = functools.reduce(jnp.maximum, [jnp.abs(x_UxNxC[:, i, :]) for i in range(n)])
+  r_UxC = functools.reduce(jnp.maximum, [jnp.abs(r) for r in _rht_rows(x_TxC, n, rht_seed, n)])
+  zero = jnp.float32(0.0)
+  return lax.reduce((a_UxC, r_UxC), (zero, zero),
+                    lambda p, q: (lax.max(p[0], q[0]), lax.max(p[1], q[1])), (0, 1))
+
+
 def quantize_rht_t_rows(x, amax, bits=None, *, rht_size=16, rht_seed=None):
   """NVFP4 codes (C, T/2) and E4M3 scales (C, T/16) of RHT(x)ᵀ quantized along T, x of shape (T, C):
   ``fp4jax.reference.quantize_rht_t_reference`` bit for bit, written for XLA's GPU fusion.

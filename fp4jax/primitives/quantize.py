@@ -5,14 +5,15 @@ Operands: x, the NVFP4 tensor amax (a scalar, or one per vmapped slice: its shap
 reduced by the caller; zeros for MXFP4), and for stochastic rounding either the 8-bit random bits of x's
 shape, or (param ``keyed``) the two small operands of ``random_bits.KeyedBits``, rows (..., 4) per row of x
 and cols (K, 2), from which the kernel hashes the same bits (the XLA side draws them as an array).
-Params: fmt, tiled, scale_rule, keyed, impl.
+Params: fmt, tiled, scale_rule, keyed, impl, stored (the XLA side reads x as its dtype stores it,
+``_exact.stored``; a kernel reads x from memory, where it is stored already).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats, random_bits
+from fp4jax import _exact, formats, random_bits
 from fp4jax.kernels import quantize_1d, quantize_2d
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
@@ -20,7 +21,7 @@ from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_last_reference
 
 
-def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl):
+def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored):
   *lead, k = x.shape
   if keyed and (bits[0].shape != tuple(lead) + (4,) or bits[1].shape != (k, 2)):
     raise ValueError(f"fp4jax_quantize: KeyedBits rows {bits[0].shape} and cols {bits[1].shape} do not fit "
@@ -41,8 +42,13 @@ def sr_bits(bits, keyed):
   return random_bits.KeyedBits(*bits) if keyed else bits[0]
 
 
-def _local(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, platform):
+def _local(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored, platform):
   bits = sr_bits(bits, keyed)
+  if stored and not (impl == "pallas" and platform == "cuda"):
+    # A compiled kernel reads x from memory, where it is stored (the rounding is the buffer's; applying it here
+    # would make XLA write a rounded copy for the kernel to read). XLA, and the interpreted kernel, which XLA
+    # compiles and fuses with x's producer, read it through ``_exact.stored``.
+    x = _exact.stored(x)
   if impl == "pallas" and platform in ("cuda", "cpu"):
     interpret = platform != "cuda"
     if tiled:
@@ -51,8 +57,7 @@ def _local(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, platform):
       q, s = quantize_1d.quantize_1d(x, amax, bits, fmt=fmt, scale_rule=scale_rule,
                                      interpret=interpret)
     return q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt])
-  return quantize_last_reference(x, amax, random_bits.drawn(bits), fmt=fmt, tiled=tiled,
-                                 scale_rule=scale_rule)
+  return quantize_last_reference(x, amax, random_bits.drawn(bits), fmt=fmt, tiled=tiled, scale_rule=scale_rule)
 
 
 def _shardings(mesh, arg_shapes, *, fmt, tiled, keyed, **_):
@@ -84,18 +89,19 @@ quantize_p = pair.define(pair.OpSpec(
     "quantize", _abstract, _local, _shardings, _rule, batch_leading=_batch_leading))
 
 
-def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl=None):
+def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl=None, stored=False):
   """(packed codes, scales) of x quantized along its last axis (1D blocks, or 16x16 tiles).
 
   amax: float32 of shape x.shape[:n] (ignored by MXFP4). bits: uint8 of x's shape,
   ``random_bits.KeyedBits`` of it (the kernel hashes them; the XLA side draws them), or None.
-  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``).
+  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``). stored: the XLA side quantizes
+  ``_exact.stored(x)`` (the kernel gets x: no rounded copy of it is written for the kernel to read).
   """
   impl = resolve_impl(impl, fmt, "quantize_2d" if tiled else "quantize_1d")
   with pair.scope(variant(fmt, tiled, bits is not None)):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_p.bind(*ops, fmt=fmt, tiled=bool(tiled), scale_rule=scale_rule,
-                                  keyed=isinstance(bits, random_bits.KeyedBits), impl=impl)
+                                  keyed=isinstance(bits, random_bits.KeyedBits), impl=impl, stored=bool(stored))
   return data, scale
 
 

@@ -4,14 +4,15 @@ along T: packed codes (C, T/2) and scales (C, T/B).
 Axis legend: T tokens, C channels, B the block (16 nvfp4, 32 mxfp4). Operands: x, the NVFP4 tensor
 amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T) or (param
 ``keyed``) ``random_bits.KeyedBits`` of (C, T) as rows (C, 4) and cols (T, 2), hashed in the kernel.
-Params: fmt, rht_size, rht_seed, scale_rule, keyed, impl. vmapped calls loop over the batch.
+Params: fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored (as ``fp4jax_quantize``'s). vmapped calls
+loop over the batch.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats, random_bits
+from fp4jax import _exact, formats, random_bits
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives.quantize import sr_bits, sr_operands
@@ -25,14 +26,16 @@ def _rows(fmt, rht_size):
   return max(formats.BLOCK[fmt], rht_size)
 
 
-def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl):
+def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored):
   t, c = x.shape
   return (pair.ShapedArray((c, t // 2), jnp.uint8),
           pair.ShapedArray((c, t // formats.BLOCK[fmt]), formats.SCALE_DTYPE[fmt]))
 
 
-def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, platform):
+def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored, platform):
   bits = sr_bits(bits, keyed)
+  if stored and not (impl == "pallas" and platform == "cuda"):   # as in fp4jax_quantize's _local
+    x = _exact.stored(x)
   if impl == "pallas" and platform in ("cuda", "cpu"):
     q, s = kernel.quantize_rht_t(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                  scale_rule=scale_rule, interpret=platform != "cuda")
@@ -61,16 +64,16 @@ quantize_rht_t_p = pair.define(pair.OpSpec(
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale_rule="rceil",
-                   impl=None):
+                   impl=None, stored=False):
   """(packed codes (C, T/2), scales (C, T/B)) of RHT(x)ᵀ quantized along T; x of shape (T, C).
 
   bits: uint8 (C, T), ``random_bits.KeyedBits`` of (C, T), or None.
-  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``)."""
+  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``). stored: as ``quantize_last``'s."""
   impl = resolve_impl(impl, fmt, "quantize_rht_t")
   name = f"{fmt}_rht{rht_size}_t_1x{formats.BLOCK[fmt]}" + ("_sr" if bits is not None else "")
   with pair.scope(name):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
                                         scale_rule=scale_rule, keyed=isinstance(bits, random_bits.KeyedBits),
-                                        impl=impl)
+                                        impl=impl, stored=bool(stored))
   return data, scale
