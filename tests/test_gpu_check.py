@@ -13,6 +13,8 @@ import sys
 import jax
 import pytest
 
+from fp4jax import proof as proof_lib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
 BLOCKED = ("pytest", "grain", "jax_triton", "ml_collections", "tensorboardX", "matplotlib")
@@ -88,7 +90,8 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
   proof = report["proof"]                  # issue 30 item 1: every candidate proved (kernels interpreted)
-  assert len(proof) == 10 and all(e["verdict"] in ("faster", "slower") for e in proof.values()), proof
+  assert len(proof) == len(proof_lib.candidates(native=True)), sorted(proof)   # --rehearse proves native too
+  assert all(e["verdict"] in ("faster", "slower") for e in proof.values()), proof
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked
   printed = [line.split()[1:3] for line in proc.stdout.splitlines()
              if line.split() and line.split()[0] in ("yardstick", "quantize", "matmul", "native", "ssd", "gated_norm",
