@@ -1,7 +1,10 @@
 """Nemotron-H 12B (spec §7): 62 blocks (28 Mamba-2, 28 MLP, 6 attention), first 2 and last 8 in bf16,
 NVFP4 elsewhere; sequence 8192, batch 736, AdamW (0.9, 0.95), weight decay 0.1, warmup-stable-decay at 4.5e-4
-decaying to 4.5e-6 over the last 20%. Parameters and optimizer state are sharded over all devices (fsdp),
-blocks rematerialized. Point the data at your pre-tokenized corpus (vocabulary 131072):
+decaying to 4.5e-6 over the last 20%. Parameters and optimizer state are sharded over all devices (fsdp).
+Remat "save_linear_fp4": each block keeps its linear layers' outputs and FP4 operands and recomputes only
+elementwise work, the fastest policy whose compiled memory fits 80% of an H200 at 1 x 8192 tokens per GPU
+(docs/PERF.md, "remat by policy": 61 GiB per GPU; "none" needs 216 GiB, "full" is 10% slower).
+Point the data at your pre-tokenized corpus (vocabulary 131072):
 
   python train.py --config configs/nemotron_h_12b.py --config.data.sources='/data/tokens/*.bin' \
       --config.data.token_dtype=uint32 --workdir /ckpt/nemotron_h_12b
@@ -25,7 +28,7 @@ def get_config():
   c = base.get_config()
   c.name = "nemotron_h_12b"
   c.model.preset = "nemotron_h_12b"
-  c.model.remat = "full"
+  c.model.remat = "save_linear_fp4"   # docs/PERF.md: fastest policy that fits
   c.model.scan_blocks = True
   c.steps = 1_658_000
   c.batch_size = 736
