@@ -38,9 +38,9 @@ models): the kernel and its XLA twin on the same random inputs at a representati
 gradients, each output within ``tol`` x the largest magnitude of the twin's (their float32 sums run in
 other orders, so bit-exactness is not the test), then timed as in 3. Their verdicts are "<op>/float32".
 
-Verdict: "differs" at the first mismatch (for a model op: an output beyond its tolerance); "error" if a side does not compile or run; else "faster"
-when every variant's kernel beats its XLA twin, "slower" otherwise; "undecided" once the deadline
-passes (checked between steps). ``import fp4jax`` registers this prover with
+Verdict: "differs" at the first mismatch (for a model op: an output beyond its tolerance); "error"
+if a side does not compile or run; else "faster" when every variant's kernel beats its XLA twin,
+"slower" otherwise; "undecided" once the deadline passes (checked between steps). ``import fp4jax`` registers this prover with
 ``fp4jax.primitives.verdicts``, which keeps the verdicts on disk per device key and lets ``impl=None``
 use a kernel only where its verdict is "faster" (docs/KERNELS.md, "On-device proof").
 """
