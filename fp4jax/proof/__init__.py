@@ -40,9 +40,9 @@ other orders, so bit-exactness is not the test), then timed as in 3. Their verdi
 
 Verdict: "differs" at the first mismatch (for a model op: an output beyond its tolerance); "error"
 if a side does not compile or run; else "faster" when every variant's kernel beats its XLA twin,
-"slower" otherwise; "undecided" once the deadline passes (checked between steps). ``import fp4jax`` registers this prover with
-``fp4jax.primitives.verdicts``, which keeps the verdicts on disk per device key and lets ``impl=None``
-use a kernel only where its verdict is "faster" (docs/KERNELS.md, "On-device proof").
+"slower" otherwise; "undecided" once the deadline passes (checked between steps). ``import fp4jax``
+registers this prover with ``fp4jax.primitives.verdicts``, which keeps the verdicts on disk per device
+key and lets ``impl=None`` use a kernel only where its verdict is "faster" (docs/KERNELS.md, "On-device proof").
 """
 from __future__ import annotations
 
