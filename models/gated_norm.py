@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import pallas_compat as plc
+from fp4jax import proof as fp4_proof
 from fp4jax import target as fp4_target
 from fp4jax.primitives import impl as fp4_impl
 from models import ssd_pallas
@@ -244,11 +245,37 @@ def can_use_pallas(*, platform: str | None = None) -> bool:
 
 def default_impl(*, platform: str | None = None) -> str:
   """What impl=None / "auto" runs: the SSD kernels' rule (``fp4jax.primitives.impl.model_kernel_default``,
-  op "gated_norm"): "pallas" where a device run is recorded for it and it can run here, else "xla"
-  (today, everywhere)."""
-  if fp4_impl.model_kernel_default("gated_norm") == "pallas" and can_use_pallas(platform=platform):
+  op "gated_norm"): "pallas" where the kernels can run here and this device proved them within
+  ``PROOF_TOL`` and faster (or a device run is recorded), else "xla"."""
+  if can_use_pallas(platform=platform) and fp4_impl.model_kernel_default("gated_norm") == "pallas":
     return "pallas"
   return "xla"
+
+
+# The on-device proof (fp4jax.proof, op "gated_norm"; scripts/gpu_check.py's rows run the same case): out,
+# dy, dz, dscale, kernels vs ``gated_norm_reference``, at the 12B mixer's shape (B, L, G, R P) on a device,
+# a tiny one elsewhere: float32 y, bf16 z, bf16 out as the mixer runs it. Both compute in float32 and differ
+# in the order of the row sums (and the rsqrt), so the SSD's tolerance of the largest magnitude is far
+# above their difference (bf16 rounding of out and dz, 2^-8) and far below a wrong term.
+PROOF_SHAPES = {False: (1, 8192, 8, 1280), True: (2, 21, 2, 24)}
+PROOF_TOL = ssd_pallas.PROOF_TOL
+PROOF_OUTPUTS = ("out", "dy", "dz", "dscale")
+
+
+def proof_case(tiny: bool):
+  """(fn_of(impl) -> jitted fn(*args) = (out, *gradients) in float32, args, PROOF_OUTPUTS, "LxGxRP")."""
+  B, L, G, RP = PROOF_SHAPES[tiny]
+  k = jax.random.split(jax.random.key(4), 4)
+  args = (jax.random.normal(k[0], (B, L, G, RP)), jax.random.normal(k[1], (B, L, G, RP)).astype(jnp.bfloat16),
+          1.0 + 0.1 * jax.random.normal(k[2], (G, RP)), jax.random.normal(k[3], (B, L, G, RP)).astype(jnp.bfloat16))
+
+  def fn_of(impl):
+    def fn(y, z, w, dout):
+      f = lambda y, z, w: gated_norm(y, z, w, eps=1e-5, out_dtype=jnp.bfloat16, impl=impl)
+      out, vjp = jax.vjp(f, y, z, w)
+      return tuple(t.astype(jnp.float32) for t in (out, *vjp(dout)))
+    return jax.jit(fn)
+  return fn_of, args, PROOF_OUTPUTS, "x".join(map(str, (L, G, RP)))
 
 
 def gated_norm(y_BxLxGxRP, z_BxLxGxRP, scale_GxRP, *, eps: float, out_dtype, impl: str | None = None,
@@ -274,6 +301,8 @@ def gated_norm(y_BxLxGxRP, z_BxLxGxRP, scale_GxRP, *, eps: float, out_dtype, imp
     core = jax.shard_map(core, in_specs=specs[0], out_specs=specs[1], check_vma=False)
   return core(y_BxLxGxRP, z_BxLxGxRP, scale_GxRP)
 
+
+fp4_proof.register_model("gated_norm", __name__, proof_case, PROOF_TOL)
 
 __all__ = ["DEFAULT_TILES", "GatedNormTiles", "IMPLS", "KERNEL_NAMES", "can_use_pallas", "default_impl",
            "gated_norm", "gated_norm_reference", "kernel_flops", "partition_specs"]

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import pallas_compat as plc
+from fp4jax import proof as fp4_proof
 from fp4jax import target as fp4_target
 from fp4jax.primitives import impl as fp4_impl
 from models import ssd as ssd_xla
@@ -382,12 +383,41 @@ def can_use_pallas(x_shape, b_shape, tiles: SsdTiles = DEFAULT_TILES, *, platfor
 
 
 def default_impl(x_shape, b_shape, *, platform: str | None = None) -> str:
-  """What impl=None runs: "pallas" where ``fp4jax.primitives.impl`` records device evidence for the
-  SSD kernel and it can run here, else "xla" (today, everywhere: no device run yet)."""
-  if fp4_impl.model_kernel_default("ssd") == "pallas" and can_use_pallas(x_shape, b_shape,
-                                                                          platform=platform):
+  """What impl=None runs: "pallas" where the kernel can run here and ``fp4jax.primitives.impl.
+  model_kernel_default("ssd")`` chooses it (this device proved it within ``PROOF_TOL`` and faster, or
+  a recorded device run; today no run is recorded), else "xla"."""
+  if can_use_pallas(x_shape, b_shape, platform=platform) and fp4_impl.model_kernel_default("ssd") == "pallas":
     return "pallas"
   return "xla"
+
+
+# The on-device proof of the kernel (fp4jax.proof, op "ssd"; scripts/gpu_check.py's rows run the same case):
+# y = SSD + D x and dx, ddt, dA, dB, dC, dD, kernel vs ``ssd_chunked``, at the 12B mixer's shape
+# (B, L, H, P, G, N) with its chunk of 256 on a device, a tiny shape (interpreted) elsewhere. Both paths
+# run their float32 dots at TF32 on a GPU, in different orders, so each output of the kernel must be
+# within PROOF_TOL x the largest magnitude of the XLA path's (exact float32 interpreted, far below it).
+PROOF_SHAPES = {False: ((1, 8192, 160, 64, 8, 128), 256), True: ((1, 40, 4, 16, 2, 16), 16)}
+PROOF_TOL = 1e-2
+PROOF_OUTPUTS = ("y", "dx", "ddt", "dA", "dB", "dC", "dD")
+
+
+def proof_case(tiny: bool):
+  """(fn_of(impl) -> jitted fn(*args) = (y, *gradients), args, PROOF_OUTPUTS, "LxHxPxGxN")."""
+  (B, L, H, P, G, N), chunk = PROOF_SHAPES[tiny]
+  tiles = SsdTiles(chunk=16, state_p=16) if tiny else DEFAULT_TILES
+  k = jax.random.split(jax.random.key(3), 7)
+  args = (jax.random.normal(k[0], (B, L, H, P)), jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 2.0),
+          -jnp.exp(jax.random.uniform(k[2], (H,), minval=0.0, maxval=2.5)),
+          jax.random.normal(k[3], (B, L, G, N)) / math.sqrt(N), jax.random.normal(k[4], (B, L, G, N)) / math.sqrt(N),
+          jax.random.normal(k[5], (H,)), jax.random.normal(k[6], (B, L, H, P)))
+
+  def fn_of(impl):
+    def fn(x, dt, a, b, c, d, dy):
+      f = lambda *p: ssd(*p[:5], chunk_size=chunk, d_H=p[5], impl=impl, tiles=tiles)[0]
+      y, vjp = jax.vjp(f, x, dt, a, b, c, d)
+      return (y, *vjp(dy))
+    return jax.jit(fn)
+  return fn_of, args, PROOF_OUTPUTS, "x".join(map(str, (L, H, P, G, N)))
 
 
 def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, initial_state_BxHxPxN=None,
@@ -451,3 +481,6 @@ def kernel_flops(name: str, B: int, L: int, H: int, P: int, G: int, N: int, C: i
   }[name]
   per_group_chunk = 2 * C * C * N if name in ("ssd_scan", "ssd_dchunk") else 0
   return B * Q * (H * per_head_chunk + G * per_group_chunk)
+
+
+fp4_proof.register_model("ssd", __name__, proof_case, PROOF_TOL)

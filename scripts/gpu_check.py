@@ -535,62 +535,23 @@ def train_rows(report: Report):
 
 # ------------------------------------------------------------------------------------------ SSD
 
-# The Mamba-2 SSD forward+backward (models.ssd_pallas.ssd: y = SSD + D x, then dx, ddt, dA, dB, dC, dD):
-# the 12B mixer's shape (B, L, H, P, G, N) on a device, a tiny one in the rehearsal; the XLA path at
-# the 12B's chunk of 256 (16 in the rehearsal). Tolerance: both paths run their float32 dots at TF32
-# on a GPU, in different orders, so each output of the kernel must be within SSD_TOL x the largest
-# magnitude of the XLA path's (exact float32 in the rehearsal, where SSD_TOL is far above the error).
-SSD_SHAPES = {False: ((1, 8192, 160, 64, 8, 128), 256), True: ((1, 40, 4, 16, 2, 16), 16)}
-SSD_TOL = 1e-2
-SSD_OUTPUTS = ("y", "dx", "ddt", "dA", "dB", "dC", "dD")
-
+# The Mamba-2 SSD forward+backward (models.ssd_pallas.ssd: y = SSD + D x, then dx, ddt, dA, dB, dC, dD) and
+# the mixer's gated RMSNorm forward+backward (models.gated_norm.gated_norm: out, then dy, dz, dscale): the
+# cases and tolerances of their on-device proofs (``proof_case``, ``PROOF_TOL``: each output within the
+# tolerance x the largest magnitude of the XLA path's), at the 12B mixer's shape, a tiny one in the rehearsal.
 
 def ssd_rows(report: Report):
   from models import ssd_pallas   # pylint: disable=g-import-not-at-top  (flax-free, but models/ imports flax)
-  (shape, chunk), s = SSD_SHAPES[report.rehearse], report.sizes
-  tiles = ssd_pallas.SsdTiles(chunk=16, state_p=16) if report.rehearse else ssd_pallas.DEFAULT_TILES
-  B, L, H, P, G, N = shape
-  k = jax.random.split(jax.random.key(3), 7)
-  args = (jax.random.normal(k[0], (B, L, H, P)), jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 2.0),
-          -jnp.exp(jax.random.uniform(k[2], (H,), minval=0.0, maxval=2.5)),
-          jax.random.normal(k[3], (B, L, G, N)) / np.sqrt(N), jax.random.normal(k[4], (B, L, G, N)) / np.sqrt(N),
-          jax.random.normal(k[5], (H,)), jax.random.normal(k[6], (B, L, H, P)))
-
-  def fn_of(impl):
-    def fn(x, dt, a, b, c, d, dy):
-      f = lambda *p: ssd_pallas.ssd(*p[:5], chunk_size=chunk, d_H=p[5], impl=impl, tiles=tiles)[0]
-      y, vjp = jax.vjp(f, x, dt, a, b, c, d)
-      return (y, *vjp(dy))
-    return jax.jit(fn)
-
-  _kernel_vs_xla_rows(report, "ssd", "ssd fwd+bwd (+D x)", "x".join(map(str, (L, H, P, G, N))), fn_of, args,
-                      SSD_OUTPUTS, SSD_TOL, s)
-
-
-# The mixer's gated RMSNorm forward+backward (models.gated_norm.gated_norm: out, then dy, dz, dscale) at the
-# 12B mixer's shape (B, L, G, R P): float32 y, bf16 z, bf16 out as the mixer runs it. Both paths compute in
-# float32 and differ in the order of the row sums (and the rsqrt), so the same SSD_TOL of the largest
-# magnitude is far above their difference (bf16 rounding of out and dz, 2^-8) and far below a wrong term.
-GATED_NORM_SHAPES = {False: (1, 8192, 8, 1280), True: (2, 21, 2, 24)}
-GATED_NORM_OUTPUTS = ("out", "dy", "dz", "dscale")
+  fn_of, args, names, shape = ssd_pallas.proof_case(report.rehearse)
+  _kernel_vs_xla_rows(report, "ssd", "ssd fwd+bwd (+D x)", shape, fn_of, args, names, ssd_pallas.PROOF_TOL,
+                      report.sizes)
 
 
 def gated_norm_rows(report: Report):
   from models import gated_norm   # pylint: disable=g-import-not-at-top
-  B, L, G, RP = GATED_NORM_SHAPES[report.rehearse]
-  k = jax.random.split(jax.random.key(4), 4)
-  args = (jax.random.normal(k[0], (B, L, G, RP)), jax.random.normal(k[1], (B, L, G, RP)).astype(jnp.bfloat16),
-          1.0 + 0.1 * jax.random.normal(k[2], (G, RP)), jax.random.normal(k[3], (B, L, G, RP)).astype(jnp.bfloat16))
-
-  def fn_of(impl):
-    def fn(y, z, w, dout):
-      f = lambda y, z, w: gated_norm.gated_norm(y, z, w, eps=1e-5, out_dtype=jnp.bfloat16, impl=impl)
-      out, vjp = jax.vjp(f, y, z, w)
-      return tuple(t.astype(jnp.float32) for t in (out, *vjp(dout)))
-    return jax.jit(fn)
-
-  _kernel_vs_xla_rows(report, "gated_norm", "gated norm fwd+bwd", "x".join(map(str, (L, G, RP))), fn_of, args,
-                      GATED_NORM_OUTPUTS, SSD_TOL, report.sizes)
+  fn_of, args, names, shape = gated_norm.proof_case(report.rehearse)
+  _kernel_vs_xla_rows(report, "gated_norm", "gated norm fwd+bwd", shape, fn_of, args, names,
+                      gated_norm.PROOF_TOL, report.sizes)
 
 
 def _kernel_vs_xla_rows(report: Report, section, name, shape, fn_of, args, outputs_named, tol, s):

@@ -327,3 +327,117 @@ def test_wrong_mixed_matmul_is_refused(fake_gpu, kernel_faster, monkeypatch, cap
   err = capsys.readouterr().err
   assert "mixed_matmul/nvfp4 differs" in err and "case 'amax nan'" in err   # the first NaN case
   assert "Reproduce: python -m fp4jax.proof --op mixed_matmul --fmt nvfp4" in err
+
+
+# ------------------------------------------------------------------------------- model kernels (issue 29)
+# The model ops' kernels (models.gated_norm, models.ssd_pallas) register their proof with fp4jax.proof: the
+# kernel vs its XLA twin, forward and gradients, within the module's PROOF_TOL of each output's largest
+# magnitude (tiny shapes, interpreted, here), then timed (faked, as above).
+
+def _model(op):
+  from models import gated_norm, ssd_pallas   # pylint: disable=import-outside-toplevel  (registers both)
+  mod = {"ssd": ssd_pallas, "gated_norm": gated_norm}[op]
+  if op == "ssd":
+    return mod, lambda **kw: mod.default_impl((1, 64, 4, 64), (1, 64, 1, 128), **kw)
+  return mod, mod.default_impl
+
+
+def _wrong_dscale(monkeypatch):
+  """The gated norm's backward kernel with dscale 3% off (forward and dy, dz right)."""
+  gated_norm = _model("gated_norm")[0]
+  real = gated_norm._bwd_call   # pylint: disable=protected-access
+  monkeypatch.setattr(gated_norm, "_bwd_call", lambda *a: (lambda dy, dz, dw: (dy, dz, dw * 1.03))(*real(*a)))
+
+
+def test_model_kernels_stay_xla_on_the_cpu(monkeypatch, tmp_path):
+  monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
+  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  calls = _count_proofs(monkeypatch)
+  verdicts.forget()
+  for op in impl.MODEL_KERNEL_OPS:
+    _, default = _model(op)
+    assert default() == "xla" and impl.model_kernel_default(op) == "xla"
+    assert verdicts.decide(op, verdicts.MODEL_FMT) is None
+  assert not calls and not os.listdir(tmp_path)
+  assert set(proof.model_candidates()) == {(op, verdicts.MODEL_FMT) for op in impl.MODEL_KERNEL_OPS}
+
+
+def test_model_kernel_within_tolerance_and_faster_is_chosen(fake_gpu, kernel_faster, monkeypatch, capsys):
+  gated_norm, default = _model("gated_norm")
+  calls = _count_proofs(monkeypatch)
+  assert default() == "pallas" and calls == [("gated_norm", verdicts.MODEL_FMT)]
+  entry = json.loads(_file(fake_gpu).read_text())["verdicts"]["gated_norm/float32"]
+  assert entry["verdict"] == "faster" and entry["tolerance"] == gated_norm.PROOF_TOL
+  assert 0 <= entry["max_error"] < gated_norm.PROOF_TOL and "within tol 1e-02" in entry["summary"]
+  case = entry["evidence"]["variants"][0]["cases"][0]
+  assert set(case["errors"]) == set(gated_norm.PROOF_OUTPUTS) and case["mismatches"] == 0
+  verdicts.forget()                                  # a new process reads the file
+  assert default() == "pallas" and impl.model_kernel_default("gated_norm") == "pallas" and len(calls) == 1
+  assert default(platform="cpu") == "xla"            # the caller's predicate still decides where it runs
+  assert "differs" not in capsys.readouterr().err
+
+
+def test_model_kernel_slower_is_not_used_even_if_verified(fake_gpu, monkeypatch):
+  monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (2e-3, 1e-3))
+  monkeypatch.setitem(impl.VERIFIED_MODEL_KERNELS, "gated_norm", impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert _model("gated_norm")[1]() == "xla"
+  assert verdicts.entry_for("gated_norm", verdicts.MODEL_FMT)["verdict"] == "slower"
+
+
+def test_wrong_model_kernel_is_refused_with_the_reason(fake_gpu, kernel_faster, monkeypatch, capsys):
+  _wrong_dscale(monkeypatch)
+  monkeypatch.setitem(impl.VERIFIED_MODEL_KERNELS, "gated_norm", impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert _model("gated_norm")[1]() == "xla"          # "differs" revokes even a VERIFIED_MODEL_KERNELS entry
+  err = capsys.readouterr().err
+  assert "gated_norm/float32 differs" in err and "dscale 3.0e-02 of its largest magnitude > tol 1e-02" in err
+  assert "Reproduce: python -m fp4jax.proof --import models.gated_norm --op gated_norm --fmt float32" in err
+  entry = verdicts.entry_for("gated_norm", verdicts.MODEL_FMT)
+  assert entry["verdict"] == "differs" and entry["tolerance"] == 1e-2 and 0.029 < entry["max_error"] < 0.031
+  # the printed command reproduces it (in-process: the wrong kernel is still patched in)
+  assert proof.main(["--import", "models.gated_norm", "--op", "gated_norm", "--fmt", "float32", "--no_save"]) == 1
+  assert "proof gated_norm/float32: differs" in capsys.readouterr().out
+  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "pallas")
+  assert _model("gated_norm")[1]() == "pallas"      # forced, over the device's verdict
+
+
+def test_default_impl_xla_wins_over_a_faster_model_verdict(fake_gpu, kernel_faster, monkeypatch):
+  calls = _count_proofs(monkeypatch)
+  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  assert _model("gated_norm")[1]() == "xla" and not calls
+  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV)
+  assert _model("gated_norm")[1]() == "pallas" and len(calls) == 1
+
+
+def test_no_model_verdict_for_a_deviceless_compile(fake_gpu, kernel_faster, monkeypatch):
+  calls = _count_proofs(monkeypatch)
+  other = target_lib.Target("gpu", "NVIDIA B200", (10, 0))
+  assert impl.model_kernel_default("ssd", target=other) == "xla" and not calls
+  monkeypatch.setitem(impl.VERIFIED_MODEL_KERNELS, "ssd", impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert impl.model_kernel_default("ssd", target=other) == "pallas" and not calls   # the lab table decides
+
+
+def test_model_proof_needs_its_module_and_fmt():
+  _model("ssd")
+  with pytest.raises(ValueError, match="fmt='float32'"):
+    proof.prove("ssd", "nvfp4")
+  with pytest.raises(ValueError, match="unknown model kernel op 'mlp'"):
+    proof.register_model("mlp", __name__, lambda tiny: None, 1e-2)
+  with pytest.raises(ValueError, match=r"tol=2.*\(0, 1\)"):
+    proof.register_model("ssd", __name__, lambda tiny: None, 2)
+
+
+@pytest.mark.slow
+def test_ssd_kernel_proved_and_a_wrong_gradient_refused(fake_gpu, kernel_faster, monkeypatch, capsys):
+  """The SSD kernel within tolerance (chosen), then with dB 5% off in its backward (refused)."""
+  ssd_pallas, default = _model("ssd")
+  assert default() == "pallas"
+  entry = verdicts.entry_for("ssd", verdicts.MODEL_FMT)
+  assert entry["verdict"] == "faster" and entry["max_error"] < ssd_pallas.PROOF_TOL
+  verdicts.forget()
+  os.remove(_file(fake_gpu))
+  real = ssd_pallas._dchunk_call   # pylint: disable=protected-access
+  monkeypatch.setattr(ssd_pallas, "_dchunk_call",
+                      lambda *a: (lambda dx, ddt, dcs, ddot, db, dc: (dx, ddt, dcs, ddot, db * 1.05, dc))(*real(*a)))
+  assert default() == "xla"
+  err = capsys.readouterr().err
+  assert "ssd/float32 differs" in err and "dB" in err and "--import models.ssd_pallas --op ssd" in err

@@ -203,19 +203,27 @@ def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | Non
 
 # ---------------------------------------------------------------- kernels outside the library
 # Model ops with a Pallas kernel (``models.ssd_pallas``: "ssd", the Mamba-2 SSD forward and backward;
-# ``models.gated_norm``: "gated_norm", the mixer's gated RMSNorm forward and backward)
-# follow the same rule as VERIFIED_KERNELS: the kernel becomes impl=None's choice on a GPU only once
-# scripts/gpu_check.py's rows for it show it within its stated tolerance of the XLA path and faster.
+# ``models.gated_norm``: "gated_norm", the mixer's gated RMSNorm forward and backward) follow the rule
+# of the library's kernels, with a tolerance instead of bit-exactness (their float32 sums run in another
+# order than the XLA twin's): on a GPU the kernel is impl=None's choice where this device's proof
+# (``fp4jax.proof``, the proof function the model module registers: kernel vs twin, forward and
+# gradients, each output within the stated tolerance of the twin's largest magnitude, and timed) finds
+# it within tolerance and faster; "differs", "error" or "slower" there keeps (or turns) it off, even
+# over an entry here. Without a device verdict (FP4JAX_PROOF=off, budget spent, a deviceless compile
+# for another kind of device) this table decides: fill it only from a scripts/gpu_check.py report.
 # Empty: the SSD and gated-norm kernels compile deviceless for sm_90 and sm_100 (docs/PERF.md, issue 29)
-# but have no device run, so the model runs their XLA twins everywhere by default.
+# but have no recorded device run. FP4JAX_DEFAULT_IMPL wins over both.
 VERIFIED_MODEL_KERNELS: dict[str, Evidence] = {}
 MODEL_KERNEL_OPS = ("ssd", "gated_norm")
 
 
-def model_kernel_default(op: str) -> str:
-  """"pallas" where VERIFIED_MODEL_KERNELS records a device run for ``op`` (one of MODEL_KERNEL_OPS)
-  or FP4JAX_DEFAULT_IMPL=pallas forces the kernels, else "xla". Whether the kernel can run here
-  (platform, shapes) is the caller's predicate."""
+def model_kernel_default(op: str, *, target: target_lib.Target | None = None) -> str:
+  """What impl=None runs for the model op ``op`` (one of MODEL_KERNEL_OPS) on the program's devices
+  (``target``, default ``fp4jax.target.current()``): "pallas" where this device proved the kernel
+  within tolerance and faster (``verdicts.decide(op, verdicts.MODEL_FMT)``), or, without a device
+  verdict, where VERIFIED_MODEL_KERNELS records a device run, or where FP4JAX_DEFAULT_IMPL=pallas forces
+  the kernels; else "xla". Whether the kernel can run there (platform, shapes) is the caller's
+  predicate: ask it first, so that no proof runs for a kernel that cannot."""
   if op not in MODEL_KERNEL_OPS:
     raise ValueError(f"unknown model kernel op {op!r}; one of {MODEL_KERNEL_OPS}")
   forced = _forced()
@@ -223,4 +231,5 @@ def model_kernel_default(op: str) -> str:
     return "pallas"
   if forced == "xla":
     return "xla"
-  return "pallas" if op in VERIFIED_MODEL_KERNELS else "xla"
+  proved = _device_verdict(op, verdicts.MODEL_FMT, target)   # None: no verdict; False revokes
+  return "pallas" if (op in VERIFIED_MODEL_KERNELS if proved is None else proved) else "xla"

@@ -1,8 +1,10 @@
 """On-device verdicts: what ``impl=None`` learns on *this* device, kept on disk, filled by a prover.
 
-A verdict is the outcome of proving one candidate, named "<op>/<fmt>" with op one of ``KERNEL_OPS``
-or "native_gemm" (the Blackwell block-scaled GEMM), on one device key (device kind, driver, jax,
-fp4jax): "faster" (bit-exact with its XLA twin and faster: use it), "slower" (exact, not faster),
+A verdict is the outcome of proving one candidate, named "<op>/<fmt>" with op one of ``KERNEL_OPS``,
+"native_gemm" (the Blackwell block-scaled GEMM) or one of ``MODEL_KERNEL_OPS`` (fmt ``MODEL_FMT``: a
+model's kernel, proved by the function its module registers), on one device key (device kind, driver,
+jax, fp4jax): "faster" (bit-exact with its XLA twin, or for a model op within its stated tolerance,
+and faster: use it), "slower" (exact, not faster),
 "differs" (never use it), "error" (it did not compile or run), "undecided" (the time budget ran out
 first). ``decide`` turns it into True (use) / False (do not) / None (no verdict: the recorded lab
 evidence decides, ``VERIFIED_KERNELS`` / ``NATIVE_DEFAULTS``).
@@ -38,6 +40,7 @@ VERDICTS = ("faster", "slower", "differs", "error", "undecided")
 REFUSED = ("differs", "error")   # printed once per process, with the command that reproduces them
 MAX_ATTEMPTS = 3
 NATIVE_OP = "native_gemm"
+MODEL_FMT = "float32"     # the "fmt" of a model op's verdict ("ssd/float32"): its kernels compute in float32
 _OFF = ("off", "0", "false", "no")
 _ON = ("", "on", "1", "true", "yes")
 

@@ -32,11 +32,17 @@ for each ``NATIVE_DEFAULTS`` format. For each variant:
    (The bf16 outputs of the exact cases need no bound: exact sums round alike.)
 3. Timing at that size: kernel and XLA calls interleaved, 3 runs of ``iters`` calls each, the median.
 
-Verdict: "differs" at the first mismatch; "error" if a side does not compile or run; else "faster"
-when every variant's kernel beats its XLA twin, "slower" otherwise; "undecided" once the deadline
-passes (checked between steps). ``import fp4jax`` registers this prover with
-``fp4jax.primitives.verdicts``, which keeps the verdicts on disk per device key and lets ``impl=None``
-use a kernel only where its verdict is "faster" (docs/KERNELS.md, "On-device proof").
+Model ops (``primitives.MODEL_KERNEL_OPS``: the Mamba-2 SSD and gated-norm kernels of ``models``) are
+proved by the function their module registers at import (``register_model``; fp4jax never imports
+models): the kernel and its XLA twin on the same random inputs at a representative size, forward and
+gradients, each output within ``tol`` x the largest magnitude of the twin's (their float32 sums run in
+other orders, so bit-exactness is not the test), then timed as in 3. Their verdicts are "<op>/float32".
+
+Verdict: "differs" at the first mismatch (for a model op: an output beyond its tolerance); "error"
+if a side does not compile or run; else "faster" when every variant's kernel beats its XLA twin,
+"slower" otherwise; "undecided" once the deadline passes (checked between steps). ``import fp4jax``
+registers this prover with ``fp4jax.primitives.verdicts``, which keeps the verdicts on disk per device
+key and lets ``impl=None`` use a kernel only where its verdict is "faster" (docs/KERNELS.md, "On-device proof").
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -77,10 +84,11 @@ class Sizes:
   quantize: tuple[int, int]  # (R, C) of the quantize cases and timing (rht_t: (T, C))
   gemm: int                  # M = N = K of the GEMM cases and timing
   iters: int                 # calls per timed run
+  tiny: bool = False         # model ops: the tiny case (interpreted kernels) instead of the model's shape
 
 
 DEVICE_SIZES = Sizes((8192, 8192), 4096, 10)   # the sizes of scripts/gpu_check.py's rows, a GEMM of 4096^3
-TINY_SIZES = Sizes((64, 128), 128, 1)           # off a GPU: interpreted kernels (tests, --rehearse)
+TINY_SIZES = Sizes((64, 128), 128, 1, tiny=True)   # off a GPU: interpreted kernels (tests, --rehearse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +164,72 @@ def candidates(native: bool | None = None) -> list[tuple[str, str]]:
 
 
 def command(op: str, fmt: str) -> str:
-  return f"python -m fp4jax.proof --op {op} --fmt {fmt}"
+  load = f"--import {MODEL_PROOFS[op].module} " if op in MODEL_PROOFS else ""
+  return f"python -m fp4jax.proof {load}--op {op} --fmt {fmt}"
+
+
+# ------------------------------------------------------------------------------------------ model ops
+
+@dataclasses.dataclass(frozen=True)
+class ModelProof:
+  """How to prove a model's kernel (registered by the module that holds it)."""
+  module: str                # that module (the reproduction command imports it)
+  case: Callable             # case(tiny) -> (fn_of, args, output names, shape label): fn_of("pallas" |
+                             # "xla") a jitted function of ``args`` giving the outputs (forward and gradients)
+  tol: float                 # each output within tol x the largest magnitude of the XLA twin's
+
+
+MODEL_PROOFS: dict[str, ModelProof] = {}
+
+
+def register_model(op: str, module: str, case: Callable, tol: float):
+  """Called by ``models`` at import: ``op`` (one of ``primitives.MODEL_KERNEL_OPS``) is proved by ``case``."""
+  if op not in pimpl.MODEL_KERNEL_OPS:
+    raise ValueError(f"unknown model kernel op {op!r}; add it to fp4jax.primitives.impl.MODEL_KERNEL_OPS")
+  if not 0 < tol < 1:
+    raise ValueError(f"tol={tol!r} for {op!r}; a fraction of the largest magnitude, in (0, 1)")
+  MODEL_PROOFS[op] = ModelProof(module, case, tol)
+
+
+def model_candidates() -> list[tuple[str, str]]:
+  """The model ops whose proof is registered (their modules imported)."""
+  return [(op, verdicts.MODEL_FMT) for op in MODEL_PROOFS]
+
+
+def compare_within(got, want, names, tol: float) -> dict:
+  """Each output's largest |kernel - XLA| / the XLA output's largest magnitude; a mismatch is an output
+  beyond ``tol`` or not finite."""
+  if len(got) != len(want) or any(np.shape(g) != np.shape(w) for g, w in zip(got, want)):
+    return dict(mismatches=max(len(want), 1), compared=len(want), tolerance=tol, max_error=float("nan"),
+                errors={}, worst="", first=f"outputs differ in number or shape: kernel "
+                f"{[np.shape(g) for g in got]}, XLA {[np.shape(w) for w in want]}")
+  errs = []
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    errs.append(float(np.max(np.abs(g - w), initial=0) / max(float(np.max(np.abs(w), initial=0)), 1e-30)))
+  bad = [i for i, e in enumerate(errs) if not e <= tol]
+  worst = max(range(len(errs)), key=lambda i: (not np.isfinite(errs[i]), np.nan_to_num(errs[i])))
+  return dict(mismatches=len(bad), compared=len(errs), tolerance=tol, max_error=errs[worst],
+              errors=dict(zip(names, errs)), worst=names[worst],
+              first=f"{names[worst]} {errs[worst]:.1e} of its largest magnitude > tol {tol:.0e}" if bad else "")
+
+
+def _prove_model(v: Variant, sizes: Sizes, deadline: float) -> dict:
+  spec = MODEL_PROOFS[v.op]
+  fn_of, args, names, shape = spec.case(sizes.tiny)
+  kernel, xla = fn_of("pallas"), fn_of("xla")
+  record = dict(variant=v.name, shape=shape, cases=[])
+  _check_time(deadline)
+  want = jax.device_get(xla(*args))
+  _check_time(deadline)
+  got = jax.device_get(kernel(*args))
+  record["cases"].append(dict(case=f"random, within {spec.tol:.0e} of the largest magnitude",
+                              **compare_within(got, want, names, spec.tol)))
+  if record["cases"][-1]["mismatches"]:
+    return record
+  t_k, t_x = time_pair(kernel, xla, args, args, max(1, sizes.iters // 4), deadline)
+  record.update(kernel_ms=t_k * 1e3, xla_ms=t_x * 1e3, speedup=t_x / t_k)
+  return record
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -514,9 +587,15 @@ def _prove_gemm(v: Variant, sizes: Sizes, deadline: float) -> dict:
 
 def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = float("inf")) -> dict:
   """Prove (op, fmt) now: {"verdict", "summary", "command", "evidence"} (module docstring)."""
-  if (op, fmt) not in VARIANTS:
+  model = op in MODEL_PROOFS and fmt == verdicts.MODEL_FMT
+  if op in pimpl.MODEL_KERNEL_OPS and not model:
+    raise ValueError(f"nothing to prove for op={op!r}, fmt={fmt!r}: import the model module that registers "
+                     f"its proof (python -m fp4jax.proof --import models.<module> ...) and use "
+                     f"fmt={verdicts.MODEL_FMT!r}")
+  if (op, fmt) not in VARIANTS and not model:
     raise ValueError(f"nothing to prove for op={op!r}, fmt={fmt!r}; one of "
-                     + ", ".join(f"{o}/{f}" for o, f in VARIANTS))
+                     + ", ".join(f"{o}/{f}" for o, f in [*VARIANTS, *model_candidates()]))
+  variants = (Variant(op, fmt, "fwd+bwd"),) if model else VARIANTS[(op, fmt)]
   sizes = sizes or sizes_here()
   start = time.perf_counter()
   evidence = dict(compared="kernel vs its XLA twin on this device" if op != verdicts.NATIVE_OP
@@ -524,8 +603,8 @@ def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = fl
                   sizes=dataclasses.asdict(sizes), backend=jax.default_backend(), variants=[])
   entry = dict(verdict="undecided", summary="", command=command(op, fmt), evidence=evidence)
   try:
-    for v in VARIANTS[(op, fmt)]:
-      run = (_prove_gemm if op in GEMM_OPS else
+    for v in variants:
+      run = (_prove_model if model else _prove_gemm if op in GEMM_OPS else
              _prove_rmsnorm if op in ("rmsnorm_quantize", "relu2_quantize") else _prove_quantize)
       record = run(v, sizes, deadline)
       evidence["variants"].append(record)
@@ -534,12 +613,20 @@ def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = fl
         c = bad[0]
         entry.update(verdict="differs", summary=f"{v.name}, case {c['case']!r} at {record['shape']}: "
                      f"{c['mismatches']} of {c['compared']} differ ({c['first']})")
+        if model:
+          entry.update(tolerance=c["tolerance"], max_error=c["max_error"])
         break
     else:
       speedup = min(r["speedup"] for r in evidence["variants"])
       worst = min(evidence["variants"], key=lambda r: r["speedup"])
+      how = f"exact on {sum(len(r['cases']) for r in evidence['variants'])} cases"
+      if model:
+        c = evidence["variants"][0]["cases"][0]
+        entry.update(tolerance=c["tolerance"], max_error=c["max_error"])
+        how = (f"within tol {c['tolerance']:.0e} of the largest magnitude on {c['compared']} outputs "
+               f"(worst {c['worst']} {c['max_error']:.1e})")
       entry.update(verdict="faster" if speedup > 1 else "slower", speedup=speedup,
-                   summary=f"exact on {sum(len(r['cases']) for r in evidence['variants'])} cases; "
+                   summary=f"{how}; "
                    f"{speedup:.2f}x the XLA path ({worst['variant']}: {worst['kernel_ms']:.3f} ms vs "
                    f"{worst['xla_ms']:.3f} ms)")
   except Deadline:
@@ -671,15 +758,22 @@ def prove_all(pairs=None, *, budget_s: float | None = None, sizes: Sizes | None 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--op", choices=sorted({o for o, _ in VARIANTS}), help="one op (with --fmt)")
-  parser.add_argument("--fmt", help="its format (nvfp4, mxfp4, nvfp4_eden, nvfp4_dbq)")
+  parser.add_argument("--op", choices=sorted({o for o, _ in VARIANTS} | set(pimpl.MODEL_KERNEL_OPS)),
+                      help="one op (with --fmt)")
+  parser.add_argument("--fmt", help=f"its format (nvfp4, mxfp4, nvfp4_eden, nvfp4_dbq; {verdicts.MODEL_FMT} "
+                      "for a model op)")
+  parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                      help="import MODULE first (a model module that registers its kernels' proof, e.g. "
+                      "models.ssd_pallas); with no --op, its ops are proved too")
   parser.add_argument("--budget_s", type=float, default=float("inf"), help="stop after this many seconds")
   parser.add_argument("--no_save", action="store_true", help="do not update the on-disk verdicts")
   parser.add_argument("--json", action="store_true", help="print each entry's evidence as JSON")
   args = parser.parse_args(argv)
   if (args.op is None) != (args.fmt is None):
     parser.error("give --op and --fmt together (or neither, for every candidate)")
-  pairs = [(args.op, args.fmt)] if args.op else candidates(native=pimpl.native_device())
+  for module in args.imports:
+    importlib.import_module(module)
+  pairs = [(args.op, args.fmt)] if args.op else candidates(native=pimpl.native_device()) + model_candidates()
   if jax.default_backend() != "gpu":
     print("# no GPU: the kernels run in the Pallas interpreter at tiny sizes; nothing is cached", flush=True)
   key = device_key()
