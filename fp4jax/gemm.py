@@ -188,7 +188,7 @@ def ragged_impl(impl: str = "auto") -> str:
   the FLOPs and the output's bytes), ragged elsewhere (the CPU, and the twin the tiled form is tested
   against)."""
   if impl == "auto":
-    return "tiled" if target.current().platform == "gpu" else "ragged"
+    return "tiled" if target.current().platform in ("gpu", "cuda", "rocm") else "ragged"
   if impl not in RAGGED_IMPLS:
     raise ValueError(f"ragged impl={impl!r}; use 'auto', 'ragged' or 'tiled'")
   return impl
