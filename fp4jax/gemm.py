@@ -25,7 +25,7 @@ chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level
 b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
 (the contraction ragged) on the exact products with impl="xla" (on a GPU target their tiled form,
 ``fp4jax.tiles``: ``ragged_impl``); with impl="native" the block-scaled GEMM
-of ``fp4jax.native``'s work items (pieces of 512-row tiles inside one group, one batched
+of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
 ``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
 into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense

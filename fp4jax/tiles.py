@@ -42,9 +42,15 @@ class Tiling:
   ``one_tile_groups`` groups (each group's GEMM padded to S), else tiles of ``rows`` rows (rounded up to
   a multiple of the group-size multiple). The numbers behind the defaults: docs/DESIGN.md, issue 31."""
   one_tile_groups: int = 1
-  rows: int = 512
+  rows: int = 1024
 
 
+# 1024-row tiles for both paths. Issue 31 chose 512 (within 2% of 1024 at E = 64, 9% slower at E = 8: docs/
+# DESIGN.md); at Nemotron 3 Super's expert GEMMs per GPU (E = 64, S = 271,296 rows, K = 1024, N = 2688) 512-row
+# tiles crash XLA:GPU's LLVM NVPTX backend, native and XLA path alike (a segfault in
+# MachineRegisterInfo::constrainRegClass, jax 0.10.2's CUDA 13 plugin; 1024 and 2048 compile; the threshold
+# lies between 455 and 533 work items of 1024 x 2688), and 1024 is the faster prediction there (XLA path
+# 17.5 ms for y, dx, dw vs 19.5 ms at 2048: fewer gathered weights, W·K·N bytes). docs/PERF.md, 2026-12-02.
 TILING = Tiling()
 
 
@@ -158,7 +164,7 @@ _rows_vjp.defvjp(_rows_fwd, _rows_bwd)
 
 def rows(a_SxK, b_ExKxN, sizes_E, *, precision=lax.Precision.HIGHEST, tiling: Tiling | None = None):
   """float32 (S, N): row r of a times b[e] for r in group e, zero past the last group (``lax.ragged_dot``'s
-  result), as one batched dot of the work items. Differentiable: dgrad is ``rows`` of dy and bᵀ, wgrad
+  result), as one batched dot of the work items (``tiling``: default ``TILING``). Differentiable: dgrad is ``rows`` of dy and bᵀ, wgrad
   ``tokens`` (float32 partials per item, summed per group), each rounded once to its operand's dtype."""
   return _rows_vjp(a_SxK, b_ExKxN, sizes_E.astype(jnp.int32), tiling, precision)
 
