@@ -6,9 +6,10 @@ projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
 The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
 by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
 one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups
-scanned. Its state fits (31.45 GiB per GPU); the step's temp is set by the experts' receive buffer, sized at
-1.5x each GPU's average traffic (model.moe_receive_factor; dropless it is 8x and needs terabytes: docs/PERF.md,
-2026-12-02 "nemotron3_super on 64 GPUs" and "the receive factor"). Compile it with:
+scanned. Its state fits (31.45 GiB per GPU). The experts' receive buffer is 1.5x each GPU's average traffic
+(model.moe_receive_factor; dropless it is 8x and the temp is terabytes); with it and the tiled grouped GEMM the
+H200 step compiles to 31.45 + 59.79 GiB per GPU, still 11.3 GiB over 80 (docs/PERF.md, 2026-12-02 "nemotron3_super
+on 64 GPUs" and "session 10: experts sized by traffic"). Compile it with:
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda python bench/gpu_aot.py --target b200 --what step \
       --config configs/nemotron3_super.py --devices 64 --batch_per_device 1
