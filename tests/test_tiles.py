@@ -19,7 +19,7 @@ import fp4jax
 from fp4jax import gemm, grouped, tiles
 
 S, E, K, N = 640, 8, 96, 48
-TILINGS = {"default": None, "tiles of 64": tiles.Tiling(one_tile_groups=0, rows=64),
+TILINGS = {"tiles of 200": tiles.Tiling(one_tile_groups=0, rows=200), "tiles of 64": tiles.Tiling(one_tile_groups=0, rows=64),
            "one tile": tiles.Tiling(one_tile_groups=1 << 30)}
 
 
