@@ -8,7 +8,7 @@ by all-to-all, models.expert_parallel), parameters and optimizer state sharded o
 one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups
 scanned. Its state fits (31.45 GiB per GPU). The experts' receive buffer is 1.5x each GPU's average traffic
 (model.moe_receive_factor; dropless it is 8x and the temp is terabytes); with it and the tiled grouped GEMM the
-H200 step compiles to 31.45 + 59.79 GiB per GPU, still 11.3 GiB over 80 (docs/PERF.md, 2026-12-02 "nemotron3_super
+H200 step compiles to 31.45 + 59.79 GiB per GPU and the B200's to 31.45 + 61.26, still 11-13 GiB over 80 (docs/PERF.md, 2026-12-02 "nemotron3_super
 on 64 GPUs" and "session 10: experts sized by traffic"). Compile it with:
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda python bench/gpu_aot.py --target b200 --what step \
