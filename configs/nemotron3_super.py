@@ -6,9 +6,10 @@ projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
 The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
 by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
 one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups
-scanned. Its state fits (31.45 GiB per GPU), its step does NOT yet: the dropless receive buffer of the expert
-exchange and the grouped GEMMs on it need terabytes of temp per GPU at 22 experts per token (docs/PERF.md,
-2026-12-02 "nemotron3_super on 64 GPUs": what was compiled, why, and what would fit). Compile it with:
+scanned. Its state fits (31.45 GiB per GPU). The experts' receive buffer is 1.5x each GPU's average traffic
+(model.moe_receive_factor; dropless it is 8x and the temp is terabytes); with it and the tiled grouped GEMM the
+H200 step compiles to 31.45 + 59.79 GiB per GPU and the B200's to 31.45 + 61.26, still 11-13 GiB over 80 (docs/PERF.md, 2026-12-02 "nemotron3_super
+on 64 GPUs" and "session 10: experts sized by traffic"). Compile it with:
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda python bench/gpu_aot.py --target b200 --what step \
       --config configs/nemotron3_super.py --devices 64 --batch_per_device 1
@@ -34,4 +35,9 @@ def get_config():
   c.batch_size = 64
   c.steps = 25_000_000_000_000 // (64 * 8192)
   c.mesh.expert = 8
+  # Each GPU's expert receive buffer: 1.5 x its average traffic (8192 x 22 pairs), not the dropless 8x; pairs
+  # past it are dropped, lowest-ranked choices first, and counted (moe/<block>/dropped). 1.5 because a GPU's
+  # load over its 64 experts is at most (1 + MaxVio) x the mean, and MaxVio after the router settles is
+  # 0.43 +- 0.10 in the CPU MoE study (docs/STUDY.md; docs/PERF.md, 2026-12-02 "the receive factor").
+  c.model.moe_receive_factor = 1.5
   return c

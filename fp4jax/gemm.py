@@ -23,8 +23,9 @@ impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
 The grouped GEMM (``Groups``: traced (E,) group sizes, each a multiple of A rows) takes its operands in
 chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level per chunk (its group's),
 b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
-(the contraction ragged) on the exact products with impl="xla"; with impl="native" the block-scaled GEMM
-of ``fp4jax.native``'s work items (pieces of 512-row tiles inside one group, one batched
+(the contraction ragged) on the exact products with impl="xla" (on a GPU target their tiled form,
+``fp4jax.tiles``: ``ragged_impl``); with impl="native" the block-scaled GEMM
+of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
 ``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
 into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, epilogue, formats, native, reference
+from fp4jax import api, epilogue, formats, native, reference, target, tiles
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.primitives.impl import default_gemm_backend, default_grouped_backend
 from fp4jax.qtensor import QTensor, validate
@@ -177,13 +178,34 @@ def _grouped_impl(a: QTensor, b: QTensor, impl, where):
   return impl
 
 
-def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST):
-  """float32 (S, N): rows of group e times b[e] (``lax.ragged_dot``)."""
+RAGGED_IMPLS = ("ragged", "tiled")
+
+
+def ragged_impl(impl: str = "auto") -> str:
+  """The float GEMM with ragged rows: "ragged" (``lax.ragged_dot``) or "tiled" (``fp4jax.tiles``: the
+  work items of row tiles, one batched dot). "auto": tiled where the program is compiled for a GPU
+  (``fp4jax.target.current()``: XLA:GPU expands a ragged dot to a dense dot over every group, E times
+  the FLOPs and the output's bytes), ragged elsewhere (the CPU, and the twin the tiled form is tested
+  against)."""
+  if impl == "auto":
+    return "tiled" if target.current().platform in ("gpu", "cuda", "rocm") else "ragged"
+  if impl not in RAGGED_IMPLS:
+    raise ValueError(f"ragged impl={impl!r}; use 'auto', 'ragged' or 'tiled'")
+  return impl
+
+
+def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):
+  """float32 (S, N): rows of group e times b[e] (``lax.ragged_dot``, or ``tiles.rows``: ``ragged_impl``)."""
+  if ragged_impl(impl) == "tiled":
+    return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision)
   return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision, preferred_element_type=jnp.float32)
 
 
-def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST):
-  """float32 (E, K, N): per group, its rows of a contracted with its rows of b."""
+def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):
+  """float32 (E, K, N): per group, its rows of a contracted with its rows of b (``ragged_dot_general``,
+  or ``tiles.tokens``: ``ragged_impl``)."""
+  if ragged_impl(impl) == "tiled":
+    return tiles.tokens(a_SxK, b_SxN, sizes_E, precision=precision)
   dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   return lax.ragged_dot_general(a_SxK, b_SxN, sizes_E, dims, precision=precision,

@@ -31,7 +31,6 @@ and per-tensor/128-block FP8 (not FP4). ``matmul`` raises for them, naming impl=
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
-from fp4jax import epilogue, reference
+from fp4jax import epilogue, reference, tiles
 from fp4jax.numerics import dbq
 from fp4jax.qtensor import QTensor, validate
 
@@ -169,55 +168,22 @@ scaled_matmul = matmul   # former name
 # into tiles of T rows and at every group end, and each piece [lo, hi) (inside one tile and one group)
 # is one batch element of one batched block-scaled GEMM of its tile's T rows with its group's operand.
 # T = S is one tile: each group's GEMM over all S rows (the padding of every group to S); smaller T
-# wastes at most E - 1 tiles of rows instead (``grouped_tile``, chosen in docs/DESIGN.md, issue 31).
+# wastes at most E - 1 tiles of rows instead (``grouped_tile``, chosen in docs/DESIGN.md, issue 31). The
+# tiling is ``fp4jax.tiles``'s, shared with the XLA path's tiled GEMM.
 
-class Items(NamedTuple):
-  """The work items of S rows in tiles of T: item i is rows [lo[i], hi[i]) of tile lo[i] // T, all in
-  group ``group[i]`` (empty where hi <= lo; rows past the last group are in none)."""
-  lo: object      # (W,) int32, sorted
-  hi: object      # (W,) int32
-  tile: object    # (W,) int32
-  group: object   # (W,) int32
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-  """How the grouped GEMM cuts S rows into tiles (``grouped_tile``): one tile of all S rows for up to
-  ``one_tile_groups`` groups (each group's GEMM padded to S), else tiles of ``rows`` rows (rounded up to
-  a multiple of the group-size multiple). The numbers behind the defaults: docs/DESIGN.md, issue 31."""
-  one_tile_groups: int = 1
-  rows: int = 512
-
-
-TILING = Tiling()
+Items, Tiling, items = tiles.Items, tiles.Tiling, tiles.items
+TILING = tiles.TILING   # the tiling of the native grouped GEMM (bench/moe_gpu_aot.py and the tests set it)
 
 
 def grouped_tile(s: int, n_groups: int, rows: int, tiling: Tiling | None = None) -> int:
-  """T for S sorted rows in ``n_groups`` groups whose sizes are multiples of ``rows``."""
-  t = TILING if tiling is None else tiling
-  if n_groups <= t.one_tile_groups or s <= t.rows:
-    return s
-  return -(-t.rows // rows) * rows
-
-
-def items(sizes_E, s: int, tile: int) -> Items:
-  """The W = S/T + E - 1 work items of S rows (a multiple of T) for the traced group sizes."""
-  n_t, n_g = s // tile, sizes_E.shape[0]
-  ends_E = jnp.cumsum(sizes_E.astype(jnp.int32))
-  lo = jnp.sort(jnp.concatenate([jnp.arange(n_t, dtype=jnp.int32) * tile, jnp.minimum(ends_E[:-1], s)]))
-  hi = jnp.minimum(jnp.concatenate([lo[1:], jnp.full((1,), s, jnp.int32)]), ends_E[-1])
-  group = jnp.minimum(jnp.searchsorted(ends_E, lo, side="right"), n_g - 1).astype(jnp.int32)
-  return Items(lo, hi, jnp.minimum(lo // tile, n_t - 1), group)
+  """T for S sorted rows in ``n_groups`` groups whose sizes are multiples of ``rows`` (``TILING``)."""
+  return tiles.grouped_tile(s, n_groups, rows, TILING if tiling is None else tiling)
 
 
 def _pad_rows(op: Operand, s: int, axis: int) -> Operand:
   """op with its rows (values along ``axis``) zero-padded to s."""
-  def pad(t, n):
-    widths = [(0, 0)] * t.ndim
-    widths[axis] = (0, n - t.shape[axis])
-    return jnp.pad(t, widths)
   per = 1 if axis == 0 else BLOCK
-  return Operand(pad(op.values, s), pad(op.scales, s // per))
+  return Operand(tiles.pad_rows(op.values, s, axis), tiles.pad_rows(op.scales, s // per, axis))
 
 
 def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
@@ -234,11 +200,7 @@ def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
     tiles_a = Operand(*(t.reshape(n_t, tile, -1)[it.tile] for t in a))
     tiles_b = Operand(*(t[it.group] for t in b))
   out_WxTxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
-  r_S = jnp.arange(s, dtype=jnp.int32)
-  item_S = jnp.searchsorted(it.lo, r_S, side="right").astype(jnp.int32) - 1
-  acc_SxN = out_WxTxN.reshape(-1, out_WxTxN.shape[-1])[item_S * tile + r_S % tile]
-  inside = r_S < jnp.sum(sizes_E.astype(jnp.int32))
-  return jnp.where(inside[:, None], acc_SxN, jnp.zeros((), jnp.float32))
+  return tiles.pick_rows(out_WxTxN, it, sizes_E, s, tile)
 
 
 def grouped_tokens(a: Operand, b: Operand, sizes_E, tile: int):
@@ -257,12 +219,9 @@ def grouped_tokens(a: Operand, b: Operand, sizes_E, tile: int):
     pick = lambda t, per: jnp.broadcast_to(split(t, per), (n_g, t.shape[0], tile // per))
   else:
     pick = lambda t, per: split(t, per)[it.tile]
-  row_W = it.tile[:, None] * tile + jnp.arange(0, tile, BLOCK, dtype=jnp.int32)[None, :]
-  keep_WxB = (row_W >= it.lo[:, None]) & (row_W < it.hi[:, None])
+  keep_WxB = tiles.keep_rows(it, tile, BLOCK)
   scales_a = jnp.where(keep_WxB[:, None, :], pick(a.scales, BLOCK), jnp.zeros((), a.scales.dtype))
   tiles_a = Operand(pick(a.values, 1), scales_a)
   tiles_b = Operand(pick(b.values, 1), pick(b.scales, BLOCK))
   part_WxKxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
-  if n_t == 1:
-    return part_WxKxN
-  return jax.ops.segment_sum(part_WxKxN, it.group, num_segments=n_g, indices_are_sorted=True)
+  return tiles.sum_groups(part_WxKxN, it, n_g, n_t)

@@ -70,6 +70,11 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   moe_bias_update_rate: float = 1e-3       # γ of the aux-loss-free bias update after each step; 0: off
   moe_aux_loss_weight: float = 0.0         # α of the sequence-wise balance loss; 0: off
+  # Expert parallelism's receive buffer per device, in units of its average traffic (its tokens x
+  # num_experts_per_tok); pairs past it are dropped, lowest-ranked choices first, and counted (the metric
+  # moe/<block>/dropped; models.expert_parallel). None or 0: dropless (the worst case, P x the average
+  # when num_experts_per_tok < E/P). No effect without an expert mesh axis.
+  moe_receive_factor: float | None = None
   # Multi-token prediction (models.mtp; DeepSeek-V3, Nemotron 3 Super): mtp_depths extra depths, depth d
   # predicting token t+d+1 through one module of mtp_pattern blocks (eh_proj, then the blocks, its own final
   # norm, the shared embedding and LM head); loss = main + mtp_loss_weight * mean over depths. 0: off.
@@ -164,6 +169,9 @@ class ModelConfig:
       raise ValueError(f"moe_latent_size={self.moe_latent_size} must be > 0, or None (no latent projections)")
     if self.moe_bias_update_rate < 0 or self.moe_aux_loss_weight < 0:
       raise ValueError(f"{self.moe_bias_update_rate=} and {self.moe_aux_loss_weight=} must be >= 0 (0: off)")
+    if self.moe_receive_factor is not None and not self.moe_receive_factor >= 0:
+      raise ValueError(f"moe_receive_factor={self.moe_receive_factor} must be > 0 (a multiple of the average "
+                       "rows a device receives, e.g. 1.5), or None or 0 (dropless)")
 
   @property
   def n_blocks(self) -> int:

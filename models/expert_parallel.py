@@ -24,11 +24,19 @@ axis manual), per device, with T its tokens and P the EP size:
      source un-sorts them to (T, R), and the caller weights and sums them as on one device.
 
 The receive buffer is static: S = P · T · min(R, E / P) + (E / P)(A - 1) rows (rounded up to A), the worst
-case of one device receiving every pair it can. Data parallelism outside the EP group (``data``, ``fsdp``)
-keeps each replica's tokens apart: an expert's rows there are the replica's, quantized with their own amax.
+case of one device receiving every pair it can (dropless, the default). With a receive factor f
+(``ModelConfig.moe_receive_factor``) a device takes at most B = ceil(f · T · R) pairs, f times its average
+traffic, and S = min(B, the worst case) + (E / P)(A - 1), rounded up to A. Which pairs a device drops when more
+than B are sent to it (``keep``, before the sort, so the rest of the exchange is the dropless one on the kept
+pairs): the lowest-ranked choices first (rank = the column of the router's top-k, best first), all of rank 0
+before any of rank 1, ...; inside the rank where the budget ends, the pairs of source 0 first, then source 1,
+..., each source's in token order. A dropped pair's expert output is zero (it is never sent; its combine
+weight multiplies a zero row), and the count of dropped pairs of the whole batch is returned (the train step's
+metric ``moe/<block>/dropped``). Data parallelism outside the EP group (``data``, ``fsdp``) keeps each
+replica's tokens apart: an expert's rows there are the replica's, quantized with their own amax.
 
 Axis legend: T tokens (of this device inside shard_map), R = num_experts_per_tok, E experts, P EP size,
-Q expert input width, S received rows, C capacity rows per (sender, receiver).
+Q expert input width, S received rows, C capacity rows per (sender, receiver), B the receive budget (pairs).
 """
 from __future__ import annotations
 
@@ -149,23 +157,55 @@ def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_si
 # Dispatch, the experts, combine
 # ---------------------------------------------------------------------------------------------------
 
-def received_rows(t: int, r: int, n_experts: int, size: int, align: int) -> int:
-  """S: the static receive buffer of one device (module docstring): every pair it can receive, padded."""
+def budget(t: int, r: int, n_experts: int, size: int, factor: float | None) -> int:
+  """B: the pairs one device takes (module docstring): every pair it can receive (factor None or 0), else
+  ceil(factor · T · R), at most that worst case."""
+  worst = size * t * min(r, n_experts // size)
+  return worst if not factor else min(worst, math.ceil(factor * t * r))
+
+
+def received_rows(t: int, r: int, n_experts: int, size: int, align: int, factor: float | None = None) -> int:
+  """S: the static receive buffer of one device (module docstring): its budget of pairs, padded."""
   local = n_experts // size
-  return -(-(size * t * min(r, local) + local * (align - 1)) // align) * align
+  return -(-(budget(t, r, n_experts, size, factor) + local * (align - 1)) // align) * align
+
+
+def keep(experts_TxR, *, n_experts: int, size: int, axis, limit: int):
+  """(experts_TxR with each dropped pair's expert set to ``n_experts``, this device's dropped pairs): the
+  pairs past each receiver's budget ``limit`` (B), by the module docstring's order: lower ranks (columns)
+  first, then sources in order, then tokens in order. Every source computes every receiver's cut from the
+  all-gathered (sources, receivers, ranks) pair counts, so no further exchange is needed."""
+  t, r = experts_TxR.shape
+  to_TxR = experts_TxR // (n_experts // size)
+  onehot_TxRxP = (to_TxR[..., None] == jnp.arange(size, dtype=to_TxR.dtype)).astype(jnp.int32)
+  sent_IxPxR = jax.lax.all_gather(jnp.sum(onehot_TxRxP, axis=0).T, axis, tiled=False)
+  me = jax.lax.axis_index(axis)
+  load_PxR = jnp.sum(sent_IxPxR, axis=0)
+  ranks_before_PxR = jnp.cumsum(load_PxR, axis=1) - load_PxR            # pairs of better ranks, per receiver
+  sources_before_PxR = (jnp.cumsum(sent_IxPxR, axis=0) - sent_IxPxR)[me]   # same rank, earlier sources
+  quota_PxR = jnp.clip(limit - ranks_before_PxR - sources_before_PxR, 0, sent_IxPxR[me])
+  index_TxR = jnp.take_along_axis(jnp.cumsum(onehot_TxRxP, axis=0), to_TxR[..., None], axis=-1)[..., 0] - 1
+  kept_TxR = index_TxR < quota_PxR[to_TxR, jnp.arange(r)[None, :]]
+  return jnp.where(kept_TxR, experts_TxR, n_experts), jnp.sum(~kept_TxR)
 
 
 def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: int, axis, size: int,
-           expert_axes: tuple[str, ...], batch_axes: tuple[str, ...], impl: str):
-  """One device's part (module docstring, steps 1-5): its pairs' expert outputs, (T, R, Q)."""
+           expert_axes: tuple[str, ...], batch_axes: tuple[str, ...], impl: str, factor: float | None):
+  """One device's part (module docstring, steps 1-5): its pairs' expert outputs, (T, R, Q), and the pairs
+  dropped in the whole batch (a scalar; 0 when dropless)."""
   t, r = experts_TxR.shape
   local = n_experts // size
   me = jax.lax.axis_index(axis)
+  limit = budget(t, r, n_experts, size, factor)
+  dropped = jnp.zeros((), jnp.int32)
+  if limit < size * t * min(r, local):   # 0. The pairs past the receivers' budgets: expert E, never sent.
+    experts_TxR, dropped = keep(experts_TxR, n_experts=n_experts, size=size, axis=axis, limit=limit)
+    dropped = jax.lax.psum(dropped, batch_axes)
   # 1. This device's pairs sorted by expert: slice e of the send buffer goes to device e // local.
   flat = experts_TxR.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
+  order = jnp.argsort(flat, stable=True)   # dropped pairs (expert E) last
   send_SxQ = h_TxQ[order // r]
-  counts_E = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
+  counts_E = jnp.zeros(n_experts, jnp.int32).at[flat].add(1, mode="drop")
   send_start_E = jnp.cumsum(counts_E) - counts_E
   # 2. Every source's counts, so every device knows the layout of every device.
   counts_PxE = jax.lax.all_gather(counts_E, axis, tiled=False)
@@ -176,8 +216,8 @@ def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: i
   place_PxE = segment_E[None] + before_PxE                              # where source i's slice e lands
   mine = lambda a_PxE: jax.lax.dynamic_slice_in_dim(a_PxE, me * local, local, axis=1).reshape(-1)
   # 3. Dispatch: slice e (counts_E[e] rows from send_start_E[e]) to place_PxE[me, e] on its device.
-  capacity = t * min(r, local)
-  s = received_rows(t, r, n_experts, size, align)
+  capacity = min(t * min(r, local), limit)
+  s = received_rows(t, r, n_experts, size, align, factor)
   # The receive buffers are zeros_like the rows they receive: they vary over the mesh axes the rows vary
   # over, as lax.ragged_all_to_all's result takes its output buffer's type (a plain jnp.zeros varies over
   # none, and the grouped GEMM's custom_vjp then refuses its varying cotangent).
@@ -194,13 +234,23 @@ def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: i
   start_PxE = jnp.cumsum(counts_PxE, axis=1) - counts_PxE
   back_SxQ = exchange(out_SxQ, jnp.zeros_like(out_SxQ, shape=(t * r,) + out_SxQ.shape[1:]), mine(place_PxE),
                       mine(counts_PxE), mine(start_PxE), counts_E, axis_name=axis, capacity=capacity, impl=impl)
-  picked = jnp.zeros_like(back_SxQ).at[order].set(back_SxQ)
-  return picked.reshape(t, r, -1)
+  picked = jnp.zeros_like(back_SxQ).at[order].set(back_SxQ)   # a dropped pair's row: zero (never received)
+  return picked.reshape(t, r, -1), dropped
 
 
 def routed(h_TxQ, experts_TxR, operands: Any, operand_specs: Any, *, experts_fn: Callable, n_experts: int,
            align: int, where: Layout, impl: str = "auto"):
-  """Each (token, choice) pair's expert output (T, R, Q), the experts split over ``where.expert_axes``.
+  """Each (token, choice) pair's expert output (T, R, Q), the experts split over ``where.expert_axes``,
+  dropless (``routed_dropping``'s output with no receive factor)."""
+  return routed_dropping(h_TxQ, experts_TxR, operands, operand_specs, experts_fn=experts_fn, n_experts=n_experts,
+                         align=align, where=where, impl=impl)[0]
+
+
+def routed_dropping(h_TxQ, experts_TxR, operands: Any, operand_specs: Any, *, experts_fn: Callable,
+                    n_experts: int, align: int, where: Layout, impl: str = "auto",
+                    receive_factor: float | None = None):
+  """(each (token, choice) pair's expert output (T, R, Q), the experts split over ``where.expert_axes``;
+  the pairs dropped, int32 scalar: 0 unless ``receive_factor`` caps the receive buffers, module docstring).
 
   experts_fn(rows_SxQ, sizes_E, operands) -> out_SxQ: the experts' MLP on one device's rows (its E / P
   experts, ``sizes_E`` their padded segments). operands: its arrays (the experts' kernels and keys), placed
@@ -208,9 +258,9 @@ def routed(h_TxQ, experts_TxR, operands: Any, operand_specs: Any, *, experts_fn:
   batch = P(where.batch_axes, None)
   fn = lambda h, e, ops: _local(h, e, ops, experts_fn=experts_fn, n_experts=n_experts, align=align,
                                 axis=where.axis, size=where.size, expert_axes=where.expert_axes,
-                                batch_axes=where.batch_axes, impl=impl)
-  return jax.shard_map(fn, in_specs=(batch, batch, operand_specs), out_specs=P(where.batch_axes, None, None))(
-      h_TxQ, experts_TxR, operands)
+                                batch_axes=where.batch_axes, impl=impl, factor=receive_factor)
+  return jax.shard_map(fn, in_specs=(batch, batch, operand_specs),
+                       out_specs=(P(where.batch_axes, None, None), P()))(h_TxQ, experts_TxR, operands)
 
 
 def expert_spec(where: Layout, ndim: int) -> P:

@@ -18,7 +18,8 @@
   3. Shared experts: a relu² MLP of ``moe_shared_expert_intermediate_size`` on the block input, added.
 
 Statistics, sown into the ``"moe_stats"`` collection when it is mutable (the train step): ``load`` (E,), the
-(token, choice) pairs each expert received; ``aux_loss``, DeepSeek-V3's sequence-wise balance loss
+(token, choice) pairs the router sent each expert; ``dropped``, the pairs of them expert parallelism dropped
+(``moe_receive_factor``; 0 when dropless); ``aux_loss``, DeepSeek-V3's sequence-wise balance loss
 (E / (k·L) · Σ_i f_i P_i per sequence, averaged), which the train step adds with weight
 ``moe_aux_loss_weight``.
 
@@ -254,13 +255,15 @@ class MoE(nn.Module):
         out_SxQ = mlp(h_SxQ, sizes_E, gemms)
       with scopes.part("moe_dispatch"):
         picked_TxRxQ = out_SxQ[position_TxR]
+      dropped = jnp.zeros((), jnp.int32)   # one device holds every expert: dropless
     else:   # expert parallelism: the same per-expert rows, on the device that holds the expert
       counts_E = jnp.zeros(cfg.n_routed_experts, jnp.int32).at[experts_TxR.reshape(-1)].add(1)
       gemms = tuple(g.per_expert_keys() for g in gemms)
       specs = jax.tree.map(lambda a: expert_parallel.expert_spec(where, a.ndim), gemms)
       with scopes.part("moe_experts"):   # dispatch, experts and combine in one shard_map
-        picked_TxRxQ = expert_parallel.routed(h_TxQ, experts_TxR, gemms, specs, experts_fn=mlp,
-                                              n_experts=cfg.n_routed_experts, align=align, where=where)
+        picked_TxRxQ, dropped = expert_parallel.routed_dropping(
+            h_TxQ, experts_TxR, gemms, specs, experts_fn=mlp, n_experts=cfg.n_routed_experts, align=align,
+            where=where, receive_factor=cfg.moe_receive_factor)
     with scopes.part("moe_dispatch"):
       picked_TxRxQ = picked_TxRxQ.astype(jnp.float32)
       routed_TxQ = jnp.sum(picked_TxRxQ * weights_TxR[..., None], axis=1).astype(cfg.dtype)
@@ -272,6 +275,7 @@ class MoE(nn.Module):
       shared = SharedExperts(cfg, self.recipe, name="shared_experts")(x_TxD)
       y_TxD = y_TxD + shared
     self.sow(STATS, "load", counts_E.astype(jnp.float32))
+    self.sow(STATS, "dropped", dropped.astype(jnp.float32))
     if cfg.moe_aux_loss_weight:
       self.sow(STATS, "aux_loss", sequence_aux_loss(scores_TxE.reshape(b, length, -1),
                                                     experts_TxR.reshape(b, length, -1), cfg.n_routed_experts))

@@ -116,3 +116,27 @@ def test_bad_moe_configs_are_refused():
     CONFIG.replace(topk_group=5)
   with pytest.raises(ValueError, match="num_experts_per_tok"):
     CONFIG.replace(num_experts_per_tok=9)
+
+
+def test_dropped_pairs_are_a_metric_and_a_log_line(tmp_path):
+  """The ``dropped`` statistic (expert parallelism past ``moe_receive_factor``) becomes the metric
+  moe/<block>/dropped (the mean over a scanned group's blocks) and the train log line says it."""
+  import io   # pylint: disable=import-outside-toplevel
+  from training import report as report_lib   # pylint: disable=import-outside-toplevel
+  stats = {"blocks_0": {"mixer": {"load": (jnp.asarray([3.0, 1.0]),), "dropped": (jnp.asarray(5.0),)}},
+           "blocks_1": {"mixer": {"load": (jnp.asarray([[2.0, 2.0], [4.0, 0.0]]),),
+                                  "dropped": (jnp.asarray([0.0, 2.0]),)}}}
+  _, metrics = step_lib.moe_balance({}, stats, 0.0)
+  assert float(metrics["moe/blocks_0/dropped"]) == 5.0 and float(metrics["moe/blocks_1/dropped"]) == 1.0
+  stream = io.StringIO()
+  reporter = report_lib.Reporter(str(tmp_path), total_steps=1, tokens_per_step=8, log_every=1, stream=stream)
+  reporter.train_step(1, dict(metrics, loss=1.0, grad_norm=1.0, lr=1e-3, nonfinite_total=0), recipe="bf16")
+  reporter.close(draw=False)
+  assert "moe dropped 6 pairs" in stream.getvalue()
+
+
+def test_receive_factor_is_checked():
+  assert ModelConfig(pattern="E", moe_receive_factor=1.5).moe_receive_factor == 1.5
+  assert ModelConfig(pattern="E", moe_receive_factor=0).moe_receive_factor == 0   # dropless
+  with pytest.raises(ValueError, match="moe_receive_factor=-1.0 must be > 0"):
+    ModelConfig(pattern="E", moe_receive_factor=-1.0)

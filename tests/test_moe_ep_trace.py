@@ -7,12 +7,17 @@ compile (docs/PERF.md, 2026-12-02 "nemotron3_super"), which no CPU test had reac
    refused its varying cotangent ("the manual axis types do not match").
 2. The native block-scaled GEMM (sm_100) inside ``shard_map``: jax 0.10.2's ``scaled_matmul`` result varies
    over no axis, its twin's over the operands', and ``lax.platform_dependent`` refused the two branches.
+3. The H200's path with a receive factor: the drop (``expert_parallel.keep``), the ragged exchange and the
+   tiled grouped GEMMs (``fp4jax.tiles``, a GPU target's choice) inside ``shard_map``, nvfp4 and bf16.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import pytest
+
+import fp4jax
 from fp4jax import _native_compat as nc
 from fp4jax import grouped, native, recipes
 from models import expert_parallel, moe
@@ -27,7 +32,18 @@ def _mesh():
 
 
 def test_ragged_exchange_with_nvfp4_experts_traces_value_and_grad():
-  recipe = recipes.get("nvfp4")
+  _trace("nvfp4")
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "bf16"])
+def test_receive_factor_and_tiled_gemms_trace_for_an_h200(recipe):
+  with fp4jax.target.use(fp4jax.target.Target("gpu", "NVIDIA H200", (9, 0))):
+    prims = _trace(recipe, receive_factor=0.5)
+  assert "ragged_dot_general" not in prims and "all_gather" in prims
+
+
+def _trace(name, receive_factor=None):
+  recipe = recipes.get(name)
   align = grouped.alignment(recipe)
   where = expert_parallel.Layout(("expert",), sharding.BATCH_AXES, 1)
   experts = jnp.asarray(np.random.default_rng(0).permutation(np.tile(np.arange(E), T * R // E)).reshape(T, R) % E,
@@ -37,9 +53,10 @@ def test_ragged_exchange_with_nvfp4_experts_traces_value_and_grad():
     keys = jax.random.split(jax.random.key(0))
     gemms = tuple(moe.ExpertGemm(w, key, recipe, jnp.float32).per_expert_keys() for w, key in zip((w_up, w_down), keys))
     specs = jax.tree.map(lambda a: expert_parallel.expert_spec(where, a.ndim), gemms)
-    out = expert_parallel.routed(h, experts, gemms, specs, experts_fn=moe.mlp, n_experts=E, align=align,
-                                 where=where, impl="ragged")
-    return jnp.sum(out)
+    out, dropped = expert_parallel.routed_dropping(h, experts, gemms, specs, experts_fn=moe.mlp, n_experts=E,
+                                                   align=align, where=where, impl="ragged",
+                                                   receive_factor=receive_factor)
+    return jnp.sum(out) + dropped
 
   shapes = (jax.ShapeDtypeStruct((T, Q), jnp.float32), jax.ShapeDtypeStruct((E, Q, F), jnp.float32),
             jax.ShapeDtypeStruct((E, F, Q), jnp.float32))
@@ -47,6 +64,7 @@ def test_ragged_exchange_with_nvfp4_experts_traces_value_and_grad():
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*shapes)
   prims = {e.primitive.name for e in jaxpr.jaxpr.eqns for e in _walk(e)}
   assert "ragged_all_to_all" in prims
+  return prims
 
 
 def _walk(eqn):

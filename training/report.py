@@ -201,8 +201,11 @@ class Reporter:
     window = f"mean of last {len(self._interval)}"
     clock = f"{datetime.datetime.now().strftime('%H:%M:%S')} +{self.elapsed():.0f}s"
     mtp = f"  mtp {float(metrics['mtp/loss']):7.4f}" if "mtp/loss" in metrics else ""   # this step's, all depths
-    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {mean:7.4f} ({window}){mtp}  {rates}  "
-            f"[{recipe}]  {clock}{nonfinite_note}")
+    # Pairs expert parallelism dropped this step (moe_receive_factor), summed over the E blocks: shown when any.
+    dropped = sum(float(v) for k, v in metrics.items() if k.startswith("moe/") and k.endswith("/dropped"))
+    drops = f"  moe dropped {dropped:,.0f} pairs" if dropped else ""
+    line = (f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  loss {mean:7.4f} ({window}){mtp}{drops}  "
+            f"{rates}  [{recipe}]  {clock}{nonfinite_note}")
     logged = step % self.log_every == 0 or step == self.total_steps
     if logged or self.tty:
       self._print(line, transient=not logged)  # on a terminal every step redraws; logged steps stay

@@ -103,7 +103,9 @@ def mtp_metrics(stats) -> dict:
 def moe_balance(params, stats, rate: float):
   """(params with every MoE router's ``e_score_correction_bias`` moved by the aux-loss-free update
   ``bias += rate · sign(mean load - load)`` (``models.moe.bias_update``) from this step's loads, and the
-  per-layer metrics ``moe/<block>/max_vio``, ``entropy``, ``dropped`` (0: the blocks are dropless))."""
+  per-layer metrics ``moe/<block>/max_vio``, ``entropy``, ``dropped`` (the (token, expert) pairs expert
+  parallelism dropped in the step's batch, ``moe_receive_factor``; 0 when dropless; for a scanned group the
+  mean over its blocks))."""
   flat_stats = traverse_util.flatten_dict({k: v for k, v in stats.items() if k != mtp.LOSSES})
   if not flat_stats:
     return params, {}
@@ -123,7 +125,8 @@ def moe_balance(params, stats, rate: float):
     block = policy.module_path(path[:-2])   # blocks_3, mtp_0/layers_1 (scanned groups' level dropped)
     for name, value in moe.load_metrics(load).items():
       metrics[f"moe/{block}/{name}"] = jnp.mean(value)
-    metrics[f"moe/{block}/dropped"] = jnp.zeros((), jnp.float32)
+    dropped = flat_stats.get((*path[:-1], "dropped"))
+    metrics[f"moe/{block}/dropped"] = jnp.zeros((), jnp.float32) if dropped is None else jnp.mean(dropped[0])
   return traverse_util.unflatten_dict(flat), metrics
 
 
