@@ -493,6 +493,20 @@ def block_scaled_shape(lhs_shape: str, rhs_shape: str):
   return 2 * b * m * n * k, f"{a_dtype}x{b_dtype}", (m, n, k) if b == 1 else (b, m, n, k)
 
 
+_KERNEL_NAME = re.compile(r'\bname = "([^"]+)"')
+
+
+def kernel_label(ins: Instr) -> str:
+  """``<kernel name>/pallas_call`` of a Pallas kernel's Triton custom call, the form the readers below
+  match: its op_name where that ends so; else (a primitive partitioned by ``custom_partitioning`` under a
+  mesh, whose op_name ends in ``custom_partitioning`` instead) the kernel name its backend_config carries.
+  The op_name of anything else."""
+  if ins.opcode != "custom-call" or ins.op_name.endswith("/pallas_call"):
+    return ins.op_name
+  m = _KERNEL_NAME.search(ins.attrs)
+  return f"{ins.op_name}/{m.group(1)}/pallas_call" if m else ins.op_name
+
+
 _PALLAS_GEMM = re.compile(r"fp4jax_(?:gemm|scaled_matmul)\w*/pallas_call")
 
 
@@ -500,7 +514,7 @@ def _is_pallas_gemm(ins: Instr) -> bool:
   """A Triton custom call from a Pallas kernel whose name says it is a GEMM (fp4jax names its GEMM
   kernels ``fp4jax_gemm_*``; the op_name ends in ``<kernel name>/pallas_call``)."""
   return ('custom_call_target="__gpu$xla.gpu.triton"' in ins.attrs
-          and bool(_PALLAS_GEMM.search(ins.op_name)))
+          and bool(_PALLAS_GEMM.search(kernel_label(ins))))
 
 
 _MIXED_GEMM = re.compile(r"fp4jax_mixed_matmul_\w*?_(\d+)x(\d+)x(\d+)/pallas_call")
@@ -513,7 +527,7 @@ def mixed_gemm_shape(ins: Instr):
   (0.5 byte per element plus the scales) and its output's. None for any other instruction."""
   if 'custom_call_target="__gpu$xla.gpu.triton"' not in ins.attrs:
     return None
-  m = _MIXED_GEMM.search(ins.op_name)
+  m = _MIXED_GEMM.search(kernel_label(ins))
   if not m:
     return None
   mm, nn, kk = (int(g) for g in m.groups())
@@ -530,7 +544,7 @@ INT_DTYPES = ("s8", "u8", "s16", "u16", "s32", "u32", "s64", "u64")
 def declared_int_ops(ins: Instr) -> int:
   """Integer ops a Pallas kernel declares in its name, ``<name>_<n>iop`` (fp4jax's quantize kernels that
   hash their rounding bits: ``kernels._common.int_ops_suffix``); 0 when it declares none."""
-  m = _DECLARED_IOPS.search(ins.op_name) if ins.opcode == "custom-call" else None
+  m = _DECLARED_IOPS.search(kernel_label(ins)) if ins.opcode == "custom-call" else None
   return int(m.group(1)) if m else 0
 
 
@@ -540,7 +554,7 @@ def declared_flops(ins: Instr) -> tuple[int, bool]:
   modules' ``kernel_flops``);
   (0, False) when it declares none. The name is the carrier because the Triton backend drops
   ``pl.CostEstimate``."""
-  m = _DECLARED_FLOPS.search(ins.op_name) if ins.opcode == "custom-call" else None
+  m = _DECLARED_FLOPS.search(kernel_label(ins)) if ins.opcode == "custom-call" else None
   return (int(m.group(2)), m.group(1) == "ieee") if m else (0, False)
 
 

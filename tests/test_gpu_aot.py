@@ -396,6 +396,20 @@ def test_hlo_walk_charges_the_mixed_gemm_by_its_flops_and_bytes():
   assert hlo_cost.mixed_gemm_shape(hlo_cost.parse_instr(PALLAS.splitlines()[-3])) is None
 
 
+def test_hlo_walk_reads_the_kernel_name_of_a_partitioned_primitive():
+  """Under a mesh the GEMM primitive is partitioned by ``custom_partitioning``: its Triton call's op_name
+  ends there and the kernel name survives only in the backend_config. The walk still charges it as the
+  mixed GEMM (the 12B's FP4 GEMMs on 8 GPUs were once charged as memory-bound kernels this way)."""
+  partitioned = MIXED.replace("fp4jax_scaled_matmul_mixed/fp4jax_mixed_matmul_nvfp4_1x16_16x16_1024x512x256/"
+                              "pallas_call", "custom_partitioning").replace(
+      "backend_config={grid_x = 8 : i32}",
+      'backend_config={debug = false, grid_x = 8 : i32, name = "fp4jax_mixed_matmul_nvfp4_1x16_16x16_1024x512x256"}')
+  assert "custom_partitioning" in partitioned
+  (whole,), (part,) = (hlo_cost.analyze(t, PEAKS)["ops"] for t in (MIXED, partitioned))
+  assert part["kind"] == "gemm" and (part["flops"], part["mnk"]) == (whole["flops"], whole["mnk"])
+  assert part["seconds"] == pytest.approx(whole["seconds"])
+
+
 HASHING = """HloModule hashing, entry_computation_layout={()->u8[1024,256]}
 
 %fused_bits (p0: u32[1024,256], p1: u32[1024,256]) -> u8[1024,256] {
