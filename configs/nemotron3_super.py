@@ -35,6 +35,10 @@ def get_config():
   c.batch_size = 64
   c.steps = 25_000_000_000_000 // (64 * 8192)
   c.mesh.expert = 8
+  # Each block keeps its input only (remat "full"), not the 12B's save_linear_fp4: that policy keeps every
+  # linear output, and an E block's expert hidden (S x 2688 bf16, 1.36 GiB per GPU at f = 1.5) alone would
+  # be 56 GiB over Super's 41 E blocks (docs/PERF.md, session 11).
+  c.model.remat = "full"
   # Each GPU's expert receive buffer: 1.5 x its average traffic (8192 x 22 pairs), not the dropless 8x; pairs
   # past it are dropped, lowest-ranked choices first, and counted (moe/<block>/dropped). 1.5 because a GPU's
   # load over its 64 experts is at most (1 + MaxVio) x the mean, and MaxVio after the router settles is

@@ -201,11 +201,14 @@ def ragged_impl(impl: str = "auto") -> str:
   return impl
 
 
-def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):
-  """float32 (S, N): rows of group e times b[e] (``lax.ragged_dot``, or ``tiles.rows``: ``ragged_impl``)."""
+def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto",
+                out_dtype=jnp.float32):
+  """(S, N): rows of group e times b[e] (``lax.ragged_dot``, or ``tiles.rows``: ``ragged_impl``), float32
+  accumulation rounded once to ``out_dtype`` (the tiled GEMM writes it: ``tiles.rows``)."""
   if ragged_impl(impl) == "tiled":
-    return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision)
-  return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision, preferred_element_type=jnp.float32)
+    return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision, out_dtype=out_dtype)
+  return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision,
+                        preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):
