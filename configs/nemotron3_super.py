@@ -10,7 +10,9 @@ save_linear_fp4 would keep every E block's expert hidden) and the repeated block
 (31.45 GiB per GPU). The experts' receive buffer is 1.5x each GPU's average traffic (model.moe_receive_factor;
 dropless it is 8x and the temp is terabytes). Compiled for 64 H200 with XLA's scheduler told a smaller budget
 (XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=50; XLA's default 95 lets it spend up to ~77 GiB of temp on an
-H200 for overlap) the step is 31.45 + 55.34 = 86.79 GiB per GPU, still over 80, 4.26 s predicted (docs/PERF.md,
+H200 for overlap) the step is 31.45 + 55.34 = 86.79 GiB per GPU, still over 80, 4.26 s predicted; for 64 B200 (slop 37, and
+--xla_disable_hlo_passes=while-loop-invariant-code-motion,while-loop-expensive-invariant-code-motion, which
+keeps broadcast constants inside the scanned loops) 31.45 + 52.52 = 83.97 GiB, 2.02 s (docs/PERF.md,
 2026-12-02 "nemotron3_super on 64 GPUs", "session 10: experts sized by traffic" and 2026-12-03 "session 11:
 what is live at the peak"). Compile it with:
 
