@@ -5,14 +5,20 @@ projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
 
 The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
 by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
-one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized and the repeated block groups
-scanned. Its state fits (31.45 GiB per GPU). The experts' receive buffer is 1.5x each GPU's average traffic
-(model.moe_receive_factor; dropless it is 8x and the temp is terabytes); with it and the tiled grouped GEMM the
-H200 step compiles to 31.45 + 59.79 GiB per GPU and the B200's to 31.45 + 61.26, still 11-13 GiB over 80 (docs/PERF.md, 2026-12-02 "nemotron3_super
-on 64 GPUs" and "session 10: experts sized by traffic"). Compile it with:
+one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized (remat "full", set here: the 12B's
+save_linear_fp4 would keep every E block's expert hidden) and the repeated block groups scanned. Its state fits
+(31.45 GiB per GPU). The experts' receive buffer is 1.5x each GPU's average traffic (model.moe_receive_factor;
+dropless it is 8x and the temp is terabytes). Compiled for 64 H200 with XLA's scheduler told a smaller budget
+(XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=50; XLA's default 95 lets it spend up to ~77 GiB of temp on an
+H200 for overlap) the step is 31.45 + 55.34 = 86.79 GiB per GPU, still over 80, 4.26 s predicted; for 64 B200 (slop 37, and
+--xla_disable_hlo_passes=while-loop-invariant-code-motion,while-loop-expensive-invariant-code-motion, which
+keeps broadcast constants inside the scanned loops) 31.45 + 52.52 = 83.97 GiB, 2.02 s (docs/PERF.md,
+2026-12-02 "nemotron3_super on 64 GPUs", "session 10: experts sized by traffic" and 2026-12-03 "session 11:
+what is live at the peak"). Compile it with:
 
-  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda python bench/gpu_aot.py --target b200 --what step \
-      --config configs/nemotron3_super.py --devices 64 --batch_per_device 1
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=50 \
+      python bench/gpu_aot.py --target h200 --what step --config configs/nemotron3_super.py --devices 64 \
+      --batch_per_device 1 --twin=false
 
 Train (point the data at a pre-tokenized corpus of the 131072-token vocabulary):
 
@@ -35,6 +41,10 @@ def get_config():
   c.batch_size = 64
   c.steps = 25_000_000_000_000 // (64 * 8192)
   c.mesh.expert = 8
+  # Each block keeps its input only (remat "full"), not the 12B's save_linear_fp4: that policy keeps every
+  # linear output, and an E block's expert hidden (S x 2688 bf16, 1.36 GiB per GPU at f = 1.5) alone would
+  # be 56 GiB over Super's 41 E blocks (docs/PERF.md, 2026-12-03, session 11).
+  c.model.remat = "full"
   # Each GPU's expert receive buffer: 1.5 x its average traffic (8192 x 22 pairs), not the dropless 8x; pairs
   # past it are dropped, lowest-ranked choices first, and counted (moe/<block>/dropped). 1.5 because a GPU's
   # load over its 64 experts is at most (1 + MaxVio) x the mean, and MaxVio after the router settles is

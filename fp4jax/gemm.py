@@ -12,6 +12,7 @@ impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
   "xla"     the block products in bf16 (exact), one bf16 GEMM with float32 accumulation, the epilogue:
               nvfp4 (bound 448) and mxfp4: ``fp4jax.scaled_matmul`` (the primitive); fp8 its reference;
               4/6, MS-EDEN, DBQ, MXFP8 and row-scaled nvfp4 (the factor per output row): here
+              (MXFP8's dequantized values in float32 on the CPU, in bf16 on a GPU target: ``mxfp8.gemm``)
   "pallas"  the Triton kernels (nvfp4 with bound 448, mxfp4: ``formats.KERNEL_FORMATS``)
   "native"  the hardware's block-scaled GEMM (``fp4jax.native``: nvfp4, 4/6, MS-EDEN, DBQ; on CUDA
             ``jax.nn.scaled_matmul``, cuDNN on sm_100; its exact twin elsewhere)
@@ -64,10 +65,16 @@ def _xla_only(a: QTensor, b: QTensor):
   if fmt == "nvfp4_dbq":
     codes = lambda q: reference.codes_of(q)
     return dbq.gemm(dbq.Dbq(codes(a), a.scale, a.scale2), dbq.Dbq(codes(b), b.scale, b.scale2))
-  if fmt == "mxfp8":
+  if fmt == "mxfp8":   # on a GPU target in bf16 (the same values for every block of scale byte >= 3)
     as_mx = lambda q: mxfp8.Mxfp8(q.data, lax.bitcast_convert_type(q.scale, jnp.uint8))
-    return mxfp8.gemm(as_mx(a), as_mx(b))
+    return mxfp8.gemm(as_mx(a), as_mx(b), operand_dtype=jnp.bfloat16 if _gpu_target() else jnp.float32)
   raise ValueError(f"no GEMM for fmt={fmt!r}")
+
+
+def _gpu_target() -> bool:
+  """Whether the program is compiled for a GPU (``fp4jax.target.current()``), where XLA:GPU lowers a
+  float32 GEMM at HIGHEST to its float32 units and a ragged dot to a dense one."""
+  return target.current().platform in ("gpu", "cuda", "rocm")
 
 
 def _check(a, b, backend):
@@ -188,17 +195,20 @@ def ragged_impl(impl: str = "auto") -> str:
   the FLOPs and the output's bytes), ragged elsewhere (the CPU, and the twin the tiled form is tested
   against)."""
   if impl == "auto":
-    return "tiled" if target.current().platform in ("gpu", "cuda", "rocm") else "ragged"
+    return "tiled" if _gpu_target() else "ragged"
   if impl not in RAGGED_IMPLS:
     raise ValueError(f"ragged impl={impl!r}; use 'auto', 'ragged' or 'tiled'")
   return impl
 
 
-def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):
-  """float32 (S, N): rows of group e times b[e] (``lax.ragged_dot``, or ``tiles.rows``: ``ragged_impl``)."""
+def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto",
+                out_dtype=jnp.float32):
+  """(S, N): rows of group e times b[e] (``lax.ragged_dot``, or ``tiles.rows``: ``ragged_impl``), float32
+  accumulation rounded once to ``out_dtype`` (the tiled GEMM writes it: ``tiles.rows``)."""
   if ragged_impl(impl) == "tiled":
-    return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision)
-  return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision, preferred_element_type=jnp.float32)
+    return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision, out_dtype=out_dtype)
+  return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision,
+                        preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):

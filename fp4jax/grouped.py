@@ -239,7 +239,7 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
                      f"{group_sizes.dtype} {group_sizes.shape}")
   out_dtype = preferred_element_type or recipe.out_dtype or jnp.result_type(x_SxK, w_ExKxN)
   if not recipe.quantizes_anything:
-    return gemm.ragged_rows(x_SxK, w_ExKxN, group_sizes, precision).astype(out_dtype)
+    return gemm.ragged_rows(x_SxK, w_ExKxN, group_sizes, precision, out_dtype=out_dtype)
   roles = recipe.roles
   _check_roles(roles)
   rows, align_k, align_n = roles.alignment()

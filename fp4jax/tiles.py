@@ -110,7 +110,7 @@ def _dot(a, b, contract, precision):
                          precision=precision)
 
 
-def _rows(a_SxK, b_ExKxN, sizes_E, tile: int, precision):
+def _rows(a_SxK, b_ExKxN, sizes_E, tile: int, precision, out_dtype=jnp.float32):
   s = a_SxK.shape[0]
   s_pad = -(-s // tile) * tile
   n_t, n_g = s_pad // tile, b_ExKxN.shape[0]
@@ -120,7 +120,7 @@ def _rows(a_SxK, b_ExKxN, sizes_E, tile: int, precision):
     tiles_a, tiles_b = jnp.broadcast_to(a_pad, (n_g, *a_pad.shape)), b_ExKxN
   else:
     tiles_a, tiles_b = a_pad.reshape(n_t, tile, -1)[it.tile], b_ExKxN[it.group]
-  return pick_rows(_dot(tiles_a, tiles_b, (2,), precision), it, sizes_E, s, tile)
+  return pick_rows(_dot(tiles_a, tiles_b, (2,), precision).astype(out_dtype), it, sizes_E, s, tile)
 
 
 def _tokens(a_SxK, b_SxN, sizes_E, tile: int, precision):
@@ -142,16 +142,17 @@ def _tile(s: int, n_groups: int, tiling: Tiling | None):
   return grouped_tile(s, n_groups, 1, tiling)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _rows_vjp(a_SxK, b_ExKxN, sizes_E, tiling, precision):
-  return _rows(a_SxK, b_ExKxN, sizes_E, _tile(a_SxK.shape[0], b_ExKxN.shape[0], tiling), precision)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _rows_vjp(a_SxK, b_ExKxN, sizes_E, tiling, precision, out_dtype):
+  return _rows(a_SxK, b_ExKxN, sizes_E, _tile(a_SxK.shape[0], b_ExKxN.shape[0], tiling), precision, out_dtype)
 
 
-def _rows_fwd(a_SxK, b_ExKxN, sizes_E, tiling, precision):
-  return _rows_vjp(a_SxK, b_ExKxN, sizes_E, tiling, precision), (a_SxK, b_ExKxN, sizes_E)
+def _rows_fwd(a_SxK, b_ExKxN, sizes_E, tiling, precision, out_dtype):
+  return _rows_vjp(a_SxK, b_ExKxN, sizes_E, tiling, precision, out_dtype), (a_SxK, b_ExKxN, sizes_E)
 
 
-def _rows_bwd(tiling, precision, res, dy_SxN):
+def _rows_bwd(tiling, precision, out_dtype, res, dy_SxN):
+  del out_dtype   # dy arrives in it: the float32 accumulations below take it as it is
   a_SxK, b_ExKxN, sizes_E = res
   tile = _tile(a_SxK.shape[0], b_ExKxN.shape[0], tiling)
   da = _rows(dy_SxN, jnp.swapaxes(b_ExKxN, 1, 2), sizes_E, tile, precision)
@@ -162,11 +163,15 @@ def _rows_bwd(tiling, precision, res, dy_SxN):
 _rows_vjp.defvjp(_rows_fwd, _rows_bwd)
 
 
-def rows(a_SxK, b_ExKxN, sizes_E, *, precision=lax.Precision.HIGHEST, tiling: Tiling | None = None):
-  """float32 (S, N): row r of a times b[e] for r in group e, zero past the last group (``lax.ragged_dot``'s
-  result), as one batched dot of the work items (``tiling``: default ``TILING``). Differentiable: dgrad is ``rows`` of dy and bᵀ, wgrad
-  ``tokens`` (float32 partials per item, summed per group), each rounded once to its operand's dtype."""
-  return _rows_vjp(a_SxK, b_ExKxN, sizes_E.astype(jnp.int32), tiling, precision)
+def rows(a_SxK, b_ExKxN, sizes_E, *, precision=lax.Precision.HIGHEST, tiling: Tiling | None = None,
+         out_dtype=jnp.float32):
+  """(S, N) ``out_dtype``: row r of a times b[e] for r in group e, zero past the last group (``lax.ragged_dot``'s
+  result, float32 accumulation rounded once to ``out_dtype``), as one batched dot of the work items
+  (``tiling``: default ``TILING``). Differentiable: dgrad is ``rows`` of dy and bᵀ, wgrad ``tokens`` (float32
+  partials per item, summed per group), each rounded once to its operand's dtype. A bf16 ``out_dtype`` (what
+  a bf16 caller casts to anyway) halves the (W, T, N) result and makes the cotangent bf16, so the backward's
+  GEMMs read bf16 tiles (bf16 x bf16, float32 accumulation) instead of float32 ones."""
+  return _rows_vjp(a_SxK, b_ExKxN, sizes_E.astype(jnp.int32), tiling, precision, jnp.dtype(out_dtype))
 
 
 def tokens(a_SxK, b_SxN, sizes_E, *, precision=lax.Precision.HIGHEST, tiling: Tiling | None = None):

@@ -9,8 +9,9 @@ import pytest
 import fp4jax
 from fp4jax import gemm, recipes, reference
 from fp4jax.dot import residuals
-from fp4jax.numerics import e2m1
+from fp4jax.numerics import e2m1, mxfp8
 from fp4jax.quantizers import Quantizer
+from test_moe_ep_trace import _walk
 
 F32 = np.float32
 
@@ -85,6 +86,17 @@ def nvfp4_row(row, amax):
 
 # ------------------------------------------------------------------------------------ MXFP8
 
+def _exact_operands():
+  """x (64, 96), w (96, 64), dy (64, 64) whose MXFP8 GEMMs are exact in float32 in any order: every 32-block
+  (along either axis) holds a ±4, so each scale is 2^-6 and the elements are integers times 2^-6 up to 256,
+  while E4M3 still rounds (17 -> 16, 19 -> 20, ...)."""
+  def operand(key, shape):
+    t = np.asarray(jax.random.randint(key, shape, -255, 256), np.float64) / 64
+    i, j = np.indices(shape)
+    return np.where((i - j) % 32 == 0, 4.0 * np.sign(t + 0.5), t).astype(F32)
+  return operand(jax.random.key(2), (64, 96)), operand(jax.random.key(3), (96, 64)), operand(jax.random.key(4), (64, 64))
+
+
 class TestMxfp8Recipe:
 
   def test_is_a_named_recipe_with_the_ocp_layout(self):
@@ -111,15 +123,7 @@ class TestMxfp8Recipe:
       np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8)), byte)
 
   def test_dot_and_its_gradients_equal_the_transcription(self):
-    # Every 32-block (along either axis) holds a ±4, so each scale is 2^-6 and the elements are integers
-    # times 2^-6 up to 256: every product and sum is exact in float32 and the GEMM order cannot matter,
-    # while E4M3 still rounds (17 -> 16, 19 -> 20, ...).
-    def operand(key, shape):
-      t = np.asarray(jax.random.randint(key, shape, -255, 256), np.float64) / 64
-      i, j = np.indices(shape)
-      return np.where((i - j) % 32 == 0, 4.0 * np.sign(t + 0.5), t).astype(F32)
-    x, w, dy = operand(jax.random.key(2), (64, 96)), operand(jax.random.key(3), (96, 64)), \
-        operand(jax.random.key(4), (64, 64))
+    x, w, dy = _exact_operands()
     y, vjp = jax.vjp(lambda a, b: fp4jax.dot(a, b, recipe="mxfp8"), jnp.asarray(x), jnp.asarray(w))
     dx, dw = vjp(jnp.asarray(dy))
     want_y = mxfp8_values(x) @ mxfp8_values(w.T).T
@@ -128,6 +132,41 @@ class TestMxfp8Recipe:
     for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
       np.testing.assert_array_equal(np.asarray(got), want.astype(F32))
     assert np.any(mxfp8_values(x) != x)    # the test data does round
+
+  def test_a_gpu_target_multiplies_in_bf16(self):
+    """A GPU target's MXFP8 GEMMs take the dequantized values in bf16 (XLA:GPU runs a float32 GEMM at
+    HIGHEST on its float32 units); the CPU keeps float32 (the twin). On the exact data above both give the
+    same bits."""
+    x, w, dy = map(jnp.asarray, _exact_operands())
+    gpu = fp4jax.target.Target("gpu", "NVIDIA H200", (9, 0))
+
+    def run(where):
+      def grads(a, b, g):
+        y, vjp = jax.vjp(lambda a, b: fp4jax.dot(a, b, recipe="mxfp8"), a, b)
+        return (y, *vjp(g))
+      with fp4jax.target.use(where):
+        jaxpr = jax.make_jaxpr(grads)(x, w, dy)
+        out = jax.jit(grads)(x, w, dy)
+      dots = [tuple(str(v.aval.dtype) for v in e.invars) for e in jaxpr.jaxpr.eqns for e in _walk(e)
+              if e.primitive.name == "dot_general"]
+      return dots, out
+
+    cpu_dots, cpu_out = run(fp4jax.target.Target("cpu", "cpu"))
+    gpu_dots, gpu_out = run(gpu)
+    assert cpu_dots == [("float32", "float32")] * 3 and gpu_dots == [("bfloat16", "bfloat16")] * 3
+    for got, want in zip(gpu_out, cpu_out):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+  def test_bf16_operands_are_the_values_for_scale_bytes_from_3(self):
+    """mxfp8.gemm's bf16 operands equal its float32 ones for every block of scale byte >= 3 (the docstring's
+    bound): every finite E4M3 code at every byte 3..246 (above 246 the largest codes overflow float32 too;
+    a quantizer never writes them: its scale is rounded up from amax / 448)."""
+    codes = np.concatenate([np.arange(127), np.arange(128, 255)]).astype(np.uint8)   # all but ±NaN, and -0
+    data = jnp.asarray(np.pad(codes, (0, 2)).view(jnp.float8_e4m3fn))                 # 256: 8 blocks of 32
+    bytes_ = jnp.arange(3, 247, dtype=jnp.uint8)
+    vals = mxfp8.dequantize(mxfp8.Mxfp8(jnp.tile(data, (bytes_.size, 1)), jnp.repeat(bytes_[:, None], 8, 1)))
+    assert np.all(np.isfinite(np.asarray(vals)))
+    np.testing.assert_array_equal(np.asarray(vals.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(vals))
 
 
 # ------------------------------------------------------------------------------------ row-scaled NVFP4

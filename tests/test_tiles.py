@@ -17,6 +17,7 @@ import pytest
 
 import fp4jax
 from fp4jax import gemm, grouped, tiles
+from test_moe_ep_trace import _walk
 
 S, E, K, N = 640, 8, 96, 48
 TILINGS = {"tiles of 200": tiles.Tiling(one_tile_groups=0, rows=200), "tiles of 64": tiles.Tiling(one_tile_groups=0, rows=64),
@@ -75,6 +76,29 @@ def test_tiled_within_summation_bound_bf16():
   np.testing.assert_array_less(np.abs(np.asarray(out["tiled"][3] - out["ragged"][3])), bound(abs_w, None, S) + 1e-30)
   # the gradients are rounded once to their operand's dtype (bf16), as the ragged dot's transpose rounds them
   assert out["tiled"][1].dtype == out["tiled"][2].dtype == jnp.bfloat16
+
+
+def test_bf16_result_is_the_float32_one_rounded_with_bf16_backward_gemms():
+  """rows(out_dtype=bf16) is the float32 result rounded once, and its gradients equal those of the float32
+  result cast to bf16 (the cast's cotangent is the same values in float32), on exact data; its backward's
+  GEMMs read bf16 tiles of the bf16 cotangent (no float32 operand)."""
+  sizes = _sizes(0)
+  bf = lambda t: t.astype(jnp.bfloat16)
+  a, b, dy = bf(_ints(1, (S, K))), bf(_ints(2, (E, K, N))), bf(_ints(3, (S, N)))
+  tiling = TILINGS["tiles of 64"]
+  cast = lambda a, b: tiles.rows(a, b, sizes, tiling=tiling).astype(jnp.bfloat16)
+  direct = lambda a, b: tiles.rows(a, b, sizes, tiling=tiling, out_dtype=jnp.bfloat16)
+  results = {}
+  for name, f in (("cast", cast), ("direct", direct)):
+    y, vjp = jax.vjp(f, a, b)
+    results[name] = (y, *vjp(dy))
+  for name, want, got in zip(("y", "da", "db"), results["cast"], results["direct"]):
+    assert got.dtype == want.dtype == jnp.bfloat16, name
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
+  assert np.asarray(results["direct"][0], np.float32).any()
+  jaxpr = jax.make_jaxpr(lambda a, b, g: jax.vjp(direct, a, b)[1](g))(a, b, dy)
+  dots = [e for e in jaxpr.jaxpr.eqns for e in _walk(e) if e.primitive.name == "dot_general"]
+  assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
 
 
 def test_auto_is_tiled_for_a_gpu_target():

@@ -54,7 +54,15 @@ def dequantize(q: Mxfp8):
   return jnp.ldexp(d_blk, (q.scale.astype(jnp.int32) - 127)[..., None]).reshape(d.shape)
 
 
-def gemm(a: Mxfp8, b: Mxfp8):
-  """a (M, K) · b (N, K)ᵀ -> (M, N) float32 from the exact dequantized values."""
-  return lax.dot_general(dequantize(a), dequantize(b), (((1,), (1,)), ((), ())),
+def gemm(a: Mxfp8, b: Mxfp8, operand_dtype=jnp.float32):
+  """a (M, K) · b (N, K)ᵀ -> (M, N) float32 from the dequantized values, float32 accumulation.
+
+  ``operand_dtype`` float32: the exact values in one float32 GEMM (HIGHEST: no TF32). bfloat16: the same
+  values in a bf16 GEMM (a GPU's tensor cores instead of its float32 units). They are the same values for
+  every block of scale byte e >= 3: data · 2^(e - 127) has at most 4 significant bits, the last at
+  2^(e - 136) >= 2^-133 (bf16's smallest subnormal), and bf16 has float32's range. A block of byte < 3
+  (nonzero values all below 448 · 2^-124 ~ 1e-35) may round to bf16's subnormal grid where the platform
+  keeps subnormals (XLA's CPU flushes them in either dtype); an all-zero block (byte 0) is exact."""
+  deq = lambda q: dequantize(q).astype(operand_dtype)
+  return lax.dot_general(deq(a), deq(b), (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
