@@ -16,7 +16,7 @@ from fp4jax import _exact, formats, primitives, random_bits
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
-from fp4jax.reference import (codes_of, dequantize_reference, quantize_reference,
+from fp4jax.reference import (dequantize_reference, quantize_reference,
                               scaled_matmul_reference)
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -363,6 +363,22 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | 
   return primitives.fp4_matmul(a, b, out_dtype=out_dtype, impl=impl)
 
 
+def transpose_packed(data_RxC2):
+  """The E2M1 codes of a (R, C) matrix packed along C (``e2m1.pack``: (R, C/2) bytes) -> those of its transpose
+  packed along R ((C, R/2)), ``e2m1.pack(e2m1.unpack(data).T)`` from the packed bytes in one pass: byte (c, i)
+  takes the nibble of column c from rows 2i and 2i+1 (R even). XLA fuses it into one transpose, reading and
+  writing the packed bytes once; unpacking first writes the codes at a byte each in between."""
+  r, c2 = data_RxC2.shape
+  if r % 2:
+    raise ValueError(f"transpose_packed: {r} rows; packing the transpose along them needs an even count")
+  d = data_RxC2.reshape(r // 2, 2, c2)
+  pair = lambda t: jnp.repeat(t, 2, axis=-1)                 # each byte under both its columns: (R/2, C)
+  top, bottom = pair(d[:, 0, :]), pair(d[:, 1, :])           # rows 2i, 2i+1
+  shift = jnp.tile(jnp.array([0, 4], jnp.uint8), c2)         # column c's nibble: the low one for even c
+  nibble = lambda t: (t >> shift) & 0xF
+  return (nibble(top) | (nibble(bottom) << 4)).T
+
+
 def transpose_tiles(q: QTensor) -> QTensor:
   """The 2D-tiled QTensor of the transposed matrix, from codes and scales alone (no requantization).
 
@@ -375,7 +391,7 @@ def transpose_tiles(q: QTensor) -> QTensor:
     raise ValueError("transpose_tiles needs a 2-D QTensor quantized with tile= (nvfp4 (16, 16) or "
                      "fp8 (128, 128))")
   if q.fmt == "nvfp4":
-    data = e2m1.pack(codes_of(q).T)
+    data = transpose_packed(q.data)
   elif q.fmt == "fp8":
     data = q.data.T
   else:

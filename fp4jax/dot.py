@@ -80,8 +80,9 @@ class Residuals:
   """What the forward pass saves: the FP4 operands the backward pass reads, never x or w unquantized
   unless a GEMM that needs them runs in bf16."""
   key: Any        # None unless the backward pass draws random bits
-  w_dgrad: Any    # QTensor (K, N) along N; or the fprop QTensor (N, K) (tiles to transpose, or ŵ to
-                  # re-quantize); or w (dgrad in bf16; wᵀ when fprop is bf16 and dgrad re-quantizes)
+  w_dgrad: Any    # QTensor (K, N) along N (the weight tiles themselves when ``tiles_in_place``); or the
+                  # fprop QTensor (N, K) (tiles to transpose, or ŵ to re-quantize); or w (dgrad in bf16;
+                  # wᵀ when fprop is bf16 and dgrad re-quantizes)
   x_wgrad: Any    # QTensor (K, M) along M; or the fprop QTensor x̂ (M, K) to re-quantize; or x
   x_dtype: Any
   w_dtype: Any
@@ -163,14 +164,28 @@ DENSE = Dense()
 
 @jax.named_scope("fprop")
 def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN, q_x=None, amax_x=None):
-  """y and the fprop-quantized operands (None when fprop runs unquantized). ``q_x``: x already
+  """y and the fprop-quantized operands (None when fprop runs unquantized; w's tiles (K, N) when
+  ``tiles_in_place``, else (N, K) as fprop reads them). ``q_x``: x already
   quantized as ``roles.fprop_x`` quantizes it (a ``PreQuantized`` input), used instead of quantizing;
   ``amax_x``: x's tensor amax, when ``_shared_amaxes`` read it with the wgrad's."""
   if roles.fprop_x is None:
     return ops.exact(x_MxK, w_KxN, "fprop", precision).astype(out_dtype), None, None
   q_x = ops.rows(roles.fprop_x, x_MxK, amax=amax_x) if q_x is None else q_x
+  if tiles_in_place(roles):   # w's tiles along N, as dgrad reads them; fprop reads their transpose
+    q_w = ops.weight(roles.fprop_w, w_KxN)                                           # (K, N)
+    return ops.gemm(q_x, ops.transpose_tiles(q_w), out_dtype), q_x, q_w
   q_wt = ops.weight(roles.fprop_w, ops.transpose(w_KxN))                             # (N, K)
   return ops.gemm(q_x, q_wt, out_dtype), q_x, q_wt
+
+
+def tiles_in_place(roles: Roles) -> bool:
+  """Whether the dot quantizes w's weight tiles in w's own layout (K, N), packed along N as dgrad reads them,
+  and hands fprop their transpose (``transpose_tiles``), instead of quantizing wᵀ for fprop and transposing the
+  tiles for dgrad. Either way every code and scale is the same: a square tile's amax, its scale and each
+  element's nearest code do not depend on the tile's orientation (``Quantizer.tiles_transpose``). In place,
+  no transposed copy of w is written (a kernel cannot fuse the transpose of its operand) and the codes are
+  transposed once, in the forward pass (docs/DESIGN.md, issue 30, session 11)."""
+  return roles.dgrad_w == TRANSPOSED and roles.fprop_w.tiles_transpose
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -226,8 +241,8 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
       dx_MxK = ops.exact(dy_MxN, res.w_dgrad, "dgrad", precision)
     else:
       signs, k_dy, k_w = ops.gemm_keys(key_d, roles.dgrad_rht)
-      if roles.dgrad_w == TRANSPOSED:
-        q_w = ops.transpose_tiles(res.w_dgrad)                                       # (K, N)
+      if roles.dgrad_w == TRANSPOSED:                                                # (K, N)
+        q_w = res.w_dgrad if tiles_in_place(roles) else ops.transpose_tiles(res.w_dgrad)
       elif roles.requantize:
         q_w = ops.weight_t(roles.dgrad_w, ops.weight_values(res.w_dgrad), k_w, signs)   # ŵ (N, K) -> (K, N)
       else:

@@ -101,6 +101,16 @@ class Quantizer:
     return t_RxC
 
   @property
+  def tiles_transpose(self) -> bool:
+    """Whether quantizing t in tiles and transposing the codes and scales (``fp4jax.transpose_tiles``) is
+    quantizing tᵀ, bit for bit: square tiles (nvfp4 16x16, fp8 128x128), nearest rounding, no transform. A
+    tile's amax is a max (any order) and each element's code depends on its value and the tile's scale only.
+    Not with 4/6, whose choice between two scales sums the tile's errors (in the tile's order), nor with
+    stochastic rounding (bits drawn in the operand's layout)."""
+    return (self.tiled and self.fmt in ("nvfp4", "fp8") and self.four_over_six is None and not self.stochastic
+            and not self.rht_size and not self.row_scaled)
+
+  @property
   def has_tensor_amax(self) -> bool:
     """Whether the quantization reads one amax of the whole tensor (nvfp4, with or without 4/6; MS-EDEN)."""
     return self.fmt in ("nvfp4", "nvfp4_eden") and not self.row_scaled

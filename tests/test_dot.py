@@ -212,6 +212,42 @@ def test_dgrad_weight_is_the_fprop_weight_transposed(preset, weight_2d):
   assert _rel(w_fprop, w) < 0.15 and _rel(w_dgrad, w) < 0.15
 
 
+@pytest.mark.parametrize("recipe, expected", [("nvfp4", True)] + [
+    pytest.param(r, e, marks=pytest.mark.slow) for r, e in (
+        ("fp8", True), ("nvfp4_bf16_fprop", False), (recipes.nvfp4(four_over_six="weights"), False))])
+def test_weight_tiles_in_place_are_the_transposed_tiles(recipe, expected, monkeypatch):
+  """w's tiles quantized in w's layout (K, N), fprop reading their transpose (``tiles_in_place``), against
+  the twin that quantizes wᵀ for fprop and transposes the tiles for dgrad: the same residual bits and the
+  same y, dx, dw. 4/6 tiles stay on the twin (their choice sums a tile's errors in its order)."""
+  import sys
+  dot_mod = sys.modules["fp4jax.dot"]
+  recipe = recipes.get(recipe) if isinstance(recipe, str) else recipe
+  in_place = dot_mod.tiles_in_place(recipe.roles)
+  assert in_place == expected
+  m, k, n = 128, 256, 128   # K != N: the two residual layouts differ in shape (fp8: whole 128-blocks)
+  x, w, dy = _normal(0, (m, k)), _normal(1, (k, n), scale=3.0), _normal(2, (m, n))
+
+  def value_and_grads():   # traced anew each time (``_value_and_grads`` would hit its jit cache)
+    y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=KEY), x, w)
+    return (y, *vjp(dy))
+
+  res, out = dot_mod.residuals(recipe, x, w, KEY), jax.jit(value_and_grads)()
+  asked = []
+  monkeypatch.setattr(dot_mod, "tiles_in_place", lambda roles: asked.append(roles) or False)
+  jax.clear_caches()   # the custom_vjp's traced passes are cached by function
+  twin_res, twin = dot_mod.residuals(recipe, x, w, KEY), jax.jit(value_and_grads)()
+  assert len(asked) >= 3 or not in_place   # the twin ran: residuals, the traced forward and backward passes
+  as_bits = lambda a: np.asarray(a).view(np.uint8) if np.asarray(a).dtype.itemsize == 1 else np.asarray(a)
+  if in_place:
+    assert res.w_dgrad.shape == (k, n) and twin_res.w_dgrad.shape == (n, k)
+    twin_w = fp4jax.transpose_tiles(twin_res.w_dgrad)
+    for a, b in ((res.w_dgrad.data, twin_w.data), (res.w_dgrad.scale, twin_w.scale),
+                 (res.w_dgrad.amax, twin_w.amax)):
+      np.testing.assert_array_equal(as_bits(a), as_bits(b))
+  for a, b in zip(out, twin):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Stochastic rounding: unbiased gradients
 # ---------------------------------------------------------------------------------------------------

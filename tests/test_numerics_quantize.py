@@ -101,6 +101,19 @@ def test_transpose_tiles_equals_quantizing_the_transpose(fmt, tile, shape):
     transpose_tiles(fp4jax.quantize(w, fmt))
 
 
+def test_transpose_packed_is_unpack_transpose_pack():
+  """The one-pass nibble transpose (transpose_tiles' nvfp4 codes) against its twin, on every byte value in
+  both rows of a pair and both nibbles of a byte."""
+  from fp4jax.api import transpose_packed
+  from fp4jax.numerics import e2m1
+  every = np.arange(256, dtype=np.uint8)
+  data = np.stack([np.repeat(every, 256), np.tile(every, 256)]).reshape(2, 512, 128)
+  data = jnp.asarray(data.transpose(1, 0, 2).reshape(1024, 128))   # rows 2i, 2i+1: every pair of bytes
+  np.testing.assert_array_equal(np.asarray(transpose_packed(data)), np.asarray(e2m1.pack(e2m1.unpack(data).T)))
+  with pytest.raises(ValueError, match="even"):
+    transpose_packed(data[:3])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt, kw", [("nvfp4", {}), ("nvfp4", {"tile": (16, 16)}),
                                      ("mxfp4", {"scale_rule": "floor"}), ("nvfp4", {"axis": 0})])
