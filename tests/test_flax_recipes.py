@@ -49,8 +49,8 @@ def _dot_value_and_grads(recipe, x, w, key):
   return y, jax.grad(loss, argnums=(0, 1))(x, w)
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r.startswith("quartet2") else r
-                                    for r in RECIPES])   # Quartet II's dot is tested in test_recipes_quartet2
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r.startswith("quartet2") or r == "nvfp4_4over6"
+                                    else r for r in RECIPES])   # Quartet II's dot: test_recipes_quartet2; 4/6: the nnx test
 def test_linen_dense_equals_dot(recipe):
   x, w = _data()
   cls = dot_general_cls(recipe)
@@ -83,7 +83,7 @@ def test_linen_dense_equals_dot(recipe):
 
 
 @pytest.mark.parametrize("recipe", [r if r == "nvfp4_4over6" else pytest.param(r, marks=pytest.mark.slow)
-                                    for r in RECIPES])   # the linen test covers each recipe by default
+                                    for r in RECIPES])   # the linen test covers the other recipes by default
 def test_nnx_linear_equals_dot(recipe):
   x, w = _data()
   rngs = nnx.Rngs(0, fp4=5)

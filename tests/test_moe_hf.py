@@ -100,6 +100,7 @@ def test_bf16_export_keeps_the_router_in_float32():
   assert tensors["backbone.layers.0.mixer.experts.up_proj"].dtype == ml_dtypes.bfloat16
 
 
+@pytest.mark.slow   # test_mtp's quantized expert export is the default representative
 def test_calibration_reads_the_experts_inputs():
   """tools/hf.py export --format nvfp4 calibrates every quantized layer, the routed experts too: the up GEMM's
   amax is that of the rows it is given (the latent projection's output; padding rows are zeros)."""

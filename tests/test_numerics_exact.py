@@ -290,7 +290,7 @@ def oscillating_weights(seed, steps):
   return weights
 
 
-@pytest.mark.parametrize("mode", ("jit", "eager"))
+@pytest.mark.parametrize("mode", ("jit", pytest.param("eager", marks=pytest.mark.slow)))
 def test_osci_reset_trajectories_with_inexact_scales(mode):
   """Two windows (snapshot at steps 8 and 16, 6 tracking steps, reset at 15 and 23): every returned weight and every
   state element against numpy, bit for bit; some elements reset, some not."""

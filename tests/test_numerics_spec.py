@@ -80,7 +80,8 @@ def test_spec5_rht_vectors():
   assert hadamard.signs(16) == (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
-@pytest.mark.parametrize("size", [2, 4, 16, 32, 128, 256])
+@pytest.mark.parametrize("size", [pytest.param(s, marks=pytest.mark.slow) if s not in (16, 128) else s
+                                  for s in (2, 4, 16, 32, 128, 256)])   # NVFP4 and Quartet II's sizes by default
 @pytest.mark.parametrize("seed", [None, 7])
 def test_rht_orthogonal_and_matches_matrix(size, seed):
   m = hadamard.matrix(size, seed)

@@ -26,7 +26,8 @@ QUANTIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("4/6") else n
+                                  for n in QUANTIZERS])   # 4/6 is tested in test_recipes_four_over_six
 def test_every_format_is_one_qtensor(name):
   q = QUANTIZERS[name]
   qx = q(X, jax.random.key(2))
@@ -100,7 +101,7 @@ def _chunked(q, rows):
   return jax.tree.map(split, q)
 
 
-@pytest.mark.parametrize("name", ["4/6", "dbq", "eden"])
+@pytest.mark.parametrize("name", [pytest.param("4/6", marks=pytest.mark.slow), "dbq", "eden"])
 def test_grouped_gemm_is_one_gemm_per_group(name):
   """gemm.grouped_matmul with traced group sizes (an empty group, rows past the last one): per group the
   dense GEMM of that group's rows, bit for bit on the CPU; zeros past the groups."""
@@ -176,6 +177,7 @@ def test_dot_takes_a_table_of_roles_with_one_role_replaced():
   assert not np.array_equal(np.asarray(dx), np.asarray(vg("nvfp4")[1][0]))
 
 
+@pytest.mark.slow   # test_recipes_mxfp8_row_scaled tests the recipe by default
 def test_mxfp8_recipe_is_a_table_of_six_mxfp8_quantizers():
   """recipes.mxfp8(): each operand in MXFP8 along its own GEMM's contraction, nearest, no RHT; the three
   GEMMs equal mxfp8.gemm of the numerics module's own quantization of each operand."""

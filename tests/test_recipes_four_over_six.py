@@ -299,7 +299,7 @@ def test_the_paper_recipe_equals_its_numerics_bit_for_bit():
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("role", ["weights", "activations", "all"])
+@pytest.mark.parametrize("role", [pytest.param("weights", marks=pytest.mark.slow), "activations", "all"])
 def test_dot_with_four_over_six_forward(role):
   recipe = recipes.nvfp4(four_over_six=role)
   x = jax.random.normal(jax.random.key(0), (32, 64)) * 2
@@ -324,6 +324,7 @@ def test_four_over_six_lowers_operand_error_on_gaussian_data():
     assert err < plain
 
 
+@pytest.mark.slow   # the forward test above keeps 4/6 in the dot by default
 def test_four_over_six_residuals_stay_fp4():
   m, k, n = 64, 128, 96
   res = residuals(recipes.nvfp4(four_over_six="all"), jnp.ones((m, k)), jnp.ones((k, n)), None)
@@ -370,6 +371,7 @@ def test_stochastic_candidates_share_bits_and_are_biased():
   assert np.mean(z ** 2) > 10
 
 
+@pytest.mark.slow   # the paper recipe's bit-for-bit test is the default representative
 def test_bf16_backward_gemms_with_four_over_six_are_exact():
   recipe = recipes.nvfp4(four_over_six="all", dgrad="bf16", wgrad="bf16")
   x = jax.random.normal(jax.random.key(0), (32, 48))

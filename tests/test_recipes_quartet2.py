@@ -201,7 +201,7 @@ def gradient_z_scores(recipe, draws=1000):
   return out
 
 
-@pytest.mark.parametrize("name", ["quartet2", "quartet2_rtn"])
+@pytest.mark.parametrize("name", ["quartet2", pytest.param("quartet2_rtn", marks=pytest.mark.slow)])
 def test_quartet2_gradients_unbiased(name):
   """Quartet II claims an unbiased backward pass: every element of mean dx, dw over 1000 keys lies
   within 5 standard errors of the exact gradient of the quantized forward. (Measured: mean z² 1.06-1.09,

@@ -126,6 +126,7 @@ def test_c7_mxfp8():
                                 np.asarray(q.data[:8].astype(jnp.float32)) * 4)
 
 
+@pytest.mark.slow   # test_outcontrol_dot_forward_backward is the default representative
 def test_outcontrol_picks_the_outlier_channels_and_cuts_the_error():
   k_in, n_out = 256, 64
   scale = jnp.ones(k_in).at[7].set(40.0).at[130].set(25.0)

@@ -64,6 +64,7 @@ def _run(tmp_path, *flags, timeout=600):
   return json.loads(out.read_text()), proc.stdout
 
 
+@pytest.mark.slow   # the 8-device mesh trains by default in test_train_distributed; bench/scale.py's counting is tested above and below
 def test_shrunken_tiny_on_8_devices(tmp_path):
   flags = ["--config.recipe=bf16", "--config.data.seq_len=32"]
   flags += [f"--config.model.{k}={v}" for k, v in SHRUNKEN_MODEL.items()]

@@ -3,6 +3,7 @@ quantize compiles without gathering the activation (only the scalar amax is all-
 
 Runs in a subprocess because the device count must be set before jax initializes.
 """
+import fcntl
 import json
 import os
 import subprocess
@@ -84,14 +85,27 @@ _SCRIPT = textwrap.dedent(r"""
 """)
 
 
-@pytest.fixture(scope="module")
-def mesh_results():
+def _run_script():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
-  return json.loads(line[len("RESULT"):])
+  return next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):]
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+  """The script's results, run once per test session: pytest-xdist's workers (each would run a
+  module-scoped fixture itself) share them through a file in the session's temporary root."""
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    return json.loads(_run_script())
+  root = tmp_path_factory.getbasetemp().parent   # this session's, shared by its workers
+  path = root / "sharding_mesh_results.json"
+  with open(root / "sharding_mesh_results.lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      path.write_text(_run_script(), encoding="utf-8")
+  return json.loads(path.read_text(encoding="utf-8"))
 
 
 def test_eight_devices(mesh_results):
