@@ -286,14 +286,17 @@ def gated_norm_program(shape, impl: str, sharding) -> Program:
   return Program(f"gated_norm_{impl}", fn, args, len(gated_norm.KERNEL_NAMES) if impl == "pallas" else 0)
 
 
-def dot_program(recipe: str, shape, sharding) -> Program:
+def dot_program(recipe: str, shape, sharding, sr_bits: str | None = None) -> Program:
   """``fp4jax.dot`` forward and backward (y, dx, dw for a cotangent dy, all inputs): value_and_grad
-  of the layer, with no constant cotangent for XLA to fold."""
+  of the layer, with no constant cotangent for XLA to fold. ``sr_bits``: the recipe's ``Recipe.sr_bits``
+  instead of its own."""
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
   import fp4jax   # pylint: disable=import-outside-toplevel
   m, k, n = shape
   rec = fp4jax.recipes.get(recipe)
+  if sr_bits is not None:
+    rec = rec.replace(sr_bits=sr_bits)
 
   def fn(x, w, dy, key):
     y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=rec, key=key), x, w)
@@ -303,7 +306,7 @@ def dot_program(recipe: str, shape, sharding) -> Program:
   key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
   args = (_spec((m, k), jnp.bfloat16, sharding), _spec((k, n), jnp.bfloat16, sharding),
           _spec((m, n), jnp.bfloat16, sharding), key)
-  return Program(f"dot_{recipe}", fn, args, 0)
+  return Program(f"dot_{recipe}" + (f"_sr_{sr_bits}" if sr_bits else ""), fn, args, 0)
 
 
 KERNEL_OPS = (("quantize", "nvfp4"), ("quantize_sr", "nvfp4"), ("quantize_2d", "nvfp4"),
@@ -477,6 +480,8 @@ def _flags():
                     "FP4JAX_DEFAULT_IMPL for the run; native (dot, step): every GEMM that has one "
                     "block-scaled, FP4JAX_DEFAULT_IMPL=native.")
   flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
+  flags.DEFINE_enum("sr_bits", None, ("jax", "packed"), "--what dot: the recipe with this Recipe.sr_bits (the "
+                    "layout of its stochastic-rounding bits; default: the preset's, 'jax').")
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
   flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")
@@ -523,7 +528,7 @@ def main(argv):
   elif F.what == "dot":
     _force_impl(F.impl)
     shape = shape or (8192, 8192, 8192)
-    results.append(_compiled(F, dot_program(F.recipe, shape, single)))
+    results.append(_compiled(F, dot_program(F.recipe, shape, single, F.sr_bits)))
     if F.twin:
       twin = _compiled(F, dot_program("bf16", shape, single))
     print(report(results[0], twin))
