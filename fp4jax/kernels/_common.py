@@ -267,10 +267,10 @@ def tile_bits(mode, refs):
     return refs[0][...]
   rows_ref, cols_ref = refs
   row = lambda i: rows_ref[:, i][:, None]
-  cols = (cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
+  args = (row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
   if mode == "packed":
-    return random_bits.packed_bytes(*random_bits.hashed_words(row(0), row(1), row(2), row(3), *cols))
-  return keyed_bits(row(0), row(1), row(2), row(3), *cols)
+    return random_bits.packed_bytes(*random_bits.hashed_words(*args))
+  return keyed_bits(*args)
 
 
 def int_ops_suffix(mode, elements: int) -> str:
