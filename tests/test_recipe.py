@@ -101,12 +101,15 @@ def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
   monkeypatch.setenv("FP4JAX_DEFAULT_IMPL", "pallas")
   eqns = jax.make_jaxpr(lambda x, w: grads(packed))(x, w).eqns
 
-  def keyed(eqns):
+  def keyed(eqns):   # every fp4jax quantize op's layout, sub-jaxprs (custom_vjp, pjit) included
     for e in eqns:
       if str(e.primitive).startswith("fp4jax_quantize"):
         yield str(e.primitive), e.params["keyed"]
-      for sub in jax.core.jaxprs_in_params(e.params):
-        yield from keyed(sub.eqns)
+      for v in e.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else (v,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            yield from keyed(inner.eqns)
   found = set(keyed(eqns))
   assert ("fp4jax_quantize", "packed") in found and ("fp4jax_quantize_rht_t", "packed") in found
   assert all(k in (False, "packed") for _, k in found)
