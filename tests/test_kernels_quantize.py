@@ -301,6 +301,21 @@ def test_quantize_with_packed_bits_hashes_them_in_the_kernel():
   assert np.array_equal(np.asarray(default.scale.view(jnp.uint8)), np.asarray(want.scale.view(jnp.uint8)))
 
 
+@pytest.mark.slow
+def test_packed_bits_under_vmap_over_keys_and_of_a_window():
+  """The packed KeyedBits through the primitive's batching (a key per slice in the rows, the cols shared) and
+  of a Window (fp4jax.grouped's piece of an expert's draw): kernel == XLA path."""
+  keys = jax.random.split(jax.random.key(5), 3)
+  x = make_input((3, 32, 48), jnp.float32)
+  q = lambda impl: jax.vmap(lambda x, k: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=k, impl=impl,
+                                                         sr_bits="packed").data)(x, keys)
+  np.testing.assert_array_equal(np.asarray(q("pallas")), np.asarray(q("xla")))
+  window = random_bits.Window.of(jax.random.key(9), (40, 96), (8, 16), (8, 32))
+  x = make_input((8, 32), jnp.float32)
+  q = lambda impl: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=window, impl=impl, sr_bits="packed").data
+  np.testing.assert_array_equal(np.asarray(q("pallas")), np.asarray(q("xla")))
+
+
 # ----------------------------------------------------------------- kernel-friendly numerics
 
 def _dense_floats():
