@@ -472,7 +472,8 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | (quantize_sr | quantize_2d_sr | quantize_rht_t_sr)_packed | dequantize | scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
+                      "quantize_rht_t_sr | (quantize_sr | quantize_2d_sr | quantize_rht_t_sr)_packed | dequantize | "
+                      "scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each), B,L,H,P,G,N for ssd "

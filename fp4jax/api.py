@@ -205,8 +205,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     ``bits`` of the input's shape, for bit-exact comparisons; with the Pallas kernels the bits of ``key`` are
     hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). sr_bits: how ``key``
     makes them (``random_bits.SR_BITS``): "jax", the bytes of ``jax.random.bits(key, x.shape, uint8)``, or
-    "packed", one threefry2x32 per 8 consecutive elements along the packed axis (docs/NUMERICS.md). amax: the NVFP4 tensor
-    amax to use instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
+    "packed", one threefry2x32 per 8 consecutive elements along the packed axis (docs/NUMERICS.md).
+    amax: the NVFP4 tensor amax to use instead of max|x| (e.g. a global amax across shards). scale_rule:
+    MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
     CPU), "xla" (the pure-JAX reference), or None = the kernel only where
     ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
