@@ -18,6 +18,8 @@ Presets and ablations are keywords: ``nvfp4(rht=False)``, ``nvfp4(stochastic_gra
 ``nvfp4(weight_2d=False)``, ``nvfp4(row_scaled_activation=True)`` (one amax per token of the fprop
 activation); ``mxfp8()`` is MXFP8 on all three GEMMs. Beyond the paper (docs/RECIPES.md): ``nvfp4(four_over_six="all")`` (Four
 Over Six block scales), ``quartet2()`` (MS-EDEN backward), ``tetrajet2()`` (double-block scales). ``get(name)`` parses the names the training configs use (``NAMES``).
+``sr_bits="packed"`` on any recipe that rounds stochastically draws its rounding bits one threefry2x32 per 8
+elements instead of per element (``fp4jax.random_bits``; docs/NUMERICS.md): the same statistics, other bits.
 """
 from __future__ import annotations
 
