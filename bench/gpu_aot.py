@@ -189,7 +189,8 @@ def _with(sharding, tree):
 
 
 def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
-  """One fp4jax op on bf16 inputs of ``shape`` ((M, K); (M, N, K) for scaled_matmul)."""
+  """One fp4jax op on bf16 inputs of ``shape`` ((M, K); (M, N, K) for scaled_matmul). An SR quantize op
+  ending in ``_packed`` draws its bits in the packed layout (``sr_bits="packed"``)."""
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
   import fp4jax   # pylint: disable=import-outside-toplevel
@@ -197,12 +198,14 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
   key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
   kern = 1 if impl == "pallas" else 0
   tag = f"{what}_{fmt}_{impl or 'auto'}"
-  if what in ("quantize", "quantize_sr", "quantize_2d"):
+  sr_bits = "packed" if what.endswith("_sr_packed") else "jax"
+  what = what.removesuffix("_packed") if sr_bits == "packed" else what
+  if what in ("quantize", "quantize_sr", "quantize_2d", "quantize_2d_sr"):
     m, k = shape
-    tile = (16, 16) if what == "quantize_2d" else None
-    rounding = "stochastic" if what == "quantize_sr" else "nearest"
+    tile = (16, 16) if what.startswith("quantize_2d") else None
+    rounding = "stochastic" if what.endswith("_sr") else "nearest"
     def fn(x, key):
-      q = fp4jax.quantize(x, fmt, tile=tile, rounding=rounding, key=key, impl=impl)
+      q = fp4jax.quantize(x, fmt, tile=tile, rounding=rounding, key=key, impl=impl, sr_bits=sr_bits)
       return q.data, q.scale
     return Program(tag, fn, (_spec((m, k), jnp.bfloat16, sharding), key), kern)
   if what in ("quantize_rht_t", "quantize_rht_t_sr"):
@@ -210,7 +213,7 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
     rounding = "stochastic" if what.endswith("_sr") else "nearest"
     size = 32 if fmt == "mxfp4" else 16
     def fn(x, key):
-      q = quantize_rht_transposed(x, fmt, rht_size=size, rounding=rounding, key=key, impl=impl)
+      q = quantize_rht_transposed(x, fmt, rht_size=size, rounding=rounding, key=key, impl=impl, sr_bits=sr_bits)
       return q.data, q.scale
     return Program(tag, fn, (_spec((t, c), jnp.bfloat16, sharding), key), kern)
   if what == "dequantize":
@@ -286,14 +289,17 @@ def gated_norm_program(shape, impl: str, sharding) -> Program:
   return Program(f"gated_norm_{impl}", fn, args, len(gated_norm.KERNEL_NAMES) if impl == "pallas" else 0)
 
 
-def dot_program(recipe: str, shape, sharding) -> Program:
+def dot_program(recipe: str, shape, sharding, sr_bits: str | None = None) -> Program:
   """``fp4jax.dot`` forward and backward (y, dx, dw for a cotangent dy, all inputs): value_and_grad
-  of the layer, with no constant cotangent for XLA to fold."""
+  of the layer, with no constant cotangent for XLA to fold. ``sr_bits``: the recipe's ``Recipe.sr_bits``
+  instead of its own."""
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
   import fp4jax   # pylint: disable=import-outside-toplevel
   m, k, n = shape
   rec = fp4jax.recipes.get(recipe)
+  if sr_bits is not None:
+    rec = rec.replace(sr_bits=sr_bits)
 
   def fn(x, w, dy, key):
     y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=rec, key=key), x, w)
@@ -303,14 +309,15 @@ def dot_program(recipe: str, shape, sharding) -> Program:
   key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
   args = (_spec((m, k), jnp.bfloat16, sharding), _spec((k, n), jnp.bfloat16, sharding),
           _spec((m, n), jnp.bfloat16, sharding), key)
-  return Program(f"dot_{recipe}", fn, args, 0)
+  return Program(f"dot_{recipe}" + (f"_sr_{sr_bits}" if sr_bits else ""), fn, args, 0)
 
 
 KERNEL_OPS = (("quantize", "nvfp4"), ("quantize_sr", "nvfp4"), ("quantize_2d", "nvfp4"),
               ("quantize", "mxfp4"), ("quantize_sr", "mxfp4"), ("quantize_rht_t", "nvfp4"),
               ("quantize_rht_t_sr", "nvfp4"), ("quantize_rht_t", "mxfp4"),
               ("scaled_matmul", "nvfp4"), ("scaled_matmul", "mxfp4"), ("mixed_matmul", "nvfp4"),
-              ("mixed_matmul", "mxfp4"))
+              ("mixed_matmul", "mxfp4"), ("quantize_sr_packed", "nvfp4"), ("quantize_2d_sr_packed", "nvfp4"),
+              ("quantize_rht_t_sr_packed", "nvfp4"))
 XLA_OPS = tuple(o for o in KERNEL_OPS if o[0] != "mixed_matmul") + (("dequantize", "nvfp4"), ("dequantize", "mxfp4"))
 
 
@@ -465,7 +472,8 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | dequantize | scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
+                      "quantize_rht_t_sr | (quantize_sr | quantize_2d_sr | quantize_rht_t_sr)_packed | dequantize | "
+                      "scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
                       "scaled_matmul, M,K,N for dot (default 8192 each), B,L,H,P,G,N for ssd "
@@ -477,6 +485,8 @@ def _flags():
                     "FP4JAX_DEFAULT_IMPL for the run; native (dot, step): every GEMM that has one "
                     "block-scaled, FP4JAX_DEFAULT_IMPL=native.")
   flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
+  flags.DEFINE_enum("sr_bits", None, ("jax", "packed"), "--what dot: the recipe with this Recipe.sr_bits (the "
+                    "layout of its stochastic-rounding bits; default: the preset's, 'jax').")
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
   flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")
@@ -523,7 +533,7 @@ def main(argv):
   elif F.what == "dot":
     _force_impl(F.impl)
     shape = shape or (8192, 8192, 8192)
-    results.append(_compiled(F, dot_program(F.recipe, shape, single)))
+    results.append(_compiled(F, dot_program(F.recipe, shape, single, F.sr_bits)))
     if F.twin:
       twin = _compiled(F, dot_program("bf16", shape, single))
     print(report(results[0], twin))

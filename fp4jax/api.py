@@ -109,7 +109,7 @@ def _check_amax_arg(amax, x):
                      "0; pass the tensor amax (>= max|x|), or amax=None to use max|x|")
 
 
-def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling):
+def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits=random_bits.JAX):
   if not isinstance(fmt, str) or fmt not in formats.NAMES:
     raise ValueError(f"unknown format fmt={fmt!r}; use one of {formats.NAMES}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -143,6 +143,10 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
         raise ValueError(f"bits has shape {bits.shape}; it must match the input's shape {x.shape}")
   elif bits is not None:
     raise ValueError("bits= is only used with rounding='stochastic'")
+  random_bits.check_layout(sr_bits)
+  if sr_bits != random_bits.JAX and (rounding != "stochastic" or bits is not None):
+    raise ValueError(f"sr_bits={sr_bits!r} chooses how the key makes the stochastic-rounding bits; it needs "
+                     "rounding='stochastic' and key= (not bits=, which are the bits themselves)")
   if amax is not None:
     if fmt != "nvfp4":
       raise ValueError(f"amax= is the NVFP4 tensor amax; fmt={fmt!r} has no tensor-level scale")
@@ -191,15 +195,19 @@ def _is_array(v) -> bool:
 
 @jax.named_scope("fp4jax/quantize")   # the op, its amax and layout work, named in profiles
 def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=None, amax=None,
-             scale_rule="rceil", scaling="block", impl: str | None = None, stored: bool = False) -> QTensor:
+             scale_rule="rceil", scaling="block", impl: str | None = None, stored: bool = False,
+             sr_bits: str = random_bits.JAX) -> QTensor:
   """Quantize ``x`` to ``fmt`` ("nvfp4" | "mxfp4" | "fp8").
 
   axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
     E2M1 codes are packed along. tile: (16, 16) for NVFP4 2D weight scaling (fp8: (128, 128)) over the
     last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
     ``bits`` of the input's shape, for bit-exact comparisons; with the Pallas kernels the bits of ``key`` are
-    hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). amax: the NVFP4 tensor
-    amax to use instead of max|x| (e.g. a global amax across shards). scale_rule: MXFP4 "rceil" or "floor".
+    hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). sr_bits: how ``key``
+    makes them (``random_bits.SR_BITS``): "jax", the bytes of ``jax.random.bits(key, x.shape, uint8)``, or
+    "packed", one threefry2x32 per 8 consecutive elements along the packed axis (docs/NUMERICS.md).
+    amax: the NVFP4 tensor amax to use instead of max|x| (e.g. a global amax across shards). scale_rule:
+    MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
     CPU), "xla" (the pure-JAX reference), or None = the kernel only where
     ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
@@ -213,7 +221,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   A zero-size input gives a zero-size QTensor (nvfp4 amax 0). docs/NUMERICS.md has the arithmetic.
   """
   x = as_array(x, "fp4jax.quantize")
-  axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling)
+  axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits)
   kernel_path = fmt in formats.KERNEL_FORMATS and x.size > 0   # zero-size: no kernel launch
   impl = primitives.resolve_impl(impl, fmt, ("quantize_2d" if tile is not None else "quantize_1d")
                                  if kernel_path else None)
@@ -224,9 +232,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   keyed = None
   if rounding == "stochastic" and bits is None:
     if kernel_path and impl == "pallas":   # the kernel hashes its own bits: none in HBM
-      keyed = random_bits.KeyedBits.of(key, x.shape, src)
+      keyed = random_bits.KeyedBits.of(key, x.shape, src, sr_bits)
     if keyed is None:
-      bits = random_bits.bits(key, x.shape, jnp.uint8)
+      bits = random_bits.rounding_bits(key, x.shape, src, sr_bits)
   if not kernel_path:
     return quantize_reference(_exact.stored(x) if stored else x, fmt, axis=axis, tile=tile, bits=bits,
                               amax=amax, scale_rule=scale_rule, scaling=scaling)
@@ -271,7 +279,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
 @jax.named_scope("fp4jax/quantize_rht_t")   # the op, its amax and layout work, named in profiles
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
                             bits=None, amax=None, scale_rule="rceil", impl: str | None = None,
-                            stored: bool = False) -> QTensor:
+                            stored: bool = False, sr_bits: str = random_bits.JAX) -> QTensor:
   """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
 
   Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T
@@ -281,7 +289,8 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   nvfp4, ``kernels.quantize_rht_t.quantize_rht_t_rows``, the reference's bits in a form XLA fuses); the
   tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``), unless
   ``amax`` (nvfp4) gives it: max |RHT(x)|, from a pass that reads x anyway (``rht_amaxes``: fp4jax.dot's
-  fprop and dgrad quantizes), so that this pass reads x once. impl, stored: as for ``quantize``.
+  fprop and dgrad quantizes), so that this pass reads x once. impl, stored, sr_bits: as for ``quantize`` (the
+  packed layout's groups of 8 run along T, in the output's (C, T) orientation).
   """
   x = as_array(x, "fp4jax.api.quantize_rht_transposed")
   if x.ndim != 2:
@@ -290,13 +299,13 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
     raise ValueError("the RHT weight-gradient path is for nvfp4 and mxfp4")
   if x.shape[0] % rht_size:
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
-  _validate(x.T, fmt, -1, None, rounding, key, bits, amax, scale_rule, "block")
+  _validate(x.T, fmt, -1, None, rounding, key, bits, amax, scale_rule, "block", sr_bits)
   impl = primitives.resolve_impl(impl, fmt, "quantize_rht_t")
   if rounding == "stochastic" and bits is None:
     # With the kernel, its own bits (hashed from the key, none in HBM); else drawn here.
-    bits = random_bits.KeyedBits.of(key, x.T.shape) if impl == "pallas" else None
+    bits = random_bits.KeyedBits.of(key, x.T.shape, -1, sr_bits) if impl == "pallas" else None
     if bits is None:
-      bits = random_bits.bits(key, x.T.shape, jnp.uint8)
+      bits = random_bits.rounding_bits(key, x.T.shape, -1, sr_bits)
   hadamard.signs(rht_size, rht_seed)   # validates rht_size
   if fmt == "nvfp4":
     amax = (jnp.asarray(amax, jnp.float32).reshape(()) if amax is not None else

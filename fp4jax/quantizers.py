@@ -4,7 +4,8 @@
 A ``Quantizer`` takes a 2-D tensor (R, C) and returns the ``QTensor`` quantized along C, the contraction
 axis of its GEMM: the format (a row of ``fp4jax.formats``), 1D blocks or 2D tiles, nearest or
 stochastic rounding (random bits from a key), Four Over Six (the nvfp4 row with bound 256), a fixed
-Hadamard transform along C (the paper's wgrad) and MXFP4's scale rule or MS-EDEN's correction group.
+Hadamard transform along C (the paper's wgrad), MXFP4's scale rule or MS-EDEN's correction group, and the
+layout of the stochastic-rounding bits (``sr_bits``: ``random_bits.SR_BITS``).
 ``quantize_t`` quantizes the transpose, (T, C) -> (C, T) along T: the wgrad operands, read along the
 tokens (one fused primitive for the paper's RHT-16 wgrad).
 
@@ -55,6 +56,7 @@ class Quantizer:
   scale_rule: str = "rceil"             # MXFP4's E8M0 rule
   eden_group: int = 128                 # MS-EDEN's correction group
   row_scaled: bool = False              # nvfp4: one tensor amax per row (R,) instead of one per tensor
+  sr_bits: str = random_bits.JAX        # stochastic rounding's bits: "jax" (jax.random.bits) or "packed"
 
   def __post_init__(self):
     if self.fmt not in formats.ALL:
@@ -68,6 +70,10 @@ class Quantizer:
       raise ValueError("row_scaled=True is NVFP4 1x16 blocks with one amax per row (no tiles, no 4/6)")
     if self.stochastic and self.fmt in ("fp8", "mxfp8", "nvfp4_eden"):
       raise ValueError(f"fmt={self.fmt!r} rounds to nearest (MS-EDEN puts its randomness in the scales)")
+    random_bits.check_layout(self.sr_bits)
+    if self.sr_bits != random_bits.JAX and not self.stochastic:
+      raise ValueError(f"Quantizer(fmt={self.fmt!r}, sr_bits={self.sr_bits!r}): sr_bits chooses the bits of "
+                       "stochastic rounding; set stochastic=True or leave sr_bits='jax'")
 
   @property
   def needs_key(self) -> bool:
@@ -128,7 +134,8 @@ class Quantizer:
       if amax is not None:
         kw["amax"] = amax
       return quantize_rht_transposed(t_TxC, self.fmt, rht_size=self.rht_size, rht_seed=self.rht_seed,
-                                     rounding=rounding, key=key if self.stochastic else None, stored=True, **kw)
+                                     rounding=rounding, key=key if self.stochastic else None, stored=True,
+                                     sr_bits=self.sr_bits, **kw)
     return self._quantize(self.prepare_t(t_TxC, signs), key, amax)
 
   def prepare_t(self, t_TxC, signs=None):
@@ -165,7 +172,7 @@ class Quantizer:
       if amax is not None:
         kw["amax"] = amax
       return quantize(t, fmt, axis=-1, tile=formats.TILE[fmt] if self.tiled else None, rounding=rounding,
-                      key=key if self.stochastic else None, stored=stored, **kw)
+                      key=key if self.stochastic else None, stored=stored, sr_bits=self.sr_bits, **kw)
     t = _exact.stored(t) if stored else t
     t32 = t.astype(jnp.float32)
     block = None if self.tiled else formats.BLOCK[fmt]
@@ -178,7 +185,7 @@ class Quantizer:
       e = eden.quantize(t32, eden.scale_bits(key, t.shape), group=self.eden_group, amax=amax)
       return QTensor(e2m1.pack(e.codes), e.scale, None, fmt, -1, block, None, t.dtype, scale2=e.s_dec)
     if fmt == "nvfp4_dbq":
-      bits = random_bits.bits(key, t.shape, jnp.uint8) if self.stochastic else None
+      bits = random_bits.rounding_bits(key, t.shape, -1, self.sr_bits) if self.stochastic else None
       q = dbq.quantize(t32, bits=bits)
       return QTensor(e2m1.pack(q.codes), q.scale, None, fmt, -1, block, None, t.dtype, scale2=q.outer)
     if fmt == "mxfp8":

@@ -17,6 +17,11 @@ array as a kernel sees it, a counter per column, so that a Pallas kernel hashes 
 (``threefry2x32``, the same arithmetic in plain uint32 ops) and no bits array reaches HBM. Whenever that
 cannot be guaranteed (another PRNG implementation, a 64-bit width, ``jax_threefry_partitionable=False``, a
 zero-size or symbolic shape, a JAX without the primitive) ``bits`` returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
+
+Two layouts of stochastic-rounding bits (``SR_BITS``, chosen by ``Recipe.sr_bits`` / ``Quantizer.sr_bits``):
+"jax", the default, the bytes of ``jax.random.bits(key, shape, uint8)`` (one threefry2x32 per element, 8 of
+its 64 bits kept); and "packed", one threefry2x32 per 8 consecutive elements along the quantized axis, all
+64 bits used (``rounding_bits``; the contract, with test vectors, in docs/NUMERICS.md).
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ except ImportError:   # pragma: no cover - older/newer JAX without it: jax.rando
 
 _U32 = jnp.uint32
 _WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, np.dtype(np.uint32): 32}
+JAX, PACKED = "jax", "packed"
+SR_BITS = (JAX, PACKED)   # layouts of stochastic-rounding bits (module docstring)
+GROUP = 8                 # "packed": elements per hash (8 bytes of its two uint32 words)
 
 
 def bits(key, shape, dtype=jnp.uint32):
@@ -56,9 +64,82 @@ def bits(key, shape, dtype=jnp.uint32):
   return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
 
 
-def _threefry_key_data(key):
-  """The key's two uint32 words when ``jax.random.bits`` would hash with threefry2x32, else None."""
-  if _THREEFRY2X32_P is None or not jax.config.jax_threefry_partitionable:
+def rounding_bits(key, shape, axis: int = -1, layout: str = JAX):
+  """8 random bits (uint8, ``shape``) per element for stochastic rounding along ``axis``, in ``layout``.
+
+  "jax": ``bits(key, shape, uint8)``, the bytes of ``jax.random.bits``. "packed": view x with ``axis`` moved
+  last, (..., K), and its groups of GROUP = 8 consecutive elements along K as an array (..., K/8); group g's
+  counter is its row-major index in that array (a 64-bit number, high and low uint32 words), its hash the
+  two words (w0, w1) of threefry2x32(key, counter), and element 8g + e takes byte e of the 64-bit w0 | w1 <<
+  32 (``packed_bytes``). K must be a multiple of 8. ``key``: one threefry2x32 key, or a ``Window`` (its
+  rectangle along its last axis; its column start and width multiples of 8)."""
+  shape = tuple(shape)
+  check_layout(layout)
+  if layout == JAX:
+    return bits(key, shape, jnp.uint8)
+  axis = _check_packed(shape, axis)
+  moved = shape[:axis] + shape[axis + 1:] + (shape[axis] // GROUP,)
+  if isinstance(key, Window):
+    if axis != len(shape) - 1:
+      raise ValueError(f"sr_bits='packed' of a Window draws along its last axis; got axis={axis} of {shape}")
+    w0, w1 = key.words(moved)
+  else:
+    data = _packed_key_data(key)
+    if math.prod(shape) == 0:
+      return jnp.zeros(shape, jnp.uint8)
+    if not _tied_form_applies(moved, jnp.uint8):
+      raise ValueError(f"sr_bits='packed' needs a static shape with each axis below 2**32; got {shape}")
+    hi, lo = _counters(moved, _opaque_zero(data[0], data[1]))
+    w0, w1 = _THREEFRY2X32_P.bind(data[0], data[1], hi, lo)
+  return jnp.moveaxis(packed_bytes(w0, w1).astype(jnp.uint8), -1, axis)
+
+
+def check_layout(layout):
+  if layout not in SR_BITS:
+    raise ValueError(f"sr_bits={layout!r}; use one of {SR_BITS} ('jax': jax.random.bits' bytes, the default; "
+                     "'packed': one threefry2x32 per 8 elements, docs/NUMERICS.md)")
+
+
+def _check_packed(shape, axis: int) -> int:
+  """``axis`` normalized, after checking that the packed layout applies to ``shape``."""
+  if not shape:
+    raise ValueError("sr_bits='packed' draws along an axis; got a scalar shape")
+  axis = axis % len(shape)
+  if shape[axis] % GROUP:
+    raise ValueError(f"sr_bits='packed' takes {GROUP} consecutive elements along the quantized axis from one "
+                     f"hash; axis {axis} of {shape} has length {shape[axis]}, not a multiple of {GROUP}: pad it "
+                     "(fp4jax.dot pads to the block) or use sr_bits='jax'")
+  return axis
+
+
+def _packed_key_data(key):
+  """The key's two uint32 words for the packed layout (threefry2x32 keys only), else a ValueError."""
+  data = _threefry_key_data(key, partitionable=False)
+  if data is None:
+    raise ValueError("sr_bits='packed' hashes with threefry2x32: pass one jax.random.key(seed) (or a legacy "
+                     "PRNGKey) of the default threefry2x32 implementation, or use sr_bits='jax'")
+  return data
+
+
+def packed_bytes(w0, w1):
+  """The packed layout's bytes, uint32 < 256 (..., 8·G), of hash words (..., G): element 8g + e takes byte e of
+  the 64-bit w0 | w1 << 32, low byte first (bytes 0-3 from w0, 4-7 from w1). Plain uint32 ops, so the same
+  function runs in a kernel body and in XLA."""
+  e = lax.broadcasted_iota(jnp.int32, (1,) * w0.ndim + (GROUP,), w0.ndim)
+  word = jnp.where(e < 4, w0[..., None], w1[..., None])
+  b = (word >> ((e & 3) * 8).astype(_U32)) & _U32(0xFF)
+  return b.reshape(w0.shape[:-1] + (w0.shape[-1] * GROUP,))
+
+
+def packed_byte(w0, w1, e: int):
+  """Byte ``e`` (a Python int, 0..7) of the hash words, as ``packed_bytes`` takes it (uint32 < 256)."""
+  return ((w0 if e < 4 else w1) >> _U32(8 * (e % 4))) & _U32(0xFF)
+
+
+def _threefry_key_data(key, partitionable: bool = True):
+  """The key's two uint32 words when ``jax.random.bits`` would hash with threefry2x32 (``partitionable``: with
+  its partitionable counters), else None."""
+  if _THREEFRY2X32_P is None or (partitionable and not jax.config.jax_threefry_partitionable):
     return None
   if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != () or str(jax.random.key_impl(key)) != "threefry2x32":
@@ -167,28 +248,37 @@ class Window:
     return cls(data, as_u32(full), as_u32(start), tuple(int(d) for d in shape))
 
   def bits(self, shape, dtype=jnp.uint32):
+    if np.dtype(dtype) not in _WIDTHS:
+      raise ValueError(f"a Window draws uint8/16/32 bits; got {np.dtype(dtype).name}")
+    bits1, bits2 = self.words(shape)
+    mixed = bits1 ^ bits2
+    return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
+
+  def words(self, shape):
+    """The two uint32 words of threefry2x32 at each counter of a (rows, cols / r) request (``bits`` xors
+    them; the packed layout, r = 8, keeps both)."""
     shape = tuple(int(d) for d in shape)
     rows, cols = self.shape
-    if np.dtype(dtype) not in _WIDTHS or len(shape) != 2 or shape[0] != rows or cols % shape[1]:
-      raise ValueError(f"a Window of shape {self.shape} draws (rows, cols / r) uint8/16/32 bits; got {shape} "
-                       f"{np.dtype(dtype).name}")
+    if len(shape) != 2 or shape[0] != rows or cols % shape[1]:
+      raise ValueError(f"a Window of shape {self.shape} draws (rows, cols / r); got {shape}")
     r = cols // shape[1]
     full_c, start_r, start_c = self.full[1] // _U32(r), self.start[0], self.start[1] // _U32(r)
     i = lax.broadcasted_iota(_U32, shape, 0) + start_r
     j = lax.broadcasted_iota(_U32, shape, 1) + start_c
     hi, lo = _add_u64(_mul_u32(i, full_c), (jnp.zeros_like(j), j))
-    bits1, bits2 = _THREEFRY2X32_P.bind(self.key_data[0], self.key_data[1], hi, lo)
-    mixed = bits1 ^ bits2
-    return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
+    return _THREEFRY2X32_P.bind(self.key_data[0], self.key_data[1], hi, lo)
 
-  def keyed(self):
-    """``KeyedBits`` of the rectangle (one draw per element): row r's counter (start_r + r)·full_c +
-    start_c under the window's key, column k's counter k."""
+  def keyed(self, layout: str = JAX):
+    """``KeyedBits`` of the rectangle. "jax" (one draw per element): row r's counter (start_r + r)·full_c +
+    start_c under the window's key, column k's counter k. "packed": the same of the (rows, cols / 8) group
+    grid, column k's counter k // 8."""
     rows, cols = self.shape
+    full_c, start_c, j = self.full[1], self.start[1], jnp.arange(cols, dtype=_U32)
+    if layout == PACKED:
+      full_c, start_c, j = full_c // _U32(GROUP), start_c // _U32(GROUP), j // _U32(GROUP)
     i = lax.broadcasted_iota(_U32, (rows,), 0) + self.start[0]
-    hi, lo = _add_u64(_mul_u32(i, self.full[1]), (jnp.zeros_like(i), jnp.broadcast_to(self.start[1], (rows,))))
-    j = jnp.arange(cols, dtype=_U32)
-    return KeyedBits(_rows(self.key_data, hi, lo), jnp.stack([jnp.zeros_like(j), j], axis=-1))
+    hi, lo = _add_u64(_mul_u32(i, full_c), (jnp.zeros_like(i), jnp.broadcast_to(start_c, (rows,))))
+    return KeyedBits(_rows(self.key_data, hi, lo), jnp.stack([jnp.zeros_like(j), j], axis=-1), layout)
 
 
 def _mul_u32(i, c):
@@ -213,6 +303,16 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 # (15), the output xor (1) and the byte mask of ``kernels._common.keyed_bits`` (1). A GPU rotates with one
 # funnel shift, so it issues about 40 fewer; what the cost model charges a kernel that hashes (bench/hlo_cost.py).
 HASH_OPS = 126
+# The packed layout: per group of GROUP elements the 64-bit counter sum (5) and threefry2x32 (119), both words
+# kept; per element the byte's word select, shift and mask of ``packed_bytes`` (3): 18.5 per element.
+PACKED_GROUP_OPS, PACKED_BYTE_OPS = 124, 3
+
+
+def hash_ops(layout: str, elements: int) -> int:
+  """uint32 ops spent hashing the rounding bits of ``elements`` elements in ``layout``, as written."""
+  if layout == PACKED:
+    return elements // GROUP * PACKED_GROUP_OPS + elements * PACKED_BYTE_OPS
+  return elements * HASH_OPS
 _KS_PARITY = 0x1BD11BDA   # threefry's key-schedule constant (Salmon et al. 2011, Random123)
 
 
@@ -242,56 +342,75 @@ def hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
   (high, low) uint32 words): threefry2x32 of (high, low), its two outputs xored. Plain uint32 ops on arrays
   that broadcast together (a kernel passes a row column and a column row); the low 8 bits are the uint8
   draw."""
-  hi, lo = _add_u64((row_hi, row_lo), (col_hi, col_lo))
-  b1, b2 = threefry2x32(k1, k2, hi, lo)
+  b1, b2 = hashed_words(k1, k2, row_hi, row_lo, col_hi, col_lo)
   return b1 ^ b2
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=())
+def hashed_words(k1, k2, row_hi, row_lo, col_hi, col_lo):
+  """The two uint32 words of threefry2x32 at the 64-bit counter row + col: ``hashed_bits`` before its xor,
+  and a group's hash in the packed layout (``packed_bytes``)."""
+  hi, lo = _add_u64((row_hi, row_lo), (col_hi, col_lo))
+  return threefry2x32(k1, k2, hi, lo)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=("layout",))
 @dataclasses.dataclass(frozen=True)
 class KeyedBits:
-  """The draw ``bits`` would make for an array x (..., K), unmade: element (r..., k) of x gets the bits of
-  counter ``rows[r..., 2:4] + cols[k]`` under key ``rows[r..., 0:2]``.
+  """The draw ``rounding_bits`` would make for an array x (..., K), unmade: element (r..., k) of x gets the bits
+  of counter ``rows[r..., 2:4] + cols[k]`` under key ``rows[r..., 0:2]``: in ``layout`` "jax" the low byte of
+  the xor of threefry2x32's two words (``hashed_bits``, what ``bits`` draws), in "packed" byte k % 8 of the
+  two words (``packed_bytes``), the 8 elements of a group sharing their counter.
 
   rows: uint32 (..., 4) = (k1, k2, counter high, counter low) per row of x; cols: uint32 (K, 2) = (counter
   high, low) per column. 12 bytes per row and 8 per column describe R·K elements: a kernel loads its tile of
-  each and hashes (``hashed_bits``). The columns are constants of the shape (never vmapped: a window's
-  start or a vmapped key lives in ``rows``), so they shard along K as x does and carry global counters.
-  ``make(dtype)`` draws the same bits in XLA (the twin's side)."""
+  each and hashes (``hashed_bits``; packed: ``hashed_words`` once per 8 columns, ``cols[::8]``). The columns
+  are constants of the shape (never vmapped: a window's start or a vmapped key lives in ``rows``), so they
+  shard along K as x does and carry global counters. ``make(dtype)`` draws the same bits in XLA (the twin's
+  side)."""
 
   rows: Any
   cols: Any
+  layout: str = JAX
 
   @classmethod
-  def of(cls, key, shape, axis: int = -1):
-    """The bits of ``moveaxis(bits(key, shape), axis, -1)``: what a kernel quantizing along ``axis`` sees.
-    ``key``: one threefry key, or a ``Window`` (its shape, along the last axis). None where ``bits`` itself
-    would not use threefry2x32's partitionable counters, or for another rectangle of a Window (the caller
-    then draws with ``bits``)."""
+  def of(cls, key, shape, axis: int = -1, layout: str = JAX):
+    """The bits of ``moveaxis(rounding_bits(key, shape, axis, layout), axis, -1)``: what a kernel quantizing
+    along ``axis`` sees. ``key``: one threefry key, or a ``Window`` (its shape, along the last axis). None
+    where ``bits`` itself would not use threefry2x32's partitionable counters ("jax"), or for another
+    rectangle of a Window (the caller then draws with ``rounding_bits``)."""
     shape = tuple(int(d) for d in shape)
-    axis = axis % len(shape)
+    check_layout(layout)
+    axis = axis % len(shape) if layout == JAX else _check_packed(shape, axis)
     if isinstance(key, Window):   # its own rectangle, along its last axis; else the caller draws
-      return key.keyed() if shape == key.shape and axis == 1 else None
-    data = _threefry_key_data(key)
+      return key.keyed(layout) if shape == key.shape and axis == 1 else None
+    data = _threefry_key_data(key) if layout == JAX else _packed_key_data(key)
     if data is None or not _tied_form_applies(shape, jnp.uint8):
       return None
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     lead = tuple(d for d in range(len(shape)) if d != axis)
     lead_shape = tuple(shape[d] for d in lead)
-    hi, lo = _counters(lead_shape, _U32(0), [strides[d] for d in lead]) if lead_shape else (
+    # "jax": the row-major strides of shape; "packed": those of the group grid lead_shape + (K/8,)
+    grid = shape if layout == JAX else lead_shape + (shape[axis] // GROUP,)
+    strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
+    lead_strides = [strides[d] for d in lead] if layout == JAX else strides[:-1]
+    hi, lo = _counters(lead_shape, _U32(0), lead_strides) if lead_shape else (
         jnp.zeros((), _U32), jnp.zeros((), _U32))
-    col_hi, col_lo = _mul_u32_by_const(jnp.arange(shape[axis], dtype=_U32), strides[axis])
-    return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1))
+    if layout == JAX:
+      col_hi, col_lo = _mul_u32_by_const(jnp.arange(shape[axis], dtype=_U32), strides[axis])
+    else:
+      col_lo = jnp.arange(shape[axis], dtype=_U32) // _U32(GROUP)
+      col_hi = jnp.zeros_like(col_lo)
+    return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1), layout)
 
   def make(self, dtype=jnp.uint8):
-    """The bits as an array (..., K) of ``dtype``, drawn in XLA: equal to ``jax.random.bits`` moved as
-    ``of`` says (tests/test_random_bits.py)."""
+    """The bits as an array (..., K) of ``dtype``, drawn in XLA: equal to ``rounding_bits`` moved as ``of``
+    says (tests/test_random_bits.py); "jax" draws 32 bits per element (``bits``), "packed" 8."""
     r = self.rows
-    k = self.cols.shape[0]
+    cols = self.cols if self.layout == JAX else self.cols[::GROUP]   # packed: one counter per group
+    k = cols.shape[0]
     bcast = lambda v: jnp.broadcast_to(v[..., None], r.shape[:-1] + (k,))
-    hi, lo = _add_u64((bcast(r[..., 2]), bcast(r[..., 3])), (self.cols[:, 0], self.cols[:, 1]))
+    hi, lo = _add_u64((bcast(r[..., 2]), bcast(r[..., 3])), (cols[:, 0], cols[:, 1]))
     b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)   # KeyedBits exist only with it
-    mixed = b1 ^ b2
+    mixed = b1 ^ b2 if self.layout == JAX else packed_bytes(b1, b2)
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
 
 

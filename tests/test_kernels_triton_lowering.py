@@ -45,6 +45,20 @@ def test_quantize_rht_t_lowers(fmt, rounding):
   assert _kernels_in(fn, S((1024, 256), jnp.bfloat16), key) == 1
 
 
+@pytest.mark.parametrize("op", ["1d", "2d", "rht_t"])
+def test_packed_sr_bits_lower(op):
+  # sr_bits="packed": one hash per 8 elements, its bytes spread over them (random_bits.packed_bytes in the
+  # 1d/2d kernels, packed_byte row by row in the RHT kernel)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  if op == "rht_t":
+    fn = lambda x, k: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", key=k, impl="pallas",
+                                              sr_bits="packed").data
+  else:
+    fn = lambda x, k: fp4jax.quantize(x, "nvfp4", tile=(16, 16) if op == "2d" else None, rounding="stochastic",
+                                      key=k, impl="pallas", sr_bits="packed").data
+  assert _kernels_in(fn, S((1024, 256) if op == "rht_t" else (304, 304), jnp.bfloat16), key) == 1
+
+
 @pytest.mark.parametrize("fmt,w_tile", [("nvfp4", (16, 16)), ("mxfp4", None)])
 def test_scaled_matmul_lowers(fmt, w_tile):
   def fn(x, w):

@@ -11,6 +11,7 @@ import fp4jax
 from fp4jax import grouped, random_bits
 
 RECIPES = ("nvfp4", "mxfp4", "quartet2", "tetrajet2")
+PACKED = fp4jax.recipes.nvfp4(sr_bits="packed", name="nvfp4_packed")   # the packed SR bits (Recipe.sr_bits)
 
 
 def _case(recipe, counts, k=64, n=48, seed=0):
@@ -34,11 +35,14 @@ def _case(recipe, counts, k=64, n=48, seed=0):
   return jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32), jnp.asarray(dy), tokens
 
 
-# nvfp4 in the default suite (~15 s, one compile per expert's fp4jax.dot); the others ~20-140 s each.
-@pytest.mark.parametrize("recipe", [r if r == "nvfp4" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
+# nvfp4 in the default suite (~15 s, one compile per expert's fp4jax.dot); the others ~20-140 s each. The packed
+# SR layout (Recipe.sr_bits) reads each expert's window of its own packed draw, as the default layout does.
+@pytest.mark.parametrize("recipe", [r if r == "nvfp4" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES]
+                         + [pytest.param(PACKED, marks=pytest.mark.slow, id="nvfp4_packed")])
 def test_grouped_equals_per_expert_dots(recipe):
-  counts = (5, 0, 21) if recipe == "nvfp4" else (5, 0, 21, 16) if recipe == "mxfp4" else (5, 0, 130)
-  x, w, sizes, dy, tokens = _case(recipe, counts, k=32 if recipe == "nvfp4" else 64)
+  small = recipe in ("nvfp4", PACKED)
+  counts = (5, 0, 21) if small else (5, 0, 21, 16) if recipe == "mxfp4" else (5, 0, 130)
+  x, w, sizes, dy, tokens = _case(recipe, counts, k=32 if small else 64)
   key = jax.random.key(7)
 
   def grouped_loss(x, w):

@@ -167,14 +167,16 @@ def test_stochastic_rounding_api(fmt):
   np.testing.assert_array_equal(bits_of(q1.scale), bits_of(fp4jax.quantize(x, fmt).scale))
 
 
-def test_stochastic_rounding_unbiased_through_nvfp4():
+@pytest.mark.parametrize("sr_bits", ["jax", "packed"])
+def test_stochastic_rounding_unbiased_through_nvfp4(sr_bits):
   """The mean of dequantized SR draws converges to the scaled-and-saturated value (bound from the
-  variance); every draw lies within one grid step of it; round-to-nearest is visibly further off."""
+  variance); every draw lies within one grid step of it; round-to-nearest is visibly further off. With
+  either layout of the bits ("packed": 8 elements' bytes from one hash)."""
   n = 2000
   x = normal((16, 32), seed=4)
   keys = jax.random.split(jax.random.key(0), n)
   deq = jax.jit(jax.vmap(lambda k: fp4jax.dequantize(fp4jax.quantize(x, "nvfp4", rounding="stochastic",
-                                                                     key=k))))(keys)
+                                                                     key=k, sr_bits=sr_bits))))(keys)
   deq = np.asarray(deq, np.float64)
   # What SR is unbiased for: x scaled into [-6, 6] by its block's encode factor and saturated there.
   amax_g = nvfp4.tensor_amax(x)

@@ -176,3 +176,92 @@ def test_hashed_counters_carry_into_the_high_word():
   got = random_bits.hashed_bits(k1, k2, *split(row), *split(col))
   b1, b2 = random_bits._THREEFRY2X32_P.bind(*(jnp.broadcast_to(k, (512,)) for k in (k1, k2)), *split(row + col))
   _assert_same(got, b1 ^ b2)
+
+
+# ------------------------------------------------------------------------------------ the packed layout
+
+# docs/NUMERICS.md's test vector: key jax.random.key(42) (words 0, 42), shape (2, 16) along the last axis.
+PACKED_VECTOR = [[143, 4, 62, 109, 45, 23, 34, 16, 45, 179, 215, 3, 244, 131, 208, 173],
+                 [234, 32, 251, 146, 19, 217, 56, 15, 70, 105, 213, 186, 145, 168, 75, 53]]
+
+
+def _packed_oracle(key, shape, axis):
+  """The packed layout from its definition, independently of random_bits: x with ``axis`` last, its groups of 8
+  as an array (..., K/8), counter = row-major index (numpy), threefry2x32 (jax's primitive), and the 8 bytes of
+  (w0, w1) as little-endian memory (numpy's view: w0's bytes low first, then w1's)."""
+  moved = np.moveaxis(np.zeros(shape), axis, -1).shape
+  grid = moved[:-1] + (moved[-1] // 8,)
+  counter = np.arange(np.prod(grid), dtype=np.uint64)
+  k1, k2 = (jnp.full(counter.shape, v, jnp.uint32) for v in np.asarray(jax.random.key_data(key)))
+  w0, w1 = random_bits._THREEFRY2X32_P.bind(k1, k2, jnp.asarray(counter >> np.uint64(32), jnp.uint32),
+                                            jnp.asarray(counter & np.uint64(0xFFFFFFFF), jnp.uint32))
+  words = np.stack([np.asarray(w0), np.asarray(w1)], axis=-1).astype("<u4")
+  return np.moveaxis(words.view(np.uint8).reshape(moved), -1, axis)
+
+
+def test_packed_layout_test_vector():
+  key = jax.random.key(42)
+  got = random_bits.rounding_bits(key, (2, 16), layout="packed")
+  assert got.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(got), np.array(PACKED_VECTOR, np.uint8))
+  np.testing.assert_array_equal(np.asarray(got), _packed_oracle(key, (2, 16), -1))
+  # really another stream: not the bytes of jax.random.bits, which remain the default
+  assert (np.asarray(got) != np.asarray(jax.random.bits(key, (2, 16), jnp.uint8))).mean() > 0.9
+  _assert_same(random_bits.rounding_bits(key, (2, 16)), jax.random.bits(key, (2, 16), jnp.uint8))
+
+
+PACKED_CASES = [((16,), 0), ((3, 16), -1), ((48, 5), 0), ((2, 32, 3), 1), ((4, 24, 3), 1), ((1, 4096, 16), 1)]
+
+
+@pytest.mark.parametrize("shape,axis", PACKED_CASES)
+def test_packed_twin_kernel_hash_and_oracle_agree(shape, axis):
+  # rounding_bits (XLA, jitted), KeyedBits.make (the primitive's XLA side) and the plain-op hash a kernel runs
+  # (hashed_words + packed_bytes on rows and cols[::8]) against the definition (_packed_oracle).
+  key = jax.random.fold_in(jax.random.key(7), len(shape))
+  want = _packed_oracle(key, shape, axis)
+  _assert_same(jax.jit(lambda k: random_bits.rounding_bits(k, shape, axis, "packed"))(key), jnp.asarray(want))
+  kb = random_bits.KeyedBits.of(key, shape, axis, "packed")
+  assert kb.layout == "packed" and kb.cols.shape == (shape[axis], 2)
+  moved = jnp.asarray(np.moveaxis(want, axis, -1))
+  _assert_same(kb.make(), moved)
+  r, c = kb.rows, kb.cols[::8]
+  words = random_bits.hashed_words(r[..., 0, None], r[..., 1, None], r[..., 2, None], r[..., 3, None],
+                                   c[:, 0], c[:, 1])
+  _assert_same(random_bits.packed_bytes(*words).astype(jnp.uint8), moved)
+  assert [random_bits.packed_byte(*words, e)[..., 0].astype(jnp.uint8).tolist() for e in range(8)] == \
+      [moved[..., e].tolist() for e in range(8)]
+
+
+def test_packed_under_vmap_and_of_a_window():
+  keys = jax.random.split(jax.random.key(1), 3)
+  got = jax.jit(jax.vmap(lambda k: random_bits.KeyedBits.of(k, (40, 48), 0, "packed").make()))(keys)
+  _assert_same(got, jnp.stack([jnp.asarray(_packed_oracle(k, (40, 48), 0)).T for k in keys]))
+  # A window (fp4jax.grouped's piece of an expert's draw): the rectangle of the full packed draw; its column
+  # start and width are multiples of 8.
+  key = jax.random.key(4)
+  full = random_bits.rounding_bits(key, (40, 96), layout="packed")
+  window = random_bits.Window.of(key, (40, 96), (5, 16), (8, 32))
+  _assert_same(random_bits.rounding_bits(window, (8, 32), layout="packed"), full[5:13, 16:48])
+  _assert_same(window.keyed("packed").make(), full[5:13, 16:48])
+  _assert_same(window.keyed().make(), jax.random.bits(key, (40, 96), jnp.uint8)[5:13, 16:48])
+
+
+def test_packed_refuses_what_it_cannot_draw():
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    random_bits.rounding_bits(key, (4, 20), layout="packed")
+  with pytest.raises(ValueError, match="multiple of 8"):
+    random_bits.KeyedBits.of(key, (20, 16), 0, "packed")
+  with pytest.raises(ValueError, match="threefry2x32"):
+    random_bits.rounding_bits(jax.random.key(0, impl="rbg"), (4, 16), layout="packed")
+  with pytest.raises(ValueError, match="sr_bits='pack'"):
+    random_bits.rounding_bits(key, (4, 16), layout="pack")
+  assert random_bits.rounding_bits(key, (0, 16), layout="packed").shape == (0, 16)
+
+
+def test_packed_hash_ops_are_fewer():
+  # The integer work the cost model charges a hashing kernel (kernels._common.int_ops_suffix).
+  n = 8192 * 8192
+  assert random_bits.hash_ops("jax", n) == 126 * n
+  assert random_bits.hash_ops("packed", n) == n // 8 * 124 + 3 * n
+  assert random_bits.hash_ops("jax", n) / random_bits.hash_ops("packed", n) > 6.5

@@ -5,6 +5,7 @@ import pytest
 import fp4jax
 from fp4jax import recipes
 from fp4jax.dot import needs_key
+from fp4jax.quantizers import Quantizer
 
 
 def test_paper_recipe():
@@ -52,3 +53,63 @@ def test_bad_recipes_say_what_to_do():
     recipes.get("nvfp8")
   with pytest.raises(ValueError, match="mxfp4_scale_rule"):
     recipes.mxfp4(mxfp4_scale_rule="up")
+
+
+def test_sr_bits_reach_every_stochastic_rounding_and_only_those():
+  r = recipes.nvfp4(sr_bits="packed")
+  q = r.roles
+  assert q.dgrad_dy.sr_bits == q.wgrad_dy.sr_bits == "packed" and q.dgrad_dy.stochastic
+  assert all(x.sr_bits == "jax" for x in (q.fprop_x, q.fprop_w, q.wgrad_x))
+  assert recipes.nvfp4().roles.wgrad_dy.sr_bits == "jax" and recipes.nvfp4().sr_bits == "jax"
+  assert recipes.tetrajet2(sr_bits="packed").roles.dgrad_dy.sr_bits == "packed"
+  assert recipes.mxfp4(sr_bits="packed").roles.wgrad_dy.sr_bits == "packed"
+  assert r != recipes.nvfp4() and hash(r) != hash(recipes.nvfp4())
+
+
+def test_sr_bits_refused_where_nothing_rounds_stochastically():
+  for bad in (lambda: recipes.nvfp4(stochastic_grad=False, sr_bits="packed"),
+              lambda: recipes.fp8(sr_bits="packed"), lambda: recipes.quartet2(sr_bits="packed")):
+    with pytest.raises(ValueError, match="leave sr_bits='jax'"):
+      bad()
+  with pytest.raises(ValueError, match="sr_bits='per_group'"):
+    recipes.nvfp4(sr_bits="per_group")
+  with pytest.raises(ValueError, match="set stochastic=True"):
+    Quantizer("nvfp4", sr_bits="packed")
+  x = jnp.ones((4, 32))
+  with pytest.raises(ValueError, match="needs rounding='stochastic'"):
+    fp4jax.quantize(x, "nvfp4", sr_bits="packed")
+  with pytest.raises(ValueError, match="not bits="):
+    fp4jax.quantize(x, "nvfp4", rounding="stochastic", bits=jnp.zeros((4, 32), jnp.uint8), sr_bits="packed")
+
+
+def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
+  """With the kernels, the dot's two SR quantizes (dgrad dy 1x16, wgrad dy RHT-16 transposed) get the packed
+  KeyedBits; on the XLA path its gradients differ from the default layout's (the bits are really used)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
+  dy = jax.random.normal(jax.random.key(3), (32, 32), jnp.float32)
+  key = jax.random.key(2)
+
+  def grads(recipe):
+    return jax.grad(lambda x, w: (fp4jax.dot(x, w, recipe=recipe, key=key) * dy).sum(), argnums=(0, 1))(x, w)
+  packed = recipes.nvfp4(sr_bits="packed")
+  dx, dw = jax.jit(lambda: grads(packed))()
+  dx0, dw0 = jax.jit(lambda: grads(recipes.nvfp4()))()
+  assert not jnp.array_equal(dx, dx0) and not jnp.array_equal(dw, dw0)
+  assert float(jnp.abs(dx - dx0).max()) < 0.5 * float(jnp.abs(dx0).max())
+  monkeypatch.setenv("FP4JAX_DEFAULT_IMPL", "pallas")
+  eqns = jax.make_jaxpr(lambda x, w: grads(packed))(x, w).eqns
+
+  def keyed(eqns):   # every fp4jax quantize op's layout, sub-jaxprs (custom_vjp, pjit) included
+    for e in eqns:
+      if str(e.primitive).startswith("fp4jax_quantize"):
+        yield str(e.primitive), e.params["keyed"]
+      for v in e.params.values():
+        for sub in v if isinstance(v, (tuple, list)) else (v,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            yield from keyed(inner.eqns)
+  found = set(keyed(eqns))
+  assert ("fp4jax_quantize", "packed") in found and ("fp4jax_quantize_rht_t", "packed") in found
+  assert all(k in (False, "packed") for _, k in found)

@@ -61,6 +61,12 @@ _SCRIPT = textwrap.dedent(r"""
     f = jax.jit(lambda x, k: keyed(x, k, "pallas"))
     out["sr_key"] = dict(equal=same(f(xs, key), jax.jit(lambda x, k: keyed(x, k, "xla"))(x, key)),
                          all_gather="all-gather" in hlo(f, xs, key))
+    # The packed layout (one hash per 8 columns): each shard loads its global column counters, cols[::8].
+    packed = lambda x, k, impl: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=k, impl=impl,
+                                                sr_bits="packed")
+    f = jax.jit(lambda x, k: packed(x, k, "pallas"))
+    out["sr_packed"] = dict(equal=same(f(xs, key), jax.jit(lambda x, k: packed(x, k, "xla"))(x, key)),
+                            all_gather="all-gather" in hlo(f, xs, key))
 
     q = fp4jax.quantize(x, "nvfp4", impl="xla")
     f = jax.jit(lambda q: fp4jax.dequantize(q, impl="pallas"))
@@ -122,7 +128,7 @@ def test_row_sharded_quantize_is_local(mesh_results, layout, impl):
   assert "data" in r["data_spec"]
 
 
-@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "sr_key", "dequantize"])
+@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "sr_key", "sr_packed", "dequantize"])
 def test_other_ops_stay_sharded(mesh_results, name):
   r = mesh_results[name]
   assert r["equal"] and not r["all_gather"]

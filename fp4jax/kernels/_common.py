@@ -239,12 +239,15 @@ def encode(scaled_f32, bits):
 # ---------------------------------------------------------------- stochastic-rounding bits
 
 def sr_mode(bits):
-  """How a kernel gets its rounding bits: None (nearest even), "bits" (a uint8 array of x's shape, loaded)
-  or "key" (``random_bits.KeyedBits``: two small operands, rows (R, 4) and cols (K, 2), hashed in the
-  kernel; no bits array in HBM)."""
+  """How a kernel gets its rounding bits: None (nearest even), "bits" (a uint8 array of x's shape, loaded),
+  "key" (``random_bits.KeyedBits`` in the "jax" layout: two small operands, rows (R, 4) and cols (K, 2),
+  one hash per element in the kernel; no bits array in HBM) or "packed" (KeyedBits in the packed layout: rows
+  (R, 4) and cols (K/8, 2), one hash per 8 elements)."""
   if bits is None:
     return None
-  return "key" if isinstance(bits, random_bits.KeyedBits) else "bits"
+  if not isinstance(bits, random_bits.KeyedBits):
+    return "bits"
+  return "key" if bits.layout == random_bits.JAX else "packed"
 
 
 def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
@@ -255,7 +258,8 @@ def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
 
 def tile_bits(mode, refs):
   """The rounding bits of a (R, K) tile: None, the loaded tile (``mode`` "bits": refs = (bits_ref,)), or
-  hashed from refs = (rows_ref (R, 4), cols_ref (K, 2)) (``mode`` "key"). Ref reads, not register
+  hashed from refs = (rows_ref (R, 4), cols_ref (K, 2)) (``mode`` "key"), or (rows_ref (R, 4), cols_ref
+  (K/8, 2)) (``mode`` "packed": one hash per 8 columns, its 8 bytes spread over them). Ref reads, not register
   slices (Triton has no slice)."""
   if mode is None:
     return None
@@ -263,31 +267,44 @@ def tile_bits(mode, refs):
     return refs[0][...]
   rows_ref, cols_ref = refs
   row = lambda i: rows_ref[:, i][:, None]
-  return keyed_bits(row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
+  args = (row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
+  if mode == "packed":
+    return random_bits.packed_bytes(*random_bits.hashed_words(*args))
+  return keyed_bits(*args)
 
 
 def int_ops_suffix(mode, elements: int) -> str:
-  """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key"), n = elements x
-  ``random_bits.HASH_OPS``, else "": appended to the pallas_call name, it tells bench/hlo_cost.py the
-  integer work the kernel does beside its bytes (the Triton backend drops ``pl.CostEstimate``)."""
-  return f"_{elements * random_bits.HASH_OPS}iop" if mode == "key" else ""
+  """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key" or "packed"), n =
+  ``random_bits.hash_ops`` of ``elements``, else "": appended to the pallas_call name, it tells
+  bench/hlo_cost.py the integer work the kernel does beside its bytes (the Triton backend drops
+  ``pl.CostEstimate``)."""
+  if mode not in ("key", "packed"):
+    return ""
+  return f"_{random_bits.hash_ops(random_bits.PACKED if mode == 'packed' else random_bits.JAX, elements)}iop"
+
+
+def packed_cols(bits):
+  """The column counters a packed-layout kernel loads: one per group of 8 columns (``cols[::8]``)."""
+  return bits.cols[::random_bits.GROUP]
 
 
 def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_block: int, col_block: int,
                   index):
   """(operands, BlockSpecs) of the rounding bits of an x viewed as (rows, cols) in (row_block, col_block)
   blocks on the grid position ``index(i, j) -> (row block, col block)``, zero-padded to (row_pad, col_pad):
-  nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2)."""
+  nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2) (packed: (cols / 8, 2);
+  col_block and col_pad are multiples of 8 there)."""
   mode = sr_mode(bits)
   if mode is None:
     return [], []
   if mode == "bits":
     b = pad_axis(pad_axis(bits.reshape(rows, cols), 0, row_pad), 1, col_pad)
     return [b], [plc.BlockSpec((row_block, col_block), index)]
+  g = random_bits.GROUP if mode == "packed" else 1
   r = pad_axis(bits.rows.reshape(rows, 4), 0, row_pad)
-  c = pad_axis(bits.cols, 0, col_pad)
+  c = pad_axis(packed_cols(bits) if mode == "packed" else bits.cols, 0, col_pad // g)
   return [r, c], [plc.BlockSpec((row_block, 4), lambda i, j: (index(i, j)[0], 0)),
-                  plc.BlockSpec((col_block, 2), lambda i, j: (index(i, j)[1], 0))]
+                  plc.BlockSpec((col_block // g, 2), lambda i, j: (index(i, j)[1], 0))]
 
 
 # ---------------------------------------------------------------- tiles

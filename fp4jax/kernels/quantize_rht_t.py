@@ -11,7 +11,8 @@ Walsh-Hadamard butterfly runs on a list of row tiles in exactly the order of
 f32(1/sqrt n)) and block amaxes are elementwise maxima across rows. Codes are packed eight to a 32-bit
 word (element 0 in the low nibble, little-endian bytes = the packed layout); words, scale bytes and
 random bits are already in the output's (C, T) orientation, so they are stored and loaded as they are
-(or, as ``random_bits.KeyedBits``, hashed in the kernel from a key per channel and a counter per token).
+(or, as ``random_bits.KeyedBits``, hashed in the kernel from a key per channel and a counter per token; in the
+packed layout one hash per 8 token rows, its 8 bytes taken row by row).
 The tensor amax (taken after the transform) is a separate reduction before this pass.
 
 Transpose only at the loads. The first version transposed each output word and scale tile in
@@ -67,14 +68,25 @@ def _butterfly(rows, signs, scale):
 
 def _row_bits(sr, bits_refs):
   """Row i's rounding bits (C-tile, chunks) as a function of i: loaded from the (C-tile, chunks, L) bits
-  tile, or hashed from the key rows (C-tile, 4) and the counter columns (chunks, L, 2)."""
+  tile, or hashed from the key rows (C-tile, 4) and the counter columns (chunks, L, 2) ("key"; packed:
+  (chunks, L/8, 2), byte i % 8 of group i // 8's hash)."""
   if sr is None:
     return lambda i: None
   if sr == "bits":
     return lambda i: bits_refs[0][:, :, i]
   rows_ref, cols_ref = bits_refs
   k1, k2, hi, lo = (rows_ref[:, c][:, None] for c in range(4))
-  return lambda i: C.keyed_bits(k1, k2, hi, lo, cols_ref[:, i, 0][None, :], cols_ref[:, i, 1][None, :])
+  if sr == "key":
+    return lambda i: C.keyed_bits(k1, k2, hi, lo, cols_ref[:, i, 0][None, :], cols_ref[:, i, 1][None, :])
+  # "packed": cols (chunks, L/8, 2), one hash per 8 rows, hashed at the first of them (rows run in order)
+  words = {}
+
+  def packed(i):
+    g, e = divmod(i, random_bits.GROUP)
+    if g not in words:
+      words[g] = random_bits.hashed_words(k1, k2, hi, lo, cols_ref[:, g, 0][None, :], cols_ref[:, g, 1][None, :])
+    return random_bits.packed_byte(*words[g], e)
+  return packed
 
 
 def _quantize_rht_t_kernel(x_ref, f_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
@@ -129,10 +141,12 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
   if sr == "bits":
     ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
     in_specs.append(plc.BlockSpec((bc, bu, L), lambda i, j: (j, i, 0)))
-  elif sr == "key":
-    ops += [C.pad_axis(bits_CxT.rows, 0, cp), C.pad_axis(bits_CxT.cols.reshape(u, L, 2), 0, up)]
+  elif sr in ("key", "packed"):   # packed: one column counter per 8 tokens
+    g = random_bits.GROUP if sr == "packed" else 1
+    cols = C.packed_cols(bits_CxT) if sr == "packed" else bits_CxT.cols
+    ops += [C.pad_axis(bits_CxT.rows, 0, cp), C.pad_axis(cols.reshape(u, L // g, 2), 0, up)]
     in_specs += [plc.BlockSpec((bc, 4), lambda i, j: (j, 0)),
-                 plc.BlockSpec((bu, L, 2), lambda i, j: (i, 0, 0))]
+                 plc.BlockSpec((bu, L // g, 2), lambda i, j: (i, 0, 0))]
   kernel = functools.partial(_quantize_rht_t_kernel, fmt=fmt, scale_rule=scale_rule,
                              signs=tuple(signs), rows_per_unit=L, sr=sr, interpret=interpret)
   words, s = plc.pallas_call(

@@ -3,8 +3,9 @@ axis in 1D blocks or (nvfp4) 16x16 tiles over the last two axes.
 
 Operands: x, the NVFP4 tensor amax (a scalar, or one per vmapped slice: its shape is a prefix of x's;
 reduced by the caller; zeros for MXFP4), and for stochastic rounding either the 8-bit random bits of x's
-shape, or (param ``keyed``) the two small operands of ``random_bits.KeyedBits``, rows (..., 4) per row of x
-and cols (K, 2), from which the kernel hashes the same bits (the XLA side draws them as an array).
+shape, or (param ``keyed``: their layout, "jax" or "packed") the two small operands of ``random_bits.KeyedBits``,
+rows (..., 4) per row of x and cols (K, 2), from which the kernel hashes the same bits (the XLA side draws them
+as an array).
 Params: fmt, tiled, scale_rule, keyed, impl, stored (the XLA side reads x as its dtype stores it,
 ``_exact.stored``; a kernel reads x from memory, where it is stored already).
 """
@@ -36,10 +37,16 @@ def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored):
 
 
 def sr_bits(bits, keyed):
-  """The op's rounding-bits operands as the kernels take them: None, the array, or KeyedBits."""
+  """The op's rounding-bits operands as the kernels take them: None, the array, or KeyedBits (``keyed``: its
+  layout, "jax" or "packed")."""
   if not bits:
     return None
-  return random_bits.KeyedBits(*bits) if keyed else bits[0]
+  return random_bits.KeyedBits(*bits, layout=keyed) if keyed else bits[0]
+
+
+def keyed_param(bits):
+  """The ops' param ``keyed``: the layout of KeyedBits ("jax" | "packed"), False for an array or None."""
+  return bits.layout if isinstance(bits, random_bits.KeyedBits) else False
 
 
 def _local(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored, platform):
@@ -101,7 +108,7 @@ def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", i
   with pair.scope(variant(fmt, tiled, bits is not None)):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_p.bind(*ops, fmt=fmt, tiled=bool(tiled), scale_rule=scale_rule,
-                                  keyed=isinstance(bits, random_bits.KeyedBits), impl=impl, stored=bool(stored))
+                                  keyed=keyed_param(bits), impl=impl, stored=bool(stored))
   return data, scale
 
 

@@ -15,7 +15,7 @@ from jax import lax
 from fp4jax import _exact, formats, random_bits
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
-from fp4jax.primitives.quantize import sr_bits, sr_operands
+from fp4jax.primitives.quantize import keyed_param, sr_bits, sr_operands
 from fp4jax.primitives import sharding as shd
 from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_rht_t_reference
@@ -74,6 +74,6 @@ def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale
   with pair.scope(name):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
-                                        scale_rule=scale_rule, keyed=isinstance(bits, random_bits.KeyedBits),
+                                        scale_rule=scale_rule, keyed=keyed_param(bits),
                                         impl=impl, stored=bool(stored))
   return data, scale

@@ -111,6 +111,7 @@ class Variant:
   name: str
   tiled: bool = False        # quantize: 16x16 tiles; scaled_matmul: (a tiled, b tiled) in ``layout``
   stochastic: bool = False
+  sr_bits: str = random_bits.JAX   # stochastic: the layout of the bits the kernel hashes
   scale_rule: str = "rceil"
   layout: tuple[bool, bool] = (False, False)
   pair: tuple[Quantizer, Quantizer] | None = None   # native_gemm: the operands' quantizers
@@ -118,16 +119,24 @@ class Variant:
 
 VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
     ("quantize_1d", "nvfp4"): (Variant("quantize_1d", "nvfp4", "1x16"),
-                               Variant("quantize_1d", "nvfp4", "1x16 SR", stochastic=True)),
+                               Variant("quantize_1d", "nvfp4", "1x16 SR", stochastic=True),
+                               Variant("quantize_1d", "nvfp4", "1x16 SR packed", stochastic=True, sr_bits="packed")),
     ("quantize_1d", "mxfp4"): (Variant("quantize_1d", "mxfp4", "1x32 rceil"),
                                Variant("quantize_1d", "mxfp4", "1x32 floor", scale_rule="floor"),
-                               Variant("quantize_1d", "mxfp4", "1x32 SR", stochastic=True)),
+                               Variant("quantize_1d", "mxfp4", "1x32 SR", stochastic=True),
+                               Variant("quantize_1d", "mxfp4", "1x32 SR packed", stochastic=True, sr_bits="packed")),
     ("quantize_2d", "nvfp4"): (Variant("quantize_2d", "nvfp4", "16x16", tiled=True),
-                               Variant("quantize_2d", "nvfp4", "16x16 SR", tiled=True, stochastic=True)),
+                               Variant("quantize_2d", "nvfp4", "16x16 SR", tiled=True, stochastic=True),
+                               Variant("quantize_2d", "nvfp4", "16x16 SR packed", tiled=True, stochastic=True,
+                                       sr_bits="packed")),
     ("quantize_rht_t", "nvfp4"): (Variant("quantize_rht_t", "nvfp4", "rht16 1x16"),
-                                  Variant("quantize_rht_t", "nvfp4", "rht16 1x16 SR", stochastic=True)),
+                                  Variant("quantize_rht_t", "nvfp4", "rht16 1x16 SR", stochastic=True),
+                                  Variant("quantize_rht_t", "nvfp4", "rht16 1x16 SR packed", stochastic=True,
+                                          sr_bits="packed")),
     ("quantize_rht_t", "mxfp4"): (Variant("quantize_rht_t", "mxfp4", "rht16 1x32"),
-                                  Variant("quantize_rht_t", "mxfp4", "rht16 1x32 SR", stochastic=True)),
+                                  Variant("quantize_rht_t", "mxfp4", "rht16 1x32 SR", stochastic=True),
+                                  Variant("quantize_rht_t", "mxfp4", "rht16 1x32 SR packed", stochastic=True,
+                                          sr_bits="packed")),
     ("scaled_matmul", "nvfp4"): (Variant("scaled_matmul", "nvfp4", "1x16.16x16", layout=(False, True)),
                                  Variant("scaled_matmul", "nvfp4", "1x16.1x16")),
     ("scaled_matmul", "mxfp4"): (Variant("scaled_matmul", "mxfp4", "1x32.1x32"),),
@@ -473,8 +482,8 @@ def _prove_quantize(v: Variant, sizes: Sizes, deadline: float) -> dict:
   shape = sizes.quantize
   bits_shape = shape[::-1] if v.op == "quantize_rht_t" else shape
   # SR as the quantized dot runs it: the kernel hashes its bits from the key (random_bits.KeyedBits), the
-  # XLA side draws the same bits as an array (inside the timed function on both sides).
-  bits = random_bits.KeyedBits.of(jax.random.key(7), bits_shape) if v.stochastic else None
+  # XLA side draws the same bits as an array (inside the timed function on both sides), in either layout.
+  bits = random_bits.KeyedBits.of(jax.random.key(7), bits_shape, -1, v.sr_bits) if v.stochastic else None
   record = dict(variant=v.name, shape=list(shape), cases=[])
   for case, x, amax in _quantize_cases(v, shape):
     _check_time(deadline)
