@@ -17,6 +17,7 @@ from training import config as config_lib
 from training import optim
 from training import sharding
 from training import trainer
+from training import workdir
 from training.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,24 @@ def test_command_line_overrides_the_model_preset_and_recipe():
   assert (model_config.d_model, model_config.pattern) == (128, "M-")
   assert model_config.mlp_dim == models.get_model_config("tiny").mlp_dim  # untouched fields: the preset's
   assert config_lib.resolve_recipes(config)[0].name == "mxfp4"
+
+
+def test_sr_bits_chooses_the_recipes_rounding_bits_and_an_old_run_resumes_without_it():
+  tiny = os.path.join(ROOT, "configs", "tiny.py")
+  config = _load(tiny, "--config.sr_bits=packed")
+  recipe, late, _ = config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=packed",
+                                                     "--config.precision_switch.fraction=0.2"))
+  assert (recipe.name, recipe.sr_bits, late.sr_bits) == ("nvfp4", "packed", "packed")
+  assert config_lib.resolve_recipes(_load(tiny))[0].sr_bits == "jax"
+  with pytest.raises(ConfigError, match=r"config.sr_bits='packed' with config.recipe='bf16'.*leave sr_bits='jax'"):
+    config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=packed", "--config.recipe=bf16"))
+  with pytest.raises(ConfigError, match=r"sr_bits='per_8'; use one of \('jax', 'packed'\)"):
+    config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=per_8"))
+  # A run recorded before the field existed resumes with the default, and only with it.
+  before = config_lib.to_plain(_load(tiny))
+  del before["sr_bits"]
+  assert workdir.config_changes(before, _load(tiny)) == {}
+  assert workdir.config_changes(before, config) == {"sr_bits": (None, "packed")}
 
 
 def test_wrong_type_is_rejected():

@@ -46,6 +46,12 @@ def resolve_recipes(config) -> tuple[fp4jax.Recipe, fp4jax.Recipe | None, int]:
     recipe = fp4jax.recipes.get(config.recipe)
   except ValueError as e:
     raise ConfigError(f"config.recipe: {e}") from None
+  sr_bits = config.get("sr_bits", fp4jax.random_bits.JAX)
+  if sr_bits != recipe.sr_bits:
+    try:
+      recipe = recipe.replace(sr_bits=sr_bits)
+    except ValueError as e:
+      raise ConfigError(f"config.sr_bits={sr_bits!r} with config.recipe={config.recipe!r}: {e}") from None
   switch = config.precision_switch
   if not 0.0 <= switch.fraction < 1.0:
     raise ConfigError(f"config.precision_switch.fraction={switch.fraction} must be in [0, 1)")

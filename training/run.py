@@ -149,6 +149,7 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
       f"'{model_config.pattern}', d_model {model_config.d_model}"
       + (f"; MTP {model_config.mtp_depths} depth(s) '{model_config.mtp_pattern}', weight {model_config.mtp_loss_weight}"
          if model_config.mtp_depths else "") + f")  recipe {recipe.name}"
+      + (f" (sr_bits {recipe.sr_bits})" if recipe.sr_bits != fp4jax.random_bits.JAX else "")
       + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
   if lock is not None and lock.taken_over:
     say(f"warning: {lock.taken_over}")

@@ -25,6 +25,8 @@ from training.errors import ConfigChangedError, RunRecordUnreadable, WorkdirErro
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.jsonl"
 ERROR_LOG = "error.log"
+# Fields added to the config after runs were made, with the value that reproduces those runs.
+ADDED_FIELDS = {"sr_bits": "jax"}
 # Prefixes of the fields a resume may change without --allow_config_change.
 FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "eval.", "checkpoint.", "health.", "mesh.",
                "data.read_threads", "data.prefetch", "init_from", "allow_config_change", "preemption_grace_s",
@@ -129,10 +131,12 @@ def config_changes(before: dict, config) -> dict[str, tuple]:
   """{dotted field: (old, new)} for every field of ``config`` that differs from the plain config ``before``."""
   old, new = _flat(before), _flat(config_lib.to_plain(config))
   missing = object()
-  # A model field added since the run started (absent before, None now: the preset's value) is no change.
+  # A field added since the run started is no change while it keeps the value the run had without it: a model
+  # field's None (the preset's value) or a top-level field's default (``ADDED_FIELDS``).
   return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
           if old.get(k, missing) != new.get(k, missing)
-          and not (k not in old and k.startswith("model.") and new.get(k) is None)}
+          and not (k not in old and k.startswith("model.") and new.get(k) is None)
+          and not (k not in old and k in ADDED_FIELDS and new.get(k) == ADDED_FIELDS[k])}
 
 
 def is_free(field: str) -> bool:
