@@ -602,6 +602,8 @@ def _step(F, devices):
     built = scale.build_step(cfg, mesh, bpd)
     prog = Program(name, built["step_fn"], (built["state_in"], built["tokens_in"]))
     out = _compiled(F, prog, mesh)
+    out["compiler_options"] = built["compiler_options"]   # the config's xla_options for this target
+    print(f"{name}: XLA compiler options {built['compiler_options'] or '(XLA defaults)'}", flush=True)
     if not out.get("error"):   # MFU = 6 · params · tokens per device / (step · datasheet bf16 peak)
       out["params"] = sum(x.size for x in jax.tree.leaves(built["abstract"]["params"]))
       out["tokens_per_device"] = built["tokens_in"].shape[0] * cfg.data.seq_len // len(devices)

@@ -30,6 +30,8 @@ abstract: 25T tokens). Not sourced (the report's schedule was not reachable from
 warmup, decay and the 64-sequence batch are this repository's 12B choices scaled to 64 GPUs; `steps` is 25T
 tokens at that batch. Raise batch_size (and data-parallel replicas: mesh.data) for a production run.
 """
+from ml_collections import config_dict
+
 from configs import nemotron_h_12b
 
 
@@ -50,4 +52,14 @@ def get_config():
   # load over its 64 experts is at most (1 + MaxVio) x the mean, and MaxVio after the router settles is
   # 0.43 +- 0.10 in the CPU MoE study (docs/STUDY.md; docs/PERF.md, 2026-12-02 "the receive factor").
   c.model.moe_receive_factor = 1.5
+  # XLA's scheduler trades memory for overlap up to io + (0.8 x device memory - io) x slop / 100 (io: the
+  # 21.6 GiB of state per GPU); the default slop 95 lets it plan ~108 GiB on an H200. These slops plan for
+  # 66 GiB on either GPU (the heap's packing adds some GiB to what it plans). XLA's loop-invariant code
+  # motion hoisted the grouped GEMMs' fill values out of the scanned loops as full-size buffers live for the
+  # whole step (8.7 GiB): it is off. docs/PERF.md, 2026-12-03, sessions 11 and 12.
+  c.xla_options = config_dict.ConfigDict({
+      "all": {"xla_disable_hlo_passes": "while-loop-invariant-code-motion,while-loop-expensive-invariant-code-motion"},
+      "h200": {"xla_gpu_memory_limit_slop_factor": 49},
+      "b200": {"xla_gpu_memory_limit_slop_factor": 36},
+  })
   return c
