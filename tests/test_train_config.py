@@ -197,8 +197,10 @@ def test_xla_options_by_device_kind_and_a_bad_option_is_one_clear_error():
   config_lib.validate(c)
   h200, b200 = (config_lib.xla_options(c, f"NVIDIA {k}") for k in ("H200", "B200"))
   assert h200["xla_gpu_memory_limit_slop_factor"] != b200["xla_gpu_memory_limit_slop_factor"]
-  assert h200["xla_disable_hlo_passes"] == b200["xla_disable_hlo_passes"] == config_lib.xla_options(c, "cpu")[
-      "xla_disable_hlo_passes"]
+  assert config_lib.xla_options(c, "cpu") == {}
+  with c.unlocked():
+    c.xla_options.all = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+  assert config_lib.xla_options(c, "NVIDIA H200") == dict(h200, xla_disable_hlo_passes="while-loop-invariant-code-motion")
   assert config_lib.xla_options(_load(CONFIGS[0]), "NVIDIA H200") == {}
   with c.unlocked():
     c.xla_options.h200.xla_gpu_memory_limit_slop_factr = 40
