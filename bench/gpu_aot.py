@@ -411,8 +411,10 @@ def report(s: dict, twin: dict | None = None) -> str:
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
                  f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
   if s.get("mfu"):
-    lines.append(f"  MFU {100 * s['mfu']:.1f}% (6 x {s['params'] / 1e9:.3f}e9 params x {s['tokens_per_device']} "
-                 f"tokens per device / (step x the datasheet bf16 peak))")
+    active = s.get("active_params", s["params"])
+    of_total = f" of {s['params'] / 1e9:.3f}e9" if active != s["params"] else ""
+    lines.append(f"  MFU {100 * s['mfu']:.1f}% (6 x {active / 1e9:.3f}e9 active params{of_total} x "
+                 f"{s['tokens_per_device']} tokens per device / (step x the datasheet bf16 peak))")
   k = c["columns"]
   lines.append("  columns (ms): linear-layer GEMMs {linear_gemm:.3f}, other GEMMs {other_gemm:.3f}, attention "
                "{attention:.3f}, SSD {ssd:.3f}, quantize passes {quantize:.3f}, other {other:.3f}".format(**k))
@@ -599,6 +601,7 @@ def _step(F, devices):
   import jax   # pylint: disable=import-outside-toplevel
   import numpy as np   # pylint: disable=import-outside-toplevel
   from bench import scale   # pylint: disable=import-outside-toplevel
+  from models import moe   # pylint: disable=import-outside-toplevel
   from training import sharding   # pylint: disable=import-outside-toplevel
   config = F.config
   shape = sharding.mesh_shape(config.mesh, len(devices))
@@ -612,10 +615,13 @@ def _step(F, devices):
     built = scale.build_step(cfg, mesh, bpd)
     prog = Program(name, built["step_fn"], (built["state_in"], built["tokens_in"]))
     out = _compiled(F, prog, mesh)
-    if not out.get("error"):   # MFU = 6 · params · tokens per device / (step · datasheet bf16 peak)
+    out["compiler_options"] = built["compiler_options"]   # the config's xla_options for this target
+    print(f"{name}: XLA compiler options {built['compiler_options'] or '(XLA defaults)'}", flush=True)
+    if not out.get("error"):   # MFU = 6 · active params · tokens per device / (step · datasheet bf16 peak)
       out["params"] = sum(x.size for x in jax.tree.leaves(built["abstract"]["params"]))
+      out["active_params"] = out["params"] - moe.inactive_params(built["model_config"])   # all but MoE's idle experts
       out["tokens_per_device"] = built["tokens_in"].shape[0] * cfg.data.seq_len // len(devices)
-      out["mfu"] = (6 * out["params"] * out["tokens_per_device"]
+      out["mfu"] = (6 * out["active_params"] * out["tokens_per_device"]
                     / (out["cost"]["predicted_ms"] * 1e-3 * peaks(F.target, "spec")["flops"]["bf16"]))
     return out
 

@@ -81,6 +81,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+import fp4jax
 from training import config as config_lib
 from training import optim
 from training import sharding
@@ -279,9 +280,10 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   state_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
   tokens_in = jax.ShapeDtypeStruct((batch_per_device * ranks, seq_len + 1), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
-  step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh)
+  options = config_lib.xla_options(config, fp4jax.target.Target.of(mesh).device_kind)
+  step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh, compiler_options=options)
   return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, abstract=abstract,
-              model_config=model_config, recipe=recipe)
+              model_config=model_config, recipe=recipe, compiler_options=options)
 
 
 def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,

@@ -20,6 +20,9 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
   init_from         a run's work directory: a new run starts from its latest checkpoint's params (fresh
                     optimizer, step 0); ignored when the work directory has checkpoints of its own
+  xla_options       XLA compiler options of the train step's compile, per device kind: {"all": {...},
+                    "h200": {...}} (a kind's entry applies where the device kind contains its name); e.g.
+                    {"h200": {"xla_gpu_memory_limit_slop_factor": 49}}: XLA_FLAGS' options, as a config
   allow_config_change  let a resume change the recipe, model, optimizer, data, seed, batch or steps
   preemption_grace_s  after SIGTERM/SIGINT the run exits within this many seconds: it saves after the
                     current step when the save fits in the time left, else exits without it, and says which
@@ -151,4 +154,8 @@ def get_config() -> config_dict.ConfigDict:
 
   c.health = config_dict.ConfigDict()
   c.health.max_nonfinite_streak = 10
+
+  # XLA compiler options of the train step (training.config.xla_options): {"all" or a device-kind name such
+  # as "h200": {option: value}}; empty: XLA's defaults.
+  c.xla_options = config_dict.ConfigDict()
   return c

@@ -157,7 +157,11 @@ def _rows_bwd(tiling, precision, out_dtype, res, dy_SxN):
   tile = _tile(a_SxK.shape[0], b_ExKxN.shape[0], tiling)
   da = _rows(dy_SxN, jnp.swapaxes(b_ExKxN, 1, 2), sizes_E, tile, precision)
   db = _tokens(a_SxK, dy_SxN, sizes_E, tile, precision)
-  return da.astype(a_SxK.dtype), db.astype(b_ExKxN.dtype), None
+  # da is released only together with db, as fp4jax.dot releases dx with dw: without it XLA's scheduler ran
+  # the wgrad of Super's unscanned bf16 E blocks at the end of the backward and kept its tiles live across it
+  # (block 87: 3.4 GiB + 1.0 GiB of receive buffers, docs/PERF.md session 11). It changes no value.
+  da, db = lax.optimization_barrier((da.astype(a_SxK.dtype), db.astype(b_ExKxN.dtype)))
+  return da, db, None
 
 
 _rows_vjp.defvjp(_rows_fwd, _rows_bwd)

@@ -18,7 +18,8 @@ PARAM_AXIS_NAMES = (
     "conv_width",   # conv taps
     "ssm_inner",    # d_inner = expand * d_model: out_proj input, gated-norm scale
     "ssm_heads",    # per-SSM-head parameters: A_log, D, dt_bias
-    "experts",      # MoE: the routed experts (router columns, the experts' leading axis)
+    "experts",      # MoE: the routed experts as expert parallelism splits them (models.expert_parallel)
+    "expert_kernels",   # MoE: the stored experts' leading axis (split over expert and fsdp, gathered per layer)
     "moe_latent",   # MoE: the latent width of fc1/fc2_latent_proj and the experts in it
 )
 

@@ -144,9 +144,9 @@ class RoutedExperts(nn.Module):
   @nn.compact
   def __call__(self, q: int):
     cfg = self.config
-    up = ExpertLinear(cfg, q, cfg.moe_intermediate_size, ("experts", self.q_axis, "mlp"), cfg.init_std,
+    up = ExpertLinear(cfg, q, cfg.moe_intermediate_size, ("expert_kernels", self.q_axis, "mlp"), cfg.init_std,
                       self.recipe, name="up")()
-    down = ExpertLinear(cfg, cfg.moe_intermediate_size, q, ("experts", "mlp", self.q_axis), residual_std(cfg),
+    down = ExpertLinear(cfg, cfg.moe_intermediate_size, q, ("expert_kernels", "mlp", self.q_axis), residual_std(cfg),
                         self.recipe, name="down")()
     return up, down
 

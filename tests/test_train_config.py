@@ -207,3 +207,46 @@ def test_nemotron3_super_keeps_remat_full_and_its_receive_factor():
   hidden (56 GiB per GPU on 64 GPUs: docs/PERF.md, session 11); it names "full" and f = 1.5 itself."""
   c = _load(os.path.join(ROOT, "configs", "nemotron3_super.py"))
   assert c.model.remat == "full" and c.model.moe_receive_factor == 1.5
+
+
+def test_xla_options_by_device_kind_and_a_bad_option_is_one_clear_error():
+  """config.xla_options: "all", then the entries the device kind contains; Super's name its budget per GPU.
+  An option XLA does not know (or a value of the wrong type) stops validate naming the entry."""
+  c = _load(os.path.join(ROOT, "configs", "nemotron3_super.py"))
+  config_lib.validate(c)
+  h200, b200 = (config_lib.xla_options(c, f"NVIDIA {k}") for k in ("H200", "B200"))
+  assert h200["xla_gpu_memory_limit_slop_factor"] != b200["xla_gpu_memory_limit_slop_factor"]
+  assert config_lib.xla_options(c, "cpu") == {}
+  with c.unlocked():
+    c.xla_options.all = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+  assert config_lib.xla_options(c, "NVIDIA H200") == dict(h200, xla_disable_hlo_passes="while-loop-invariant-code-motion")
+  assert config_lib.xla_options(_load(CONFIGS[0]), "NVIDIA H200") == {}
+  with c.unlocked():
+    c.xla_options.h200.xla_gpu_memory_limit_slop_factr = 40
+  with pytest.raises(ConfigError, match=r"config.xla_options.h200: .*xla_gpu_memory_limit_slop_factr"):
+    config_lib.validate(c)
+  with c.unlocked():
+    del c.xla_options.h200["xla_gpu_memory_limit_slop_factr"]
+    c.xla_options.b200.xla_gpu_autotune_level = "high"
+  with pytest.raises(ConfigError, match=r"config.xla_options.b200: .*not a valid int32"):
+    config_lib.validate(c)
+
+
+def test_xla_options_reach_the_train_steps_compile():
+  """bench.scale.build_step (the step train.py and bench/gpu_aot.py compile) passes the config's options to
+  jit: an unknown option fails the step's own compile, a known one compiles."""
+  from bench import scale   # pylint: disable=import-outside-toplevel
+  c = _load(CONFIGS[0], "--config.model.pattern=-", "--config.data.seq_len=32", "--config.recipe=bf16")
+  mesh = sharding.make_mesh(c.mesh)
+  for options, ok in (({"xla_gpu_memory_limit_slop_factor": 50}, True), ({"xla_no_such_option": 1}, False)):
+    with c.unlocked():
+      c.xla_options = {"all": options}
+    built = scale.build_step(c, mesh, 1)
+    assert built["compiler_options"] == options
+    with sharding.mesh_context(mesh):
+      lowered = built["step_fn"].lower(built["state_in"], built["tokens_in"])
+      if ok:
+        lowered.compile()
+      else:
+        with pytest.raises(Exception, match="xla_no_such_option"):
+          lowered.compile()

@@ -22,3 +22,29 @@ def test_vectors_need_only_divisibility():
   mesh = _mesh(fsdp=64)
   assert sharding._fit(P("fsdp"), (128,), mesh) == P("fsdp")  # pylint: disable=protected-access
   assert sharding._fit(P("fsdp"), (100,), mesh) == P(None)  # pylint: disable=protected-access
+
+
+def test_several_mesh_axes_fall_back_to_their_leading_run():
+  mesh = _mesh(fsdp=8, expert=8)
+  # 4096 / 64 = 64 rows per shard: both axes; 1024 / 64 = 16: both; 512 / 64 = 8 rows: fsdp alone (64 rows).
+  for dim, want in ((4096, ("fsdp", "expert")), (1024, ("fsdp", "expert")), (512, "fsdp"), (8, None)):
+    assert sharding._fit(P(("fsdp", "expert"), None), (dim, 256), mesh) == P(want, None), dim  # pylint: disable=protected-access
+  # A mesh axis of size 1 is dropped: the spec of a mesh without it (a 1-axis tuple becomes its name).
+  assert sharding._fit(P(("fsdp", "expert"), None), (4096, 256), _mesh(fsdp=8, expert=1)) == P("fsdp", None)  # pylint: disable=protected-access
+
+
+def test_expert_ranks_share_the_dense_state_and_experts_gather_along_their_leading_axis():
+  """On a (fsdp 8, expert 8) mesh the dense layers' d_model is split 64 ways (the expert axis is data
+  parallel for them), and the stored experts' leading axis over (expert, fsdp) with their other axes whole
+  but tensor's, so each layer's gather over fsdp runs along the major axis (docs/DESIGN.md, session 12)."""
+  import flax.linen as nn   # pylint: disable=import-outside-toplevel
+  rules = sharding.LOGICAL_RULES
+  specs = {name: nn.logical_to_mesh_axes(axes, rules) for name, axes in (
+      ("dense", ("embed", "mlp")), ("latent_proj", ("embed", "moe_latent")),
+      ("latent_experts", ("expert_kernels", "moe_latent", "mlp")), ("experts", ("expert_kernels", "embed", "mlp")))}
+  assert specs["dense"] == P(("fsdp", "expert"), "tensor")
+  assert specs["latent_proj"] == P(("fsdp", "expert"), None)
+  assert specs["latent_experts"] == P(("expert", "fsdp"), None, "tensor")
+  assert specs["experts"] == P(("expert", "fsdp"), None, "tensor")
+  # Expert parallelism's own split (models.expert_parallel.layout reads "experts") stays the expert axis.
+  assert nn.logical_to_mesh_axes(("experts",), rules) == P("expert")

@@ -11,6 +11,9 @@ from typing import Any
 
 from ml_collections import config_dict
 
+import jax
+import jax.numpy as jnp
+
 import fp4jax
 from fp4jax import osci_reset
 from models import presets, rules
@@ -152,6 +155,37 @@ def resolve_outcontrol(config, recipe: fp4jax.Recipe) -> optim.OutControl | None
   return optim.OutControl(ratio=float(section.ratio), record_start=start, record_steps=window)
 
 
+def xla_options(config, device_kind: str) -> dict:
+  """The XLA compiler options ``config.xla_options`` gives the train step on devices of ``device_kind``
+  (e.g. "NVIDIA H200"): its "all" entry, then every other entry whose name the kind contains (case-insensitive:
+  "h200"), in the config's order, later entries winning. Each entry maps an XLA option (a DebugOptions field:
+  ``xla_gpu_memory_limit_slop_factor``, ``xla_disable_hlo_passes``, ...) to its value; the train step's jit
+  passes them as ``compiler_options``, so ``train.py`` and ``bench/gpu_aot.py`` compile the same program."""
+  section = config.get("xla_options", None) or {}
+  kind = device_kind.lower()
+  out: dict = {}
+  for name in ["all"] + [n for n in section.keys() if n != "all"]:
+    if name in section and (name == "all" or name.lower() in kind):
+      out.update(dict(section[name]))
+  return out
+
+
+def check_xla_options(config) -> None:
+  """A ConfigError naming the entry and the option unless every entry of ``config.xla_options`` is a table
+  of options this jaxlib's XLA knows with values of their types (tried on a one-op compile)."""
+  section = config.get("xla_options", None) or {}
+  for name in section.keys():
+    options = section[name]
+    if not hasattr(options, "keys"):
+      raise ConfigError(f"config.xla_options.{name}={options!r}: each entry is a table of XLA options, e.g. "
+                        "{'xla_gpu_memory_limit_slop_factor': 50}, under 'all' or a device-kind name such as 'h200'")
+    try:
+      jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).lower().compile()
+    except Exception as e:   # pylint: disable=broad-except  (jaxlib's error type for a bad option varies)
+      raise ConfigError(f"config.xla_options.{name}: {str(e).splitlines()[0]}; use an XLA DebugOptions field "
+                        "(the names XLA_FLAGS takes, without the leading --) and a value of its type") from None
+
+
 def validate(config) -> None:
   """Checks that need neither data nor devices; raises ConfigError naming the field and the fix."""
   def need(ok, msg):
@@ -183,6 +217,7 @@ def validate(config) -> None:
   resolve_osci_reset(config, recipe)
   resolve_outcontrol(config, recipe)
   sharding.check_experts(config.mesh, resolve_model_config(config.model))
+  check_xla_options(config)
 
 
 def to_plain(value: Any) -> Any:

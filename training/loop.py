@@ -18,6 +18,8 @@ import time
 import jax
 import numpy as np
 
+import fp4jax
+from training import config as config_lib
 from training import data as data_lib
 from training import peers
 from training import preempt
@@ -49,7 +51,9 @@ class Loop:
     if run.late_model is not None:
       models[run.late_recipe.name] = run.late_model
     phases = (PLAIN,) if run.outcontrol is None else (PLAIN, RECORD, ON)
-    self._train = {(name, phase): jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh, run.osci, phase)
+    options = config_lib.xla_options(run.config, fp4jax.target.Target.of(mesh).device_kind)
+    self._train = {(name, phase): jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh, run.osci, phase,
+                                                 compiler_options=options)
                    for name, m in models.items() for phase in phases}  # jit compiles on first use only
     self._eval = {name: jax.jit(functools.partial(eval_step, model=m),
                                 in_shardings=(run.state_shardings["params"], batch_sh), out_shardings=repl)

@@ -27,8 +27,13 @@ _TILE = formats.TILE["nvfp4"][0]   # 16: a shard of a matrix holds whole NVFP4 t
 
 # The one rules table: each logical axis name the model uses -> mesh axes (None: replicated).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    # Parameters: matrices split over fsdp along d_model and over tensor along their other axis.
+    # Parameters: matrices split along d_model over fsdp and over expert (which is data-parallel for every
+    # layer but the routed experts: without it each expert rank kept a whole copy of the dense layers' state,
+    # 9.9 of Super's 31.4 GiB per GPU), over tensor along their other axis. The stored experts come first:
+    # their leading axis takes expert and fsdp, so their d_model (non-latent experts) stays whole.
+    ("expert_kernels", ("expert", "fsdp")),
     ("vocab", "tensor"),
+    ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("qkv", "tensor"),
@@ -39,8 +44,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("ssm_inner", "tensor"),
     ("ssm_heads", "tensor"),
     ("experts", "expert"),
-    # The latent width: fsdp where d_model's fsdp is not taken (the experts' (E, Q, F) kernels, stored split
-    # like the non-latent experts' (E, D, F), gathered per layer; fc1/fc2_latent_proj keep fsdp on embed).
+    # The latent width: fsdp where no other axis of the array took it (fc1/fc2_latent_proj's embed does, and
+    # the stored experts' leading axis does: their (E, Q, F) kernels are gathered over fsdp per layer along
+    # E, the major axis, where a gather along Q made XLA keep a float32 transposed copy of every scanned
+    # group's stacked kernels for the whole step: 5.25 GiB per GPU in Super, docs/PERF.md session 11).
     ("moe_latent", "fsdp"),
     # Activations: the batch over (data, fsdp, expert), model axes over tensor, d_model whole.
     ("activation_batch", BATCH_AXES),
@@ -151,9 +158,15 @@ def _fit(spec: P, shape, mesh) -> P:
   fitted = []
   for i, (dim, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
     unit = _TILE if len(shape) >= 2 and i >= len(shape) - 2 else 1
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    size = math.prod(mesh.shape[n] for n in names)
-    fitted.append(axes if names and dim % (size * unit) == 0 else None)
+    if isinstance(axes, str):
+      fitted.append(axes if dim % (mesh.shape[axes] * unit) == 0 else None)
+      continue
+    # Several mesh axes: those of size 1 dropped (the same split, the spec of a mesh without them), then
+    # the longest leading run that cuts whole units (("fsdp", "expert") falls back to "fsdp").
+    names = tuple(n for n in axes or () if mesh.shape[n] > 1)
+    while names and dim % (math.prod(mesh.shape[n] for n in names) * unit):
+      names = names[:-1]
+    fitted.append(names[0] if len(names) == 1 else names or None)
   return P(*fitted)
 
 

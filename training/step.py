@@ -228,12 +228,14 @@ def eval_step_outcontrol(params, outcontrol, tokens_BxW, *, model):
 
 
 def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,
-                   outcontrol_phase: str = optim.PLAIN):
+                   outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
-  ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve.
+  ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve. ``compiler_options``: XLA
+  options for its compile (``training.config.xla_options``: the config's, for the mesh's device kind).
   """
   fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase)
   return jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
-                 out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
+                 out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,),
+                 compiler_options=dict(compiler_options) if compiler_options else None)
