@@ -446,7 +446,8 @@ def report(s: dict, twin: dict | None = None) -> str:
                  f"{c['collective_ms_if_serial']:.2f} ms at one NVLink direction if not overlapped):")
     for r in c["collectives"]:
       lines.append(f"    {r['kind']:<20}{r['dtype']:<10}{r['count']:>6} ops{r['bytes_per_step'] / GiB:>10.3f} GiB")
-    lines.append(f"    of which all-to-all (expert dispatch and combine): {c['all_to_all_gib']:.3f} GiB")
+    lines.append("    of which all-to-all (MoE dispatch and combine, or SPMD resharding): "
+                 f"{c['all_to_all_gib']:.3f} GiB")
   return "\n".join(lines)
 
 

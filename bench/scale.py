@@ -377,7 +377,7 @@ def report(r: dict) -> str:
   a2a = [f"{title} {r[key] / 2 ** 20:.1f} MiB" for title, key in
          (("partitioned", "all_to_all_bytes_per_step"), ("compiled", "compiled_all_to_all_bytes_per_step"))
          if r.get(key) is not None]
-  lines.append(f"all-to-all (expert dispatch and combine) per device per step: {', '.join(a2a)}")
+  lines.append(f"all-to-all (MoE dispatch and combine, or SPMD resharding) per device per step: {', '.join(a2a)}")
   return "\n".join(lines)
 
 

@@ -29,8 +29,8 @@ ERROR_LOG = "error.log"
 ADDED_FIELDS = {"sr_bits": "jax"}
 # Prefixes of the fields a resume may change without --allow_config_change.
 FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "eval.", "checkpoint.", "health.", "mesh.",
-               "data.read_threads", "data.prefetch", "init_from", "allow_config_change", "preemption_grace_s",
-               "lock_stale_s", "peer_timeout_s")
+               "xla_options.", "data.read_threads", "data.prefetch", "init_from", "allow_config_change",
+               "preemption_grace_s", "lock_stale_s", "peer_timeout_s")
 
 
 def prepare(workdir: str, process_index: int = 0) -> str:
