@@ -46,8 +46,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("experts", "expert"),
     # The latent width: fsdp where no other axis of the array took it (fc1/fc2_latent_proj's embed does, and
     # the stored experts' leading axis does: their (E, Q, F) kernels are gathered over fsdp per layer along
-    # E, the major axis, where a gather along Q made XLA keep a float32 transposed copy of every scanned
-    # group's stacked kernels for the whole step: 5.25 GiB per GPU in Super, docs/PERF.md session 11).
+    # E, the major axis, and their gradients reduce-scattered along it; this saves no memory: the float32
+    # (Q, R, E, F) buffers session 11 read as transposed kernel copies are the backward's gradient
+    # accumulators, docs/DESIGN.md "Issue 31 item 4, session 12").
     ("moe_latent", "fsdp"),
     # Activations: the batch over (data, fsdp, expert), model axes over tensor, d_model whole.
     ("activation_batch", BATCH_AXES),
