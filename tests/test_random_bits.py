@@ -213,7 +213,8 @@ def test_packed_layout_test_vector():
 PACKED_CASES = [((16,), 0), ((3, 16), -1), ((48, 5), 0), ((2, 32, 3), 1), ((4, 24, 3), 1), ((1, 4096, 16), 1)]
 
 
-@pytest.mark.parametrize("shape,axis", PACKED_CASES)
+@pytest.mark.parametrize("shape,axis", [c if i < 4 else pytest.param(*c, marks=pytest.mark.slow)   # a middle
+                                        for i, c in enumerate(PACKED_CASES)])   # axis and a long row: slow
 def test_packed_twin_kernel_hash_and_oracle_agree(shape, axis):
   # rounding_bits (XLA, jitted), KeyedBits.make (the primitive's XLA side) and the plain-op hash a kernel runs
   # (hashed_words + packed_bytes on rows and cols[::8]) against the definition (_packed_oracle).
