@@ -271,7 +271,7 @@ def _paper_roles(recipe) -> Roles:
                      scale_rule=recipe.mxfp4_scale_rule if fmt == "mxfp4" else "rceil",
                      row_scaled=row_scaled and fmt == "nvfp4",
                      sr_bits=recipe.sr_bits if stochastic and recipe.stochastic_grad and fmt in formats.FP4
-                     else "jax")
+                     else random_bits.JAX)
 
   fos_w, fos_x = _fos(recipe, "weights"), _fos(recipe, "activations")
   fprop_w = q(f, tiled=True, four_over_six=fos_w)
