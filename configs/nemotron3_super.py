@@ -9,7 +9,7 @@ one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized (rema
 save_linear_fp4 would keep every E block's expert hidden) and the repeated block groups scanned. The state is
 21.61 GiB per GPU (the dense layers' too split over fsdp x expert: training.sharding). The experts' receive
 buffer is 1.5x each GPU's average traffic (model.moe_receive_factor; dropless it is 8x and the temp is
-terabytes). XLA's scheduler is told a budget (xla_options below: the slop factor per GPU kind). Compiled without a GPU (docs/PERF.md, 2026-12-03 "session 12: nemotron3_super fits 80 GiB"),
+terabytes). XLA's scheduler is told a budget (xla_options below: the slop factor per GPU kind). Compiled without a GPU (docs/PERF.md, "nemotron3_super on 64 GPUs"),
 arguments + temp per GPU and the predicted step:
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
@@ -46,18 +46,18 @@ def get_config():
   c.mesh.expert = 8
   # Each block keeps its input only (remat "full"), not the 12B's save_linear_fp4: that policy keeps every
   # linear output, and an E block's expert hidden (S x 2688 bf16, 1.36 GiB per GPU at f = 1.5) alone would
-  # be 56 GiB over Super's 41 E blocks (docs/PERF.md, 2026-12-03, session 11).
+  # be 56 GiB over Super's 41 E blocks (docs/PERF.md, "nemotron3_super on 64 GPUs").
   c.model.remat = "full"
   # Each GPU's expert receive buffer: 1.5 x its average traffic (8192 x 22 pairs), not the dropless 8x; pairs
   # past it are dropped, lowest-ranked choices first, and counted (moe/<block>/dropped). 1.5 because a GPU's
   # load over its 64 experts is at most (1 + MaxVio) x the mean, and MaxVio after the router settles is
-  # 0.43 +- 0.10 in the CPU MoE study (docs/STUDY.md; docs/PERF.md, 2026-12-02 "the receive factor").
+  # 0.43 +- 0.10 in the CPU MoE study (docs/STUDY.md; docs/PERF.md, "nemotron3_super's experts sized by traffic, and the tile rows").
   c.model.moe_receive_factor = 1.5
   # XLA's scheduler trades memory for overlap up to io + (0.8 x device memory - io) x slop / 100 (io: the
   # 21.6 GiB of state per GPU); XLA's default slop 95 lets it plan ~108 GiB on an H200 and ~138 on a B200.
   # These slops plan for 66 GiB on either GPU, so a schedule never counts on memory the 80 GiB budget lacks.
   # At this program the budget hardly binds (the compiled HLO equals XLA's default one but for B200 bf16's,
-  # 0.02 GiB apart: docs/PERF.md, 2026-12-03, session 12); it is the budget, kept in the config so that
+  # 0.02 GiB apart: docs/PERF.md, "nemotron3_super on 64 GPUs"); it is the budget, kept in the config so that
   # train.py and bench/gpu_aot.py compile the same program.
   c.xla_options = config_dict.ConfigDict({
       "h200": {"xla_gpu_memory_limit_slop_factor": 49},

@@ -3,7 +3,7 @@ NVFP4 elsewhere; sequence 8192, batch 736, AdamW (0.9, 0.95), weight decay 0.1, 
 decaying to 4.5e-6 over the last 20%. Parameters and optimizer state are sharded over all devices (fsdp).
 Remat "save_linear_fp4": each block keeps its linear layers' outputs and FP4 operands and recomputes only
 elementwise work, the fastest policy whose compiled memory fits 80% of an H200 at 1 x 8192 tokens per GPU
-(docs/PERF.md, "remat by policy": 61 GiB per GPU; "none" needs 216 GiB, "full" is 10% slower).
+(docs/PERF.md, "Remat policies for the 12B": 61 GiB per GPU; "none" needs 216 GiB, "full" is 10% slower).
 Point the data at your pre-tokenized corpus (vocabulary 131072):
 
   python train.py --config configs/nemotron_h_12b.py --config.data.sources='/data/tokens/*.bin' \
@@ -12,7 +12,7 @@ Point the data at your pre-tokenized corpus (vocabulary 131072):
 `steps` is the paper's 10T tokens (10e12 / (736 * 8192)); lower it (and keep the schedule's shape) for
 shorter runs. The paper's precision switch (--config.precision_switch.fraction=0.18) is off by default.
 
-Memory and communication per device, compiled ahead of time for a simulated mesh (docs/PERF.md, scale):
+Memory and communication per device, compiled ahead of time for a simulated mesh (docs/PERF.md, "The 12B on a simulated CPU mesh"):
 
   python bench/scale.py --config configs/nemotron_h_12b.py --devices 64
 

@@ -31,7 +31,7 @@ on 2026-12-02 10 of the 15 runs finished by that session's deadline. The other 5
 (``--config.study.variants=bf16,quartet2`` and ``=bf16,tetrajet2``): Quartet II compiled its train step in 475 s
 (70 s to initialize the state) and ran 0.73-1.6 s/step (per-run means), TetraJet-v2 382 s and 1.8-3.0 s/step;
 the seeds after the first took 70-140 s to trace, lower and load the cached step. The 5 runs took 40 min in all
-(docs/PERF.md, session 10, has why these two recipes are the slow ones). The runs were split over processes on
+(docs/PERF.md, "Why Quartet II and TetraJet-v2 are slow on the CPU"). The runs were split over processes on
 the same runs directory to use both cores' idle time; each skips what another finished or is training, and the
 output directory keeps every finished run's records (``experiments.study.KEPT_FILES``), so a summary needs no
 runs directory.

@@ -263,7 +263,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
       dw_KxN = ops.gemm_tokens(q_xt, q_dyt, res.w_dtype)
   # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
   # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM
-  # (docs/PERF.md, issue 13: the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
+  # (docs/PERF.md, "The 12B on a simulated CPU mesh": the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
   # The GEMMs return dx and dw in the inputs' dtypes (the float32 result rounded once, as a cast after them
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
   # epilogue instead of a separate float32 pass after the barrier (issue 22: 1.5 GiB less at 8192³).

@@ -14,7 +14,7 @@ E - 1 tiles of rows; the choice of T is ``grouped_tile`` (docs/DESIGN.md, issue 
 Two users: ``fp4jax.native`` (the block-scaled GEMM of NVFP4 operands, masking by zero block scales) and
 the XLA path's ``rows`` / ``tokens`` below: plain float dots with float32 accumulation, which a GPU target
 runs instead of ``lax.ragged_dot`` (``fp4jax.gemm.ragged_rows``): XLA:GPU expands a ragged dot to a dense
-dot over every group, E times the FLOPs and the bytes of its output (docs/PERF.md, issue 31 item 4).
+dot over every group, E times the FLOPs and the bytes of its output (docs/PERF.md, "nemotron3_super's experts sized by traffic, and the tile rows").
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Tiling:
 # tiles crash XLA:GPU's LLVM NVPTX backend, native and XLA path alike (a segfault in
 # MachineRegisterInfo::constrainRegClass, jax 0.10.2's CUDA 13 plugin; 1024 and 2048 compile; the threshold
 # lies between 455 and 533 work items of 1024 x 2688), and 1024 is the faster prediction there (XLA path
-# 17.5 ms for y, dx, dw vs 19.5 ms at 2048: fewer gathered weights, W·K·N bytes). docs/PERF.md, 2026-12-02.
+# 17.5 ms for y, dx, dw vs 19.5 ms at 2048: fewer gathered weights, W·K·N bytes). docs/PERF.md, "nemotron3_super's experts sized by traffic, and the tile rows".
 TILING = Tiling()
 
 
@@ -159,7 +159,7 @@ def _rows_bwd(tiling, precision, out_dtype, res, dy_SxN):
   db = _tokens(a_SxK, dy_SxN, sizes_E, tile, precision)
   # da is released only together with db, as fp4jax.dot releases dx with dw: without it XLA's scheduler ran
   # the wgrad of Super's unscanned bf16 E blocks at the end of the backward and kept its tiles live across it
-  # (block 87: 3.4 GiB + 1.0 GiB of receive buffers, docs/PERF.md session 11). It changes no value.
+  # (block 87: 3.4 GiB + 1.0 GiB of receive buffers, docs/PERF.md, "nemotron3_super on 64 GPUs"). It changes no value.
   da, db = lax.optimization_barrier((da.astype(a_SxK.dtype), db.astype(b_ExKxN.dtype)))
   return da, db, None
 

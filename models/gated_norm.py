@@ -5,7 +5,7 @@
 Its twin, ``gated_norm_reference``, is the ops the mixer ran before (the CPU path and the default: the same
 bits). In XLA's GPU program the forward is two passes over y and z (the row reduction, then the
 normalization: a reduction does not fuse with a consumer that rereads its input) and the backward three
-(docs/PERF.md, issue 29 item 4). The kernels make it one pass each way:
+(docs/PERF.md, "The gated RMSNorm as Pallas kernels"). The kernels make it one pass each way:
 
   forward   one program per (block of tokens, group): loads the rows of y and z once, sums g² in
             registers, stores out.

@@ -108,7 +108,7 @@ def conv1d_silu(x_BxLxE, weight_WxE, bias_E=None, *, vjp: str = "autodiff"):
   pre-activation and, in XLA's GPU program, writes the conv's partial sums and each tap's product), "recompute"
   (a custom_vjp that keeps only x, w, b and recomputes the pre-activation in the backward pass: three passes,
   d pre, dx, and (dw, db) together; its gradients differ from autodiff's in the last bits). "recompute" is
-  opt-in: the 12B step on 8 H200 predicted it 17 ms slower than "autodiff" (docs/PERF.md, issue 29 item 4)."""
+  opt-in: the 12B step on 8 H200 predicted it 17 ms slower than "autodiff" (docs/PERF.md, "The 12B step by part, and the conv's gradient")."""
   if vjp not in CONV_VJPS:
     raise ValueError(f"conv vjp={vjp!r}; use one of {CONV_VJPS}")
   if vjp == "autodiff":

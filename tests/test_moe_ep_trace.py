@@ -1,6 +1,6 @@
 """The expert-parallel MoE step's GPU paths, traced on a CPU (one device, a 1x1x1x1 mesh: ``shard_map``'s
 varying-axes types do not depend on the axis sizes). Both failed to trace in the 64-GPU Nemotron 3 Super
-compile (docs/PERF.md, 2026-12-02 "nemotron3_super"), which no CPU test had reached:
+compile (docs/PERF.md, "nemotron3_super on 64 GPUs"), which no CPU test had reached:
 
 1. ``lax.ragged_all_to_all`` (the exchange off the CPU) with an nvfp4 ``grouped_dot`` on the received rows:
    the receive buffer was a plain ``jnp.zeros``, varying over no mesh axis, so the grouped GEMM's custom_vjp

@@ -206,7 +206,7 @@ def test_model_vocab_smaller_than_the_tokenizer(tmp_path):
 
 def test_nemotron3_super_keeps_remat_full_and_its_receive_factor():
   """Super's config derives from the 12B's, whose remat save_linear_fp4 would keep every E block's expert
-  hidden (56 GiB per GPU on 64 GPUs: docs/PERF.md, session 11); it names "full" and f = 1.5 itself."""
+  hidden (56 GiB per GPU on 64 GPUs: docs/PERF.md, "nemotron3_super on 64 GPUs"); it names "full" and f = 1.5 itself."""
   c = _load(os.path.join(ROOT, "configs", "nemotron3_super.py"))
   assert c.model.remat == "full" and c.model.moe_receive_factor == 1.5
 

@@ -67,7 +67,7 @@ _NO_DEVICE_RUN = ("no device run yet: gpu_check.py's native rows on a B200 (resu
 # fmt -> the choice. Chosen without a device run, on the issue's decision (the native FP4 GEMM is why
 # FP4 training exists) and on recorded compiles: deviceless sm_100 compiles put every GEMM of these
 # formats on __cudnn$blockScaledDot (tests/test_gpu_aot_native.py), and the cost model predicts it
-# faster than the XLA path it replaces (docs/PERF.md, issue 23; still not faster than the bf16
+# faster than the XLA path it replaces (docs/PERF.md, "Native FP4 GEMMs on Blackwell, by recipe"; still not faster than the bf16
 # recipe at the dot or step level, because of the quantize passes). sm_12x is excluded until a device run shows
 # it exact (Transformer Engine reported all-zero gradients there).
 NATIVE_DEFAULTS: dict[str, NativeChoice] = {
@@ -112,10 +112,10 @@ def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
 # fmt -> the grouped GEMM's choice (``fp4jax.gemm.grouped_matmul`` / ``grouped_matmul_t``, the MoE experts'
 # GEMMs): the native work-item GEMM of ``fp4jax.native.grouped_rows`` / ``grouped_tokens`` where the dense
 # GEMM's default is native. Chosen on deviceless sm_100 compiles (tests/test_gpu_aot_native.py: every
-# expert GEMM of a moe_tiny step block-scaled) and the B200 cost model (docs/PERF.md, issue 31).
+# expert GEMM of a moe_tiny step block-scaled) and the B200 cost model (docs/PERF.md, "The native grouped GEMM's tiling").
 NATIVE_GROUPED_DEFAULTS: dict[str, NativeChoice] = {
     fmt: NativeChoice(True, "deviceless sm_100 compiles of the grouped GEMM (fprop, dgrad, wgrad block-"
-                      "scaled); B200 cost model in docs/PERF.md (issue 31)", _NO_DEVICE_RUN)
+                      "scaled); B200 cost model in docs/PERF.md, 'The native grouped GEMM's tiling'", _NO_DEVICE_RUN)
     for fmt in ("nvfp4", "nvfp4_eden", "nvfp4_dbq")}
 
 
@@ -211,7 +211,7 @@ def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | Non
 # it within tolerance and faster; "differs", "error" or "slower" there keeps (or turns) it off, even
 # over an entry here. Without a device verdict (FP4JAX_PROOF=off, budget spent, a deviceless compile
 # for another kind of device) this table decides: fill it only from a scripts/gpu_check.py report.
-# Empty: the SSD and gated-norm kernels compile deviceless for sm_90 and sm_100 (docs/PERF.md, issue 29)
+# Empty: the SSD and gated-norm kernels compile deviceless for sm_90 and sm_100 (docs/PERF.md, "The Pallas SSD kernels")
 # but have no recorded device run. FP4JAX_DEFAULT_IMPL wins over both.
 VERIFIED_MODEL_KERNELS: dict[str, Evidence] = {}
 MODEL_KERNEL_OPS = ("ssd", "gated_norm")
