@@ -65,24 +65,6 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def maybe_initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
-                                 process_id: int | None = None) -> bool:
-  """``jax.distributed.initialize`` when flags or the environment ask for several processes.
-
-  Explicit flags win; else ``JAX_COORDINATOR_ADDRESS`` in the environment, or a cluster JAX detects
-  itself (SLURM, Open MPI, Kubernetes, TPU pods) when ``FP4JAX_DISTRIBUTED=1``. Must run before any other JAX
-  call. Returns whether it initialized.
-  """
-  if coordinator_address or num_processes or process_id is not None:
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
-    return True
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FP4JAX_DISTRIBUTED") == "1":
-    jax.distributed.initialize()
-    return True
-  return False
-
-
 def use_compilation_cache(path: str) -> None:
   """JAX's persistent compilation cache in ``path``: a rerun or a resume skips XLA compilation."""
   jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import formats, reference
+from fp4jax import formats
 from fp4jax.kernels import _common as C
 
 TILE = formats.NVFP4.tile[0]   # side of the square 2D tiles (nvfp4 is the kernel format with tiles)
@@ -145,7 +145,3 @@ def mixed_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_til
                     interpret=interpret)
   return out.reshape(*lead, m, b_data.shape[0])
 
-
-def mixed_matmul_reference(a, b, out_dtype=jnp.float32):
-  """The oracle on QTensors: ``fp4jax.reference.scaled_matmul_reference``."""
-  return reference.scaled_matmul_reference(a, b, out_dtype)
