@@ -176,7 +176,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
         f"{outcontrol.on_step}")
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
       f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
-  if pindex == 0:
+  # The run record changes only when the run does: a resume at or past config.steps trains nothing and writes
+  # nothing (a later start is then checked against the config the checkpoints were made with).
+  if pindex == 0 and (resume.step is None or resume.step < config.steps):
     workdir_lib.record_config(workdir, config, step=resume.step or 0, event="resume" if resume.step else "start",
                               changes=resume.changes)
   train_iter = data_lib.batches(train_split, global_batch=config.batch_size, seed=config.seed,
