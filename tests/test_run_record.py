@@ -1,5 +1,6 @@
-"""The run record (config.json, config_history.jsonl) changes only when the run does, and a refused resume names
-every field that differs from it, with both values."""
+"""What a start does with a work directory: the run record (config.json, config_history.jsonl) changes only when
+the run does, a refused resume names every field that differs from it with both values, the temporary folders of
+interrupted saves go."""
 import os
 import shutil
 
@@ -22,6 +23,9 @@ CASES = {
         "record unchanged; the original command still resumes", CORRECT, 0),
     "test_refusal_names_every_changed_field": (
         "resume changing recipe, lr and steps at once: refused naming all three, with both values", CLEAR, 6),
+    "test_leftover_temporary_checkpoint_folders_are_removed": (
+        "checkpoints/<step>.orbax-checkpoint-tmp folders of interrupted saves: removed and named at the next "
+        "start, the complete checkpoints untouched", CORRECT, 0),
 }
 
 
@@ -74,3 +78,21 @@ def test_refusal_names_every_changed_field(finished, tmp_path):
     assert phrase in message, message
   assert "\n" not in message
   assert _record(workdir) == before
+
+
+def test_leftover_temporary_checkpoint_folders_are_removed(finished, tmp_path, capsys):
+  workdir = _copy(finished, tmp_path)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  before = sorted(os.listdir(checkpoints))
+  for name in ("8.orbax-checkpoint-tmp", "6.orbax-checkpoint-tmp-1764770000"):   # a killed save; a stale twin
+    os.makedirs(os.path.join(checkpoints, name, "state"))
+    with open(os.path.join(checkpoints, name, "state", "partial"), "w") as f:
+      f.write("x")
+  capsys.readouterr()
+  summary = trainer.train_and_evaluate(_config(), workdir)
+  assert summary["steps_run"] == 0
+  assert sorted(os.listdir(checkpoints)) == before
+  printed = capsys.readouterr()
+  complete = sorted(int(n) for n in before if n.isdigit())
+  assert ("removed 2 temporary folder(s) of interrupted checkpoint saves: 6.orbax-checkpoint-tmp-1764770000, "
+          f"8.orbax-checkpoint-tmp (the complete checkpoints {complete} are untouched)") in printed.out

@@ -279,6 +279,11 @@ def _open_workdir(config, workdir: str, process_index: int, stop: preempt.Preemp
     reporter = report_lib.Reporter(workdir, total_steps=config.steps,
                                    tokens_per_step=config.batch_size * config.data.seq_len,
                                    log_every=config.log_every, primary=process_index == 0)
+    removed = checkpoints.remove_leftovers() if lock is not None else []   # this run holds the directory
+    if removed:
+      resume = dataclasses.replace(resume, messages=resume.messages + (
+          f"removed {len(removed)} temporary folder(s) of interrupted checkpoint saves: {', '.join(removed)} "
+          f"(the complete checkpoints {checkpoints.on_disk()} are untouched)",))
   except BaseException:
     checkpoints.close()
     if lock is not None:
