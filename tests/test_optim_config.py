@@ -12,6 +12,17 @@ from training import config as config_lib
 from training.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLEAR = "clear error"
+# test name -> (case, expected verdict, exit code of train.py or None); in docs/RELIABILITY.md's training matrix
+CASES = {
+    "test_train_py_refuses_a_negative_lr_in_one_line_before_any_step": (
+        "--config.optim.lr=-1 (gradient ascent): refused before any step, naming the field and value", CLEAR, 2),
+    "test_out_of_range_value_is_refused_naming_the_field_and_value": (
+        "config.optim lr, min_lr_ratio, decay_fraction, b1, b2, eps, weight_decay, grad_clip, warmup_steps out of "
+        "range (0, negative, inf, NaN, b >= 1): the field, the value, the range", CLEAR, 2),
+    "test_unknown_optimizer_field_is_refused": ("config.optim.learning_rate (not a field): the fields listed", CLEAR,
+                                                2),
+}
 
 
 def _checked(**optim):
