@@ -7,7 +7,7 @@ _platform.configure()   # before anything starts a backend: CPU-only jax where a
 
 from fp4jax import recipes  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax import target
-from fp4jax.api import FP4_OPERAND, dequantize, quantize, scaled_matmul, transpose_tiles
+from fp4jax.api import FP4_OPERAND, dequantize, fake_quantize, quantize, scaled_matmul, transpose_tiles
 from fp4jax.dot import dot, dot_general
 from fp4jax.prequantized import PreQuantized, prequantize
 from fp4jax.numerics import hadamard
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 from fp4jax import proof  # noqa: E402,F401  registers the on-device prover impl=None consults (verdicts)
 
-__all__ = ["FP4_OPERAND", "QTensor", "Recipe", "can_use_pallas", "dequantize", "hadamard", "quantize", "recipes", "rht",
+__all__ = ["FP4_OPERAND", "QTensor", "Recipe", "can_use_pallas", "dequantize", "fake_quantize", "hadamard", "quantize", "recipes", "rht",
            "target"]
 __all__ += ["PreQuantized", "dot", "dot_general", "flax", "prequantize", "scaled_matmul", "transpose_tiles"]
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp4jax import _exact, formats, primitives, random_bits
+from fp4jax import _exact, derivatives, formats, primitives, random_bits
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
@@ -222,6 +222,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   """
   x = as_array(x, "fp4jax.quantize")
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits)
+  x = derivatives.refuse_tangents(x, derivatives.QUANTIZE_MESSAGE.format(where="fp4jax.quantize"))
   kernel_path = fmt in formats.KERNEL_FORMATS and x.size > 0   # zero-size: no kernel launch
   impl = primitives.resolve_impl(impl, fmt, ("quantize_2d" if tile is not None else "quantize_1d")
                                  if kernel_path else None)
@@ -276,6 +277,19 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   return jnp.moveaxis(out, -1, src)
 
 
+def fake_quantize(x, fmt, *, dtype=None, **kwargs):
+  """``dequantize(quantize(x, fmt, **kwargs), dtype)`` (dtype: x's by default), differentiable with the
+  straight-through estimator: d fake_quantize(x)/dx = I, so the gradient dx is dy (cast to x's dtype),
+  for every element, saturated ones included. The value is bit-identical to the round trip. ``kwargs``: those
+  of ``quantize`` (axis, tile, rounding, key, bits, amax, scale_rule, scaling, impl, sr_bits). It is
+  linear in its derivative, so every order and mode of differentiation is defined (the second is zero).
+  (``quantize`` itself has no derivative: docs/NUMERICS.md, "Derivatives".)"""
+  x = as_array(x, "fp4jax.fake_quantize")
+  dtype = x.dtype if dtype is None else dtype
+  y = dequantize(quantize(lax.stop_gradient(x), fmt, **kwargs), dtype)
+  return derivatives.straight_through(x, y)
+
+
 @jax.named_scope("fp4jax/quantize_rht_t")   # the op, its amax and layout work, named in profiles
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
                             bits=None, amax=None, scale_rule="rceil", impl: str | None = None,
@@ -300,6 +314,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   if x.shape[0] % rht_size:
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
   _validate(x.T, fmt, -1, None, rounding, key, bits, amax, scale_rule, "block", sr_bits)
+  x = derivatives.refuse_tangents(x, derivatives.QUANTIZE_MESSAGE.format(where="quantize_rht_transposed"))
   impl = primitives.resolve_impl(impl, fmt, "quantize_rht_t")
   if rounding == "stochastic" and bits is None:
     # With the kernel, its own bits (hashed from the key, none in HBM); else drawn here.

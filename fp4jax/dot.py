@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, gemm, prequantized
+from fp4jax import api, derivatives, gemm, prequantized
 from fp4jax.numerics import eden
 from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
@@ -203,6 +203,8 @@ def _shared_amaxes(ops, gemm_name, q_rows, q_tokens, t_TxC):
 
 
 def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x):
+  # Differentiated again only by a second derivative, which the rounding would make zero (fp4jax.derivatives).
+  x_MxK, w_KxN = derivatives.refuse_tangents((x_MxK, w_KxN), _second_order(roles))
   ops = layout.bind(groups, x_MxK.shape[0])
   amax_x, amax_xt = (None, None) if pre_x is not None or roles.requantize else _shared_amaxes(
       ops, "fprop", roles.fprop_x, roles.wgrad_x, x_MxK)
@@ -226,6 +228,7 @@ def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pr
 
 def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
   del out_dtype
+  res, dy_MxN = derivatives.refuse_tangents((res, dy_MxN), _second_order(roles))
   ops = layout.bind(res.groups, dy_MxN.shape[0])
   key_d = key_w = None
   if roles.needs_key:
@@ -274,9 +277,14 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
+def _second_order(roles) -> str:
+  return derivatives.DOT_MESSAGE.format(name=roles.name, what=derivatives.SECOND_ORDER)
+
+
 def quantized_dot(roles: Roles, layout, x, w, key=None, groups=None, *, precision=None, out_dtype):
   """The custom_vjp on aligned operands, for ``layout``'s operands (``DENSE``, or fp4jax.grouped's
   experts with their traced ``groups``): the one role logic of every quantized dot."""
+  derivatives.check_not_forward_mode(roles.name, x, w)
   return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups, None)
 
 
@@ -290,6 +298,7 @@ def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
 # ---------------------------------------------------------------------------------------------------
 
 def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
+  derivatives.check_not_forward_mode(roles.name, x_MxK, w_KxN)
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   align_m, align_k, align_n = roles.alignment()

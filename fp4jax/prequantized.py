@@ -78,7 +78,8 @@ def prequantize(x, recipe) -> PreQuantized:
   x = jnp.asarray(x)
   align_k = as_recipe(recipe).roles.alignment()[1]
   x_MxKp = pad_to_multiple(x.reshape(-1, x.shape[-1]), 1, align_k)
-  return PreQuantized(x, quantizer(x_MxKp), quantizer)
+  # The gradient reaches x through PreQuantized.x (the dot's backward pass); the codes have none.
+  return PreQuantized(x, quantizer(lax.stop_gradient(x_MxKp)), quantizer)
 
 
 def check(pre: PreQuantized, roles, dimension_numbers, rhs):

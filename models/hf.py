@@ -22,7 +22,7 @@ to the compute dtype, quantized by ``fp4jax.quantize(w.T, "nvfp4", tile=(16, 16)
 is the scale of each of its sixteen 1x16 row blocks, so it is only repeated, never recomputed.
 
 No torch here: tensors are numpy arrays (bfloat16 / float8 through ml_dtypes) and safetensors files are
-read and written by the small codec below.
+read and written by the small codec of ``models.hf_files``.
 
 Legend: N output features, K input features, G SSM groups, R heads per group (SSM) or queries per KV head
 (attention), P head dim, H heads, E conv channels, W conv width, D model width, V vocabulary.
@@ -34,7 +34,6 @@ import functools
 import json
 import os
 import re
-import struct
 from typing import Any, Callable, Iterable
 
 import flax.linen as nn
@@ -46,115 +45,14 @@ import numpy as np
 import fp4jax
 from models import ModelConfig, moe, policy
 from models.config import BLOCK_KINDS
+from models.hf_files import (ConversionError, load_hf_tensors, load_safetensors,  # noqa: F401  (re-exported)
+                             save_hf_tensors, save_safetensors)
 
 PREFIX = "backbone."                       # NVIDIA's checkpoints; transformers also reads "model."
 HF_LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 MTP_BLOCKS = "*E"     # the MTP layer kinds vLLM's NemotronH MTP loader builds (attention, MoE)
 GROUP = 16                                 # NVFP4 block: elements per E4M3 scale
 _E4M3_X_E2M1_MAX = 6.0 * 448.0
-
-
-class ConversionError(ValueError):
-  """A checkpoint or config that cannot be converted; the message says what and how to fix it."""
-
-
-# ----------------------------------------------------------------------------------------- safetensors
-
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "I16": np.int16,
-           "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-
-def save_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
-  """Writes a safetensors file: 8-byte little-endian header length, JSON header, raw little-endian data."""
-  header, offset, blobs = {}, 0, []
-  for name in sorted(tensors):
-    array = np.asarray(tensors[name]).copy(order="C")   # (ascontiguousarray would make scalars 1-D)
-    if array.dtype not in _NAMES:
-      raise ConversionError(f"tensor {name!r} has dtype {array.dtype}, which safetensors here does not store")
-    blob = array.tobytes()
-    header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + len(blob)]}
-    blobs.append(blob)
-    offset += len(blob)
-  if metadata:
-    header["__metadata__"] = dict(metadata)
-  encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-  encoded += b" " * (-len(encoded) % 8)
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(encoded)))
-    f.write(encoded)
-    for blob in blobs:
-      f.write(blob)
-
-
-def load_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Reads every tensor of a safetensors file into numpy arrays."""
-  with open(path, "rb") as f:
-    raw = f.read()
-  if len(raw) < 8:
-    raise ConversionError(f"{path} is not a safetensors file (too short)")
-  (size,) = struct.unpack("<Q", raw[:8])
-  try:
-    header = json.loads(raw[8:8 + size])
-  except (ValueError, UnicodeDecodeError):
-    raise ConversionError(f"{path} is not a safetensors file (bad header)") from None
-  base, out = 8 + size, {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    if info["dtype"] not in _DTYPES:
-      raise ConversionError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which this reader does not know")
-    start, end = info["data_offsets"]
-    out[name] = np.frombuffer(raw[base + start:base + end], _DTYPES[info["dtype"]]).reshape(info["shape"])
-  return out
-
-
-def save_hf_tensors(directory: str, tensors: dict[str, np.ndarray], *, max_shard_bytes: int = 5 << 30) -> list[str]:
-  """Writes ``model.safetensors``, or, above ``max_shard_bytes``, shards ``model-0000i-of-0000n.safetensors``
-  with the ``model.safetensors.index.json`` transformers reads. Returns the file names written."""
-  shards, current, size = [], {}, 0
-  for name in sorted(tensors):
-    nbytes = int(np.asarray(tensors[name]).nbytes)
-    if current and size + nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = {}, 0
-    current[name] = tensors[name]
-    size += nbytes
-  shards.append(current)
-  if len(shards) == 1:
-    save_safetensors(os.path.join(directory, "model.safetensors"), shards[0], {"format": "pt"})
-    return ["model.safetensors"]
-  files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-  weight_map = {}
-  for file, shard in zip(files, shards):
-    save_safetensors(os.path.join(directory, file), shard, {"format": "pt"})
-    weight_map.update({name: file for name in shard})
-  index = {"metadata": {"total_size": sum(int(np.asarray(t).nbytes) for t in tensors.values())},
-           "weight_map": weight_map}
-  with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-    json.dump(index, f, indent=2)
-  return files + ["model.safetensors.index.json"]
-
-
-def load_hf_tensors(directory: str) -> dict[str, np.ndarray]:
-  """All tensors of a Hugging Face checkpoint directory (``model.safetensors`` or a sharded index)."""
-  single = os.path.join(directory, "model.safetensors")
-  index = os.path.join(directory, "model.safetensors.index.json")
-  if os.path.isfile(single):
-    return load_safetensors(single)
-  if os.path.isfile(index):
-    with open(index, encoding="utf-8") as f:
-      shards = sorted(set(json.load(f)["weight_map"].values()))
-    tensors = {}
-    for shard in shards:
-      tensors.update(load_safetensors(os.path.join(directory, shard)))
-    return tensors
-  if any(n.endswith(".bin") for n in os.listdir(directory)):
-    raise ConversionError(f"{directory} holds pytorch_model*.bin files; convert them to safetensors first "
-                          "(transformers: model.save_pretrained(dir, safe_serialization=True))")
-  raise ConversionError(f"{directory} has no model.safetensors or model.safetensors.index.json")
 
 
 # ------------------------------------------------------------------------------------------- layouts

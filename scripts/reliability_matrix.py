@@ -23,6 +23,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(1, ROOT)   # this checkout's fp4jax, not whichever one is installed
 
 import jax  # noqa: E402
 import test_reliability_fp4jax as matrix  # noqa: E402  (the case table lives with its tests)

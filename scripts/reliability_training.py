@@ -1,5 +1,6 @@
-"""The training pipeline's fault matrix: runs tests/test_train_reliability.py and prints the table (case ->
-verdict) with counts; ``--write`` also puts it into the "Training pipeline" section of docs/RELIABILITY.md.
+"""The training pipeline's fault matrix: runs the test files of ``TEST_FILES`` (each with its ``CASES`` table) and
+prints the table (case -> verdict) with counts; ``--write`` also puts it into the "Training pipeline" section of
+docs/RELIABILITY.md.
 
   python scripts/reliability_training.py            # about 10 minutes on 2 CPU cores
   python scripts/reliability_training.py --write -n 2
@@ -19,6 +20,10 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_FILE = os.path.join("tests", "test_train_reliability.py")
+# The pipeline's cases: the fault matrix, then the focused files with a CASES table of their own (the run record,
+# the optimizer's values, export folders and checkpoint files, the sampler's arguments).
+TEST_FILES = (TEST_FILE, os.path.join("tests", "test_run_record.py"), os.path.join("tests", "test_optim_config.py"),
+              os.path.join("tests", "test_export_folders.py"), os.path.join("tests", "test_sample_args.py"))
 DOC = os.path.join(ROOT, "docs", "RELIABILITY.md")
 BEGIN, END = "<!-- training-matrix:begin -->", "<!-- training-matrix:end -->"
 
@@ -27,7 +32,7 @@ def run_tests(workers: int) -> dict[str, tuple[str, str]]:
   """{test name: (outcome "passed" | "failed" | "skipped", detail)} from one pytest run."""
   with tempfile.TemporaryDirectory() as tmp:
     report = os.path.join(tmp, "report.xml")
-    command = [sys.executable, "-m", "pytest", "-q", TEST_FILE, f"--junitxml={report}", "--durations=5",
+    command = [sys.executable, "-m", "pytest", "-q", *TEST_FILES, f"--junitxml={report}", "--durations=5",
                "-m", "not gpu"]  # slow cases too
     if workers > 1:
       command += ["-n", str(workers)]
@@ -35,6 +40,8 @@ def run_tests(workers: int) -> dict[str, tuple[str, str]]:
     outcomes = {}
     for case in ET.parse(report).getroot().iter("testcase"):
       name = case.get("name").split("[")[0]
+      if outcomes.get(name, ("",))[0] == "failed":   # a parametrized case fails when one of its params does
+        continue
       problem = case.find("failure") if case.find("failure") is not None else case.find("error")
       if problem is not None:
         outcomes[name] = ("failed", (problem.get("message") or "").splitlines()[0][:120] if problem.get("message") else "")
@@ -45,28 +52,31 @@ def run_tests(workers: int) -> dict[str, tuple[str, str]]:
   return outcomes
 
 
-def load_cases() -> dict[str, tuple[str, str, int | None]]:
-  """CASES of the test file, read without importing it (no JAX start-up): its dict literal, parsed."""
-  with open(os.path.join(ROOT, TEST_FILE), encoding="utf-8") as f:
-    tree = ast.parse(f.read())
-  node = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-              and any(getattr(t, "id", None) == "CASES" for t in n.targets))
+def load_cases() -> dict[str, tuple[str, str, int | None, str]]:
+  """CASES of the test files, read without importing them (no JAX start-up): their dict literals, parsed."""
   cases = {}
-  for key, value in zip(node.keys, node.values):
-    text, verdict, code = value.elts
-    cases[ast.literal_eval(key)] = (ast.literal_eval(text), "clear error" if verdict.id == "CLEAR" else "correct result",
-                                    ast.literal_eval(code))
+  for test_file in TEST_FILES:
+    with open(os.path.join(ROOT, test_file), encoding="utf-8") as f:
+      tree = ast.parse(f.read())
+    node = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == "CASES" for t in n.targets))
+    for key, value in zip(node.keys, node.values):
+      text, verdict, code = value.elts
+      cases[ast.literal_eval(key)] = (ast.literal_eval(text),
+                                      "clear error" if verdict.id == "CLEAR" else "correct result",
+                                      ast.literal_eval(code), os.path.basename(test_file))
   return cases
 
 
 def table(cases, outcomes) -> str:
   counts = {"clear error": 0, "correct result": 0, "skipped": 0, "FAILED": 0}
   rows = ["| # | case | verdict | exit code | test |", "|---|---|---|---|---|"]
-  for i, (name, (text, verdict, code)) in enumerate(cases.items(), 1):
+  for i, (name, (text, verdict, code, test_file)) in enumerate(cases.items(), 1):
     outcome, detail = outcomes.get(name, ("failed", "not run"))
     shown = verdict if outcome == "passed" else ("skipped: " + detail if outcome == "skipped" else f"FAILED: {detail}")
     counts[verdict if outcome == "passed" else "skipped" if outcome == "skipped" else "FAILED"] += 1
-    rows.append(f"| {i} | {text} | {shown} | {'' if code is None else code} | `{name}` |")
+    where = name if test_file == os.path.basename(TEST_FILE) else f"{test_file}::{name}"
+    rows.append(f"| {i} | {text} | {shown} | {'' if code is None else code} | `{where}` |")
   head = (f"{len(cases)} cases: {counts['clear error']} clear errors, {counts['correct result']} correct results, "
           f"{counts['skipped']} skipped, {counts['FAILED']} failed; 0 silently wrong and 0 raw tracebacks unless "
           "a case failed. Run on "

@@ -502,6 +502,27 @@ def _cases() -> list[Case]:
   err(g, "dot_general_cls('nvfp5')", lambda: fp4jax.flax.dot_general_cls("nvfp5"), ValueError, "unknown recipe")
   err(g, "Fp4DotGeneralNNX(rngs=0)", lambda: fp4jax.flax.Fp4DotGeneralNNX("nvfp4", rngs=0), TypeError, "rngs must be")
 
+  # Derivatives (fp4jax.derivatives) ----------------------------------------------------------------
+  g = "derivatives"
+  x16, w16 = X[:16, :32], W[:32, :16]
+  square = lambda recipe: lambda a: (fp4jax.dot(a, w16, recipe=recipe, key=jax.random.key(0)) ** 2).sum()
+  for recipe in ("nvfp4", "nvfp4_no_sr", "fp8"):
+    err(g, f"grad of grad through dot ({recipe})", lambda r=recipe: jax.grad(lambda a: jax.grad(square(r))(a).sum())(x16),
+        TypeError, "a second derivative (grad of grad, jvp of grad) differentiates its backward pass")
+  err(g, "jax.hessian through dot (nvfp4)", lambda: jax.hessian(square("nvfp4"))(x16), TypeError,
+      "forward-mode differentiation")
+  err(g, "jax.jacfwd of dot (nvfp4)", lambda: jax.jacfwd(square("nvfp4"))(x16), TypeError,
+      "Use jax.jacrev for a Jacobian")
+  ok(g, "jax.hessian through dot (bf16) == through a @ w",
+     lambda: (jax.hessian(square("bf16"))(x16[:2]), jax.hessian(lambda a: ((a @ w16) ** 2).sum())(x16[:2])),
+     lambda r: eq(*r), "bit-identical")
+  err(g, "jax.grad through dequantize(quantize(x)) (nvfp4)",
+      lambda: jax.grad(lambda a: fp4jax.dequantize(fp4jax.quantize(a, "nvfp4")).sum())(x16), TypeError,
+      "fp4jax.quantize has no derivative")
+  ok(g, "jax.grad through fake_quantize (nvfp4) == dy (straight-through)",
+     lambda: jax.vjp(lambda a: fp4jax.fake_quantize(a, "nvfp4"), x16)[1](x16 * 3)[0],
+     lambda r: eq(r, x16 * 3), "dx == dy exactly")
+
   # x64 ---------------------------------------------------------------------------------------------
   g = "x64 on (subprocess)"
   for name, what in (("nvfp4", "quantize float64 == quantize of its float32 value; q.dtype float64"),

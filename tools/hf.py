@@ -5,9 +5,11 @@
   python -m tools.hf export --workdir runs/tiny --out hf/tiny-nvfp4 --format nvfp4  # ModelOpt NVFP4
   python -m tools.hf import --hf hf/tiny --out runs/from_hf [--config configs/tiny.py]
 
-Export writes ``config.json`` (model_type nemotron_h), ``model.safetensors`` and the tokenizer
-(``tokenizer.json``; the byte tokenizer becomes an equivalent byte-level ``tokenizers`` file), plus
-``hf_quant_config.json`` for NVFP4. Import writes ``<out>/config.json`` and checkpoint 0 of
+Export writes ``config.json`` (model_type nemotron_h), ``model.safetensors`` (or shards and their index),
+``checksums.sha256`` and the tokenizer (``tokenizer.json``; the byte tokenizer becomes an equivalent byte-level
+``tokenizers`` file), plus ``hf_quant_config.json`` for NVFP4. A folder holds one export: a previous export's
+files there are removed first (and named); ``--out`` naming a file, or a folder with another checkpoint's weight
+files, is refused. Import writes ``<out>/config.json`` and checkpoint 0 of
 ``<out>/checkpoints`` in the trainer's layout; ``sample.py --workdir <out>`` reads it, and a training
 run starts from its parameters. The conversion itself is ``models.hf`` (no torch); this command line
 sits above ``training`` because it reads and writes runs.
@@ -28,7 +30,7 @@ import numpy as np
 from absl import logging
 
 import fp4jax
-from models import LanguageModel, abstract_variables, hf
+from models import LanguageModel, abstract_variables, hf, hf_files
 from models.lm import unscanned_params
 from tools import runs
 from training import data as data_lib
@@ -112,7 +114,7 @@ def export(args) -> int:
   if c.scan_blocks:   # transformers' layout has one tensor per block: unstack the scanned groups
     c, params = c.replace(scan_blocks=False), unscanned_params(params, c)
   tokenizer = data_lib.make_tokenizer(run.config.data.tokenizer)
-  os.makedirs(args.out, exist_ok=True)
+  hf_files.check_export_folder(args.out)   # before the work: --out a file, or another checkpoint's folder
   extra = {"recipe": run.config.recipe, "step": run.step, "tokenizer": run.config.data.tokenizer,
            "source": run.workdir, "format": args.format}
   if args.format == "nvfp4":
@@ -127,8 +129,6 @@ def export(args) -> int:
     tensors, excluded = hf.to_hf_nvfp4(params, c, recipe, input_amax=amax)
     config = hf.to_hf_config(c, dtype="bfloat16", eos_token_id=tokenizer.eos_id, extra=extra)
     hf_quant, config["quantization_config"] = hf.nvfp4_quant_configs(excluded, producer_version=fp4jax.__version__)
-    with open(os.path.join(args.out, "hf_quant_config.json"), "w", encoding="utf-8") as f:
-      json.dump(hf_quant, f, indent=2)
     note = (f"{len(paths)} linear layers in NVFP4 ({len(excluded)} modules excluded: kept in bf16), "
             f"input_scale from {tokens.size} calibration tokens")
   else:
@@ -136,6 +136,13 @@ def export(args) -> int:
     tensors = hf.to_hf(params, c, dtype)
     config = hf.to_hf_config(c, dtype=args.format, eos_token_id=tokenizer.eos_id, extra=extra)
     note = f"every tensor in {args.format}"
+    hf_quant = None
+  removed = hf_files.clear_export_folder(args.out)   # one export per folder: the previous one's files go
+  if removed:
+    print(f"replacing the export in {args.out}: removed {', '.join(removed)}")
+  if hf_quant is not None:
+    with open(os.path.join(args.out, hf_files.QUANT_CONFIG), "w", encoding="utf-8") as f:
+      json.dump(hf_quant, f, indent=2)
   files = hf.save_hf_tensors(args.out, tensors, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
   with open(os.path.join(args.out, "config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2)
@@ -206,7 +213,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True)
   e = sub.add_parser("export", help="a train.py run -> a Hugging Face Nemotron-H directory")
   e.add_argument("--workdir", required=True, help="work directory of a train.py run")
-  e.add_argument("--out", required=True, help="output directory")
+  e.add_argument("--out", required=True, help="output directory (a previous export there is replaced)")
   e.add_argument("--format", choices=FORMATS, default="float32",
                  help="float32 (lossless), bfloat16, or nvfp4 (ModelOpt layout, the trained FP4 weights)")
   e.add_argument("--step", type=int, default=None, help="checkpoint step; default: the latest")

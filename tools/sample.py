@@ -12,6 +12,9 @@ prompt's length and is fed its own prompt tokens until they are used up, then it
 ``--recipe`` picks the forward pass (default: the run's recipe, so the model sees the weights it was
 trained with; ``bf16`` for the unquantized weights).
 
+Exit status: 0 done; 2 a bad argument (--max_tokens below 1, --temperature, --top_p, a missing prompt or file) or
+a run that cannot be loaded, with one ``error:`` line; argparse's own usage errors are 2 as well.
+
 Legend: B prompts, T prompt tokens in one call, S cache length (longest prompt + max_tokens), V vocabulary.
 """
 from __future__ import annotations
@@ -246,6 +249,8 @@ def main(argv=None) -> int:
   if args.compilation_cache:
     sharding.use_compilation_cache(args.compilation_cache)
   try:
+    if args.eval_file is None and args.max_tokens < 1:
+      raise ValueError(f"--max_tokens {args.max_tokens} must be >= 1 (the number of tokens to generate)")
     if args.eval_file is None:
       prompts = _prompts(args)
     elif not os.path.isfile(args.eval_file):

@@ -4,7 +4,9 @@ iterator's state, saved together under ``<workdir>/checkpoints/<step>``.
 Saves are asynchronous (device -> host copy in the foreground, the write in the background) and atomic
 (orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it when complete), so an interrupted save never
 touches an earlier checkpoint; the last ``keep`` are kept. A save that fails (no space left, I/O error)
-removes its temporary directory and raises ``StorageError``.
+removes its temporary directory and raises ``StorageError`` (a background write's failure at the next save or
+at the end of the run, where the loop waits for it). The temporary folders of saves interrupted by a kill go at
+the next start (``remove_leftovers``).
 
 Orbax does not notice bytes that change on disk after the write, so each checkpoint's data item also holds
 a checksum per state leaf (a position-weighted sum of the leaf's bit patterns, mod 2^32, computed on the
@@ -32,6 +34,7 @@ from training import sharding
 from training.errors import CheckpointError, StorageError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_LEFTOVER = re.compile(r"^\d+" + re.escape(TMP_SUFFIX) + r"(-\d+)?$")   # an interrupted save's folder
 REASONS = {
     "truncated": "truncated (a file is missing or shorter than when it was written)",
     "corrupt": "corrupt (its bytes differ from what was written)",
@@ -103,6 +106,20 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       self._failed(self._saving, e)
     self._saving = None
+
+  def remove_leftovers(self) -> list[str]:
+    """Removes the temporary folders (``<step>.orbax-checkpoint-tmp...``) that interrupted saves left in the
+    checkpoint directory, and returns their names. No checkpoint depends on one: orbax renames a save's folder
+    to ``<step>`` only when it is complete, and reads nothing else; the complete checkpoints, and any other
+    folder (``unreadable_checkpoints``), stay. Call it only while no save of this directory runs: at the start
+    of the run that holds the work directory."""
+    removed = []
+    for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
+      path = os.path.join(self.directory, name)
+      if _LEFTOVER.match(name) and os.path.isdir(path):
+        shutil.rmtree(path)
+        removed.append(name)
+    return removed
 
   def on_disk(self) -> list[int]:
     """The steps whose checkpoint directory is complete on disk now (read from the directory, not from

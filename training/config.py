@@ -7,6 +7,7 @@ a preset of ``models.presets`` and may override any ``ModelConfig`` field (``Non
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ml_collections import config_dict
@@ -186,6 +187,38 @@ def check_xla_options(config) -> None:
                         "(the names XLA_FLAGS takes, without the leading --) and a value of its type") from None
 
 
+# config.optim's fields: (allowed range as a predicate on a real number, the range in words, the usual value).
+_OPTIM_RANGES = {
+    "lr": (lambda v: 0 < v < math.inf, "> 0 and finite (the peak learning rate; a negative one ascends the loss)",
+           "3e-3"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1] (the final lr is lr * min_lr_ratio)", "0.01"),
+    "decay_fraction": (lambda v: 0 <= v <= 1, "in [0, 1] (the share of the steps the wsd decay takes)", "0.2"),
+    "b1": (lambda v: 0 <= v < 1, "in [0, 1) (Adam's first-moment decay)", "0.9"),
+    "b2": (lambda v: 0 <= v < 1, "in [0, 1) (Adam's second-moment decay)", "0.95"),
+    "eps": (lambda v: 0 < v < math.inf, "> 0 and finite (Adam's denominator floor)", "1e-8"),
+    "weight_decay": (lambda v: 0 <= v < math.inf, ">= 0 and finite (decoupled, on matrices)", "0.1"),
+    "grad_clip": (lambda v: v > 0, "> 0 (the global-norm bound; inf clips nothing)", "1.0"),
+}
+_OPTIM_FIELDS = ("schedule", "warmup_steps", *_OPTIM_RANGES)
+
+
+def check_optim(section) -> None:
+  """ConfigError naming the field and its value unless every field of ``config.optim`` is known and in range
+  (optax takes any number: a negative lr would train by gradient ascent, b2 >= 1 never forgets)."""
+  unknown = sorted(set(section.keys()) - set(_OPTIM_FIELDS))
+  if unknown:
+    raise ConfigError(f"config.optim.{unknown[0]} is not an optimizer field; the fields are {list(_OPTIM_FIELDS)}")
+  if section.schedule not in ("wsd", "cosine", "constant"):
+    raise ConfigError(f"config.optim.schedule={section.schedule!r}; use 'wsd', 'cosine' or 'constant'")
+  steps = section.warmup_steps
+  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+    raise ConfigError(f"config.optim.warmup_steps={steps!r} must be an integer >= 0")
+  for name, (ok, words, usual) in _OPTIM_RANGES.items():
+    value = section[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
+      raise ConfigError(f"config.optim.{name}={value!r} must be {words}; e.g. --config.optim.{name}={usual}")
+
+
 def validate(config) -> None:
   """Checks that need neither data nor devices; raises ConfigError naming the field and the fix."""
   def need(ok, msg):
@@ -197,11 +230,7 @@ def validate(config) -> None:
   need(config.data.seq_len > 0, f"config.data.seq_len={config.data.seq_len} must be > 0")
   need(0.0 <= config.data.validation_fraction < 1.0,
        f"config.data.validation_fraction={config.data.validation_fraction} must be in [0, 1)")
-  need(config.optim.schedule in ("wsd", "cosine", "constant"),
-       f"config.optim.schedule={config.optim.schedule!r}; use 'wsd', 'cosine' or 'constant'")
-  need(config.optim.warmup_steps >= 0, f"config.optim.warmup_steps={config.optim.warmup_steps} must be >= 0")
-  need(0.0 <= config.optim.decay_fraction <= 1.0,
-       f"config.optim.decay_fraction={config.optim.decay_fraction} must be in [0, 1]")
+  check_optim(config.optim)
   need(config.health.max_nonfinite_streak > 0,
        f"config.health.max_nonfinite_streak={config.health.max_nonfinite_streak} must be > 0")
   need(config.checkpoint.keep > 0, f"config.checkpoint.keep={config.checkpoint.keep} must be > 0")

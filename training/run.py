@@ -176,7 +176,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
         f"{outcontrol.on_step}")
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
       f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
-  if pindex == 0:
+  # The run record changes only when the run does: a resume at or past config.steps trains nothing and writes
+  # nothing (a later start is then checked against the config the checkpoints were made with).
+  if pindex == 0 and (resume.step is None or resume.step < config.steps):
     workdir_lib.record_config(workdir, config, step=resume.step or 0, event="resume" if resume.step else "start",
                               changes=resume.changes)
   train_iter = data_lib.batches(train_split, global_batch=config.batch_size, seed=config.seed,
@@ -277,6 +279,11 @@ def _open_workdir(config, workdir: str, process_index: int, stop: preempt.Preemp
     reporter = report_lib.Reporter(workdir, total_steps=config.steps,
                                    tokens_per_step=config.batch_size * config.data.seq_len,
                                    log_every=config.log_every, primary=process_index == 0)
+    removed = checkpoints.remove_leftovers() if lock is not None else []   # this run holds the directory
+    if removed:
+      resume = dataclasses.replace(resume, messages=resume.messages + (
+          f"removed {len(removed)} temporary folder(s) of interrupted checkpoint saves: {', '.join(removed)} "
+          f"(the complete checkpoints {checkpoints.on_disk()} are untouched)",))
   except BaseException:
     checkpoints.close()
     if lock is not None:

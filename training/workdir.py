@@ -182,19 +182,24 @@ def check_resume(workdir: str, config, step: int | None) -> Resume:
   if step is None:
     return Resume(None, changes, tuple(messages))
   guarded = {k: v for k, v in changes.items() if not is_free(k)}
+  steps_refused = None
   if "steps" in guarded and "steps" in before:
     verdict = extend.plan(before, config, step)
     if verdict.accepted:
       del guarded["steps"]
       messages.append(verdict.message)
-    elif not allowed:
-      raise extend.refuse(verdict.message, workdir)
+    else:
+      steps_refused = verdict.message
   if guarded and not allowed:
-    diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items())
+    if steps_refused is not None and len(guarded) == 1:
+      raise extend.refuse(steps_refused, workdir)
+    diff = "; ".join(f"{k}: {old!r} -> {new!r}" + (f" ({steps_refused})" if k == "steps" and steps_refused else "")
+                     for k, (old, new) in guarded.items())
     raise ConfigChangedError(
-        f"the work directory {workdir} holds a run at step {step} made with another config: {diff}. Resuming "
-        "would continue it with different settings; pass --allow_config_change (or "
-        "--config.allow_config_change=True) if that is intended, or use a new --workdir")
+        f"the work directory {workdir} holds a run at step {step} made with another config; "
+        f"{len(guarded)} field(s) differ from its record ({CONFIG_FILE}): {diff}. Resuming would continue it with "
+        "different settings; pass --allow_config_change (or --config.allow_config_change=True) to accept "
+        f"{'all of them' if len(guarded) > 1 else 'it'}, give the run's values, or use a new --workdir")
   if guarded:
     messages.append("config changed on resume (allowed by allow_config_change): "
                     + "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items()))
