@@ -8,6 +8,8 @@ and ``fp4jax.target.current()`` falls back to the process's devices (or an expli
 """
 from __future__ import annotations
 
+import contextlib
+
 try:   # pragma: no cover - the import succeeds on every supported jax
   from jax._src.mesh import get_concrete_mesh as _get_concrete_mesh
 except ImportError:   # pragma: no cover
@@ -22,3 +24,65 @@ def ambient_mesh():
   if mesh is None or getattr(mesh, "empty", True):
     return None
   return mesh
+
+
+# ------------------------------------------------------------------ custom_partitioning's shardings
+# A custom_partitioning callback may get an operand sharded on part of a mesh axis (Shardy's sub-axes, e.g.
+# after a reshape that splits a sharded axis into blocks); jax's own decoding into a NamedSharding then raises.
+# ``named_or_replicated`` decodes with the same function (private: jax._src.sharding_impls, jax 0.10.2) and
+# reads such a sharding as replicated, which the callbacks then ask for (XLA gathers the operand).
+try:   # pragma: no cover - the import succeeds on every supported jax
+  from jax._src.sharding_impls import parse_flatten_op_sharding as _parse_hlo_sharding
+except ImportError:   # pragma: no cover
+  _parse_hlo_sharding = None
+
+
+def named_or_replicated(mesh, sharding, ndim: int):
+  """``sharding`` (a NamedSharding, or the partitioner's GSPMDSharding) as a NamedSharding of ``mesh``;
+  replicated where the mesh's whole axes cannot express it."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  if isinstance(sharding, NamedSharding) or sharding is None:
+    return sharding
+  try:
+    spec = _parse_hlo_sharding(sharding._to_xla_hlo_sharding(ndim), mesh)[0]
+  except Exception:   # IndivisibleError (sub-axes), or a jax without the parser
+    spec = P()
+  return NamedSharding(mesh, P(*spec, *((None,) * (ndim - len(spec)))))
+
+
+# ------------------------------------------------------------------ the varying-manual-axes check
+try:   # pragma: no cover - present on every supported jax
+  from jax._src.config import _check_vma as _check_vma_state
+except ImportError:   # pragma: no cover
+  _check_vma_state = None
+try:   # pragma: no cover
+  from jax._src.core import empty_mat as _EMPTY_MAT   # jax 0.10: the manual-axis type of an unvarying value
+except ImportError:   # pragma: no cover - earlier releases type it as aval.vma
+  _EMPTY_MAT = None
+
+
+def vma_checked() -> bool:
+  """Whether the trace in progress checks varying manual axes (inside ``shard_map(check_vma=True)``)."""
+  return bool(_check_vma_state.value) if _check_vma_state is not None else False
+
+
+def _unvarying(aval):
+  if _EMPTY_MAT is not None and hasattr(aval, "mat"):
+    return aval.update(manual_axis_type=_EMPTY_MAT)
+  return aval.update(vma=frozenset()) if getattr(aval, "vma", None) else aval
+
+
+@contextlib.contextmanager
+def per_shard_lowering(ctx):
+  """``ctx`` of a lowering rule as a per-shard program: operand and result types without manual axes, and
+  shard_map's varying-axes check off. For lowering a per-shard op (``fp4jax.primitives.pair``) whose types
+  the traced program already checked, inside ``shard_map(check_vma=True)``: what its lowering traces is
+  per shard, and jax 0.10.2's Pallas interpreter (a kernel on CPU) carries the operands' types through its
+  grid loop while its body's values vary over no axis, which the loop's type check refuses."""
+  ctx = ctx.replace(avals_in=[_unvarying(a) for a in ctx.avals_in],
+                    avals_out=[_unvarying(a) for a in ctx.avals_out])
+  if _check_vma_state is None:   # pragma: no cover
+    yield ctx
+    return
+  with _check_vma_state(False):
+    yield ctx

@@ -27,6 +27,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fp4jax._jax_compat import named_or_replicated, per_shard_lowering
 from fp4jax.primitives import sharding as shd
 
 try:   # the registry of primitives whose lowering needs the device assignment
@@ -76,11 +77,21 @@ def define(spec: OpSpec) -> Primitive:
   mlir.register_lowering(prim, functools.partial(_lower_partitioned, spec, local_prim))
   for platform in ("cuda", "cpu", None):
     fn = functools.partial(_local_outputs, spec, platform=platform or "other")
-    mlir.register_lowering(local_prim, mlir.lower_fun(fn, multiple_results=spec.multiple_results),
+    mlir.register_lowering(local_prim, _unchecked(mlir.lower_fun(fn, multiple_results=spec.multiple_results)),
                            **({"platform": platform} if platform else {}))
   batching.primitive_batchers[prim] = functools.partial(_batch, spec, prim)
   ad.primitive_jvps[prim] = functools.partial(_jvp, spec, prim)
   return prim
+
+
+def _unchecked(lowering):
+  """The per-shard op lowered without ``shard_map``'s varying-axes check: its operand and result types were
+  checked where the program binds the op (``fp4jax_<op>`` in the shard_map body); what the lowering traces
+  (an interpreted kernel's grid loop) is per shard."""
+  def lower(ctx, *args, **params):
+    with per_shard_lowering(ctx) as ctx:
+      return lowering(ctx, *args, **params)
+  return lower
 
 
 def scope(name: str):
@@ -148,6 +159,8 @@ def _partitioned(spec, local_prim, ndims, params_items):
     return tuple(out) if spec.multiple_results else out
 
   def shardings(mesh, arg_shapes):
+    arg_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=named_or_replicated(mesh, a.sharding, a.ndim))
+                  for a in arg_shapes]
     args, outs, contracted = spec.shardings(mesh, arg_shapes, **params)
     outs = tuple(shd.named(mesh, s) for s in outs) if spec.multiple_results else shd.named(mesh, outs)
     return tuple(shd.named(mesh, s) for s in args), outs, contracted
@@ -166,10 +179,15 @@ def _partitioned(spec, local_prim, ndims, params_items):
   def infer(mesh, arg_shapes, result_shape):
     return shardings(mesh, arg_shapes)[1]
 
-  rule = spec.rule(ndims, **params)
+  rule, sizes = spec.rule(ndims, **params)
+
+  def sharding_rule(mesh, value_types, result_types):   # fitted to the shapes (a one-block axis)
+    shapes = [tuple(mlir.ir.RankedTensorType(t).shape) for t in (*value_types, *result_types)]
+    return shd.fit_rule(rule, sizes, shapes)
+
   cp = custom_partitioning(local)
-  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=lambda mesh, vt, rt: rule)
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
+                   decode_shardings=False)   # decoded by ``shardings``, which also takes sub-axis shardings
   return cp
 
 
