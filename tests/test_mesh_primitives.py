@@ -8,11 +8,14 @@
 2. The kernels inside ``shard_map(check_vma=True)``: the quantize primitive with impl="pallas" (the interpreter
    on CPU) equals the XLA path bit for bit, and a kernel called directly lowers for CUDA (its outputs vary over
    the manual axes its operands vary over: ``fp4jax._pallas_compat.varying_like``).
+3. A kernel that does not lower for a layout runs as its XLA twin, with a warning (``fp4jax.primitives.pair``).
 """
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,3 +74,25 @@ def test_sharded_one_block_axes_and_kernels_in_shard_map():
   results = json.loads(line[len("RESULT "):])
   assert len(results) == 6
   assert all(results.values()), {k: v for k, v in results.items() if not v}
+
+
+def test_a_kernel_that_does_not_lower_falls_back_to_its_twin_with_a_warning(monkeypatch):
+  """A kernel that fails to lower for a layout (here: made to raise) runs as its XLA twin, with a warning that
+  names the kernel and the mesh, instead of stopping the program at start-up."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  import numpy as np   # pylint: disable=import-outside-toplevel
+  from fp4jax.kernels import quantize_1d   # pylint: disable=import-outside-toplevel
+  from fp4jax.primitives.quantize import quantize_last   # pylint: disable=import-outside-toplevel
+
+  def broken(*args, **kwargs):
+    raise NotImplementedError("no tiling for this shape")
+
+  monkeypatch.setattr(quantize_1d, "quantize_1d", broken)
+  x = jax.random.normal(jax.random.key(0), (48, 80))
+  run = lambda impl: jax.jit(lambda x: quantize_last(x, jnp.max(jnp.abs(x)), fmt="nvfp4", impl=impl))(x)
+  with pytest.warns(RuntimeWarning, match=r"the quantize kernel \(impl='pallas', fmt='nvfp4'\) did not lower on "
+                                          r"one device \(NotImplementedError: no tiling"):
+    got = run("pallas")
+  for a, b in zip(got, run("xla")):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -77,21 +78,39 @@ def define(spec: OpSpec) -> Primitive:
   mlir.register_lowering(prim, functools.partial(_lower_partitioned, spec, local_prim))
   for platform in ("cuda", "cpu", None):
     fn = functools.partial(_local_outputs, spec, platform=platform or "other")
-    mlir.register_lowering(local_prim, _unchecked(mlir.lower_fun(fn, multiple_results=spec.multiple_results)),
+    mlir.register_lowering(local_prim, _per_shard(spec, mlir.lower_fun(fn, multiple_results=spec.multiple_results)),
                            **({"platform": platform} if platform else {}))
   batching.primitive_batchers[prim] = functools.partial(_batch, spec, prim)
   ad.primitive_jvps[prim] = functools.partial(_jvp, spec, prim)
   return prim
 
 
-def _unchecked(lowering):
-  """The per-shard op lowered without ``shard_map``'s varying-axes check: its operand and result types were
-  checked where the program binds the op (``fp4jax_<op>`` in the shard_map body); what the lowering traces
-  (an interpreted kernel's grid loop) is per shard."""
+def _per_shard(spec, lowering):
+  """The per-shard op's lowering, as a per-shard program (``_jax_compat.per_shard_lowering``: its operand and
+  result types were checked where the program binds ``fp4jax_<op>``, in a shard_map body or not).
+
+  A kernel that does not lower for this shard's layout (a shape or platform the on-device proof never ran)
+  lowers as its XLA twin, which defines the kernel's output, with a warning naming the kernel and the mesh:
+  the step runs the XLA path for that op instead of stopping at start-up."""
   def lower(ctx, *args, **params):
-    with per_shard_lowering(ctx) as ctx:
-      return lowering(ctx, *args, **params)
+    with per_shard_lowering(ctx) as shard_ctx:
+      if params.get("impl", "xla") == "xla":
+        return lowering(shard_ctx, *args, **params)
+      try:
+        return lowering(shard_ctx, *args, **params)
+      except Exception as e:   # pylint: disable=broad-except  # any failure: the twin is always correct
+        warnings.warn(f"fp4jax: the {spec.name} kernel (impl={params['impl']!r}, fmt={params.get('fmt')!r}) "
+                      f"did not lower on {_mesh_words(ctx)} ({type(e).__name__}: {str(e)[:300]}); this op runs "
+                      f"the XLA path there. Please report it with this message.", RuntimeWarning, stacklevel=2)
+        return lowering(shard_ctx, *args, **{**params, "impl": "xla"})
   return lower
+
+
+def _mesh_words(ctx) -> str:
+  """The mesh a lowering is for, in words: "mesh {'data': 2, 'expert': 2} (per shard)" or "one device"."""
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  shape = dict(getattr(mesh, "shape", {}) or {})
+  return f"mesh {shape} (per shard)" if shape and any(v > 1 for v in shape.values()) else "one device"
 
 
 def scope(name: str):
