@@ -1,10 +1,12 @@
-"""The one piece of ``fp4jax.target`` that reads a private jax API, in one place.
+"""Every private jax API that fp4jax reads, in one place (jax 0.10.2; each with a fallback where it is missing).
 
-``jax.sharding.get_mesh()`` (public) refuses to run inside a trace, which is where the automatic
-choices are made; the concrete mesh that ``jax.set_mesh`` sets is jax's ``device_context`` config state
-(part of jit's cache key), read here through ``jax._src.mesh.get_concrete_mesh`` (jax 0.10.2; the same
-function in the GPU image's 0.11.2). Where that function is missing, the ambient mesh is not consulted
-and ``fp4jax.target.current()`` falls back to the process's devices (or an explicit ``use``).
+- ``ambient_mesh``: ``jax.sharding.get_mesh()`` (public) refuses to run inside a trace, which is where the
+  automatic choices are made; the concrete mesh that ``jax.set_mesh`` sets is jax's ``device_context`` config
+  state (part of jit's cache key), read here through ``jax._src.mesh.get_concrete_mesh`` (jax 0.10.2; the same
+  function in the GPU image's 0.11.2). Where that function is missing, the ambient mesh is not consulted and
+  ``fp4jax.target.current()`` falls back to the process's devices (or an explicit ``use``).
+- ``named_or_replicated``: a custom_partitioning callback's operand sharding as a NamedSharding.
+- ``vma_checked`` / ``per_shard_lowering``: shard_map's check of varying manual axes.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ sharding under which each shard's work is local (whole blocks, whole 2D tiles), 
 rest, and add the one collective a sharded contraction needs (a psum of float32 partial products).
 A row-sharded quantize therefore needs no communication except the scalar tensor amax, which the
 caller reduces before the primitive (a max over a sharded array is an all-reduce of one float).
+A quantized axis of a single block has no block count to cut: ``fit_rule`` writes the rule for the operands'
+shapes without it (Shardy refuses a factor of size 1 in a compound dimension).
 
 ``block`` is the 1D block length; ``tile`` the side of the square 2D tiles, or None for 1D blocks.
 """
