@@ -96,3 +96,16 @@ def test_a_kernel_that_does_not_lower_falls_back_to_its_twin_with_a_warning(monk
     got = run("pallas")
   for a, b in zip(got, run("xla")):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_rules_drop_a_block_count_of_one():
+  """Shardy refuses a factor of size 1 in a compound dimension: the rule of a one-block axis names the block
+  alone, and keeps a size only for a factor still in a compound."""
+  from fp4jax.primitives import sharding as shd   # pylint: disable=import-outside-toplevel
+  rule, sizes = shd.quantize_rule(2, 0, False, block=16, tile=None)
+  assert (rule, sizes) == ("d0 (k i),  -> d0 (k j), d0 k", {"i": 16, "j": 8})
+  assert shd.fit_rule(rule, sizes, [(64, 16), (), (64, 8), (64, 1)]) == ("d0 i,  -> d0 j, d0 k", {})
+  assert shd.fit_rule(rule, sizes, [(64, 32), (), (64, 16), (64, 2)]) == (rule, sizes)
+  rule, sizes = shd.scaled_matmul_rule(2, block=16, a_tile=None, b_tile=16)   # N = 16: one 16x16 tile
+  shapes = [(64, 8), (64, 1), (), (16, 8), (16, 1), (), (64, 16)]
+  assert shd.fit_rule(rule, sizes, shapes) == ("m j, m k, , rb j, n k,  -> m rb", {})
