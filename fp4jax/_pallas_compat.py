@@ -19,11 +19,15 @@ from jax import export
 from jax.experimental import pallas as pl
 
 from fp4jax import _exact
+from fp4jax._jax_compat import vma_checked
+from fp4jax._native_compat import varying_axes
 
 try:   # the Triton backend of Pallas; present in CPU wheels too (lowering needs no GPU)
   from jax.experimental.pallas import triton as _pltriton
 except ImportError:   # pragma: no cover - very old or stripped jax
   _pltriton = None
+
+_MANUAL_AXIS_TYPE = getattr(jax.sharding, "ManualAxisType", None)   # jax 0.10; earlier: ShapeDtypeStruct(vma=)
 
 BlockSpec = pl.BlockSpec
 ds = pl.ds
@@ -57,13 +61,32 @@ def _quiet_triton_deprecation():
 
 def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool, name: str,
                 num_warps: int = 4, num_stages: int = 2):
-  """``pl.pallas_call`` on the Triton backend (or the interpreter when ``interpret``)."""
+  """``pl.pallas_call`` on the Triton backend (or the interpreter when ``interpret``). The outputs vary
+  over the manual mesh axes that any operand varies over (``varying_like``), so a kernel runs inside
+  ``shard_map`` with ``check_vma``."""
   params = None if interpret or not has_triton() else compiler_params(num_warps, num_stages)
   if params is not None:
     _quiet_triton_deprecation()
-  return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-                        out_specs=out_specs, interpret=interpret, name=name,
-                        compiler_params=params)
+
+  def call(*args):
+    return pl.pallas_call(kernel, out_shape=varying_like(out_shape, args), grid=grid, in_specs=in_specs,
+                          out_specs=out_specs, interpret=interpret, name=name, compiler_params=params)(*args)
+  return call
+
+
+def varying_like(out_shape, args):
+  """``out_shape`` (a ShapeDtypeStruct or a tuple of them) typed to vary over the union of the manual
+  axes that ``args`` vary over: what ``shard_map(check_vma=True)`` needs of a pallas_call's outputs (a
+  kernel's output block depends on its operands' blocks, so it varies wherever one of them does)."""
+  if not vma_checked():
+    return out_shape
+  axes = frozenset().union(*map(varying_axes, jax.tree.leaves(args)))
+  if _MANUAL_AXIS_TYPE is not None:
+    typed = dict(manual_axis_type=_MANUAL_AXIS_TYPE(varying=axes))
+  else:   # pragma: no cover - jax before the manual-axis type
+    typed = dict(vma=axes)
+  one = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, **typed)
+  return tuple(one(s) for s in out_shape) if isinstance(out_shape, (tuple, list)) else one(out_shape)
 
 
 def by_platform(call):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -27,6 +28,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fp4jax._jax_compat import named_or_replicated, per_shard_lowering
 from fp4jax.primitives import sharding as shd
 
 try:   # the registry of primitives whose lowering needs the device assignment
@@ -76,11 +78,39 @@ def define(spec: OpSpec) -> Primitive:
   mlir.register_lowering(prim, functools.partial(_lower_partitioned, spec, local_prim))
   for platform in ("cuda", "cpu", None):
     fn = functools.partial(_local_outputs, spec, platform=platform or "other")
-    mlir.register_lowering(local_prim, mlir.lower_fun(fn, multiple_results=spec.multiple_results),
+    mlir.register_lowering(local_prim, _per_shard(spec, mlir.lower_fun(fn, multiple_results=spec.multiple_results)),
                            **({"platform": platform} if platform else {}))
   batching.primitive_batchers[prim] = functools.partial(_batch, spec, prim)
   ad.primitive_jvps[prim] = functools.partial(_jvp, spec, prim)
   return prim
+
+
+def _per_shard(spec, lowering):
+  """The per-shard op's lowering, as a per-shard program (``_jax_compat.per_shard_lowering``: its operand and
+  result types were checked where the program binds ``fp4jax_<op>``, in a shard_map body or not).
+
+  A kernel that does not lower for this shard's layout (a shape or platform the on-device proof never ran)
+  lowers as its XLA twin, which defines the kernel's output, with a warning naming the kernel and the mesh:
+  the step runs the XLA path for that op instead of stopping at start-up."""
+  def lower(ctx, *args, **params):
+    with per_shard_lowering(ctx) as shard_ctx:
+      if params.get("impl", "xla") == "xla":
+        return lowering(shard_ctx, *args, **params)
+      try:
+        return lowering(shard_ctx, *args, **params)
+      except Exception as e:   # pylint: disable=broad-except  # any failure: the twin is always correct
+        warnings.warn(f"fp4jax: the {spec.name} kernel (impl={params['impl']!r}, fmt={params.get('fmt')!r}) "
+                      f"did not lower on {_mesh_words(ctx)} ({type(e).__name__}: {str(e)[:300]}); this op runs "
+                      f"the XLA path there. Please report it with this message.", RuntimeWarning, stacklevel=2)
+        return lowering(shard_ctx, *args, **{**params, "impl": "xla"})
+  return lower
+
+
+def _mesh_words(ctx) -> str:
+  """The mesh a lowering is for, in words: "mesh {'data': 2, 'expert': 2} (per shard)" or "one device"."""
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  shape = dict(getattr(mesh, "shape", {}) or {})
+  return f"mesh {shape} (per shard)" if shape and any(v > 1 for v in shape.values()) else "one device"
 
 
 def scope(name: str):
@@ -148,6 +178,8 @@ def _partitioned(spec, local_prim, ndims, params_items):
     return tuple(out) if spec.multiple_results else out
 
   def shardings(mesh, arg_shapes):
+    arg_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=named_or_replicated(mesh, a.sharding, a.ndim))
+                  for a in arg_shapes]
     args, outs, contracted = spec.shardings(mesh, arg_shapes, **params)
     outs = tuple(shd.named(mesh, s) for s in outs) if spec.multiple_results else shd.named(mesh, outs)
     return tuple(shd.named(mesh, s) for s in args), outs, contracted
@@ -166,10 +198,15 @@ def _partitioned(spec, local_prim, ndims, params_items):
   def infer(mesh, arg_shapes, result_shape):
     return shardings(mesh, arg_shapes)[1]
 
-  rule = spec.rule(ndims, **params)
+  rule, sizes = spec.rule(ndims, **params)
+
+  def sharding_rule(mesh, value_types, result_types):   # fitted to the shapes (a one-block axis)
+    shapes = [tuple(mlir.ir.RankedTensorType(t).shape) for t in (*value_types, *result_types)]
+    return shd.fit_rule(rule, sizes, shapes)
+
   cp = custom_partitioning(local)
-  cp.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=lambda mesh, vt, rt: rule)
+  cp.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
+                   decode_shardings=False)   # decoded by ``shardings``, which also takes sub-axis shardings
   return cp
 
 

@@ -7,12 +7,15 @@ sharding under which each shard's work is local (whole blocks, whole 2D tiles), 
 rest, and add the one collective a sharded contraction needs (a psum of float32 partial products).
 A row-sharded quantize therefore needs no communication except the scalar tensor amax, which the
 caller reduces before the primitive (a max over a sharded array is an all-reduce of one float).
+A quantized axis of a single block has no block count to cut: ``fit_rule`` writes the rule for the operands'
+shapes without it (Shardy refuses a factor of size 1 in a compound dimension).
 
 ``block`` is the 1D block length; ``tile`` the side of the square 2D tiles, or None for 1D blocks.
 """
 from __future__ import annotations
 
 import math
+import re
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -89,6 +92,52 @@ def scaled_matmul_rule(a_ndim: int, *, block: int, a_tile: int | None, b_tile: i
   if b_tile:
     sizes["rb"] = b_tile
   return f"{', '.join(ops)} -> {_join(*lead, m_d, n_d)}", sizes
+
+
+_DIM = re.compile(r"\(([^)]*)\)|(\S+)")
+
+
+def _dims(operand: str) -> list[list[str]]:
+  """Factors of each dimension of one operand of a rule: "d0 (k i)" -> [["d0"], ["k", "i"]]."""
+  return [(c or s).split() for c, s in _DIM.findall(operand)]
+
+
+def _factor_sizes(dims, shapes, sizes: dict) -> dict:
+  """Every factor's size: the given ``sizes``, a dimension's own size for a lone factor, and by division
+  the one unknown factor of a compound dimension."""
+  known = dict(sizes)
+  changed = True
+  while changed:
+    changed = False
+    for op_dims, shape in zip(dims, shapes):
+      for factors, n in zip(op_dims, shape):
+        unknown = [f for f in factors if f not in known]
+        if len(unknown) == 1:
+          known[unknown[0]] = n // math.prod(known[f] for f in factors if f in known)
+          changed = True
+  return known
+
+
+def fit_rule(rule: str, sizes: dict, shapes) -> tuple[str, dict]:
+  """The rule for operands and results of these ``shapes`` (in rule order), with no factor of size 1 in a
+  compound dimension, which Shardy refuses ("dim mapping can't have a factor of size 1 if there are
+  multiple factors"): a quantized axis of one block, "(k i)" with k = 1, becomes "i". Such a dimension
+  holds no block count to cut, and the partition callbacks replicate it (a cut through a block).
+  Sizes are kept for the factors still in a compound (Shardy refuses a size for a whole dimension)."""
+  ins, outs = rule.split(" -> ")
+  operands = ins.split(", ") + outs.split(", ")
+  n_in = len(ins.split(", "))
+  dims = [_dims(o) for o in operands]
+  known = _factor_sizes(dims, shapes, sizes)
+
+  def fitted(factors):
+    kept = [f for f in factors if known.get(f) != 1] or factors[:1]
+    return kept[0] if len(kept) == 1 else f"({' '.join(kept)})"
+
+  text = [_join(*(fitted(f) if len(f) > 1 else f[0] for f in op_dims)) for op_dims in dims]
+  compound = set(re.findall(r"\w+", " ".join(re.findall(r"\(([^)]*)\)", " ".join(text)))))
+  return (f"{', '.join(text[:n_in])} -> {', '.join(text[n_in:])}",
+          {k: v for k, v in sizes.items() if k in compound})
 
 
 # ------------------------------------------------------------------------------------- partition

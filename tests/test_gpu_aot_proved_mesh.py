@@ -1,0 +1,35 @@
+"""The programs an on-device proof can choose compile for their meshes, on a machine without a GPU: the 12B on 8
+GPUs (fsdp 8) and Nemotron 3 Super on 64 (fsdp 8 x expert 8), for H200 (sm_90) and B200 (sm_100), with every
+kernel on: ``--what_if_proved=all`` (each kernel of ``fp4jax.primitives.impl.KERNEL_OPS`` counts as proved
+exact and faster, as a passing proof records it) and the model kernels (the Mamba-2 SSD and gated-norm
+kernels) on. The kernels then run per shard inside the partitioned primitives and inside the expert-parallel
+shard_map, where they must carry the varying-manual-axes types jax checks there.
+
+Slow: each is a whole-model compile (Super: minutes and several GiB of host memory; run it alone).
+"""
+import os
+
+import pytest
+
+from test_gpu_aot import ROOT, _check, _gpu_aot, needs_plugin   # pylint: disable=import-error
+
+MODEL_KERNELS = ("--config.model.ssd_impl=pallas", "--config.model.gate_norm_impl=pallas")
+PROGRAMS = {
+    "12b_8": ("nemotron_h_12b.py", 8, ("--mesh.fsdp=8",)),
+    "super_64": ("nemotron3_super.py", 64, ()),
+}
+
+
+@needs_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["h200", "b200"])
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_proved_kernel_path_compiles_on_its_mesh(tmp_path, program, target):
+  config, devices, extra = PROGRAMS[program]
+  proc, report = _gpu_aot(tmp_path, "--target", target, "--what", "step", "--config",
+                          os.path.join(ROOT, "configs", config), "--devices", str(devices), *extra,
+                          "--twin=false", "--what_if_proved=all", *MODEL_KERNELS, timeout=3600)
+  _check(proc, report, 3000)
+  result = report["results"][0]
+  assert result["kernels"] > 0, "no Pallas kernel in the GPU HLO: the proved path did not run the kernels"
+  assert result["memory"]["temp_bytes"] > 0
