@@ -15,7 +15,10 @@ import fp4jax
 from fp4jax.api import quantize_rht_transposed
 
 RECIPES = ["nvfp4", "mxfp4", "fp8", "nvfp4_4over6", "quartet2", "tetrajet2"]
-SLOW = ("nvfp4_4over6", "quartet2", "tetrajet2")   # 40-60 s each, op by op on a 2-core CPU
+# 40-60 s each, op by op on a 2-core CPU; nvfp4 and fp8 15-40 s. The default suite runs mxfp4's dot, which
+# takes the same custom_vjp with stochastic rounding and the RHT; nvfp4's pieces run by default below
+# (2D tiles, stochastic rounding, the transposed RHT quantize).
+SLOW = ("nvfp4", "fp8", "nvfp4_4over6", "quartet2", "tetrajet2")
 
 
 def _inputs():
@@ -63,7 +66,7 @@ def test_quantize_dequantize_scaled_matmul(fmt, kw):
   assert_trees_bit_equal(eager, jitted)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])  # mxfp4's: in its dot
 def test_stochastic_and_rht_transposed(fmt):
   x, _ = _inputs()
   key = jax.random.key(3)

@@ -51,7 +51,9 @@ DIMENSION_NUMBERS = [  # (lhs shape, rhs shape, dimension numbers)
 ]
 
 
-@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", DIMENSION_NUMBERS)
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims",   # the last case has batch and two contracting dims
+                         [pytest.param(*d, marks=pytest.mark.slow) if i in (2, 3) else d
+                          for i, d in enumerate(DIMENSION_NUMBERS)])
 def test_bf16_recipe_is_lax_dot_general(lhs_shape, rhs_shape, dims):
   lhs, rhs = _normal(0, lhs_shape, jnp.bfloat16), _normal(1, rhs_shape, jnp.bfloat16)
   ours = lambda a, b: fp4jax.dot_general(a, b, dims, recipe=recipes.bf16()).astype(jnp.float32)
@@ -196,7 +198,8 @@ def test_rht_on_and_off_both_estimate_the_weight_gradient():
   assert not np.array_equal(on, off)
 
 
-@pytest.mark.parametrize("preset, weight_2d", [("nvfp4", True), ("nvfp4", False), ("fp8", True)])
+@pytest.mark.parametrize("preset, weight_2d", [("nvfp4", True), pytest.param("nvfp4", False, marks=pytest.mark.slow),
+                                               ("fp8", True)])
 def test_dgrad_weight_is_the_fprop_weight_transposed(preset, weight_2d):
   """x = I reads out the fprop weight; dy = I reads out the dgrad weight (both quantize exactly)."""
   k, n = 64, 48

@@ -20,7 +20,7 @@ def _loss(recipe):
   return lambda x, w: jnp.sum(jnp.sin(fp4jax.dot(x, w, recipe=recipe, key=KEY)))
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_no_rht", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["nvfp4", *[pytest.param(r, marks=pytest.mark.slow) for r in ("nvfp4_no_rht", "mxfp4")]])
 def test_saved_fp4_operands_give_the_gradients(recipe):
   x = jax.random.normal(jax.random.key(0), (48, 64))
   w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1

@@ -207,7 +207,9 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
   assert trained == [] and summary["runs_done"] == 4
   for v in ("bf16", "nvfp4"):
     assert summary["rows"][v]["gap_percent"] == pytest.approx(first["rows"][v]["gap_percent"], abs=1e-5)
-    assert summary["rows"][v]["gap_curve"] == pytest.approx(first["rows"][v]["gap_curve"], abs=1e-5)
+    curve, kept = summary["rows"][v]["gap_curve"], first["rows"][v]["gap_curve"]   # (tokens, gap) pairs
+    assert [tokens for tokens, _ in curve] == [tokens for tokens, _ in kept]
+    assert [gap for _, gap in curve] == pytest.approx([gap for _, gap in kept], abs=1e-5)
     for key in study.BALANCE_KEYS:
       assert summary["balance"][v][key]["per_seed"] == pytest.approx(first["balance"][v][key]["per_seed"], abs=1e-6)
   assert summary["balance_curve_seeds"] == {"bf16": 0, "nvfp4": 0}   # the summary kept no balance curve

@@ -50,7 +50,7 @@ def _dot_value_and_grads(recipe, x, w, key):
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r.startswith("quartet2") or r == "nvfp4_4over6"
-                                    else r for r in RECIPES])   # Quartet II's dot: test_recipes_quartet2; 4/6: the nnx test
+                                    else r for r in RECIPES])   # Quartet II's dot: test_recipes_quartet2; 4/6: test_recipes_four_over_six
 def test_linen_dense_equals_dot(recipe):
   x, w = _data()
   cls = dot_general_cls(recipe)
@@ -82,8 +82,8 @@ def test_linen_dense_equals_dot(recipe):
   assert np.any(np.asarray(other["params"]["kernel"]) != np.asarray(g_w_ref))
 
 
-@pytest.mark.parametrize("recipe", [r if r == "nvfp4_4over6" else pytest.param(r, marks=pytest.mark.slow)
-                                    for r in RECIPES])   # the linen test covers the other recipes by default
+# All slow (~35 s each): by default the linen test runs tetrajet2 and tests/test_flax.py the NNX layer (nvfp4).
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) for r in RECIPES])
 def test_nnx_linear_equals_dot(recipe):
   x, w = _data()
   rngs = nnx.Rngs(0, fp4=5)

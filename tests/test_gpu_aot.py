@@ -70,6 +70,9 @@ def _check(proc, report, time_s):
 
 @needs_plugin
 @pytest.mark.parametrize("target", ["h200", pytest.param("b200", marks=pytest.mark.slow)])
+# ~80 s idle. By default: a Pallas GEMM through Triton and ptxas for sm_90 (test_mixed_gemm_compiles_for_sm90),
+# the SSD kernels (tests/test_gpu_aot_ssd.py), every kernel's Triton lowering (tests/test_kernels_triton_lowering.py).
+@pytest.mark.slow
 def test_every_kernel_and_op_compiles(tmp_path, target):
   """Every Pallas kernel (its own compile, so a slow one is named) and the XLA composition of every
   op (one module), for the target, with predicted costs."""

@@ -47,13 +47,16 @@ def rel_err(got, want):
 class _ScaledMatmulCases:
   INTERPRET = True
 
-  @pytest.mark.parametrize("m,n,k,a_tile,b_tile", [
-      (16, 16, 16, None, None), (304, 304, 304, None, TILE), pytest.param(256, 512, 1024, None, TILE, marks=pytest.mark.slow),
+  @pytest.mark.parametrize("m,n,k,a_tile,b_tile", [   # untiled and b-tiled by default: test_equals_reference_bit_for_bit
+      pytest.param(16, 16, 16, None, None, marks=pytest.mark.slow),
+      pytest.param(304, 304, 304, None, TILE, marks=pytest.mark.slow),
+      pytest.param(256, 512, 1024, None, TILE, marks=pytest.mark.slow),
       (48, 80, 96, TILE, TILE), (304, 304, 304, TILE, None)])
   def test_nvfp4_vs_dequantized_dot(self, m, n, k, a_tile, b_tile):
     self._check("nvfp4", m, n, k, a_tile, b_tile, jnp.float32)
 
-  @pytest.mark.parametrize("m,n,k", [(16, 16, 32), (304, 304, 320), (256, 512, 1024)])
+  @pytest.mark.parametrize("m,n,k", [pytest.param(16, 16, 32, marks=pytest.mark.slow), (304, 304, 320),
+                                     pytest.param(256, 512, 1024, marks=pytest.mark.slow)])
   def test_mxfp4_vs_dequantized_dot(self, m, n, k):
     self._check("mxfp4", m, n, k, None, None, jnp.float32)
 
@@ -102,7 +105,9 @@ class _ScaledMatmulExactCases:
 
   @pytest.mark.parametrize("fmt,a_tile,b_tile,m,n,k", [
       ("nvfp4", None, TILE, 48, 80, 1024), ("nvfp4", TILE, None, 304, 16, 64),
-      ("nvfp4", None, None, 16, 272, 256), ("mxfp4", None, None, 32, 48, 512)])
+      ("nvfp4", None, None, 16, 272, 256),
+      # mxfp4 by default: test_mxfp4_vs_dequantized_dot and test_dequantize_kernel_every_code_and_scale[mxfp4-None]
+      pytest.param("mxfp4", None, None, 32, 48, 512, marks=pytest.mark.slow)])
   def test_equals_reference_bit_for_bit(self, fmt, a_tile, b_tile, m, n, k):
     a = exact_operand((m, k), fmt, a_tile, 0)
     b = exact_operand((n, k), fmt, b_tile, 1)

@@ -28,7 +28,7 @@ def _qkv(B, L, S, H, K, P, dtype=jnp.float32, seed=0):
 
 
 CASES = [  # (B, L, S, H, K, P, block, first query position)
-    (2, 16, 16, 4, 4, 8, 4, 0),      # MHA, blocks divide L
+    pytest.param(2, 16, 16, 4, 4, 8, 4, 0, marks=pytest.mark.slow),   # MHA, blocks divide L (GQA's case below)
     (2, 19, 19, 6, 2, 8, 8, 0),      # GQA (3 query heads per KV head), ragged last block
     pytest.param(1, 32, 32, 8, 1, 16, 32, 0, marks=pytest.mark.slow),    # MQA, one block
     (2, 3, 24, 4, 2, 8, 8, 10),      # decode: 3 new queries at positions 10..12 over a 24-key cache
@@ -40,8 +40,8 @@ CASES = [  # (B, L, S, H, K, P, block, first query position)
 def test_matches_reference_values_and_gradients(B, L, S, H, K, P, block, start):
   q, k, v = _qkv(B, L, S, H, K, P)
   positions = start + jnp.arange(L)
-  fn = lambda q, k, v: chunked_attention(q, k, v, positions, block=block)
-  ref = lambda q, k, v: _reference(q, k, v, positions)
+  fn = jax.jit(lambda q, k, v: chunked_attention(q, k, v, positions, block=block))   # jitted: op by op is slow
+  ref = jax.jit(lambda q, k, v: _reference(q, k, v, positions))
   np.testing.assert_allclose(fn(q, k, v), ref(q, k, v), rtol=1e-5, atol=1e-6)
   do = jax.random.normal(jax.random.key(1), (B, L, H, P))
   grads = jax.vjp(fn, q, k, v)[1](do)
@@ -83,10 +83,10 @@ def test_auto_is_chunked_off_gpu_and_model_impls_agree():
   tokens = jax.random.randint(jax.random.key(0), (2, 20), 0, 256)
   chunked, xla = LanguageModel(config.replace(attention_impl="chunked")), LanguageModel(config.replace(attention_impl="xla"))
   params = chunked.init({"params": jax.random.key(1), "fp4": jax.random.key(1)}, tokens)["params"]
-  np.testing.assert_allclose(chunked.apply({"params": params}, tokens), xla.apply({"params": params}, tokens),
-                             rtol=1e-5, atol=1e-5)
+  apply = lambda m: jax.jit(lambda p: m.apply({"params": p}, tokens))   # jitted: op by op took ~50 s
+  np.testing.assert_allclose(apply(chunked)(params), apply(xla)(params), rtol=1e-5, atol=1e-5)
   loss = lambda m: lambda p: m.apply({"params": p}, tokens[:, :-1], targets_BxL=tokens[:, 1:])
-  g_chunked, g_xla = jax.grad(loss(chunked))(params), jax.grad(loss(xla))(params)
+  g_chunked, g_xla = jax.jit(jax.grad(loss(chunked)))(params), jax.jit(jax.grad(loss(xla)))(params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_chunked, g_xla)
 
 

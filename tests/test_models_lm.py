@@ -222,7 +222,7 @@ class TestScanBlocks:
     assert jax.tree.structure(back) == jax.tree.structure(params)
     jax.tree.map(np.testing.assert_array_equal, back, params)
 
-  @pytest.mark.parametrize("remat", [False, True])
+  @pytest.mark.parametrize("remat", [pytest.param(False, marks=pytest.mark.slow), True])   # remat adds to the scan
   def test_scan_matches_the_unrolled_model(self, remat):
     config = TINY.replace(pattern="M*-M*-", bf16_last_blocks=0, remat=remat)
     model, params, tokens = _setup(config, length=13)

@@ -1,6 +1,4 @@
 """bench/scale.py: the train step compiled ahead of time on 8 simulated devices, and its HLO collective count."""
-import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,12 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "scale.py")
 
 
-@functools.cache   # once per process: the module defines absl flags
 def _load_scale():
-  spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)   # no __main__: XLA_FLAGS untouched
-  return module
+  """bench/scale.py as the module ``bench.scale`` (no __main__: XLA_FLAGS untouched). Imported under that one
+  name, as tests/test_train_config.py and bench/gpu_aot.py import it: it defines absl flags, and a second copy
+  of the module under another name would define them again (DuplicateFlagError in whichever test loads it
+  second in the process)."""
+  from bench import scale   # pylint: disable=import-outside-toplevel
+  return scale
 
 
 HLO = """\
