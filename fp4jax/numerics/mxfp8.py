@@ -35,11 +35,12 @@ class Mxfp8(NamedTuple):
 
 
 def e8m0_round_up(v_f32):
-  """The E8M0 byte of the smallest power of two >= v (v >= 0 finite): 0 for v <= 2^-127, at most 254."""
+  """The E8M0 byte of the smallest power of two >= v (v >= 0): 0 for v <= 2^-127, at most 254 (an
+  infinite v saturates to 254; frexp of inf is unspecified, so it is set explicitly)."""
   v_f32 = jnp.asarray(v_f32, jnp.float32)
   m, e = jnp.frexp(v_f32)                      # v = m·2^e, m in [0.5, 1)
   exp = jnp.where(m == 0.5, e - 1, e)          # an exact power of two keeps its exponent
-  byte = jnp.clip(exp + 127, 0, 254)
+  byte = jnp.where(jnp.isinf(v_f32), 254, jnp.clip(exp + 127, 0, 254))
   return jnp.where(v_f32 == 0, 0, byte).astype(jnp.uint8)
 
 
