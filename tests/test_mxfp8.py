@@ -314,3 +314,35 @@ def test_the_proof_covers_mxfp8_and_passes_on_the_cpu():
   assert entry["verdict"] in ("faster", "slower"), entry["summary"]
   cases = [c["case"] for c in entry["evidence"]["variants"][0]["cases"]]
   assert {"exact", "scales 2^-50", "scales 2^50", "nan scales"} <= set(cases)
+
+
+# ------------------------------------------------------------------------------------ training
+
+def _train_records(workdir):
+  import json   # pylint: disable=import-outside-toplevel
+  import os     # pylint: disable=import-outside-toplevel
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [r for r in map(json.loads, f) if r["kind"] == "train"]
+
+
+@pytest.mark.slow   # shrunken: 80 s on two loaded cores (mostly compiles); moe_tiny: minutes
+@pytest.mark.parametrize("config_name", ["shrunken", "moe_tiny"])
+def test_trains_on_the_cpu(config_name, tmp_path):
+  """The mxfp8 recipe trains: configs/tiny.py shrunken (24 steps) and configs/moe_tiny.py (its experts'
+  grouped GEMMs in MXFP8; 4 short steps), loss finite and, for the dense model, falling."""
+  from configs import moe_tiny, shrunken   # pylint: disable=import-outside-toplevel
+  from training import sharding, trainer   # pylint: disable=import-outside-toplevel
+  sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)
+  if config_name == "shrunken":
+    config = shrunken.shrunken_config(steps=24, recipe="mxfp8", **{"optim.lr": 1e-2, "log_every": 8})
+  else:
+    config = moe_tiny.get_config()
+    config.recipe, config.steps, config.batch_size, config.data.seq_len, config.log_every = "mxfp8", 4, 4, 64, 1
+    config.optim.warmup_steps, config.eval.every_steps, config.checkpoint.every_steps = 1, 0, 0
+  workdir = str(tmp_path / "run")
+  summary = trainer.train_and_evaluate(config, workdir)
+  train = _train_records(workdir)
+  assert summary["status"] == "done" and summary["nonfinite_steps"] == 0
+  assert all(r["recipe"] == "mxfp8" and np.isfinite(r["loss"]) for r in train), train
+  if config_name == "shrunken":
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5, train

@@ -12,9 +12,9 @@ with float32 accumulation (exact: E2M1 x E4M3 products fit bf16). ``scripts/gpu_
 rows that justify (or refute) an entry.
 
 On the user's GPU, the device's own verdict (``verdicts``, proved by ``fp4jax.proof`` the first time a
-process meets its device key) adds to that evidence: exact and faster there turns a kernel on, "differs",
-"error" or "slower" there turns it off (even a VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS
-choice; no verdict (FP4JAX_PROOF=off, no GPU, budget spent) leaves the recorded evidence in charge.
+process meets its device key) adds to that evidence: exact and faster there turns a kernel (or an
+off-by-default native GEMM, MXFP8's) on, "differs", "error" or "slower" there turns it off (even a
+VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS choice; no verdict (FP4JAX_PROOF=off, no GPU, budget spent) leaves the recorded evidence in charge.
 FP4JAX_DEFAULT_IMPL still wins over both.
 """
 from __future__ import annotations
