@@ -237,7 +237,8 @@ def _grouped_operands(seed, e, rows):
           jnp.asarray(operand((s, 32))), jnp.asarray(sizes, jnp.int32))
 
 
-@pytest.mark.parametrize("tiling", ["one tile", "tiles of 96 rows"])
+@pytest.mark.parametrize("tiling", [pytest.param("one tile", marks=pytest.mark.slow),
+                                    "tiles of 96 rows"])   # tiles of 96: S = 256 rows padded to 288
 def test_grouped_dot_native_equals_xla(tiling, monkeypatch):
   """y, dx, dw of grouped_dot(recipe="mxfp8") with the grouped GEMMs native (the work items of
   fp4jax.native: the tokens padded to whole tiles, MXFP8's pad scale byte 0, rows outside an item masked
