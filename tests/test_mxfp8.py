@@ -218,6 +218,22 @@ def test_dot_value_and_grad_native_equals_xla(monkeypatch):
     np.testing.assert_array_equal(_raw(g), _raw(w_))
 
 
+def test_flax_dense_is_the_dot():
+  """A linen nn.Dense with fp4jax.flax.dot_general_cls("mxfp8") gives fp4jax.dot's y and gradients bit for
+  bit (no rng stream: nearest rounding everywhere)."""
+  import flax.linen as nn   # pylint: disable=import-outside-toplevel
+  from fp4jax.flax import dot_general_cls   # pylint: disable=import-outside-toplevel
+  x, w, dy = map(jnp.asarray, _exact_operands())
+  model = nn.Dense(w.shape[1], use_bias=False, dot_general_cls=dot_general_cls("mxfp8"))
+  params = {"params": {"kernel": w}}
+  y, vjp = jax.vjp(lambda p, x: model.apply(p, x), params, x)
+  g_params, g_x = vjp(dy)
+  y_ref, vjp_ref = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe="mxfp8"), x, w)
+  g_x_ref, g_w_ref = vjp_ref(dy)
+  for got, want in ((y, y_ref), (g_x, g_x_ref), (g_params["params"]["kernel"], g_w_ref)):
+    np.testing.assert_array_equal(_raw(got), _raw(want))
+
+
 # ------------------------------------------------------------------------------------ grouped (MoE experts)
 
 def _grouped_operands(seed, e, rows):
