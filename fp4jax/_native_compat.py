@@ -43,14 +43,15 @@ def to_float4(codes_u8):
 
 
 def block_scaled_matmul(a, b, a_scales, b_scales):
-  """float32 (M, N) = Σ_k a[m, k]·a_scales[m, k/16] · b[n, k]·b_scales[n, k/16] on the hardware's
-  block-scaled GEMM: a (M, K), b (N, K) float4_e2m1fn, scales (M, K/16), (N, K/16) float8_e4m3fn."""
+  """float32 (M, N) = Σ_k a[m, k]·a_scales[m, k/blk] · b[n, k]·b_scales[n, k/blk] on the hardware's
+  block-scaled GEMM: NVFP4, a (M, K), b (N, K) float4_e2m1fn with float8_e4m3fn scales (M, K/16), (N, K/16);
+  or MXFP8, float8_e4m3fn with float8_e8m0fnu scales (M, K/32), (N, K/32)."""
   return batched_block_scaled_matmul(a[None], b[None], a_scales[None], b_scales[None])[0]
 
 
 def batched_block_scaled_matmul(a, b, a_scales, b_scales):
   """float32 (B, M, N): ``block_scaled_matmul`` of each pair along the batch axis B (one batched
-  block-scaled GEMM): a (B, M, K), b (B, N, K), scales (B, M, K/16), (B, N, K/16).
+  block-scaled GEMM): a (B, M, K), b (B, N, K), scales (B, M, K/blk), (B, N, K/blk).
 
   Inside ``shard_map``, jax 0.10.2's ``scaled_matmul`` types its result as varying over no mesh axis whatever
   its operands vary over (its twin's ``dot_general`` keeps their axes, and ``lax.platform_dependent`` refuses

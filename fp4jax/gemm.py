@@ -14,7 +14,7 @@ impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
               4/6, MS-EDEN, DBQ, MXFP8 and row-scaled nvfp4 (the factor per output row): here
               (MXFP8's dequantized values in float32 on the CPU, in bf16 on a GPU target: ``mxfp8.gemm``)
   "pallas"  the Triton kernels (nvfp4 with bound 448, mxfp4: ``formats.KERNEL_FORMATS``)
-  "native"  the hardware's block-scaled GEMM (``fp4jax.native``: nvfp4, 4/6, MS-EDEN, DBQ; on CUDA
+  "native"  the hardware's block-scaled GEMM (``fp4jax.native``: nvfp4, 4/6, MS-EDEN, DBQ, MXFP8; on CUDA
             ``jax.nn.scaled_matmul``, cuDNN on sm_100; its exact twin elsewhere)
   None      the default: "native" for those formats on a GPU of compute capability 10.x
             (``primitives.impl.default_gemm_backend``); else the verified default of

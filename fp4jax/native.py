@@ -1,23 +1,34 @@
-"""The native GEMM: a pair of NVFP4-family QTensors on the hardware's block-scaled tensor cores.
+"""The native GEMM: a pair of block-scaled QTensors on the hardware's block-scaled tensor cores.
 
-``fp4jax.gemm.matmul(a, b, impl="native")`` lands here (and impl=None on a GPU of compute
-capability 10.x, ``fp4jax.primitives.impl.default_gemm_backend``). Three steps:
+``fp4jax.gemm.matmul(a, b, impl="native")`` lands here (and impl=None on a GPU of compute capability 10.x
+for the formats ``fp4jax.primitives.impl.default_gemm_backend`` turns on there). Two families:
 
-1. ``operand(q)``: a (R, K) QTensor quantized along K becomes the block-scaled layout: its E2M1 codes
-   as float4_e2m1fn (R, K), and its E4M3 scales per 1x16 along K, (R, K/16). A 16x16-tiled weight's
-   scale is repeated over the tile's 16 rows (the same product e2m1·s for every element); the dgrad
-   weight is the fprop tiles transposed (``fp4jax.transpose_tiles``: codes and scales only), and the
-   RHT'd, stochastically rounded wgrad operands are taken as they are (quantized along the tokens,
-   which is the GEMM's K). No value is re-rounded: every e2m1·s is the QTensor's own.
-2. ``block_scaled_matmul``: Σ_k (e2m1·s)_a (e2m1·s)_b in float32, ``jax.nn.scaled_matmul`` on CUDA
-   (cuDNN's ``__cudnn$blockScaledDot`` on sm_100). Elsewhere (the CPU) its twin: the same products,
-   exact in bfloat16, one bf16 GEMM with float32 accumulation, which is the XLA path's GEMM.
+  NVFP4 (nvfp4, nvfp4_eden, nvfp4_dbq)  values float4_e2m1fn, scales float8_e4m3fn per 1x16 along K
+  MXFP8 (mxfp8)                         values float8_e4m3fn, scales float8_e8m0fnu per 1x32 along K
+
+Three steps:
+
+1. ``operand(q)``: a (R, K) QTensor quantized along K becomes the block-scaled layout: its values (R, K)
+   and its scales (R, K/blk), row-major, as the QTensor holds them. NVFP4: the E2M1 codes as
+   float4_e2m1fn; a 16x16-tiled weight's scale is repeated over the tile's 16 rows (the same product
+   e2m1·s for every element); the dgrad weight is the fprop tiles transposed (``fp4jax.transpose_tiles``:
+   codes and scales only), and the RHT'd, stochastically rounded wgrad operands are taken as they are
+   (quantized along the tokens, which is the GEMM's K). MXFP8: the E4M3 elements and E8M0 scale bytes as
+   they are; each GEMM's operands are quantized along its own contraction (``recipes.mxfp8``: x and w
+   along K for fprop, dy and w along N for dgrad, xᵀ and dyᵀ along the tokens for wgrad). No value is
+   re-rounded: every element·scale is the QTensor's own. The scales go to the GEMM row-major; XLA's
+   block-scaled-dot rewrite pads them to the tensor cores' tiles and swizzles them itself
+   (``fp4jax._native_compat``).
+2. ``block_scaled_matmul``: Σ_k (v·s)_a (v·s)_b in float32, ``jax.nn.scaled_matmul`` on CUDA (cuDNN's
+   ``__cudnn$blockScaledDot`` on sm_100, for both families). Elsewhere (the CPU) its twin, the XLA path's
+   GEMM: NVFP4's exact products in bfloat16, one bf16 GEMM with float32 accumulation; MXFP8's exact
+   dequantized values (``numerics.mxfp8.dequantize``) in one float32 GEMM (``numerics.mxfp8.gemm``).
 3. The format's second level on the float32 result, ``fp4jax.epilogue`` (the one the XLA path
    applies): nvfp4's tensor factor (bound 448; per output row for a row-scaled a), 4/6's, MS-EDEN
    s_dec_a·s_dec_b, and DBQ (TetraJet-v2) one block-scaled GEMM per 128-chunk of K, each rescaled by
    its outer scales outer_a[m, c]·outer_b[n, c] and summed in order (``dbq.chunked_gemm``): the outer scale varies
    along both M and N within a chunk, so it fits neither the E4M3 block scale (not exact) nor one
-   epilogue factor (not separable).
+   epilogue factor (not separable). MXFP8 has no second level.
 
 The products are exact in hardware and in the twin, so the result equals the XLA path up to the
 order of the float32 sums (bit for bit on the CPU, where the twin is the XLA path's GEMM).
@@ -26,8 +37,9 @@ The grouped GEMM of the MoE experts (``fp4jax.gemm.grouped_matmul(_t)``, impl="n
 and 2 on work items: ``grouped_rows`` / ``grouped_tokens`` at the bottom (the section's note says how).
 
 Not native: MXFP4 (jax 0.10.2's XLA does not take E2M1 with E8M0 scales per 32 into cuDNN on sm_100:
-it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path), MXFP8
-and per-tensor/128-block FP8 (not FP4). ``matmul`` raises for them, naming impl="xla".
+it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path) and
+per-tensor/128-block FP8 (float32 scales, no block-scaled GEMM takes them). ``matmul`` raises for them,
+naming impl="xla".
 """
 from __future__ import annotations
 
@@ -39,31 +51,44 @@ from jax import lax
 
 from fp4jax import _native_compat as nc
 from fp4jax import epilogue, reference, tiles
-from fp4jax.numerics import dbq
+from fp4jax.numerics import dbq, mxfp8
 from fp4jax.qtensor import QTensor, validate
 
-FORMATS = ("nvfp4", "nvfp4_eden", "nvfp4_dbq")   # the formats with E2M1 codes and E4M3 scales per 16
-BLOCK = 16
+NVFP4_FORMATS = ("nvfp4", "nvfp4_eden", "nvfp4_dbq")   # E2M1 codes, E4M3 scales per 16
+MX_FORMATS = ("mxfp8",)                                 # E4M3 elements, E8M0 scales per 32
+FORMATS = NVFP4_FORMATS + MX_FORMATS
+BLOCK = 16        # NVFP4's block (MXFP8's: mxfp8.BLOCK, 32)
 
 
 class Operand(NamedTuple):
-  """One operand of the block-scaled GEMM: values float4_e2m1fn (R, K), scales float8_e4m3fn (R, K/16)."""
+  """One operand of the block-scaled GEMM: values (R, K) and scales (R, K/blk), row-major. NVFP4:
+  float4_e2m1fn (uint8 codes 0..15 before ``as_native``) with float8_e4m3fn per 16; MXFP8: float8_e4m3fn
+  with float8_e8m0fnu per 32. Leading batch axes allowed."""
   values: object
   scales: object
+
+  @property
+  def mx(self) -> bool:
+    """Whether this is an MXFP8 operand (E8M0 scales)."""
+    return self.scales.dtype == jnp.float8_e8m0fnu
+
+  @property
+  def block(self) -> int:
+    return mxfp8.BLOCK if self.mx else BLOCK
 
 
 def _check_format(a: QTensor):
   if a.fmt not in FORMATS:
     why = {"mxfp4": "this jax's XLA compiles E2M1 with E8M0 scales per 32 to a float32 dequantize and "
                     "a float32 GEMM on sm_100, not the block-scaled tensor cores",
-           "mxfp8": "it is an FP8 format (its native GEMM is not built)",
-           "fp8": "it is an FP8 format"}.get(a.fmt, "it is not an E2M1/E4M3 format")
+           "fp8": "its scales are float32 per 128 elements, which no block-scaled GEMM takes"
+           }.get(a.fmt, "it is not a block-scaled format")
     raise ValueError(f"impl='native' takes {FORMATS}; fmt={a.fmt!r} has no native GEMM here ({why}); "
                      "use impl='xla'")
 
 
 def check(a: QTensor, b: QTensor, *, ndim: int = 2, where: str = "fp4jax.native.matmul"):
-  """Raise ValueError unless the pair can run natively: one NVFP4-family format, ``ndim``-D (a leading
+  """Raise ValueError unless the pair can run natively: one format of ``FORMATS``, ``ndim``-D (a leading
   chunk or group axis for the grouped GEMM), along K."""
   _check_format(a)
   for name, q in (("lhs", a), ("rhs", b)):
@@ -85,46 +110,64 @@ def _row_scaled(q: QTensor) -> bool:
 
 
 def codes_operand(q: QTensor) -> Operand:
-  """``operand`` with the E2M1 codes still uint8 (0..15): what the grouped GEMM gathers and masks."""
+  """``operand`` with NVFP4's E2M1 codes still uint8 (0..15): what the grouped GEMM gathers and masks.
+  MXFP8's elements are float8_e4m3fn already."""
+  if q.fmt in MX_FORMATS:
+    return Operand(q.data, q.scale)
   scales = q.scale
   if q.tile is not None:   # one scale per 16x16 tile: the same scale for each of its 16 rows
     scales = jnp.repeat(scales, q.tile[0], axis=-2)
   return Operand(reference.codes_of(q), scales)
 
 
-def as_float4(op: Operand) -> Operand:
+def as_native(op: Operand) -> Operand:
+  """The GEMM's dtypes: uint8 E2M1 codes as float4_e2m1fn (bit for bit); MXFP8's values as they are."""
+  if op.values.dtype != jnp.uint8:
+    return op
   return Operand(nc.to_float4(op.values), op.scales)
+
+
+as_float4 = as_native   # former name
 
 
 def operand(q: QTensor) -> Operand:
   """The block-scaled layout of a QTensor quantized along its last axis (module docstring, 1)."""
-  return as_float4(codes_operand(q))
+  return as_native(codes_operand(q))
 
 
 def decode(op: Operand):
-  """The float32 block products e2m1·s of an operand (R, K) (exact; the twin GEMM's inputs)."""
+  """The float32 block products v·s of an operand (R, K) (exact; the twin GEMM's inputs). MXFP8:
+  ``numerics.mxfp8.dequantize``, the XLA path's values."""
+  if op.mx:
+    return mxfp8.dequantize(mxfp8.Mxfp8(op.values, lax.bitcast_convert_type(op.scales, jnp.uint8)))
   vals = op.values.astype(jnp.float32)
   return vals * jnp.repeat(op.scales.astype(jnp.float32), BLOCK, axis=-1)
 
 
+def _twin_operands(a_vals, b_vals, a_scales, b_scales):
+  """The twin GEMM's operands: NVFP4's exact products in bf16; MXFP8's values in float32 (the XLA path's
+  CPU GEMM, ``numerics.mxfp8.gemm``)."""
+  a, b = Operand(a_vals, a_scales), Operand(b_vals, b_scales)
+  dtype = jnp.float32 if a.mx else jnp.bfloat16
+  return decode(a).astype(dtype), decode(b).astype(dtype)
+
+
 def _twin(a_vals, b_vals, a_scales, b_scales):
-  """The block-scaled GEMM off the GPU: the exact products in bf16, float32 accumulation."""
-  a16 = decode(Operand(a_vals, a_scales)).astype(jnp.bfloat16)
-  b16 = decode(Operand(b_vals, b_scales)).astype(jnp.bfloat16)
-  return lax.dot_general(a16, b16, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+  """The block-scaled GEMM off the GPU: the exact products, float32 accumulation."""
+  a_, b_ = _twin_operands(a_vals, b_vals, a_scales, b_scales)
+  return lax.dot_general(a_, b_, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                          precision=lax.Precision.HIGHEST)
 
 
 def _twin_batched(a_vals, b_vals, a_scales, b_scales):
   """The batched block-scaled GEMM off the GPU: (B, M, K) · (B, N, K) -> (B, M, N), as ``_twin``."""
-  a16 = decode(Operand(a_vals, a_scales)).astype(jnp.bfloat16)
-  b16 = decode(Operand(b_vals, b_scales)).astype(jnp.bfloat16)
-  return lax.dot_general(a16, b16, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32,
+  a_, b_ = _twin_operands(a_vals, b_vals, a_scales, b_scales)
+  return lax.dot_general(a_, b_, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32,
                          precision=lax.Precision.HIGHEST)
 
 
 def block_scaled_matmul(a: Operand, b: Operand):
-  """float32 (M, N) = Σ_k (e2m1·s)_a[m, k] (e2m1·s)_b[n, k]: the hardware's on CUDA, the twin elsewhere."""
+  """float32 (M, N) = Σ_k (v·s)_a[m, k] (v·s)_b[n, k]: the hardware's on CUDA, the twin elsewhere."""
   return lax.platform_dependent(a.values, b.values, a.scales, b.scales,
                                 cuda=nc.block_scaled_matmul, default=_twin)
 
@@ -181,9 +224,16 @@ def grouped_tile(s: int, n_groups: int, rows: int, tiling: Tiling | None = None)
 
 
 def _pad_rows(op: Operand, s: int, axis: int) -> Operand:
-  """op with its rows (values along ``axis``) zero-padded to s."""
-  per = 1 if axis == 0 else BLOCK
-  return Operand(tiles.pad_rows(op.values, s, axis), tiles.pad_rows(op.scales, s // per, axis))
+  """op with its rows (values along ``axis``) zero-padded to s; MXFP8's scales with byte 0 (a float 0
+  cast to float8_e8m0fnu is its NaN byte 0xFF, which would poison the zero rows' products)."""
+  per = 1 if axis == 0 else op.block
+  scales = op.scales
+  if op.mx:
+    raw = tiles.pad_rows(lax.bitcast_convert_type(scales, jnp.uint8), s // per, axis)
+    scales = lax.bitcast_convert_type(raw, scales.dtype)
+  else:
+    scales = tiles.pad_rows(scales, s // per, axis)
+  return Operand(tiles.pad_rows(op.values, s, axis), scales)
 
 
 def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
@@ -199,16 +249,16 @@ def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
   else:
     tiles_a = Operand(*(t.reshape(n_t, tile, -1)[it.tile] for t in a))
     tiles_b = Operand(*(t[it.group] for t in b))
-  out_WxTxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
+  out_WxTxN = batched_block_scaled_matmul(as_native(tiles_a), as_native(tiles_b))
   return tiles.pick_rows(out_WxTxN, it, sizes_E, s, tile)
 
 
 def grouped_tokens(a: Operand, b: Operand, sizes_E, tile: int):
   """float32 (E, K, N): per group e, a's columns of e (K, size_e) times b's (N, size_e)ᵀ; a (K, S),
   b (N, S) quantized along the S sorted rows (the contraction; wgrad). The items' rows outside their
-  piece are masked by zero block scales (every piece boundary is a multiple of the 16-row block); a
-  group's items are summed in order (``jax.ops.segment_sum`` on sorted indices; one item per group
-  when T = S)."""
+  piece are masked: NVFP4 by zero block scales (every piece boundary is a multiple of the 16-row
+  block), MXFP8 by zero elements (E8M0 has no zero; its smallest scale is 2^-127). A group's items are
+  summed in order (``jax.ops.segment_sum`` on sorted indices; one item per group when T = S)."""
   s, n_g = a.values.shape[-1], sizes_E.shape[0]
   s_pad = -(-s // tile) * tile
   a, b = _pad_rows(a, s_pad, 1), _pad_rows(b, s_pad, 1)
@@ -219,9 +269,15 @@ def grouped_tokens(a: Operand, b: Operand, sizes_E, tile: int):
     pick = lambda t, per: jnp.broadcast_to(split(t, per), (n_g, t.shape[0], tile // per))
   else:
     pick = lambda t, per: split(t, per)[it.tile]
-  keep_WxB = tiles.keep_rows(it, tile, BLOCK)
-  scales_a = jnp.where(keep_WxB[:, None, :], pick(a.scales, BLOCK), jnp.zeros((), a.scales.dtype))
-  tiles_a = Operand(pick(a.values, 1), scales_a)
-  tiles_b = Operand(pick(b.values, 1), pick(b.scales, BLOCK))
-  part_WxKxN = batched_block_scaled_matmul(as_float4(tiles_a), as_float4(tiles_b))
+  blk = a.block
+  values_a, scales_a = pick(a.values, 1), pick(a.scales, blk)
+  if a.mx:
+    keep_WxT = tiles.keep_rows(it, tile)
+    values_a = jnp.where(keep_WxT[:, None, :], values_a, jnp.zeros((), values_a.dtype))
+  else:
+    keep_WxB = tiles.keep_rows(it, tile, blk)
+    scales_a = jnp.where(keep_WxB[:, None, :], scales_a, jnp.zeros((), scales_a.dtype))
+  tiles_a = Operand(values_a, scales_a)
+  tiles_b = Operand(pick(b.values, 1), pick(b.scales, blk))
+  part_WxKxN = batched_block_scaled_matmul(as_native(tiles_a), as_native(tiles_b))
   return tiles.sum_groups(part_WxKxN, it, n_g, n_t)

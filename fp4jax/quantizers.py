@@ -53,7 +53,7 @@ class Quantizer:
   four_over_six: tuple[int, str] | None = None   # (bound, metric): NVFP4 with 4/6 block scales
   rht_size: int | None = None           # a fixed Hadamard transform along the quantized axis
   rht_seed: int | None = None           # its signs: None, the spec's fixed vector (size 16)
-  scale_rule: str = "rceil"             # MXFP4's E8M0 rule
+  scale_rule: str = "rceil"             # MXFP4's and MXFP8's E8M0 rule
   eden_group: int = 128                 # MS-EDEN's correction group
   row_scaled: bool = False              # nvfp4: one tensor amax per row (R,) instead of one per tensor
   sr_bits: str = random_bits.JAX        # stochastic rounding's bits: "jax" (jax.random.bits) or "packed"
@@ -189,7 +189,7 @@ class Quantizer:
       q = dbq.quantize(t32, bits=bits)
       return QTensor(e2m1.pack(q.codes), q.scale, None, fmt, -1, block, None, t.dtype, scale2=q.outer)
     if fmt == "mxfp8":
-      q = mxfp8.quantize(t32)
+      q = mxfp8.quantize(t32, self.scale_rule)
       scale = lax.bitcast_convert_type(q.scale, jnp.float8_e8m0fnu)
       return QTensor(q.data, scale, None, fmt, -1, block, None, t.dtype)
     raise ValueError(f"no quantizer for fmt={fmt!r}")

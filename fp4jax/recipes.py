@@ -134,8 +134,11 @@ def fp8(**overrides) -> Recipe:
 
 def mxfp8(**overrides) -> Recipe:
   """MXFP8 (OCP MX v1.0 elements and blocks, TE's MXFP8 recipe): E4M3 elements with one E8M0 scale per 32
-  along each GEMM's contraction, the scale amax_32/448 rounded up to a power of two; every operand quantized
-  in the orientation its GEMM reads (no transposed reuse), nearest even, no RHT (docs/NUMERICS.md)."""
+  along each GEMM's contraction, the scale amax_32/448 rounded up to a power of two (``numerics.mxfp8``'s
+  "rceil"; its "floor" is OCP's conversion); every operand quantized in the orientation its GEMM reads (no
+  transposed reuse), nearest even, no RHT (docs/NUMERICS.md, "MXFP8"). Its GEMMs, dense and grouped, run on
+  Blackwell's block-scaled tensor cores with impl="native" (``fp4jax.native``; impl=None once this device's
+  proof turns it on)."""
   base = dict(fprop="mxfp8", dgrad="mxfp8", wgrad="mxfp8", weight_2d=False, stochastic_grad=False, rht=False,
               name="mxfp8")
   return Recipe(**{**base, **overrides})

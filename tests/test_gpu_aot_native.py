@@ -59,16 +59,19 @@ print(json.dumps(dict(gemms=out, block_scaled_calls=text.count(TARGET), seconds=
 '''
 
 
-def _compile(recipes, timeout=900):
+def _compile(recipes, timeout=900, impl=None):
   code = (_PROGRAM.replace("ROOT", repr(ROOT)).replace("RECIPES", repr(list(recipes)))
           .replace("SHAPE", repr(SHAPE)).replace("TARGET", repr(nc.BLOCK_SCALED_TARGET)))
-  return _run_report(code, timeout)
+  return _run_report(code, timeout, impl)
 
 
-def _run_report(code: str, timeout: int) -> dict:
-  """Runs a deviceless program (the target decides every impl) and returns the JSON of its last line."""
+def _run_report(code: str, timeout: int, impl: str | None = None) -> dict:
+  """Runs a deviceless program (the target decides every impl, or FP4JAX_DEFAULT_IMPL=``impl``) and
+  returns the JSON of its last line."""
   env = _platform.deviceless_env()
   env.pop("FP4JAX_DEFAULT_IMPL", None)   # the target decides
+  if impl is not None:
+    env["FP4JAX_DEFAULT_IMPL"] = impl
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=timeout, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -90,7 +93,7 @@ def _quantized_gemms(recipe):
 
 NVFP4_PRESETS = [r for r in fp4jax.recipes.NAMES
                  if _quantized_gemms(r) and all(
-                     q.fmt in native.FORMATS for q in (fp4jax.recipes.get(r).roles.fprop_x,
+                     q.fmt in native.NVFP4_FORMATS for q in (fp4jax.recipes.get(r).roles.fprop_x,
                                                        fp4jax.recipes.get(r).roles.dgrad_dy) if q is not None)]
 
 
@@ -120,6 +123,31 @@ def test_every_nvfp4_preset_dot_is_three_block_scaled_gemms(presets):
     total += sum(n for key, n in want.items() if key.startswith(f4))
   assert report["block_scaled_calls"] == total
   assert set(report["gemms"]) == set(presets)   # no GEMM outside a preset's scope
+
+
+_MXFP8 = _PROGRAM.replace("print(json.dumps(dict(gemms=out,", """swizzles = re.findall(
+    r"f8e8m0fnu\\[1,(\\d+),(\\d+),32,4,4\\]\\S* transpose\\(\\S+\\), dimensions=\\{0,1,4,3,2,5\\}", text)
+print(json.dumps(dict(gemms=out, swizzles=swizzles,""")
+
+
+@needs_plugin
+@pytest.mark.slow   # about 15 s (imports and a 3 s compile)
+def test_mxfp8_dot_is_three_block_scaled_fp8_gemms():
+  """value_and_grad(fp4jax.dot, recipe="mxfp8") for a B200 with the native GEMM on (FP4JAX_DEFAULT_IMPL=
+  native: it is off until a device proves it): fprop, dgrad and wgrad are each one cuDNN block-scaled GEMM
+  of float8_e4m3fn operands (E8M0 scales per 32), no other GEMM runs, and XLA swizzles each of the six
+  row-major (R, K/32) scale operands into the tensor cores' 128x4 tiles: (R/128, 4, 32, K/128, 4) ->
+  (R/128, K/128, 32, 4, 4), one transpose each (docs/KERNELS.md, "Native MXFP8")."""
+  code = (_MXFP8.replace("ROOT", repr(ROOT)).replace("RECIPES", repr(["mxfp8"]))
+          .replace("SHAPE", repr(SHAPE)).replace("TARGET", repr(nc.BLOCK_SCALED_TARGET)))
+  report = _run_report(code, 900, impl="native")
+  f8 = "f8e4m3fnxf8e4m3fn"
+  assert report["gemms"] == {"mxfp8": {f"{f8} fprop": 1, f"{f8} dgrad": 1, f"{f8} wgrad": 1}}, report["gemms"]
+  assert report["block_scaled_calls"] == 3
+  m, k, n = SHAPE
+  rows = {"fprop": (m, n, k), "dgrad": (m, k, n), "wgrad": (k, n, m)}   # (lhs R, rhs R, K) per GEMM
+  want = sorted((str(-(-r // 128)), str(-(-kk // 128))) for a, b, kk in rows.values() for r in (a, b))
+  assert sorted(map(tuple, report["swizzles"])) == want, report["swizzles"]
 
 
 _STEP = r'''

@@ -12,9 +12,9 @@ with float32 accumulation (exact: E2M1 x E4M3 products fit bf16). ``scripts/gpu_
 rows that justify (or refute) an entry.
 
 On the user's GPU, the device's own verdict (``verdicts``, proved by ``fp4jax.proof`` the first time a
-process meets its device key) adds to that evidence: exact and faster there turns a kernel on, "differs",
-"error" or "slower" there turns it off (even a VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS
-choice; no verdict (FP4JAX_PROOF=off, no GPU, budget spent) leaves the recorded evidence in charge.
+process meets its device key) adds to that evidence: exact and faster there turns a kernel (or an
+off-by-default native GEMM, MXFP8's) on, "differs", "error" or "slower" there turns it off (even a
+VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS choice; no verdict (FP4JAX_PROOF=off, no GPU, budget spent) leaves the recorded evidence in charge.
 FP4JAX_DEFAULT_IMPL still wins over both.
 """
 from __future__ import annotations
@@ -64,11 +64,13 @@ class NativeChoice:
 NATIVE_MAJOR = 10   # datacenter Blackwell (B200/GB200 sm_100, B300 sm_103); not 12.x (consumer Blackwell)
 _NO_DEVICE_RUN = ("no device run yet: gpu_check.py's native rows on a B200 (result vs the XLA path, "
                   "expected equal up to float32 summation order; time vs the bf16 GEMM) confirm or revoke it")
-# fmt -> the choice. Chosen without a device run, on the issue's decision (the native FP4 GEMM is why
+# fmt -> the choice. default True: chosen without a device run, on the issue's decision (the native FP4 GEMM is why
 # FP4 training exists) and on recorded compiles: deviceless sm_100 compiles put every GEMM of these
 # formats on __cudnn$blockScaledDot (tests/test_gpu_aot_native.py), and the cost model predicts it
 # faster than the XLA path it replaces (docs/PERF.md, "Native FP4 GEMMs on Blackwell, by recipe"; still not faster than the bf16
-# recipe at the dot or step level, because of the quantize passes). sm_12x is excluded until a device run shows
+# recipe at the dot or step level, because of the quantize passes); a device verdict of "differs",
+# "error" or "slower" revokes it. default False: off until this device's proof (``fp4jax.proof``,
+# "native_gemm/<fmt>") finds it exact and faster. sm_12x is excluded until a device run shows
 # it exact (Transformer Engine reported all-zero gradients there).
 NATIVE_DEFAULTS: dict[str, NativeChoice] = {
     "nvfp4": NativeChoice(True, "deviceless sm_100 compiles (every GEMM block-scaled); B200 cost model: "
@@ -81,6 +83,10 @@ NATIVE_DEFAULTS: dict[str, NativeChoice] = {
                               "23.4 ms XLA path (both memory-bound on the partials; bf16 1.8 ms)",
                               _NO_DEVICE_RUN + "; a fused kernel rescaling its accumulator per K-chunk "
                               "would remove the partials"),
+    "mxfp8": NativeChoice(False, "deviceless sm_100 compiles put every MXFP8 GEMM on __cudnn$blockScaledDot "
+                          "(tests/test_gpu_aot_native.py); off until a device proves it",
+                          "the on-device proof native_gemm/mxfp8 (python -m fp4jax.proof --op native_gemm "
+                          "--fmt mxfp8 on a B200): exact against the XLA path and faster turns it on"),
 }
 
 
@@ -92,42 +98,52 @@ def native_device(capability: tuple[int, int] | None = None, *,
   return cc is not None and cc[0] == NATIVE_MAJOR
 
 
+def _native(choice: NativeChoice | None, fmt: str, capability, target) -> str | None:
+  """"native" or None for one table's ``choice``: FP4JAX_DEFAULT_IMPL=native forces it wherever a choice
+  exists, =xla/=pallas never pick it; else on compute capability 10.x this device's verdict for
+  native_gemm/<fmt> decides ("faster" on, anything else off), and without one the choice's default."""
+  forced = _forced()
+  if choice is None or (forced and forced != "native"):
+    return None
+  if forced == "native":
+    return "native"
+  if not native_device(capability, target=target):
+    return None
+  proved = _device_verdict(verdicts.NATIVE_OP, fmt, target)   # None: no verdict (a deviceless compile)
+  return "native" if (choice.default if proved is None else proved) else None
+
+
 def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
                          target: target_lib.Target | None = None) -> str | None:
-  """What ``fp4jax.gemm.scaled_matmul(backend=None)`` runs for ``fmt``: "native" where NATIVE_DEFAULTS
-  chooses it and the program's devices (``target``, default ``fp4jax.target.current()``) have compute
-  capability 10.x, or everywhere the native GEMM exists when FP4JAX_DEFAULT_IMPL=native; None otherwise
-  (the primitives' default, ``default_impl``). FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
-  forced = _forced()
-  if forced == "native":
-    return "native" if fmt in NATIVE_DEFAULTS else None
-  if forced:
-    return None
-  choice = NATIVE_DEFAULTS.get(fmt)
-  if choice is None or not choice.default or not native_device(capability, target=target):
-    return None   # an on-device verdict only revokes: "differs" / "slower" there runs the XLA path
-  return None if _device_verdict(verdicts.NATIVE_OP, fmt, target) is False else "native"
+  """What ``fp4jax.gemm.scaled_matmul(backend=None)`` runs for ``fmt``: "native" where the program's devices
+  (``target``, default ``fp4jax.target.current()``) have compute capability 10.x and NATIVE_DEFAULTS
+  chooses it (a default-on format unless this device's proof revokes it; a default-off one once this
+  device's proof finds it exact and faster), or everywhere the native GEMM exists when
+  FP4JAX_DEFAULT_IMPL=native; None otherwise (the primitives' default, ``default_impl``).
+  FP4JAX_DEFAULT_IMPL=xla or =pallas never picks native."""
+  return _native(NATIVE_DEFAULTS.get(fmt), fmt, capability, target)
 
 
 # fmt -> the grouped GEMM's choice (``fp4jax.gemm.grouped_matmul`` / ``grouped_matmul_t``, the MoE experts'
-# GEMMs): the native work-item GEMM of ``fp4jax.native.grouped_rows`` / ``grouped_tokens`` where the dense
-# GEMM's default is native. Chosen on deviceless sm_100 compiles (tests/test_gpu_aot_native.py: every
-# expert GEMM of a moe_tiny step block-scaled) and the B200 cost model (docs/PERF.md, "The native grouped GEMM's tiling").
+# GEMMs): the native work-item GEMM of ``fp4jax.native.grouped_rows`` / ``grouped_tokens``, decided as the
+# dense GEMM's (the same device verdict, native_gemm/<fmt>). Chosen on deviceless sm_100 compiles
+# (tests/test_gpu_aot_native.py: every expert GEMM of a moe_tiny step block-scaled) and the B200 cost model
+# (docs/PERF.md, "The native grouped GEMM's tiling"); mxfp8 off until the device's proof turns it on.
 NATIVE_GROUPED_DEFAULTS: dict[str, NativeChoice] = {
-    fmt: NativeChoice(True, "deviceless sm_100 compiles of the grouped GEMM (fprop, dgrad, wgrad block-"
-                      "scaled); B200 cost model in docs/PERF.md, 'The native grouped GEMM's tiling'", _NO_DEVICE_RUN)
-    for fmt in ("nvfp4", "nvfp4_eden", "nvfp4_dbq")}
+    **{fmt: NativeChoice(True, "deviceless sm_100 compiles of the grouped GEMM (fprop, dgrad, wgrad block-"
+                         "scaled); B200 cost model in docs/PERF.md, 'The native grouped GEMM's tiling'", _NO_DEVICE_RUN)
+       for fmt in ("nvfp4", "nvfp4_eden", "nvfp4_dbq")},
+    "mxfp8": NativeChoice(False, "deviceless sm_100 compiles of the grouped GEMM (fprop, dgrad, wgrad "
+                          "block-scaled MXFP8)", NATIVE_DEFAULTS["mxfp8"].missing),
+}
 
 
 def default_grouped_backend(fmt: str, *, capability: tuple[int, int] | None = None,
                             target: target_lib.Target | None = None) -> str | None:
-  """What the grouped GEMM runs for impl=None: "native" where NATIVE_GROUPED_DEFAULTS chooses it and
-  ``default_gemm_backend`` picks "native" for the program's devices (compute capability 10.x, or
-  FP4JAX_DEFAULT_IMPL=native; revoked by the same device verdict); None otherwise (the XLA path)."""
-  choice = NATIVE_GROUPED_DEFAULTS.get(fmt)
-  if choice is None or not choice.default:
-    return None
-  return default_gemm_backend(fmt, capability=capability, target=target)
+  """What the grouped GEMM runs for impl=None: "native" where NATIVE_GROUPED_DEFAULTS chooses it for the
+  program's devices, decided as ``default_gemm_backend`` decides (compute capability 10.x, the same device
+  verdict, FP4JAX_DEFAULT_IMPL); None otherwise (the XLA path)."""
+  return _native(NATIVE_GROUPED_DEFAULTS.get(fmt), fmt, capability, target)
 
 
 def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None,

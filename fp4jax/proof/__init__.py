@@ -158,6 +158,8 @@ VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
         Quantizer("nvfp4_eden"), Quantizer("nvfp4_eden"))),),
     ("native_gemm", "nvfp4_dbq"): (Variant("native_gemm", "nvfp4_dbq", "1x16.1x16", pair=(
         Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True))),),
+    ("native_gemm", "mxfp8"): (Variant("native_gemm", "mxfp8", "1x32.1x32", pair=(
+        Quantizer("mxfp8"), Quantizer("mxfp8"))),),
 }
 
 
@@ -166,10 +168,10 @@ GEMM_OPS = ("scaled_matmul", "mixed_matmul", verdicts.NATIVE_OP)
 
 def candidates(native: bool | None = None) -> list[tuple[str, str]]:
   """Every (op, fmt) with a verdict to prove; the native GEMM only where ``native`` (default: on a
-  device of compute capability 10.x)."""
+  device of compute capability 10.x), for every ``NATIVE_DEFAULTS`` format (on by default, where the
+  verdict can revoke it, or off, where it can turn it on)."""
   native = pimpl.native_device() if native is None else native
-  return [k for k in VARIANTS if k[0] != verdicts.NATIVE_OP
-          or (native and pimpl.NATIVE_DEFAULTS.get(k[1]) is not None and pimpl.NATIVE_DEFAULTS[k[1]].default)]
+  return [k for k in VARIANTS if k[0] != verdicts.NATIVE_OP or (native and k[1] in pimpl.NATIVE_DEFAULTS)]
 
 
 def command(op: str, fmt: str) -> str:
@@ -306,9 +308,17 @@ def exact_operand(rows: int, k: int, fmt: str, tiled: bool, seed: int, *, scales
                  jnp.dtype(jnp.float32), "rceil" if fmt == "mxfp4" else None)
 
 
-def exact_native_operand(rows: int, k: int, q: Quantizer, seed: int, *, amax=None) -> QTensor:
+def exact_native_operand(rows: int, k: int, q: Quantizer, seed: int, *, amax=None, scales=None) -> QTensor:
   """``exact_operand`` in q's format: 4/6 as bound 256, MS-EDEN with s_dec 0.5, DBQ with power-of-two
-  outer scales, so that every float32 partial sum stays exact and any order gives the same bits."""
+  outer scales, so that every float32 partial sum stays exact and any order gives the same bits. MXFP8:
+  E4M3 integers in [-4, 4] with scales 0.5 or 1 (``scales``: other E8M0 bytes): products are multiples of
+  2^-2 times the scales, at most 16 in magnitude, so sums over K <= 2^20 are exact."""
+  if q.fmt == "mxfp8":
+    rng = np.random.default_rng(seed)
+    data = jnp.asarray(rng.integers(-4, 5, (rows, k)), jnp.float32).astype(jnp.float8_e4m3fn)
+    raw = rng.choice(np.array(scales if scales is not None else [126, 127], np.uint8), (rows, k // 32))
+    scale = jax.lax.bitcast_convert_type(jnp.asarray(raw), jnp.float8_e8m0fnu)
+    return QTensor(data, scale, None, "mxfp8", -1, 32, None, jnp.dtype(jnp.float32))
   base = exact_operand(rows, k, "nvfp4", q.tiled, seed, amax=amax)
   if q.fmt == "nvfp4":
     return base if q.four_over_six is None else dataclasses.replace(base, bound=q.four_over_six[0])
@@ -335,6 +345,9 @@ def _gemm_cases(v: Variant, n: int) -> list[tuple[str, QTensor, QTensor]]:
                 ("amax nan", float("nan"))] if nvfp4 else []
     cases = [("exact", make(3, qa), make(4, qb))]
     cases += [(name, make(3, qa, amax=a), make(4, qb, amax=a)) for name, a in extremes]
+    if v.fmt == "mxfp8":   # E8M0 scales 2^±50 and 2^±51: still exact, far from 1
+      cases += [(name, make(3, qa, scales=s), make(4, qb, scales=s))
+                for name, s in (("scales 2^-50", [77, 76]), ("scales 2^50", [177, 178]))]
     return cases + [("nan scales", _with_nan_scales(cases[0][1]), cases[0][2])]
   (ta, tb), fmt = v.layout, v.fmt
   make = lambda seed, tiled, **kw: exact_operand(n, n, fmt, tiled, seed, **kw)
