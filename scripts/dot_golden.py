@@ -46,12 +46,23 @@ MODES = ("jit", "eager")
 KEEP_ARRAYS = ("small",)
 
 
+def _out_shape(shape_name):
+  xs, ws, dims, _ = SHAPES[shape_name]
+  if dims is None:
+    return xs[:-1] + ws[1:]
+  return (xs[0],) + xs[1:-1] + ws[2:]   # batch, x's free axes, w's free axes
+
+
 def _inputs(shape_name):
+  """x, w and the cotangent dy of ``shape_name``, drawn with numpy (as float64, then rounded once to the
+  dtype), so that they are the same on every CPU: jax.random.normal's float math is compiled code whose bits
+  follow the instruction set (a fused multiply-add or not)."""
   xs, ws, _, dtype = SHAPES[shape_name]
-  k1, k2, k3 = jax.random.split(jax.random.key(list(SHAPES).index(shape_name)), 3)
-  x = jax.random.normal(k1, xs) * jnp.exp2(jnp.arange(xs[-1], dtype=jnp.float32) % 7 - 3)
-  w = jax.random.normal(k2, ws) * 0.05
-  return x.astype(dtype), w.astype(dtype), k3
+  rng = np.random.default_rng(list(SHAPES).index(shape_name))
+  x = rng.standard_normal(xs) * np.exp2(np.arange(xs[-1]) % 7 - 3)
+  w = rng.standard_normal(ws) * 0.05
+  dy = rng.standard_normal(_out_shape(shape_name))
+  return tuple(jnp.asarray(np.asarray(a, np.float32)).astype(dtype) for a in (x, w, dy))
 
 
 def _outcontrol_perm(x):
@@ -73,17 +84,16 @@ def _dot_fn(recipe, dims):
 
 def _program(recipe, shape_name):
   """(run, args): y, dx, dw of the case as a function of arrays, and its arguments."""
-  x, w, k_dy = _inputs(shape_name)
+  x, w, dy = _inputs(shape_name)
   f = _dot_fn(recipe, SHAPES[shape_name][2])
   perm = _outcontrol_perm(x) if recipe == "outcontrol" else None
 
-  def run(x, w, key):
+  def run(x, w, key, dy):
     y, vjp = jax.vjp(lambda x, w: f(x, w, key, perm), x, w)
-    dy = jax.random.normal(k_dy, y.shape).astype(y.dtype)
-    dx, dw = vjp(dy)
+    dx, dw = vjp(dy.astype(y.dtype))
     return y, dx, dw
 
-  return run, (x, w, jax.random.key(7))
+  return run, (x, w, jax.random.key(7), dy)
 
 
 def _value_and_grads(recipe, shape_name, mode):
@@ -100,16 +110,15 @@ def order_free_values(recipe, shape_name):
 
 def plain(shape_name):
   """y, dx, dw of ``lax.dot_general`` itself, jitted, on the inputs of ``shape_name``: what the bf16 recipe
-  gives, bit for bit, computed without fp4jax (the summation-order canary of tests/test_dot_golden.py)."""
-  x, w, k_dy = _inputs(shape_name)
+  gives, bit for bit, computed without fp4jax (tests/test_dot_golden.py)."""
+  x, w, dy = _inputs(shape_name)
   dims = SHAPES[shape_name][2] or (((x.ndim - 1,), (0,)), ((), ()))
 
-  def run(x, w):
+  def run(x, w, dy):
     y, vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims), x, w)
-    dy = jax.random.normal(k_dy, y.shape).astype(y.dtype)
-    return (y, *vjp(dy))
+    return (y, *vjp(dy.astype(y.dtype)))
 
-  return tuple(np.asarray(t) for t in jax.jit(run)(x, w))
+  return tuple(np.asarray(t) for t in jax.jit(run)(x, w, dy))
 
 
 def cases():

@@ -3,7 +3,10 @@
 shapes that need padding, with K > 128, leading and batch axes, float32 and bfloat16 operands, jitted and
 eager. The default run checks a few presets; ``-m slow`` checks all of them.
 
-The recorded values are order-free, so every check runs on every CPU (none skips):
+The recorded values are order-free, so every check runs on every CPU (none skips). The inputs are drawn with
+numpy (scripts/dot_golden.py), the stochastic-rounding bits are integer hashes, and XLA's float code is the
+same with and without FMA where fp4jax's arithmetic guards it (fp4jax._exact); checked with
+``XLA_FLAGS=--xla_cpu_max_isa=AVX`` and ``SSE4_2`` standing in for other CPUs:
 1. The program with every sum exact (scripts/order_free.py: each GEMM's products summed exactly, rounded
    once; every other operation fp4jax's own) gives the recorded bits. This pins every code, scale and amax
    of every GEMM operand, the tensor factors and the output casts: a change of one bit anywhere but in the
