@@ -204,16 +204,18 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
     m, k = shape
     tile = (16, 16) if what.startswith("quantize_2d") else None
     rounding = "stochastic" if what.endswith("_sr") else "nearest"
+    kw = {"sr_bits": sr_bits} if rounding == "stochastic" else {}   # nearest: no stream to name
     def fn(x, key):
-      q = fp4jax.quantize(x, fmt, tile=tile, rounding=rounding, key=key, impl=impl, sr_bits=sr_bits)
+      q = fp4jax.quantize(x, fmt, tile=tile, rounding=rounding, key=key, impl=impl, **kw)
       return q.data, q.scale
     return Program(tag, fn, (_spec((m, k), jnp.bfloat16, sharding), key), kern)
   if what in ("quantize_rht_t", "quantize_rht_t_sr"):
     t, c = shape
     rounding = "stochastic" if what.endswith("_sr") else "nearest"
     size = 32 if fmt == "mxfp4" else 16
+    kw = {"sr_bits": sr_bits} if rounding == "stochastic" else {}
     def fn(x, key):
-      q = quantize_rht_transposed(x, fmt, rht_size=size, rounding=rounding, key=key, impl=impl, sr_bits=sr_bits)
+      q = quantize_rht_transposed(x, fmt, rht_size=size, rounding=rounding, key=key, impl=impl, **kw)
       return q.data, q.scale
     return Program(tag, fn, (_spec((t, c), jnp.bfloat16, sharding), key), kern)
   if what == "dequantize":
@@ -489,7 +491,7 @@ def _flags():
                     "block-scaled, FP4JAX_DEFAULT_IMPL=native.")
   flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
   flags.DEFINE_enum("sr_bits", None, ("jax", "packed"), "--what dot: the recipe with this Recipe.sr_bits (the "
-                    "layout of its stochastic-rounding bits; default: the preset's, 'jax').")
+                    "layout of its stochastic-rounding bits; default: the preset's, 'packed').")
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
   flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")

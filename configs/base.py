@@ -2,10 +2,11 @@
 
 Not meant to be run directly; see ``configs/tiny.py``. Fields:
   recipe            fp4jax.recipes name: nvfp4, mxfp4, fp8, bf16, nvfp4_no_sr, nvfp4_no_rht, nvfp4_no_2d, ...
-  sr_bits           the bits of stochastic rounding in the recipe: "jax" (jax.random.bits, one hash per element:
-                    the spec's reference stream) or "packed" (one hash per 8 elements: ~7x less integer work
-                    in the quantize kernels, the same statistics, other bits; docs/NUMERICS.md); rules of
-                    ``model.precision`` that name another recipe keep its default
+  sr_bits           the bits of stochastic rounding in the recipe: "packed" (one hash per 8 elements, fp4jax's
+                    default) or "jax" (jax.random.bits, one hash per element: ~7x the integer work in the
+                    quantize kernels, the same statistics, other bits; docs/NUMERICS.md); None: a new run takes
+                    the default, a resumed run the stream its record names ("jax" for a record without the
+                    field); rules of ``model.precision`` that name another recipe keep its default
   model             a models.presets name (``model.preset``) and overrides of any ModelConfig field;
                     ``model.precision``: which recipe each linear layer runs, a preset ("nemotron_h", the
                     default; "nemotron3_super"; "all_fp4") or ordered rules (docs/TRAINING.md, "Choosing
@@ -86,7 +87,7 @@ def get_config() -> config_dict.ConfigDict:
   c.name = "base"
   c.seed = 0
   c.recipe = "nvfp4"
-  c.sr_bits = "jax"                 # stochastic rounding's bits: "jax" or "packed" (fp4jax.random_bits)
+  c.sr_bits = config_dict.placeholder(str)   # stochastic rounding's bits: None, "packed" or "jax" (docstring)
   c.model = model_section("tiny")
   c.steps = 1000
   c.batch_size = 16

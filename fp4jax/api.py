@@ -109,7 +109,7 @@ def _check_amax_arg(amax, x):
                      "0; pass the tensor amax (>= max|x|), or amax=None to use max|x|")
 
 
-def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits=random_bits.JAX):
+def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits=random_bits.DEFAULT):
   if not isinstance(fmt, str) or fmt not in formats.NAMES:
     raise ValueError(f"unknown format fmt={fmt!r}; use one of {formats.NAMES}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -144,7 +144,7 @@ def _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling
   elif bits is not None:
     raise ValueError("bits= is only used with rounding='stochastic'")
   random_bits.check_layout(sr_bits)
-  if sr_bits != random_bits.JAX and (rounding != "stochastic" or bits is not None):
+  if sr_bits != random_bits.DEFAULT and (rounding != "stochastic" or bits is not None):
     raise ValueError(f"sr_bits={sr_bits!r} chooses how the key makes the stochastic-rounding bits; it needs "
                      "rounding='stochastic' and key= (not bits=, which are the bits themselves)")
   if amax is not None:
@@ -196,7 +196,7 @@ def _is_array(v) -> bool:
 @jax.named_scope("fp4jax/quantize")   # the op, its amax and layout work, named in profiles
 def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=None, amax=None,
              scale_rule="rceil", scaling="block", impl: str | None = None, stored: bool = False,
-             sr_bits: str = random_bits.JAX) -> QTensor:
+             sr_bits: str = random_bits.DEFAULT) -> QTensor:
   """Quantize ``x`` to ``fmt`` ("nvfp4" | "mxfp4" | "fp8").
 
   axis: the axis the 1D blocks run along (16 for nvfp4, 32 for mxfp4, 128 for fp8), and the axis two
@@ -204,8 +204,8 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
     ``bits`` of the input's shape, for bit-exact comparisons; with the Pallas kernels the bits of ``key`` are
     hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). sr_bits: how ``key``
-    makes them (``random_bits.SR_BITS``): "jax", the bytes of ``jax.random.bits(key, x.shape, uint8)``, or
-    "packed", one threefry2x32 per 8 consecutive elements along the packed axis (docs/NUMERICS.md).
+    makes them (``random_bits.SR_BITS``): "packed", the default, one threefry2x32 per 8 consecutive elements
+    along the packed axis, or "jax", the bytes of ``jax.random.bits(key, x.shape, uint8)`` (docs/NUMERICS.md).
     amax: the NVFP4 tensor amax to use instead of max|x| (e.g. a global amax across shards). scale_rule:
     MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
@@ -293,7 +293,7 @@ def fake_quantize(x, fmt, *, dtype=None, **kwargs):
 @jax.named_scope("fp4jax/quantize_rht_t")   # the op, its amax and layout work, named in profiles
 def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nearest", key=None,
                             bits=None, amax=None, scale_rule="rceil", impl: str | None = None,
-                            stored: bool = False, sr_bits: str = random_bits.JAX) -> QTensor:
+                            stored: bool = False, sr_bits: str = random_bits.DEFAULT) -> QTensor:
   """The weight-gradient operand path: x (T, C) -> RHT(xᵀ) (C, T) quantized along T (the last axis).
 
   Reads x transposed, applies the random Hadamard transform of ``rht_size`` along the token axis T

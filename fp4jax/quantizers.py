@@ -56,7 +56,7 @@ class Quantizer:
   scale_rule: str = "rceil"             # MXFP4's and MXFP8's E8M0 rule
   eden_group: int = 128                 # MS-EDEN's correction group
   row_scaled: bool = False              # nvfp4: one tensor amax per row (R,) instead of one per tensor
-  sr_bits: str = random_bits.JAX        # stochastic rounding's bits: "jax" (jax.random.bits) or "packed"
+  sr_bits: str = random_bits.DEFAULT    # stochastic rounding's bits: "packed" (the default) or "jax"
 
   def __post_init__(self):
     if self.fmt not in formats.ALL:
@@ -71,9 +71,9 @@ class Quantizer:
     if self.stochastic and self.fmt in ("fp8", "mxfp8", "nvfp4_eden"):
       raise ValueError(f"fmt={self.fmt!r} rounds to nearest (MS-EDEN puts its randomness in the scales)")
     random_bits.check_layout(self.sr_bits)
-    if self.sr_bits != random_bits.JAX and not self.stochastic:
+    if self.sr_bits != random_bits.DEFAULT and not self.stochastic:
       raise ValueError(f"Quantizer(fmt={self.fmt!r}, sr_bits={self.sr_bits!r}): sr_bits chooses the bits of "
-                       "stochastic rounding; set stochastic=True or leave sr_bits='jax'")
+                       f"stochastic rounding; set stochastic=True or leave sr_bits={random_bits.DEFAULT!r}")
 
   @property
   def needs_key(self) -> bool:

@@ -18,10 +18,13 @@ array as a kernel sees it, a counter per column, so that a Pallas kernel hashes 
 cannot be guaranteed (another PRNG implementation, a 64-bit width, ``jax_threefry_partitionable=False``, a
 zero-size or symbolic shape, a JAX without the primitive) ``bits`` returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
 
-Two layouts of stochastic-rounding bits (``SR_BITS``, chosen by ``Recipe.sr_bits`` / ``Quantizer.sr_bits``):
-"jax", the default, the bytes of ``jax.random.bits(key, shape, uint8)`` (one threefry2x32 per element, 8 of
-its 64 bits kept); and "packed", one threefry2x32 per 8 consecutive elements along the quantized axis, all
-64 bits used (``rounding_bits``; the contract, with test vectors, in docs/NUMERICS.md).
+Two layouts of stochastic-rounding bits (``SR_BITS``, chosen by ``Recipe.sr_bits`` / ``Quantizer.sr_bits`` /
+``fp4jax.quantize(sr_bits=)``): "packed", the default (``DEFAULT``), one threefry2x32 per 8 consecutive elements
+along the quantized axis, all 64 bits used; and "jax", the bytes of ``jax.random.bits(key, shape, uint8)`` (one
+threefry2x32 per element, 8 of its 64 bits kept), for runs recorded with it (``rounding_bits``; the contract,
+with test vectors and the integer work of each, in docs/NUMERICS.md; the statistics in tests/test_sr_stream.py).
+The low-level functions here (``rounding_bits``, ``KeyedBits``) name their layout explicitly and read "jax"
+when none is given.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ _U32 = jnp.uint32
 _WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, np.dtype(np.uint32): 32}
 JAX, PACKED = "jax", "packed"
 SR_BITS = (JAX, PACKED)   # layouts of stochastic-rounding bits (module docstring)
+DEFAULT = PACKED          # the stream of every recipe, quantizer and fp4jax.quantize that names none
 GROUP = 8                 # "packed": elements per hash (8 bytes of its two uint32 words)
 
 
@@ -96,8 +100,8 @@ def rounding_bits(key, shape, axis: int = -1, layout: str = JAX):
 
 def check_layout(layout):
   if layout not in SR_BITS:
-    raise ValueError(f"sr_bits={layout!r}; use one of {SR_BITS} ('jax': jax.random.bits' bytes, the default; "
-                     "'packed': one threefry2x32 per 8 elements, docs/NUMERICS.md)")
+    raise ValueError(f"sr_bits={layout!r}; use one of {SR_BITS} ('packed': one threefry2x32 per 8 elements, "
+                     "the default; 'jax': jax.random.bits' bytes, one threefry2x32 per element; docs/NUMERICS.md)")
 
 
 def _check_packed(shape, axis: int) -> int:

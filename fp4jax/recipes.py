@@ -18,8 +18,9 @@ Presets and ablations are keywords: ``nvfp4(rht=False)``, ``nvfp4(stochastic_gra
 ``nvfp4(weight_2d=False)``, ``nvfp4(row_scaled_activation=True)`` (one amax per token of the fprop
 activation); ``mxfp8()`` is MXFP8 on all three GEMMs. Beyond the paper (docs/RECIPES.md): ``nvfp4(four_over_six="all")`` (Four
 Over Six block scales), ``quartet2()`` (MS-EDEN backward), ``tetrajet2()`` (double-block scales). ``get(name)`` parses the names the training configs use (``NAMES``).
-``sr_bits="packed"`` on any recipe that rounds stochastically draws its rounding bits one threefry2x32 per 8
-elements instead of per element (``fp4jax.random_bits``; docs/NUMERICS.md): the same statistics, other bits.
+A recipe that rounds stochastically draws its rounding bits one threefry2x32 per 8 elements
+(``sr_bits="packed"``, the default) or, with ``sr_bits="jax"``, one per element, as ``jax.random.bits`` does
+(``fp4jax.random_bits``; docs/NUMERICS.md): the same statistics, other bits.
 """
 from __future__ import annotations
 
@@ -64,10 +65,11 @@ class Recipe:
   # NVFP4 fprop activations with one float32 amax per row (token) instead of one per tensor; the GEMM's
   # second-level factor is then per output row (docs/NUMERICS.md, "Row-scaled NVFP4 activations").
   row_scaled_activation: bool = False
-  # The bits of stochastic rounding (random_bits.SR_BITS): "jax", the bytes of jax.random.bits (spec §4's
-  # reference, one threefry2x32 per element), or "packed", one threefry2x32 per 8 elements, all 64 bits used
-  # (docs/NUMERICS.md; about 7x less integer work, docs/DESIGN.md).
-  sr_bits: Literal["jax", "packed"] = "jax"
+  # The bits of stochastic rounding (random_bits.SR_BITS): "packed", the default, one threefry2x32 per 8
+  # elements, all 64 bits used, or "jax", the bytes of jax.random.bits (one threefry2x32 per element: runs
+  # recorded with it). Spec §4: the stream is not part of the arithmetic (docs/NUMERICS.md has the cost of each).
+  # Where no operand rounds stochastically it draws nothing, and either name is accepted.
+  sr_bits: Literal["jax", "packed"] = random_bits.DEFAULT
   name: str = "custom"
 
   def __post_init__(self):
@@ -245,10 +247,6 @@ def check_recipe(recipe):
       raise ValueError(f"recipe {name!r}: {method} quantizes the weight in 1x16 blocks along K; set "
                        "weight_2d=False")
   random_bits.check_layout(recipe.sr_bits)
-  if recipe.sr_bits != random_bits.JAX and not any(q.stochastic for q in roles(recipe).quantizers):
-    raise ValueError(f"recipe {name!r}: sr_bits={recipe.sr_bits!r} chooses the bits of stochastic rounding, "
-                     "and no operand of this recipe is rounded stochastically (stochastic_grad=False, FP8, "
-                     "or Quartet II's MS-EDEN, whose randomness is in the scales); leave sr_bits='jax'")
 
 
 # -------------------------------------------------------------------------------------------------- six quantizers
@@ -274,7 +272,7 @@ def _paper_roles(recipe) -> Roles:
                      scale_rule=recipe.mxfp4_scale_rule if fmt == "mxfp4" else "rceil",
                      row_scaled=row_scaled and fmt == "nvfp4",
                      sr_bits=recipe.sr_bits if stochastic and recipe.stochastic_grad and fmt in formats.FP4
-                     else random_bits.JAX)
+                     else random_bits.DEFAULT)
 
   fos_w, fos_x = _fos(recipe, "weights"), _fos(recipe, "activations")
   fprop_w = q(f, tiled=True, four_over_six=fos_w)

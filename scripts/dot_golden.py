@@ -1,19 +1,28 @@
 """Golden outputs of the quantized dot: y, dx and dw of ``fp4jax.dot`` / ``dot_general`` for every preset of
-``fp4jax.recipes`` and of ``fp4jax.outcontrol.dot``, jitted and eager, on shapes that need padding, with
-K > 128, with leading and batch axes, float32 and bfloat16.
+``fp4jax.recipes`` and of ``fp4jax.outcontrol.dot``, on shapes that need padding, with K > 128, with leading
+and batch axes, float32 and bfloat16.
 
     python scripts/dot_golden.py --out tests/data/dot_golden.npz     # record (from the code to freeze)
     python -m pytest tests/test_dot_golden.py                        # compare the tree against it
 
-The file holds, per case, the SHA-256 of each result's bytes (dtype, shape and every bit), and the arrays
-themselves for the smallest shape (so that a mismatch can be looked at). Recorded from commit 5b55ef4,
-the last commit before the one-quantized-dot redesign (issue 21); the presets added since (mxfp8,
-nvfp4_row_scaled: issue 24) with ``--add`` from the commit that named them.
+What is recorded is order-free: the program's outputs with every sum exact (``scripts/order_free.py``: each
+GEMM's products summed exactly and rounded once, every other operation fp4jax's own), so the same bits on
+every CPU, whatever order its XLA dots sum in. The file holds, per case, the SHA-256 of each such output's bytes
+(dtype, shape and every bit), and the arrays themselves for the smallest shape (so that a mismatch can be
+looked at). The program itself (jitted, XLA's sums) is compared with them within the bound float32
+accumulation allows (tests/test_dot_golden.py). Each recipe with its default stochastic-rounding stream
+(``fp4jax.random_bits.DEFAULT``). The values before the recording changed to order-free sums were the
+programs' own outputs, recorded from the code before the one-quantized-dot redesign; the current code
+reproduced them bit for bit on the recording machine with sr_bits="jax" before the re-recording (git log of
+tests/data/dot_golden.npz).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +31,9 @@ from jax import lax
 
 import fp4jax
 from fp4jax import outcontrol, recipes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import order_free  # noqa: E402  (scripts/: this directory)
 
 # name: (x shape, w shape, dimension numbers or None for fp4jax.dot, dtype)
 SHAPES = {
@@ -34,59 +46,84 @@ MODES = ("jit", "eager")
 KEEP_ARRAYS = ("small",)
 
 
+def _out_shape(shape_name):
+  xs, ws, dims, _ = SHAPES[shape_name]
+  if dims is None:
+    return xs[:-1] + ws[1:]
+  return (xs[0],) + xs[1:-1] + ws[2:]   # batch, x's free axes, w's free axes
+
+
 def _inputs(shape_name):
+  """x, w and the cotangent dy of ``shape_name``, drawn with numpy (as float64, then rounded once to the
+  dtype), so that they are the same on every CPU: jax.random.normal's float math is compiled code whose bits
+  follow the instruction set (a fused multiply-add or not)."""
   xs, ws, _, dtype = SHAPES[shape_name]
-  k1, k2, k3 = jax.random.split(jax.random.key(list(SHAPES).index(shape_name)), 3)
-  x = jax.random.normal(k1, xs) * jnp.exp2(jnp.arange(xs[-1], dtype=jnp.float32) % 7 - 3)
-  w = jax.random.normal(k2, ws) * 0.05
-  return x.astype(dtype), w.astype(dtype), k3
+  rng = np.random.default_rng(list(SHAPES).index(shape_name))
+  x = rng.standard_normal(xs) * np.exp2(np.arange(xs[-1]) % 7 - 3)
+  w = rng.standard_normal(ws) * 0.05
+  dy = rng.standard_normal(_out_shape(shape_name))
+  return tuple(jnp.asarray(np.asarray(a, np.float32)).astype(dtype) for a in (x, w, dy))
+
+
+def _outcontrol_perm(x):
+  """OutControl's channel order for x: by decreasing sum |x| over the rows, summed exactly (math.fsum), so
+  that the order is the same on every machine."""
+  sums = [math.fsum(col) for col in np.abs(np.asarray(x, np.float64)).reshape(-1, x.shape[-1]).T]
+  return jnp.asarray(np.argsort(-np.asarray(sums), kind="stable"), jnp.int32)
 
 
 def _dot_fn(recipe, dims):
   if recipe == "outcontrol":
-    def f(x, w, key):
-      k_in = x.shape[-1]
-      perm = jnp.argsort(-jnp.sum(jnp.abs(x.astype(jnp.float32)), axis=0), stable=True).astype(jnp.int32)
-      return outcontrol.dot(x, w, perm, outcontrol.k8(k_in, 0.1) or 0, key=key)
+    def f(x, w, key, perm):
+      return outcontrol.dot(x, w, perm, outcontrol.k8(x.shape[-1], 0.1) or 0, key=key)
     return f
   if dims is None:
-    return lambda x, w, key: fp4jax.dot(x, w, recipe=recipe, key=key)
-  return lambda x, w, key: fp4jax.dot_general(x, w, dims, recipe=recipe, key=key)
+    return lambda x, w, key, perm: fp4jax.dot(x, w, recipe=recipe, key=key)
+  return lambda x, w, key, perm: fp4jax.dot_general(x, w, dims, recipe=recipe, key=key)
+
+
+def _program(recipe, shape_name):
+  """(run, args): y, dx, dw of the case as a function of arrays, and its arguments."""
+  x, w, dy = _inputs(shape_name)
+  f = _dot_fn(recipe, SHAPES[shape_name][2])
+  perm = _outcontrol_perm(x) if recipe == "outcontrol" else None
+
+  def run(x, w, key, dy):
+    y, vjp = jax.vjp(lambda x, w: f(x, w, key, perm), x, w)
+    dx, dw = vjp(dy.astype(y.dtype))
+    return y, dx, dw
+
+  return run, (x, w, jax.random.key(7), dy)
 
 
 def _value_and_grads(recipe, shape_name, mode):
-  x, w, k_dy = _inputs(shape_name)
-  dims = SHAPES[shape_name][2]
-  f = _dot_fn(recipe, dims)
-  key = jax.random.key(7)
+  run, args = _program(recipe, shape_name)
+  return jax.jit(run)(*args) if mode == "jit" else run(*args)
 
-  def run(x, w, key):
-    y, vjp = jax.vjp(lambda x, w: f(x, w, key), x, w)
-    dy = jax.random.normal(k_dy, y.shape).astype(y.dtype)
-    dx, dw = vjp(dy)
-    return y, dx, dw
 
-  if mode == "jit":
-    return jax.jit(run)(x, w, key)
-  return run(x, w, key)
+def order_free_values(recipe, shape_name):
+  """(outputs, bounds): y, dx, dw of the case with every sum exact (``order_free.evaluate``), and the bound on
+  their distance from the program's own (jitted) outputs."""
+  run, args = _program(recipe, shape_name)
+  return order_free.evaluate(run, *args)
 
 
 def plain(shape_name):
   """y, dx, dw of ``lax.dot_general`` itself, jitted, on the inputs of ``shape_name``: what the bf16 recipe
-  gives, bit for bit, computed without fp4jax (the summation-order canary of tests/test_dot_golden.py)."""
-  x, w, k_dy = _inputs(shape_name)
+  gives, bit for bit, computed without fp4jax (tests/test_dot_golden.py)."""
+  x, w, dy = _inputs(shape_name)
   dims = SHAPES[shape_name][2] or (((x.ndim - 1,), (0,)), ((), ()))
 
-  def run(x, w):
+  def run(x, w, dy):
     y, vjp = jax.vjp(lambda x, w: lax.dot_general(x, w, dims), x, w)
-    dy = jax.random.normal(k_dy, y.shape).astype(y.dtype)
-    return (y, *vjp(dy))
+    return (y, *vjp(dy.astype(y.dtype)))
 
-  return tuple(np.asarray(t) for t in jax.jit(run)(x, w))
+  return tuple(np.asarray(t) for t in jax.jit(run)(x, w, dy))
 
 
 def cases():
-  """(recipe, shape, mode) of every recorded case."""
+  """(recipe, shape, mode) of every case: "jit" cases are recorded (order-free), "eager" ones compared with
+  them in the same process."""
   out = []
   for recipe in recipes.NAMES:
     for shape_name in SHAPES:
@@ -124,17 +161,23 @@ def main():
     with np.load(args.out) as old:
       store = {k: old[k] for k in old.files}
   recorded = {k.split("/")[0] for k in store}
+  unbounded = []
   for recipe, shape_name, mode in cases():
-    if recipe in recorded:
+    if recipe in recorded or mode != "jit":
       continue
-    name = case_name(recipe, shape_name, mode)
-    y, dx, dw = compute(recipe, shape_name, mode)
-    for tag, a in (("y", y), ("dx", dx), ("dw", dw)):
+    name = f"{recipe}/{shape_name}"
+    outs, bounds = order_free_values(recipe, shape_name)
+    for tag, a, bound in zip(("y", "dx", "dw"), outs, bounds):
+      if not np.all(np.isfinite(bound)):
+        unbounded.append(f"{name}/{tag}")
       store[f"{name}/{tag}/sha256"] = np.array(digest(a))
       if shape_name in KEEP_ARRAYS:
         store[f"{name}/{tag}"] = a.astype(np.float32) if a.dtype == jnp.bfloat16 else a
-    print(name, float(np.sum(y.astype(np.float32))), flush=True)
+    print(name, float(np.sum(outs[0].astype(np.float32))), flush=True)
   np.savez_compressed(args.out, **store)
+  if unbounded:   # the test needs a finite bound for every output
+    raise SystemExit(f"no finite bound on the program's distance from the exact sums for {unbounded}; extend "
+                     "scripts/order_free.py's rules to the operation that breaks it")
 
 
 if __name__ == "__main__":

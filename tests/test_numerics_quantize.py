@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import fp4jax
+from fp4jax import random_bits
 from fp4jax.numerics import nvfp4
 from fp4jax.api import transpose_tiles
 from fp4jax.reference import codes_of
@@ -160,8 +161,8 @@ def test_stochastic_rounding_api(fmt):
   q2 = fp4jax.quantize(x, fmt, rounding="stochastic", key=k2)
   assert_q_equal(q1, q1b)
   assert (bits_of(q1.data) != bits_of(q2.data)).any()
-  # explicit bits reproduce the key path
-  bits = jax.random.bits(k1, x.shape, jnp.uint8)
+  # explicit bits reproduce the key path (its default stream, random_bits.DEFAULT)
+  bits = random_bits.rounding_bits(k1, x.shape, -1, random_bits.DEFAULT)
   assert_q_equal(fp4jax.quantize(x, fmt, rounding="stochastic", bits=bits), q1)
   # scales do not depend on the rounding mode
   np.testing.assert_array_equal(bits_of(q1.scale), bits_of(fp4jax.quantize(x, fmt).scale))

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp4jax
-from fp4jax import recipes
+from fp4jax import random_bits, recipes
 from fp4jax.dot import needs_key
 from fp4jax.quantizers import Quantizer
 
@@ -56,35 +56,38 @@ def test_bad_recipes_say_what_to_do():
 
 
 def test_sr_bits_reach_every_stochastic_rounding_and_only_those():
-  r = recipes.nvfp4(sr_bits="packed")
+  r = recipes.nvfp4(sr_bits="jax")
   q = r.roles
-  assert q.dgrad_dy.sr_bits == q.wgrad_dy.sr_bits == "packed" and q.dgrad_dy.stochastic
-  assert all(x.sr_bits == "jax" for x in (q.fprop_x, q.fprop_w, q.wgrad_x))
-  assert recipes.nvfp4().roles.wgrad_dy.sr_bits == "jax" and recipes.nvfp4().sr_bits == "jax"
-  assert recipes.tetrajet2(sr_bits="packed").roles.dgrad_dy.sr_bits == "packed"
-  assert recipes.mxfp4(sr_bits="packed").roles.wgrad_dy.sr_bits == "packed"
+  assert q.dgrad_dy.sr_bits == q.wgrad_dy.sr_bits == "jax" and q.dgrad_dy.stochastic
+  assert all(x.sr_bits == "packed" for x in (q.fprop_x, q.fprop_w, q.wgrad_x))   # nearest: the default's name
+  # The default stream is the packed one (spec §4: the cheapest uniform, independent stream).
+  assert recipes.nvfp4().roles.wgrad_dy.sr_bits == "packed" and recipes.nvfp4().sr_bits == "packed"
+  assert random_bits.DEFAULT == "packed" and Quantizer("nvfp4", stochastic=True).sr_bits == "packed"
+  assert recipes.tetrajet2(sr_bits="jax").roles.dgrad_dy.sr_bits == "jax"
+  assert recipes.mxfp4(sr_bits="jax").roles.wgrad_dy.sr_bits == "jax"
   assert r != recipes.nvfp4() and hash(r) != hash(recipes.nvfp4())
 
 
-def test_sr_bits_refused_where_nothing_rounds_stochastically():
-  for bad in (lambda: recipes.nvfp4(stochastic_grad=False, sr_bits="packed"),
-              lambda: recipes.fp8(sr_bits="packed"), lambda: recipes.quartet2(sr_bits="packed")):
-    with pytest.raises(ValueError, match="leave sr_bits='jax'"):
-      bad()
+def test_sr_bits_named_where_nothing_rounds_stochastically():
+  # A recipe names the stream its stochastic rounding would draw; where nothing rounds stochastically either
+  # name is accepted (a run recorded with "jax" resumes with any recipe) and every quantizer is the same.
+  for make in (lambda **k: recipes.nvfp4(stochastic_grad=False, **k), recipes.fp8, recipes.quartet2, recipes.bf16):
+    assert make(sr_bits="jax").roles == make(sr_bits="packed").roles
   with pytest.raises(ValueError, match="sr_bits='per_group'"):
     recipes.nvfp4(sr_bits="per_group")
-  with pytest.raises(ValueError, match="set stochastic=True"):
-    Quantizer("nvfp4", sr_bits="packed")
+  # A quantizer and fp4jax.quantize refuse a stream other than the default where they do not round stochastically.
+  with pytest.raises(ValueError, match="set stochastic=True or leave sr_bits='packed'"):
+    Quantizer("nvfp4", sr_bits="jax")
   x = jnp.ones((4, 32))
   with pytest.raises(ValueError, match="needs rounding='stochastic'"):
-    fp4jax.quantize(x, "nvfp4", sr_bits="packed")
+    fp4jax.quantize(x, "nvfp4", sr_bits="jax")
   with pytest.raises(ValueError, match="not bits="):
-    fp4jax.quantize(x, "nvfp4", rounding="stochastic", bits=jnp.zeros((4, 32), jnp.uint8), sr_bits="packed")
+    fp4jax.quantize(x, "nvfp4", rounding="stochastic", bits=jnp.zeros((4, 32), jnp.uint8), sr_bits="jax")
 
 
 def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
   """With the kernels, the dot's two SR quantizes (dgrad dy 1x16, wgrad dy RHT-16 transposed) get the packed
-  KeyedBits; on the XLA path its gradients differ from the default layout's (the bits are really used)."""
+  KeyedBits; on the XLA path its gradients differ from the "jax" layout's (the bits are really used)."""
   import jax   # pylint: disable=import-outside-toplevel
   x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)
   w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
@@ -95,7 +98,7 @@ def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
     return jax.grad(lambda x, w: (fp4jax.dot(x, w, recipe=recipe, key=key) * dy).sum(), argnums=(0, 1))(x, w)
   packed = recipes.nvfp4(sr_bits="packed")
   dx, dw = jax.jit(lambda: grads(packed))()
-  dx0, dw0 = jax.jit(lambda: grads(recipes.nvfp4()))()
+  dx0, dw0 = jax.jit(lambda: grads(recipes.nvfp4(sr_bits="jax")))()
   assert not jnp.array_equal(dx, dx0) and not jnp.array_equal(dw, dw0)
   assert float(jnp.abs(dx - dx0).max()) < 0.5 * float(jnp.abs(dx0).max())
   monkeypatch.setenv("FP4JAX_DEFAULT_IMPL", "pallas")

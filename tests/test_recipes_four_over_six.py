@@ -267,7 +267,8 @@ def _paper_dot_from_numerics(recipe, precision, out_dtype, x, w, key):
   def bwd(res, dy):
     x, w = res
     key_d, key_w = jax.random.split(key)
-    bits = lambda k, shape: random_bits.bits(k, shape, jnp.uint8) if recipe.stochastic_grad else None
+    bits = lambda k, shape: (random_bits.rounding_bits(k, shape, -1, recipe.sr_bits) if recipe.stochastic_grad
+                             else None)
     rht = lambda t: hadamard.rht(t.astype(jnp.float32).T, axis=-1, size=16) if recipe.rht else t.T
     if recipe.weight_2d:
       vals, amax = q(w.T, tiled=True)

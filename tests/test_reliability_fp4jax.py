@@ -417,8 +417,8 @@ def _cases() -> list[Case]:
      lambda: (fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.PRNGKey(7)),
               fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=jax.random.key(7))),
      lambda r: same_q(*r), "bit-identical")
-  ok(g, "key= == bits=jax.random.bits(key)",
-     lambda: (fp4jax.quantize(x, "mxfp4", rounding="stochastic", key=jax.random.key(7)),
+  ok(g, "key=, sr_bits='jax' == bits=jax.random.bits(key)",
+     lambda: (fp4jax.quantize(x, "mxfp4", rounding="stochastic", key=jax.random.key(7), sr_bits="jax"),
               fp4jax.quantize(x, "mxfp4", rounding="stochastic", bits=jax.random.bits(jax.random.key(7), x.shape, jnp.uint8))),
      lambda r: same_q(*r), "bit-identical")
   err(g, "bits float32", lambda: fp4jax.quantize(x, "nvfp4", rounding="stochastic", bits=jnp.zeros(x.shape)),

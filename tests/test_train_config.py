@@ -61,20 +61,34 @@ def test_command_line_overrides_the_model_preset_and_recipe():
 
 def test_sr_bits_chooses_the_recipes_rounding_bits_and_an_old_run_resumes_without_it():
   tiny = os.path.join(ROOT, "configs", "tiny.py")
-  config = _load(tiny, "--config.sr_bits=packed")
-  recipe, late, _ = config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=packed",
+  config = _load(tiny, "--config.sr_bits=jax")
+  recipe, late, _ = config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=jax",
                                                      "--config.precision_switch.fraction=0.2"))
-  assert (recipe.name, recipe.sr_bits, late.sr_bits) == ("nvfp4", "packed", "packed")
-  assert config_lib.resolve_recipes(_load(tiny))[0].sr_bits == "jax"
-  with pytest.raises(ConfigError, match=r"config.sr_bits='packed' with config.recipe='bf16'.*leave sr_bits='jax'"):
-    config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=packed", "--config.recipe=bf16"))
+  assert (recipe.name, recipe.sr_bits, late.sr_bits) == ("nvfp4", "jax", "jax")
+  assert config_lib.resolve_recipes(_load(tiny))[0].sr_bits == "packed"   # not chosen: fp4jax's default
+  assert config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=jax", "--config.recipe=bf16"))[0].name == "bf16"
   with pytest.raises(ConfigError, match=r"sr_bits='per_8'; use one of \('jax', 'packed'\)"):
     config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=per_8"))
-  # A run recorded before the field existed resumes with the default, and only with it.
-  before = config_lib.to_plain(_load(tiny))
+  # Not chosen (None): a new run takes the default, and its record names it.
+  fresh = _load(tiny)
+  config_lib.keep_recorded_sr_bits(fresh, None)
+  assert fresh.sr_bits == "packed" and config_lib.to_plain(fresh)["sr_bits"] == "packed"
+  # A run recorded before the field existed (the stream was "jax") resumes with "jax", and sees no change.
+  before = config_lib.to_plain(config)
   del before["sr_bits"]
-  assert workdir.config_changes(before, _load(tiny)) == {}
-  assert workdir.config_changes(before, config) == {"sr_bits": (None, "packed")}
+  resumed = _load(tiny)
+  config_lib.keep_recorded_sr_bits(resumed, before)
+  assert resumed.sr_bits == "jax" and config_lib.resolve_recipes(resumed)[0].sr_bits == "jax"
+  assert workdir.config_changes(before, resumed) == {}
+  # A run recorded with "jax" (the former default) or "packed" keeps it; a stream chosen on the command line
+  # that differs from the record is a change a resume refuses.
+  for recorded in ("jax", "packed"):
+    again = _load(tiny)
+    config_lib.keep_recorded_sr_bits(again, {**before, "sr_bits": recorded})
+    assert again.sr_bits == recorded and workdir.config_changes({**before, "sr_bits": recorded}, again) == {}
+  chosen = _load(tiny, "--config.sr_bits=packed")
+  config_lib.keep_recorded_sr_bits(chosen, before)
+  assert workdir.config_changes(before, chosen) == {"sr_bits": (None, "packed")}
   # XLA's compiler options change how the step compiles, not what it computes: a resume may change them.
   assert workdir.is_free("xla_options.h200.xla_gpu_memory_limit_slop_factor") and not workdir.is_free("sr_bits")
 

@@ -44,13 +44,26 @@ def resolve_model_config(section: config_dict.ConfigDict):
     raise ConfigError(f"config.model (preset {section.preset!r} with {overrides}): {e}") from None
 
 
+def keep_recorded_sr_bits(config, recorded: dict | None) -> None:
+  """Sets ``config.sr_bits`` where it is None (not chosen): a resumed run keeps the stochastic-rounding stream
+  its record names, a record made before the field existed "jax" (the stream of those runs), and a new run
+  (``recorded`` None) takes fp4jax's default (``fp4jax.random_bits.DEFAULT``). The run's record then names
+  the stream, so a later default does not change a run's bits on resume."""
+  if config.get("sr_bits") is not None:
+    return
+  if recorded is None:
+    config.sr_bits = fp4jax.random_bits.DEFAULT
+  else:
+    config.sr_bits = recorded.get("sr_bits") or fp4jax.random_bits.JAX
+
+
 def resolve_recipes(config) -> tuple[fp4jax.Recipe, fp4jax.Recipe | None, int]:
   """(main recipe, precision-switch recipe or None, first step of the switch)."""
   try:
     recipe = fp4jax.recipes.get(config.recipe)
   except ValueError as e:
     raise ConfigError(f"config.recipe: {e}") from None
-  sr_bits = config.get("sr_bits", fp4jax.random_bits.JAX)
+  sr_bits = config.get("sr_bits") or recipe.sr_bits   # None: the recipe's own (fp4jax.random_bits.DEFAULT)
   if sr_bits != recipe.sr_bits:
     try:
       recipe = recipe.replace(sr_bits=sr_bits)

@@ -114,6 +114,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   stop = stop or preempt.Preemption(config.get("preemption_grace_s", 30.0))
   # 1. Checks, mesh, the work directory.
   config_lib.validate(config)
+  config_lib.keep_recorded_sr_bits(config, workdir_lib.last_config(workdir).config)
   model_config = config_lib.resolve_model_config(config.model)
   recipe, late_recipe, switch_step = config_lib.resolve_recipes(config)
   outcontrol = config_lib.resolve_outcontrol(config, recipe)
@@ -149,7 +150,7 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
       f"'{model_config.pattern}', d_model {model_config.d_model}"
       + (f"; MTP {model_config.mtp_depths} depth(s) '{model_config.mtp_pattern}', weight {model_config.mtp_loss_weight}"
          if model_config.mtp_depths else "") + f")  recipe {recipe.name}"
-      + (f" (sr_bits {recipe.sr_bits})" if recipe.sr_bits != fp4jax.random_bits.JAX else "")
+      + (f" (sr_bits {recipe.sr_bits})" if recipe.sr_bits != fp4jax.random_bits.DEFAULT else "")
       + (f" -> {late_recipe.name} from step {switch_step}" if late_recipe else ""))
   if lock is not None and lock.taken_over:
     say(f"warning: {lock.taken_over}")
