@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import re
 from typing import Any, Callable, Iterable
 

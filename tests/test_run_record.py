@@ -1,9 +1,13 @@
 """What a start does with a work directory: the run record (config.json, config_history.jsonl) changes only when
 the run does, a refused resume names every field that differs from it with both values, the temporary folders of
-interrupted saves go."""
+interrupted saves go, and a failed background save is reported without waiting for the next one."""
+import errno
 import os
 import shutil
+import time
 
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import shrunken
@@ -11,6 +15,7 @@ from training import errors
 from training import sharding
 from training import trainer
 from training import workdir as workdir_lib
+from training.checkpoint import TMP_SUFFIX, Checkpoints
 
 sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)
 
@@ -26,6 +31,9 @@ CASES = {
     "test_leftover_temporary_checkpoint_folders_are_removed": (
         "checkpoints/<step>.orbax-checkpoint-tmp folders of interrupted saves: removed and named at the next "
         "start, the complete checkpoints untouched", CORRECT, 0),
+    "test_failed_background_save_is_reported_without_another_save": (
+        "a background checkpoint write fails ('File too large'): StorageError naming the step at the first step "
+        "after it ended, not at the next save", CLEAR, 7),
 }
 
 
@@ -96,3 +104,25 @@ def test_leftover_temporary_checkpoint_folders_are_removed(finished, tmp_path, c
   complete = sorted(int(n) for n in before if n.isdigit())
   assert ("removed 2 temporary folder(s) of interrupted checkpoint saves: 6.orbax-checkpoint-tmp-1764770000, "
           f"8.orbax-checkpoint-tmp (the complete checkpoints {complete} are untouched)") in printed.out
+
+
+def test_failed_background_save_is_reported_without_another_save(tmp_path, monkeypatch):
+  real_finalize = ocp.StandardCheckpointHandler.finalize   # runs in the background thread, after the writes
+
+  def too_large(self, directory):
+    if f"{os.sep}3{TMP_SUFFIX}" in str(directory):
+      raise OSError(errno.EFBIG, "File too large")
+    return real_finalize(self, directory)
+
+  monkeypatch.setattr(ocp.StandardCheckpointHandler, "finalize", too_large)
+  checkpoints = Checkpoints(str(tmp_path / "checkpoints"), keep=3, async_save=True)
+  state = {"w": jnp.ones((64, 64))}
+  checkpoints.save(1, state, {"step": 1})
+  checkpoints.wait()
+  checkpoints.save(3, state, {"step": 3})
+  deadline = time.monotonic() + 60
+  with pytest.raises(errors.StorageError, match=r"writing checkpoint 3 .* File too large.*\[1\], are intact"):
+    while time.monotonic() < deadline:   # what the loop calls after every step; never a save or a wait
+      checkpoints.check_background_save()
+      time.sleep(0.01)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]

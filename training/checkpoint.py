@@ -4,9 +4,9 @@ iterator's state, saved together under ``<workdir>/checkpoints/<step>``.
 Saves are asynchronous (device -> host copy in the foreground, the write in the background) and atomic
 (orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it when complete), so an interrupted save never
 touches an earlier checkpoint; the last ``keep`` are kept. A save that fails (no space left, I/O error)
-removes its temporary directory and raises ``StorageError`` (a background write's failure at the next save or
-at the end of the run, where the loop waits for it). The temporary folders of saves interrupted by a kill go at
-the next start (``remove_leftovers``).
+removes its temporary directory and raises ``StorageError``: a foreground failure at once, a background write's
+failure at the first step after it has ended (``check_background_save``, single-process runs; else at the next
+save). The temporary folders of saves interrupted by a kill go at the next start (``remove_leftovers``).
 
 Orbax does not notice bytes that change on disk after the write, so each checkpoint's data item also holds
 a checksum per state leaf (a position-weighted sum of the leaf's bit patterns, mod 2^32, computed on the
@@ -106,6 +106,15 @@ class Checkpoints:
     except Exception as e:  # pylint: disable=broad-except
       self._failed(self._saving, e)
     self._saving = None
+
+  def check_background_save(self) -> None:
+    """StorageError now, naming the step, when the background write of the latest save has ended in a failure;
+    a save still being written is left alone (no wait). Single-process runs: in a multi-process run a failure
+    is reported at the next save, where every process waits for the write together."""
+    if self._saving is None or self._closed or jax.process_count() > 1:
+      return
+    if not self._manager.is_saving_in_progress():   # ended: waiting for it returns at once, or raises
+      self.wait()
 
   def remove_leftovers(self) -> list[str]:
     """Removes the temporary folders (``<step>.orbax-checkpoint-tmp...``) that interrupted saves left in the

@@ -188,6 +188,7 @@ class Loop:
             tracing = True
           self.train_step()
           step = self.step
+          run.checkpoints.check_background_save()   # a failed background write: now, not at the next save
           if tracing and step > profile[-1]:
             jax.block_until_ready(self.state)
             jax.profiler.stop_trace()
