@@ -59,7 +59,7 @@ out = {{}}
 for cell in {cells!r}:
   config_name, mesh, impl, recipe = cell
   os.environ["FP4JAX_DEFAULT_IMPL"] = impl
-  overrides = {{"data.seq_len": 32, "batch_size": 8}}
+  overrides = {{"data.seq_len": 32, "batch_size": 8, "eval.batches": 0}}   # train losses only: no eval program
   data, fsdp, expert, tensor = {meshes!r}[mesh]
   overrides.update({{"mesh.data": data, "mesh.fsdp": fsdp, "mesh.expert": expert, "mesh.tensor": tensor}})
   c = shrunken.shrunken_config(steps=2, recipe=recipe, **overrides)
