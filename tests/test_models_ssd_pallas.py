@@ -122,6 +122,7 @@ class TestAgainstReferences:
     np.testing.assert_allclose(y, y_loop + d[:, None] * x, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(final, final_loop, rtol=2e-5, atol=2e-5)
 
+  @pytest.mark.slow   # ~15 s loaded; by default the kernel runs with its D term (the scan plus D * x)
   def test_without_d_is_the_scan_alone(self):
     x, dt, a, b, c, _, s0 = _inputs(2, L=20)
     y, final = ssd_pallas.ssd_pallas(x, dt, a, b, c, initial_state_BxHxPxN=s0, tiles=TILES,
