@@ -97,6 +97,8 @@ def test_general_dimension_numbers_are_the_canonical_2d_dot(lhs_shape, rhs_shape
     np.testing.assert_array_equal(g_ours, g_hand)
 
 
+# ~20 s on 2 loaded cores. By default tests/test_dot_golden.py pins y, dx, dw of unaligned ("pad") shapes.
+@pytest.mark.slow
 def test_unaligned_shapes_equal_explicit_zero_padding():
   """M, K, N not multiples of 16: same bits as padding with zeros by hand, then slicing."""
   m, k, n = 37, 40, 23
@@ -349,6 +351,9 @@ def test_residuals_are_saved_quantized():
 # Transformations and errors
 # ---------------------------------------------------------------------------------------------------
 
+# ~35 s on 2 loaded cores. By default fp4 dot layers are scanned over remat in tests/test_flax.py
+# (test_linen_scan_over_remat_layers) and tests/test_models_lm.py (TestScanBlocks, remat=True).
+@pytest.mark.slow
 def test_scan_checkpoint_vmap_compose():
   layers, d = 3, 32
   ws = _normal(1, (layers, d, d), scale=d ** -0.5)

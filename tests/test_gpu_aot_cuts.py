@@ -136,6 +136,7 @@ def _rows_cases():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
+@pytest.mark.slow   # ~55 s on 2 loaded cores; by default test_quantize_rht_t_rows_on_every_bf16_value and _keeps_a_nan
 def test_quantize_rht_t_rows_equals_the_reference(dtype):
   cases = _rows_cases()
   rng = np.random.default_rng(7)

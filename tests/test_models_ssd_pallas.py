@@ -94,9 +94,11 @@ def _assert_as_close_as_chunked(name, got, chunked, want):
 
 
 CASES = [pytest.param(dict(L=40, G=2, with_state=True), marks=pytest.mark.slow),  # L not a multiple of the
-         # chunk; G < H; initial state (~18 s idle: by default L=9 covers a partial chunk and the state, L=32 G < H)
-         dict(L=32, G=1, with_state=False),    # whole chunks, one group, no initial state
-         dict(L=9, G=4, with_state=True)]      # shorter than one chunk, G = H
+         # chunk; G < H; initial state (~18 s idle: by default L=9 covers a partial chunk, G < H and the state)
+         pytest.param(dict(L=32, G=1, with_state=False), marks=pytest.mark.slow),  # whole chunks, one group, no
+         # initial state (~35 s on 2 loaded cores; by default test_forward_matches_the_naive_loop runs L=40:
+         # two whole chunks and a partial one)
+         dict(L=9, G=2, with_state=True)]      # shorter than one chunk, G < H, initial state
 
 
 class TestAgainstReferences:
@@ -120,6 +122,7 @@ class TestAgainstReferences:
     np.testing.assert_allclose(y, y_loop + d[:, None] * x, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(final, final_loop, rtol=2e-5, atol=2e-5)
 
+  @pytest.mark.slow   # ~15 s loaded; by default the kernel runs with its D term (the scan plus D * x)
   def test_without_d_is_the_scan_alone(self):
     x, dt, a, b, c, _, s0 = _inputs(2, L=20)
     y, final = ssd_pallas.ssd_pallas(x, dt, a, b, c, initial_state_BxHxPxN=s0, tiles=TILES,
@@ -234,6 +237,9 @@ def test_forward_and_backward_lower_to_triton_for_cuda():
 
 class TestInTheMixer:
 
+  # ~65 s on 2 loaded cores. By default the kernel's values and gradients against the references
+  # (TestAgainstReferences) and its prefill handing over to decode steps (TestDecodeHandOff).
+  @pytest.mark.slow
   def test_the_mixer_with_the_kernel_matches_xla_prefill_decode_and_gradients(self):
     """ModelConfig(ssd_impl="pallas") in the Mamba-2 mixer (the interpreter on the CPU): the output and
     the parameter gradients equal the XLA path's within float32 tolerance, and so does decoding two
