@@ -1,4 +1,4 @@
-"""The MoE recipe study at CPU size (issue 31 item 5): bf16, nvfp4, nvfp4 with Nemotron 3 Super's policy,
+"""The MoE recipe study at CPU size (docs/STUDY.md): bf16, nvfp4, nvfp4 with Nemotron 3 Super's policy,
 Quartet II and TetraJet-v2 x 3 seeds on a small mixture-of-experts hybrid, the loss gap and the router's
 balance (MaxVio, entropy of the expert load) per recipe.
 
@@ -26,7 +26,7 @@ them the byte embedding and LM head) and the batch to 16 x 64: 276 steps = 282,6
 parameter (10.6 per parameter). Measured in the study itself: bf16 0.25-0.3 s/step, nvfp4 ~1.1 s/step, and
 ~10 min to compile an FP4 train step at that load (once per variant: the seeds share the compilation cache).
 TetraJet-v2's step is ~10x nvfp4's here (58 min for its seed 0 at that load), Quartet II's compile took 28 min:
-on 2026-12-02 10 of the 15 runs finished by that session's deadline. The other 5 (quartet2 x 3, tetrajet2 seeds
+on 2026-12-02 10 of the 15 runs finished that day. The other 5 (quartet2 x 3, tetrajet2 seeds
 1 and 2) ran the same evening on a 2-core Intel Xeon VM at load 10-13, two study processes side by side
 (``--config.study.variants=bf16,quartet2`` and ``=bf16,tetrajet2``): Quartet II compiled its train step in 475 s
 (70 s to initialize the state) and ran 0.73-1.6 s/step (per-run means), TetraJet-v2 382 s and 1.8-3.0 s/step;

@@ -184,7 +184,7 @@ def tiles_in_place(roles: Roles) -> bool:
   tiles for dgrad. Either way every code and scale is the same: a square tile's amax, its scale and each
   element's nearest code do not depend on the tile's orientation (``Quantizer.tiles_transpose``). In place,
   no transposed copy of w is written (a kernel cannot fuse the transpose of its operand) and the codes are
-  transposed once, in the forward pass (docs/DESIGN.md, issue 30, session 11)."""
+  transposed once, in the forward pass (docs/DESIGN.md, "Weight tiles quantized in w's own layout")."""
   return roles.dgrad_w == TRANSPOSED and roles.fprop_w.tiles_transpose
 
 
@@ -269,7 +269,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
   # (docs/PERF.md, "The 12B on a simulated CPU mesh": the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
   # The GEMMs return dx and dw in the inputs' dtypes (the float32 result rounded once, as a cast after them
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
-  # epilogue instead of a separate float32 pass after the barrier (issue 22: 1.5 GiB less at 8192³).
+  # epilogue instead of a separate float32 pass after the barrier (1.5 GiB less at 8192³).
   dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)))
   return dx_MxK, dw_KxN, None, None, None
 

@@ -1,4 +1,4 @@
-"""Producers that quantize their output for the next quantized dot in their own pass (issue 30, item 2).
+"""Producers that quantize their output for the next quantized dot in their own pass (docs/DESIGN.md, "Quantize in the producer's pass").
 
 Axis legend: R rows (tokens, every leading axis), D the normalized axis (the next dot's K), P = D padded to
 a power of two.

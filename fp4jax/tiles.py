@@ -9,7 +9,7 @@ inside one tile and one group. One batched GEMM runs them: batch element i is pi
 gathered) with its group's operand (gathered). The rows ragged (fprop, dgrad): each row's result is read
 from its piece (``pick_rows``); the contraction ragged (wgrad): each piece's tile has its rows outside the
 piece masked (``keep_rows``), and a group's pieces are summed in order (``sum_groups``). Both waste at most
-E - 1 tiles of rows; the choice of T is ``grouped_tile`` (docs/DESIGN.md, issue 31).
+E - 1 tiles of rows; the choice of T is ``grouped_tile`` (docs/DESIGN.md, "The native grouped GEMM").
 
 Two users: ``fp4jax.native`` (the block-scaled GEMM of NVFP4 operands, masking by zero block scales) and
 the XLA path's ``rows`` / ``tokens`` below: plain float dots with float32 accumulation, which a GPU target
@@ -40,12 +40,12 @@ class Items(NamedTuple):
 class Tiling:
   """How a grouped GEMM cuts S rows into tiles (``grouped_tile``): one tile of all S rows for up to
   ``one_tile_groups`` groups (each group's GEMM padded to S), else tiles of ``rows`` rows (rounded up to
-  a multiple of the group-size multiple). The numbers behind the defaults: docs/DESIGN.md, issue 31."""
+  a multiple of the group-size multiple). The numbers behind the defaults: docs/DESIGN.md, "The native grouped GEMM"."""
   one_tile_groups: int = 1
   rows: int = 1024
 
 
-# 1024-row tiles for both paths. Issue 31 chose 512 (within 2% of 1024 at E = 64, 9% slower at E = 8: docs/
+# 1024-row tiles for both paths. 512 is within 2% of 1024 at E = 64 and 9% slower at E = 8 (docs/
 # DESIGN.md); at Nemotron 3 Super's expert GEMMs per GPU (E = 64, S = 271,296 rows, K = 1024, N = 2688) 512-row
 # tiles crash XLA:GPU's LLVM NVPTX backend, native and XLA path alike (a segfault in
 # MachineRegisterInfo::constrainRegClass, jax 0.10.2's CUDA 13 plugin; 1024 and 2048 compile; the threshold

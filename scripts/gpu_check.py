@@ -4,7 +4,7 @@
   python scripts/gpu_check.py --rehearse    # the same flow on CPU (interpreted kernels, tiny shapes)
 
 Needs only jax and numpy (plus flax and optax for the train-step rows; no pytest, grain or
-jax-triton). Its first lines are the on-device proof (issue 30, item 1; ``fp4jax.proof``): each
+jax-triton). Its first lines are the on-device proof (``fp4jax.proof``): each
 candidate kernel against its XLA twin, bit for bit on NaN/inf and extreme-amax cases, and timed; on a
 GPU the verdicts are cached, so impl=None follows them. Then, for every kernel and every XLA composition it
   1. compiles it (an error is reported in its row and the check goes on),
@@ -741,7 +741,7 @@ def main(argv=None) -> int:
   out_dir = args.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="fp4jax_gpu_check_")
   budget = args.budget_s if args.budget_s is not None else (float("inf") if args.rehearse else 270.0)
   report = Report(out_dir, sizes, args.rehearse, budget)
-  # Item 1 of issue 30 first: every candidate proved on this device now (cached for impl=None on a GPU).
+  # The proof first: every candidate proved on this device now (cached for impl=None on a GPU).
   if not (args.rehearse or is_blackwell()):
     print("proof native_gemm: skipped: not Blackwell (compute capability 10.x)", flush=True)
   report.proof = proof.prove_all(proof.candidates(native=args.rehearse or is_blackwell()),

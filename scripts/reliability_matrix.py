@@ -1,4 +1,4 @@
-"""Print the reliability matrix (issue 11): every case -> verdict, and the counts.
+"""Print the reliability matrix (docs/RELIABILITY.md): every case -> verdict, and the counts.
 
     python scripts/reliability_matrix.py              # fp4jax cases (tests/test_reliability_fp4jax.py)
     python scripts/reliability_matrix.py --write      # also put the table into docs/RELIABILITY.md

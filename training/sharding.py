@@ -47,8 +47,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # The latent width: fsdp where no other axis of the array took it (fc1/fc2_latent_proj's embed does, and
     # the stored experts' leading axis does: their (E, Q, F) kernels are gathered over fsdp per layer along
     # E, the major axis, and their gradients reduce-scattered along it; this saves no memory: the float32
-    # (Q, R, E, F) buffers session 11 read as transposed kernel copies are the backward's gradient
-    # accumulators, docs/DESIGN.md "Issue 31 item 4, session 12").
+    # (Q, R, E, F) buffers at the peak are the backward's gradient accumulators, not transposed kernel copies:
+    # docs/DESIGN.md, "Super's memory: what is live at the peak, XLA's budget, the state over every GPU").
     ("moe_latent", "fsdp"),
     # Activations: the batch over (data, fsdp, expert), model axes over tensor, d_model whole.
     ("activation_batch", BATCH_AXES),

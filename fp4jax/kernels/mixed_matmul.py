@@ -1,5 +1,5 @@
 """Mixed-input scaled matmul: out (M, N) = factor · sum_k a[m, k] · b[n, k], one Pallas kernel that
-dequantizes as it loads (issue 30, item 3).
+dequantizes as it loads (docs/DESIGN.md, "The Hopper GEMM that dequantizes as it loads").
 
 Axis legend: M rows of a (leading axes flattened), N rows of b, K the contraction axis (the quantized
 and packed axis of both), B the block (16 nvfp4, 32 mxfp4).

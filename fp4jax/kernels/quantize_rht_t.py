@@ -217,7 +217,7 @@ def shares_amaxes(shape, rht_size) -> bool:
 def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
   """(max |x|, max |RHT(x) along T|), float32 scalars, from one read of x (T, C): the NVFP4 tensor amaxes
   of x's 1x16 quantize along C (fprop x, dgrad dy) and of its transposed RHT quantize along T (the wgrad),
-  so that the wgrad pass needs no read of its own for its amax (docs/DESIGN.md, issue 30 item 2).
+  so that the wgrad pass needs no read of its own for its amax (docs/DESIGN.md, "The wgrad's RHT quantize reads its operand once").
 
   One variadic reduction (a single reduce op: XLA cannot split it into two passes) of two (T/n, C)
   operands: the elementwise maximum of |x| over the n token rows of each chunk, and ``rht_amax``'s

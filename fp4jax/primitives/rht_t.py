@@ -40,7 +40,7 @@ def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, sto
     q, s = kernel.quantize_rht_t(x, amax, bits, fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                  scale_rule=scale_rule, interpret=platform != "cuda")
     return q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt])
-  if fmt == "nvfp4":   # the reference's bits in a form XLA's GPU compiler fuses (issue 22)
+  if fmt == "nvfp4":   # the reference's bits in a form XLA's GPU compiler fuses (docs/DESIGN.md, "The XLA composition on the GPU")
     return kernel.quantize_rht_t_rows(x, amax, random_bits.drawn(bits), rht_size=rht_size, rht_seed=rht_seed)
   return quantize_rht_t_reference(x, amax, random_bits.drawn(bits), fmt=fmt, rht_size=rht_size, rht_seed=rht_seed,
                                   scale_rule=scale_rule)

@@ -522,8 +522,8 @@ def _rmsnorm_fn(v: Variant, impl: str):
       pre = fused.rmsnorm_quantize(x, scale, v.fmt, eps=1e-5, impl=impl)
     return pre.x, pre.q.data, pre.q.scale
   # Off a GPU the kernel side runs interpreted and eagerly: XLA CPU compiling an interpreted kernel body
-  # whose quantize follows arithmetic in the same body rewrites its float ops (docs/DESIGN.md, issue 30
-  # item 2), which says nothing about the Triton kernel.
+  # whose quantize follows arithmetic in the same body rewrites its float ops (docs/DESIGN.md,
+  # "Quantize in the producer's pass"), which says nothing about the Triton kernel.
   return fn if impl == "pallas" and jax.default_backend() != "gpu" else jax.jit(fn)
 
 
