@@ -131,7 +131,7 @@ print(json.dumps(dict(gemms=out, swizzles=swizzles,""")
 
 
 @needs_plugin
-@pytest.mark.slow   # about 15 s (imports and a 3 s compile)
+@pytest.mark.slow   # 5 s here (a subprocess: imports and a 3 s compile)
 def test_mxfp8_dot_is_three_block_scaled_fp8_gemms():
   """value_and_grad(fp4jax.dot, recipe="mxfp8") for a B200 with the native GEMM on (FP4JAX_DEFAULT_IMPL=
   native: it is off until a device proves it): fprop, dgrad and wgrad are each one cuDNN block-scaled GEMM
