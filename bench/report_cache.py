@@ -2,8 +2,8 @@
 that makes the program changes.
 
 The key is the git tree hashes of everything that shapes the compiled program (fp4jax/, models/,
-training/, configs/, bench/gpu_aot.py, bench/scale.py, bench/gpu_targets/), with any uncommitted change
-to them hashed in, plus the row's bench/gpu_aot.py arguments and its environment. The cost model
+training/, configs/, bench/gpu_aot.py, bench/scale.py, bench/gpu_targets/) as they are in the working
+tree (``code_hash``: uncommitted changes count, a commit of the same content does not), plus the row's bench/gpu_aot.py arguments and its environment. The cost model
 (bench/hlo_cost.py and the tables it reads) is not in the key: it is applied to the cached HLO at every
 run, so a change to the ruler re-prices every row without recompiling it.
 
@@ -35,16 +35,22 @@ def _git(*args: str) -> str:
 
 
 def code_hash(paths=PROGRAM_PATHS) -> str:
-  """The committed tree hashes of ``paths`` and a hash of their uncommitted changes (tracked diffs and
-  untracked files), as one hex digest."""
-  h = hashlib.sha256()
-  for p in paths:
-    h.update(f"{p}:{_git('rev-parse', f'HEAD:{p}').strip()}\n".encode())
-  h.update(_git("diff", "HEAD", "--", *paths).encode())
-  for f in sorted(_git("ls-files", "--others", "--exclude-standard", "--", *paths).split()):
-    with open(os.path.join(ROOT, f), "rb") as fh:
-      h.update(f.encode() + hashlib.sha256(fh.read()).digest())
-  return h.hexdigest()
+  """The git tree (or blob) hash of each of ``paths`` as it is in the working tree (uncommitted and untracked
+  files included, ignored ones not), joined: the committed tree hashes when the tree is clean, so a commit
+  of the same content keeps the key. Written through a scratch index; the real index is untouched."""
+  import shutil   # pylint: disable=import-outside-toplevel
+  import tempfile   # pylint: disable=import-outside-toplevel
+  git_dir = _git("rev-parse", "--git-dir").strip()
+  index = os.path.join(git_dir if os.path.isabs(git_dir) else os.path.join(ROOT, git_dir), "index")
+  with tempfile.TemporaryDirectory() as tmp:
+    scratch = os.path.join(tmp, "index")
+    shutil.copy(index, scratch)
+    env = dict(os.environ, GIT_INDEX_FILE=scratch)
+    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, env=env, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+    run("add", "-A", "--", *paths)
+    tree = run("write-tree")
+    return ",".join(f"{p}={run('rev-parse', f'{tree}:{p}')}" for p in paths)
 
 
 def entry_key(code: str, argv: list[str], env: dict) -> str:
