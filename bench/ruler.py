@@ -115,11 +115,30 @@ class _Walk:
     self.mod, self.op_s, self.colls = mod, op_s, colls
     self.exposed = 0.0
     self.comm = 0.0
+    self._local = {}
 
   def run(self, comp: str, scale: float = 1.0, depth: int = 0) -> float:
     """Time of one execution of ``comp``; adds its exposed and total communication x ``scale``."""
     t, _ = self._walk(comp, {}, scale, depth)
     return t
+
+  def _started(self, comp: str, name: str) -> str:
+    """The start a done waits on: ``name`` itself, or, when ``name`` is element i of the loop's carried
+    tuple (a collective started in the previous trip), the instruction the body's root puts at i."""
+    local = self._local.get(comp)
+    if local is None:
+      local = self._local[comp] = {i.name: i for i in self.mod.comps.get(comp, [])}
+    ins = local.get(name)
+    if ins is None or ins.opcode != "get-tuple-element" or not ins.operands:
+      return name
+    src = local.get(ins.operands[0])
+    index = re.search(r"index=(\d+)", ins.attrs)
+    if src is None or src.opcode != "parameter" or index is None:
+      return name
+    root = next((i for i in self.mod.comps.get(comp, []) if i.root), None)
+    if root is None or root.opcode != "tuple" or int(index.group(1)) >= len(root.operands):
+      return name
+    return root.operands[int(index.group(1))]
 
   def _walk(self, comp, pending, scale, depth):
     t, link = 0.0, 0.0
@@ -136,8 +155,8 @@ class _Walk:
         self.exposed += (link - t) * scale
         self.comm += c.seconds * scale
         t = link
-      elif ins.opcode in _ASYNC_DONE and ins.operands and ins.operands[0] in pending:
-        end = pending.pop(ins.operands[0])
+      elif ins.opcode in _ASYNC_DONE and ins.operands and self._started(comp, ins.operands[0]) in pending:
+        end = pending.pop(self._started(comp, ins.operands[0]))
         if end > t:
           self.exposed += (end - t) * scale
           t = end
