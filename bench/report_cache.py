@@ -28,6 +28,10 @@ DEVICELESS_ENV = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu,
 # The deviceless sm_100 compile of bf16 dots needs XLA's Triton GEMM emitter off (docs/PERF.md, 2026-12-01:
 # "Couldn't find output tile sizes"); a GPU process would autotune instead. cuBLAS GEMMs on every B200 row.
 TARGET_ENV = {"b200": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}}
+# XLA's own estimate (bench/xla_schedule.py): the latency-hiding scheduler's schedule, with its estimated
+# start and end of every instruction, dumped during the same compile (the dump changes no program).
+SCHEDULE_DUMP_FLAGS = ("--xla_dump_latency_hiding_schedule=true --xla_dump_hlo_module_re=.*train_step.* "
+                       "--xla_dump_hlo_pass_re=^$ --xla_dump_hlo_as_text=false")
 
 
 def _git(*args: str) -> str:
@@ -96,6 +100,8 @@ class Cache:
     meta, hlo = self.paths(key)
     tmp_json, tmp_hlo = meta + ".tmp", hlo[:-3] + ".tmp"
     env = dict(os.environ, **DEVICELESS_ENV, **TARGET_ENV.get(target, {}))
+    dump = os.path.join(self.dir, f"{key}.dump")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} {SCHEDULE_DUMP_FLAGS}").strip()
     cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_aot.py"), *argv, "--json", tmp_json, "--hlo", tmp_hlo]
     log(f"  compiling: {' '.join(argv)}")
     t0 = time.time()
@@ -118,12 +124,36 @@ class Cache:
         dst.write(src.read())
     if os.path.exists(tmp_hlo):
       os.remove(tmp_hlo)
+    _keep_schedule(dump, self.paths(key)[0][:-5] + ".schedule.txt.gz")
     result["argv"], result["code"], result["wall_s"] = argv, self.code, round(time.time() - t0, 1)
     result["date"] = time.strftime("%Y-%m-%d", time.gmtime())
     with open(meta, "w", encoding="utf-8") as f:
       json.dump(result, f)
     log(f"  done in {result['wall_s']:.0f} s" + (f": does not compile: {result['error']}" if result.get("error") else ""))
     return key
+
+
+def _keep_schedule(dump: str, dest: str) -> None:
+  """Keeps the latency-hiding scheduler's dumped schedule of the train step (gzipped at ``dest``, the
+  schedules of every scheduled computation concatenated) and deletes the rest of the dump."""
+  import shutil   # pylint: disable=import-outside-toplevel
+  if not os.path.isdir(dump):
+    return
+  names = sorted(n for n in os.listdir(dump) if n.endswith(".schedule.txt"))
+  if names:
+    with gzip.open(dest, "wt", encoding="utf-8") as out:
+      for n in names:
+        with open(os.path.join(dump, n), encoding="utf-8") as f:
+          out.write(f.read())
+  shutil.rmtree(dump, ignore_errors=True)
+
+
+def load_schedule(cache_dir: str, key: str) -> str | None:
+  path = os.path.join(cache_dir, f"{key}.schedule.txt.gz")
+  if not os.path.exists(path):
+    return None
+  with gzip.open(path, "rt", encoding="utf-8") as f:
+    return f.read()
 
 
 def _short_reason(text: str) -> str:
