@@ -12,11 +12,12 @@ from bench import cluster as cluster_lib
 from bench import gemm_rates
 from bench import report_cache
 from bench import report_rows
+from bench import xla_schedule
 
 ROOT = report_cache.ROOT
 PERF_MD = os.path.join(ROOT, "docs", "PERF.md")
 BEGIN, END = "<!-- bench/report.py: begin -->", "<!-- bench/report.py: end -->"
-RULER_FILES = ("bench/ruler.py", "bench/cluster.py", "bench/gemm_rates.py", "bench/hlo_cost.py", "bench/gpu_aot.py")
+RULER_FILES = ("bench/ruler.py", "bench/xla_schedule.py", "bench/cluster.py", "bench/gemm_rates.py", "bench/hlo_cost.py", "bench/gpu_aot.py")
 GiB = 2 ** 30
 
 
@@ -56,7 +57,8 @@ def priced(cache: report_cache.Cache, row: report_rows.Row, variant: str) -> dic
              kernels=pred["kernels"], exposed_comm_ms=pred["exposed_comm_s"] * 1e3, comm_ms=pred["comm_s"] * 1e3,
              floor_ms=pred["floor_s"] * 1e3, memory_gib=(mem["argument_bytes"] + mem["temp_bytes"]) / GiB,
              roofline_ms=pred["roofline_s"] * 1e3, tokens=tokens, active_params=active,
-             compile_s=res.get("compile_s"), collectives=pred["collectives"])
+             compile_s=res.get("compile_s"), collectives=pred["collectives"],
+             xla=xla_schedule.compare(pred, report_cache.load_schedule(cache.dir, key)))
   with open(priced_path, "w", encoding="utf-8") as f:
     json.dump(out, f)
   return out
@@ -107,6 +109,18 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
                    f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f}")
       lines[-1] += (f" | {corrected} | {100 * c['mfu']:.1f}% | {c['kernels']:,} | {c['exposed_comm_ms']:,.1f} "
                     f"({c['comm_ms']:,.1f}) | {c['memory_gib']:.1f} | {c['roofline_ms']:,.1f} |")
+  xla_rows = [(row, v, c["xla"]) for row, v, c in cells if c["state"] == "ok" and c.get("xla")
+              and c["xla"].get("xla_ms")]
+  lines += ["", "XLA's own estimate beside the ruler's (bench/xla_schedule.py: the latency-hiding scheduler's "
+            "schedule dumped by the same compile, its default analytical estimator; over the innermost loop "
+            "bodies, each times its executions per step; the entry computation is not in XLA's dump):", ""]
+  if xla_rows:
+    lines += ["| program, GPUs | variant | loop bodies | XLA's estimate ms | the ruler's ms | XLA / ruler |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {row.title} | {v} | {x['bodies']} | {x['xla_ms']:,.1f} | {x['ruler_ms']:,.1f} | "
+              f"{x['xla_ms'] / x['ruler_ms']:.2f} |" for row, v, x in xla_rows]
+  else:
+    lines.append("(no compiled row has a dumped schedule)")
   lines += ["", "Calibration: the ruler against published measurements of the same shapes on the same GPU kind "
             "(predicted = the table's tokens/s/GPU):", "", calibration.render(points), "", _assumptions()]
   return "\n".join(lines)

@@ -116,6 +116,7 @@ class _Walk:
     self.exposed = 0.0
     self.comm = 0.0
     self._local = {}
+    self.body_s = {}        # one steady-state trip of each while body walked
 
   def run(self, comp: str, scale: float = 1.0, depth: int = 0) -> float:
     """Time of one execution of ``comp``; adds its exposed and total communication x ``scale``."""
@@ -166,6 +167,7 @@ class _Walk:
         carry = {}
         self._walk(body, carry, 0.0, depth + 1)                  # warms the collectives carried across trips
         steady, _ = self._walk(body, carry, scale * trips, depth + 1)
+        self.body_s[body] = steady
         t += trips * steady + (trips + 1) * self.run(cond, scale * (trips + 1), depth + 1)
       elif ins.opcode == "call" and depth < 64:
         t += self.run(ins.attr("to_apply"), scale, depth + 1)
@@ -232,7 +234,9 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
       floor_s=floor_s * kernels, kernels=kernels + sum(c.count for c in colls.values()),
       compute_kernels=kernels, collective_ops=sum(c.count for c in colls.values()),
       gemm_s=gemm_s, roofline_s=cost["seconds"], int_ops=cost["int_ops"], counts=cost["counts"],
-      collectives=[dict(kind=k, crosses_nodes=x, **v) for (k, x), v in sorted(rows.items())])
+      collectives=[dict(kind=k, crosses_nodes=x, **v) for (k, x), v in sorted(rows.items())],
+      body_s=walk.body_s, executions={c: m for c, m in mult.items()},
+      leaf_bodies=sorted(b for b in walk.body_s if not any(i.opcode == "while" for i in mod.comps.get(b, []))))
 
 
 def summary(p: dict) -> dict:
