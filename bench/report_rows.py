@@ -9,7 +9,8 @@ and the path:
 - ``nvfp4``: the NVFP4 recipe on the default path (what a user gets before the on-device proof: the XLA
   compositions of the quantizers, the XLA SSD scan and gated norm; on a B200 the native FP4 GEMMs);
 - ``nvfp4_proved``: the same as if every kernel had proved exact and faster on the device
-  (``--what_if_proved=all``, the Pallas SSD and gated-norm kernels): a what-if, no device has run them.
+  (``--what_if_proved=all``, the Pallas SSD and gated-norm kernels): a what-if, no device has run them;
+- ``bf16_proved`` (the Mamba rows): bf16 with the same Pallas SSD and gated-norm kernels, nvfp4_proved's twin.
 
 Calibration rows are fp4jax programs shaped like a published, measured run (``Reference``).
 """
@@ -23,7 +24,10 @@ VARIANTS = {
     "nvfp4": ("--config.recipe=nvfp4",),
     "nvfp4_proved": ("--config.recipe=nvfp4", "--what_if_proved=all", "--config.model.ssd_impl=pallas",
                      "--config.model.gate_norm_impl=pallas"),
+    # bf16 with the model kernels of the proved path (the Pallas SSD and gated norm): nvfp4_proved's twin
+    "bf16_proved": ("--config.recipe=bf16", "--config.model.ssd_impl=pallas", "--config.model.gate_norm_impl=pallas"),
 }
+HEADLINE_VARIANTS = ("bf16", "mxfp8", "nvfp4", "nvfp4_proved")
 
 # Llama-3-8B's shape (Meta's config.json: 32 layers, hidden 4096, 32 / 8 heads of 128, MLP 14336 SwiGLU,
 # vocabulary 128256, RoPE theta 500000), as fp4jax blocks: one attention and one MLP block per layer.
@@ -53,7 +57,7 @@ class Row:
   cluster: str            # bench.cluster.CLUSTERS key
   config: str
   flags: tuple = ()
-  variants: tuple = tuple(VARIANTS)
+  variants: tuple = HEADLINE_VARIANTS
   reference: Reference | None = None
 
   def argv(self, variant: str) -> list[str]:
@@ -78,9 +82,9 @@ MEGATRON_SUPER_B200 = Reference(
 
 ROWS = {r.name: r for r in (
     Row("12b_h200", "nemotron_h_12b, 8 H200", "h200", 8, "hgx_h200", "configs/nemotron_h_12b.py",
-        ("--config.mesh.fsdp=8",)),
+        ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
     Row("12b_b200", "nemotron_h_12b, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
-        ("--config.mesh.fsdp=8",)),
+        ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
     Row("super_h200", "nemotron3_super, 64 H200 (8 HGX nodes)", "h200", 64, "hgx_h200", "configs/nemotron3_super.py"),
     Row("super_b200", "nemotron3_super, 64 B200 (8 HGX nodes)", "b200", 64, "hgx_b200", "configs/nemotron3_super.py",
         reference=MEGATRON_SUPER_B200),
