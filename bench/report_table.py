@@ -113,7 +113,8 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
               and c["xla"].get("xla_ms")]
   lines += ["", "XLA's own estimate beside the ruler's (bench/xla_schedule.py: the latency-hiding scheduler's "
             "schedule dumped by the same compile, its default analytical estimator; over the innermost loop "
-            "bodies, each times its executions per step; the entry computation is not in XLA's dump):", ""]
+            "bodies, each times its executions per step, the computations whose totals XLA does not cut "
+            "short at a loop):", ""]
   if xla_rows:
     lines += ["| program, GPUs | variant | loop bodies | XLA's estimate ms | the ruler's ms | XLA / ruler |",
               "|---|---|---|---|---|---|"]
