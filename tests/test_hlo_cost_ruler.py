@@ -234,3 +234,47 @@ def test_the_bias_is_recomputed_from_its_rows():
   moved = points[:2] + [calibration.Point("c", "64 B200", "nvfp4", 5000.0, 2000.0)]
   assert calibration.bias(moved) < 1 and "pessimistic" in calibration.render(moved)
   assert calibration.bias([]) is None and "unknown" in calibration.render([])
+
+
+# ------------------------------------------------------------------ XLA's own estimate
+
+SCHEDULE = """hlo_module {
+  name: "jit_train_step"
+  computations {
+    name: "body"
+    instructions {
+      name: "f1"
+      opcode: "fusion"
+      id: 7
+    }
+    id: 3
+    root_id: 7
+  }
+  computations {
+    name: "main"
+    id: 4
+    root_id: 9
+  }
+}
+computation_schedules {
+  computation_id: 3
+  instructions {
+    id: 7
+    start_timestamp_cycles: 0
+    end_timestamp_cycles: 250
+  }
+  scheduler_statistics {
+    total_cycles: 250
+  }
+  cycles_per_microsecond: 2
+}
+"""
+
+
+def test_xla_estimate_is_read_from_the_dumped_schedule():
+  from bench import xla_schedule
+  assert xla_schedule.estimates_us(SCHEDULE) == {"body": 125.0}
+  pred = dict(leaf_bodies=["body", "other"], body_s={"body": 50e-6, "other": 1.0}, executions={"body": 10})
+  out = xla_schedule.compare(pred, SCHEDULE)
+  assert out["bodies"] == 1 and out["xla_ms"] == pytest.approx(1.25) and out["ruler_ms"] == pytest.approx(0.5)
+  assert xla_schedule.compare(pred, None) is None
