@@ -76,10 +76,13 @@ def _inner_collective(mod: hlo_cost.Module, ins: hlo_cost.Instr):
 def buffer_bytes(mod: hlo_cost.Module, ins: hlo_cost.Instr, kind: str, group_size: int) -> int:
   """The full buffer a collective moves per GPU (bench/cluster.py's ``S``): an all-gather's gathered
   output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a
-  permute's send. An async ``*-start`` counts its result (the last array of its tuple)."""
+  permute's send. An ``all-gather-start`` counts its results (the second half of its (operands, results)
+  tuple: XLA combines small gathers into one), a ``collective-permute-start`` its operand."""
   shapes = hlo_cost.arrays(ins.shape)
-  if ins.opcode.endswith("-start") and len(shapes) > 1:
-    shapes = shapes[-1:] if kind != "collective-permute" else shapes[:1]
+  if ins.opcode == "all-gather-start":          # (operands..., results...): a combined gather has several
+    shapes = shapes[len(shapes) // 2:]
+  elif ins.opcode == "collective-permute-start":   # (operand, result, contexts...)
+    shapes = shapes[:1]
   out = sum(hlo_cost.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in shapes)
   if kind == "reduce-scatter":
     return out * group_size

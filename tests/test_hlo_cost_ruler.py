@@ -278,3 +278,18 @@ def test_xla_estimate_is_read_from_the_dumped_schedule():
   out = xla_schedule.compare(pred, SCHEDULE)
   assert out["bodies"] == 1 and out["xla_ms"] == pytest.approx(1.25) and out["ruler_ms"] == pytest.approx(0.5)
   assert xla_schedule.compare(pred, None) is None
+
+
+def test_a_combined_gather_counts_every_result():
+  text = """HloModule m, is_scheduled=true, num_partitions=8
+
+ENTRY %main (a: f32[512], b: f32[1024]) -> f32[4096] {
+  %a = f32[512]{0} parameter(0)
+  %b = f32[1024]{0} parameter(1)
+  %s = ((f32[512]{0}, f32[1024]{0}), (f32[4096]{0}, f32[8192]{0})) all-gather-start(%a, %b), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %d = (f32[4096]{0}, f32[8192]{0}) all-gather-done(%s)
+  ROOT %r = f32[4096]{0} get-tuple-element(%d), index=0
+}
+"""
+  (row,) = ruler.predict(text, "h200", "hgx_h200")["collectives"]
+  assert row["bytes_per_step"] == 4 * (4096 + 8192)
