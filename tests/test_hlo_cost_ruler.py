@@ -293,3 +293,24 @@ ENTRY %main (a: f32[512], b: f32[1024]) -> f32[4096] {
 """
   (row,) = ruler.predict(text, "h200", "hgx_h200")["collectives"]
   assert row["bytes_per_step"] == 4 * (4096 + 8192)
+
+
+def test_a_gemm_is_charged_at_its_measured_rate_not_a_flat_fraction():
+  text = """HloModule m, is_scheduled=true, num_partitions=1
+
+%fused_dot (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %p0 = bf16[4096,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %d = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096]) -> bf16[4096,4096] {
+  %a = bf16[4096,4096]{1,0} parameter(0)
+  %b = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %g = bf16[4096,4096]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+}
+"""
+  for target, measured in (("b200", 1416.9e12), ("h200", 783.3e12)):
+    p = ruler.predict(text, target, f"hgx_{target}", floor_s=0.0)
+    assert p["gemm_s"] == pytest.approx(2 * 4096 ** 3 / measured)
+    assert p["step_s"] == pytest.approx(p["gemm_s"])
