@@ -76,11 +76,12 @@ def _inner_collective(mod: hlo_cost.Module, ins: hlo_cost.Instr):
 def buffer_bytes(mod: hlo_cost.Module, ins: hlo_cost.Instr, kind: str, group_size: int) -> int:
   """The full buffer a collective moves per GPU (bench/cluster.py's ``S``): an all-gather's gathered
   output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a
-  permute's send. An ``all-gather-start`` counts its results (the second half of its (operands, results)
-  tuple: XLA combines small gathers into one), a ``collective-permute-start`` its operand."""
+  permute's send. An ``all-gather-start`` or ``reduce-scatter-start`` counts its results (the second half of
+  its (operands, results) tuple: XLA combines small ones into one), a ``collective-permute-start`` its
+  operand, an ``all-reduce-start`` its result."""
   shapes = hlo_cost.arrays(ins.shape)
-  if ins.opcode == "all-gather-start":          # (operands..., results...): a combined gather has several
-    shapes = shapes[len(shapes) // 2:]
+  if ins.opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start"):
+    shapes = shapes[len(shapes) // 2:]          # ((operands...), (results...)): XLA combines small ones
   elif ins.opcode == "collective-permute-start":   # (operand, result, contexts...)
     shapes = shapes[:1]
   out = sum(hlo_cost.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in shapes)

@@ -314,3 +314,24 @@ ENTRY %main (a: bf16[4096,4096], b: bf16[4096,4096]) -> bf16[4096,4096] {
     p = ruler.predict(text, target, f"hgx_{target}", floor_s=0.0)
     assert p["gemm_s"] == pytest.approx(2 * 4096 ** 3 / measured)
     assert p["step_s"] == pytest.approx(p["gemm_s"])
+
+
+def test_a_combined_reduce_scatter_counts_its_inputs_once():
+  text = """HloModule m, is_scheduled=true, num_partitions=8
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[4096,64], b: bf16[8192,64]) -> bf16[512,64] {
+  %a = bf16[4096,64]{1,0} parameter(0)
+  %b = bf16[8192,64]{1,0} parameter(1)
+  %s = ((bf16[4096,64]{1,0}, bf16[8192,64]{1,0}), (bf16[512,64]{1,0}, bf16[1024,64]{1,0})) reduce-scatter-start(%a, %b), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+  %d = (bf16[512,64]{1,0}, bf16[1024,64]{1,0}) reduce-scatter-done(%s)
+  ROOT %r = bf16[512,64]{1,0} get-tuple-element(%d), index=0
+}
+"""
+  (row,) = ruler.predict(text, "h200", "hgx_h200")["collectives"]
+  assert row["kind"] == "reduce-scatter" and row["bytes_per_step"] == 2 * 64 * (4096 + 8192)
