@@ -81,9 +81,10 @@ COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
 _INT_OPS = {"h100": 132 * 64 * 1.98e9, "h200": 132 * 64 * 1.98e9, "b200": 148 * 64 * 1.98e9}
 
 
-INT_OPS_HELP = ("charge integer work too (hlo_cost: fusions' integer elementwise ops, e.g. jax.random.bits's "
+INT_OPS_HELP = ("charge integer work (hlo_cost: fusions' integer elementwise ops, e.g. jax.random.bits's "
                 "threefry, and the ops a kernel declares, e.g. the quantize kernels that hash their SR bits) at 64 "
-                "int32 ops per SM per clock; off: bytes only (integer ops counted and printed, not charged).")
+                "int32 ops per SM per clock (the default); --noint_ops: bytes only, the old roofline (integer ops "
+                "counted and printed, not charged).")
 
 
 def peaks(target: str, which: str = "derated", int_ops: bool = False) -> dict:
@@ -358,12 +359,19 @@ def combined(name: str, progs: list[Program]) -> Program:
 GiB, MiB = 2 ** 30, 2 ** 20
 
 
-def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool = False) -> dict:
-  """The compile result with the cost model applied (``cost``) and the HLO text dropped."""
+def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool = False,
+              cluster: str = "") -> dict:
+  """The compile result with the cost model applied (``cost``; ``ruler``: bench/ruler.py's step, with the
+  per-kernel floor, GEMM efficiencies and collectives on ``cluster``) and the HLO text dropped."""
   from bench import hlo_cost   # pylint: disable=import-outside-toplevel
   out = {k: v for k, v in res.items() if k != "text"}
   if res.get("error"):
     return out
+  try:
+    from bench import ruler   # pylint: disable=import-outside-toplevel
+    out["ruler"] = ruler.summary(ruler.predict(res["text"], target, cluster or f"hgx_{target}"))
+  except Exception as e:   # pylint: disable=broad-except  (the roofline below still stands)
+    out["ruler"] = dict(error=f"{type(e).__name__}: {e}")
   cost = hlo_cost.analyze(res["text"], peaks(target, peak_kind, int_ops))
   gemms = [o for o in cost["ops"] if o["kind"] == "gemm"]
   out["cost"] = dict(
@@ -409,6 +417,13 @@ def report(s: dict, twin: dict | None = None) -> str:
            f"other ops {c['other_ms']:.3f} ms ({c['other_gib']:.2f} GiB moved; a walk without "
            f"slice accounting: {c['naive_gib']:.2f} GiB)",
            f"  integer ops {c['int_gops']:.2f} G ({'charged' if c['int_ops_charged'] else 'not charged: --int_ops'})"]
+  r = s.get("ruler") or {}
+  if r.get("error"):
+    lines.append(f"  ruler: failed: {r['error'][:300]}")
+  elif r:
+    lines.append(f"  ruler (bench/ruler.py, a prediction): step {r['step_ms']:.1f} ms = compute {r['compute_ms']:.1f} "
+                 f"(of which the per-kernel floor {r['floor_ms']:.1f}) + exposed communication "
+                 f"{r['exposed_comm_ms']:.1f} (of {r['comm_ms']:.1f} on {r['cluster']}); {r['kernels']} kernels per step")
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
                  f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
@@ -503,7 +518,9 @@ def _flags():
                     "or 'all') count as proved exact and faster on --target, as the on-device proof "
                     "(fp4jax.proof) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
-  flags.DEFINE_boolean("int_ops", False, INT_OPS_HELP)
+  flags.DEFINE_boolean("int_ops", True, INT_OPS_HELP)
+  flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/cluster.py: hgx_h200, "
+                      "hgx_b200, gb200_nvl72; default the HGX node of --target)")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS
@@ -597,7 +614,7 @@ def _compiled(F, prog, mesh=None) -> dict:
     with open(F.hlo, "w", encoding="utf-8") as f:
       f.write(res["text"])
     _HLO_WRITTEN.append(F.hlo)
-  return summarize(res, F.target, F.peaks, F.int_ops)
+  return summarize(res, F.target, F.peaks, F.int_ops, F.cluster)
 
 
 def _step(F, devices):

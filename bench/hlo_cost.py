@@ -586,7 +586,12 @@ def analyze(text: str, peaks: dict) -> dict:
       kind = _collective(ins)
       if kind is not None:
         shapes = arrays(ins.shape)
-        result = shapes[-1:] if ins.opcode.endswith("-start") else shapes
+        if ins.opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start"):
+          result = shapes[len(shapes) // 2:]     # ((operands...), (results...)): combined ones have several
+        elif ins.opcode == "collective-permute-start":
+          result = shapes[:1]
+        else:
+          result = shapes
         for dtype, dims in result:
           b = nbytes(f"{dtype}[{','.join(map(str, dims))}]")
           row = coll[(kind, dtype)]

@@ -1,0 +1,166 @@
+"""A GPU cluster as the ruler prices collectives on it: GPUs per node, NVLink per direction, network per GPU.
+
+A collective's replica groups (read from the compiled HLO) are mapped onto the links they cross: a group
+whose GPUs sit in one node (one NVLink domain) runs at NVLink speed; a group that spans nodes is limited
+by each GPU's network link (an HGX node has one 400 Gb/s NIC per GPU). Partition ``p`` of the SPMD
+program is device ``p`` of bench/gpu_aot.py's topology, and device ``d`` sits in node ``d // gpus_per_node``
+(the topology is ``1 x nodes x 8``; jit's device assignment is the mesh's devices in order).
+
+Time of one collective over a group of ``n`` GPUs, ``S`` its full buffer per GPU (all-gather: the gathered
+output; reduce-scatter: the input it reduces; all-reduce: the buffer; all-to-all: what one GPU sends and
+receives; collective-permute: what it sends), NCCL's ring bus-bandwidth factors:
+  all-gather, reduce-scatter  S (n-1)/n / bw
+  all-reduce                  2 S (n-1)/n / bw
+  all-to-all                  S (k-1)/n / nvlink  and  S (n-k)/n / network, whichever is longer
+                              (k: the group's GPUs in this GPU's node)
+  collective-permute          S / bw
+where bw is NVLink inside a node and the network across nodes (a ring across nodes runs at its slowest
+hop), plus a latency per operation: XLA's NCCL kernel launch overhead (5 us,
+``GpuPerformanceModelBase::kNcclKernelLaunchOverhead``) inside a node; across nodes, XLA's SoL model's
+terms for an HGX node (``sol_gpu_cost_model.cc``: op launch 100 us x 0.45, round trip 68.89 us x 0.45 on
+H100 / 46.67 us x 0.45 on B200, per (n-1)/k ring steps).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+NCCL_LAUNCH_S = 5e-6           # xla/service/gpu/model/gpu_performance_model_base.h, kNcclKernelLaunchOverhead
+SOL_COEFF = 0.45               # xla/service/collective_utils.h, kDefaultNcclCostModelCoeff
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  name: str
+  gpus_per_node: int          # GPUs in one NVLink domain
+  nvlink_Bps: float           # per GPU, per direction
+  network_Bps: float          # per GPU, per direction, between NVLink domains
+  inter_launch_s: float       # latency of starting a collective that crosses domains
+  inter_rtt_s: float          # per ring step across domains
+  description: str = ""
+
+
+CLUSTERS = {c.name: c for c in (
+    Cluster("hgx_h200", 8, 450e9, 50e9, 100e-6 * SOL_COEFF, 68.89e-6 * SOL_COEFF,
+            "HGX H200 nodes: 8 GPUs, NVLink 4 at 900 GB/s bidirectional (450 per direction), one 400 Gb/s "
+            "(50 GB/s) NIC per GPU between nodes"),
+    Cluster("hgx_b200", 8, 900e9, 50e9, 100e-6 * SOL_COEFF, 46.67e-6 * SOL_COEFF,
+            "HGX B200 nodes: 8 GPUs, NVLink 5 at 1.8 TB/s bidirectional (900 per direction), one 400 Gb/s "
+            "(50 GB/s) NIC per GPU between nodes"),
+    Cluster("gb200_nvl72", 72, 900e9, 50e9, 100e-6 * SOL_COEFF, 46.67e-6 * SOL_COEFF,
+            "GB200 NVL72: 72 GPUs in one NVLink 5 domain at 900 GB/s per direction; 400 Gb/s per GPU beyond it"),
+)}
+
+
+def get(name: str) -> Cluster:
+  if name not in CLUSTERS:
+    raise ValueError(f"unknown cluster {name!r}; one of {sorted(CLUSTERS)}")
+  return CLUSTERS[name]
+
+
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
+  """The replica groups of a collective's attributes: the mesh form ``mesh['a'=8,'b'=1] {'a'}`` (devices
+  numbered row-major over the named axes; a group varies the axes in braces, the others fixed), the listed
+  form ``{{0,1},{2,3}}``, the iota form ``[G,S]<=[dims]T(perm)`` (iota over dims, transposed by perm,
+  reshaped to G groups of S), a collective-permute's ``source_target_pairs`` (each pair a group), or every
+  device when none is given."""
+  m = _MESH.search(attrs)
+  if m:
+    axes = [(a.strip().strip("'\""), int(n)) for a, n in
+            (part.split("=") for part in m.group(1).split(",") if "=" in part)]
+    chosen = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
+    names = [a for a, _ in axes]
+    unknown = [a for a in chosen if a not in names]
+    if unknown:
+      raise ValueError(f"replica groups name axes {unknown} not in the mesh {names}: {attrs[:200]}")
+    dims = [n for _, n in axes]
+    rest = [i for i, a in enumerate(names) if a not in chosen]
+    perm = rest + [names.index(a) for a in chosen]
+    ids = _transposed_iota(dims, perm)
+    size = 1
+    for a in chosen:
+      size *= dims[names.index(a)]
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+  m = _IOTA.search(attrs)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else list(range(len(dims)))
+    ids = _transposed_iota(dims, perm)
+    size = shape[-1]
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+  m = _PAIRS.search(attrs)
+  if m:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+  m = _LIST.search(attrs)
+  if m:
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    groups = [g for g in groups if g]
+    if groups:
+      return groups
+  return [list(range(n_devices))]
+
+
+def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
+  """iota(prod(dims)).reshape(dims).transpose(perm).ravel(), without numpy."""
+  strides = [1] * len(dims)
+  for i in range(len(dims) - 2, -1, -1):
+    strides[i] = strides[i + 1] * dims[i + 1]
+  out_dims = [dims[p] for p in perm]
+  out_strides = [strides[p] for p in perm]
+  ids = [0]
+  for d, s in zip(out_dims, out_strides):
+    ids = [base + k * s for base in ids for k in range(d)]
+  return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a collective's groups sit: the largest group's size, the most nodes a group spans, and the
+  fewest of a spanning group's GPUs that share one node (what one GPU's ring neighbours look like)."""
+  group_size: int
+  nodes: int
+  per_node: int
+
+  @property
+  def crosses_nodes(self) -> bool:
+    return self.nodes > 1
+
+
+def placement(groups: list[list[int]], cluster: Cluster) -> Placement:
+  size = max(len(g) for g in groups)
+  worst = max(groups, key=lambda g: (len({d // cluster.gpus_per_node for d in g}), len(g)))
+  nodes = {}
+  for d in worst:
+    nodes[d // cluster.gpus_per_node] = nodes.get(d // cluster.gpus_per_node, 0) + 1
+  return Placement(size, len(nodes), min(nodes.values()))
+
+
+def collective_seconds(kind: str, buffer_bytes: float, where: Placement, cluster: Cluster) -> float:
+  """Seconds one GPU spends in one collective of ``kind`` moving a full buffer of ``buffer_bytes`` over
+  groups placed as ``where`` (the module docstring's formulas)."""
+  n = where.group_size
+  if n <= 1:
+    return 0.0
+  if where.crosses_nodes:
+    steps = (n - 1) / max(1, where.per_node)
+    latency = cluster.inter_launch_s + cluster.inter_rtt_s * steps * (2 if kind == "all-reduce" else 1)
+    bw = min(cluster.network_Bps, cluster.nvlink_Bps)
+  else:
+    latency, bw = NCCL_LAUNCH_S, cluster.nvlink_Bps
+  if kind in ("all-gather", "reduce-scatter"):
+    return latency + buffer_bytes * (n - 1) / n / bw
+  if kind == "all-reduce":
+    return latency + 2 * buffer_bytes * (n - 1) / n / bw
+  if kind in ("all-to-all", "ragged-all-to-all"):
+    k = where.per_node if where.crosses_nodes else n
+    inside = buffer_bytes * (k - 1) / n / cluster.nvlink_Bps
+    outside = buffer_bytes * (n - k) / n / cluster.network_Bps if where.crosses_nodes else 0.0
+    return latency + max(inside, outside)
+  return latency + buffer_bytes / bw     # collective-permute, collective-broadcast: one send

@@ -1,0 +1,97 @@
+"""The rows of the headline table (bench/report.py): which program, on which GPUs, in which variant.
+
+A row is a config on a GPU topology (``--devices``, 8 per node, as bench/gpu_aot.py builds it) and a
+cluster (``bench.cluster``) that prices its collectives; a variant is the flags that choose the recipe
+and the path:
+
+- ``bf16``: the bf16 recipe, every default as a GPU process decides it before any on-device proof;
+- ``mxfp8``: the MXFP8 recipe, likewise;
+- ``nvfp4``: the NVFP4 recipe on the default path (what a user gets before the on-device proof: the XLA
+  compositions of the quantizers, the XLA SSD scan and gated norm; on a B200 the native FP4 GEMMs);
+- ``nvfp4_proved``: the same as if every kernel had proved exact and faster on the device
+  (``--what_if_proved=all``, the Pallas SSD and gated-norm kernels): a what-if, no device has run them;
+- ``bf16_proved`` (the Mamba rows): bf16 with the same Pallas SSD and gated-norm kernels, nvfp4_proved's twin.
+
+Calibration rows are fp4jax programs shaped like a published, measured run (``Reference``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+VARIANTS = {
+    "bf16": ("--config.recipe=bf16",),
+    "mxfp8": ("--config.recipe=mxfp8",),
+    "nvfp4": ("--config.recipe=nvfp4",),
+    "nvfp4_proved": ("--config.recipe=nvfp4", "--what_if_proved=all", "--config.model.ssd_impl=pallas",
+                     "--config.model.gate_norm_impl=pallas"),
+    # bf16 with the model kernels of the proved path (the Pallas SSD and gated norm): nvfp4_proved's twin
+    "bf16_proved": ("--config.recipe=bf16", "--config.model.ssd_impl=pallas", "--config.model.gate_norm_impl=pallas"),
+}
+HEADLINE_VARIANTS = ("bf16", "mxfp8", "nvfp4", "nvfp4_proved")
+
+# Llama-3-8B's shape (Meta's config.json: 32 layers, hidden 4096, 32 / 8 heads of 128, MLP 14336 SwiGLU,
+# vocabulary 128256, RoPE theta 500000), as fp4jax blocks: one attention and one MLP block per layer.
+LLAMA3_8B = ("--config.model.vocab_size=128256", "--config.model.d_model=4096", "--config.model.pattern=" + "*-" * 32,
+             "--config.model.n_heads=32", "--config.model.n_kv_heads=8", "--config.model.head_dim=128",
+             "--config.model.mlp_dim=14336", "--config.model.mlp_kind=swiglu", "--config.model.rope=True",
+             "--config.model.rope_theta=500000.0", "--config.model.bf16_first_blocks=0",
+             "--config.model.bf16_last_blocks=0", "--config.model.remat=none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """A published measurement of a run shaped like the row: tokens/s per GPU by variant."""
+  source: str             # who measured, and the document
+  url: str
+  hardware: str
+  tokens_per_s_per_gpu: dict   # {variant: measured tokens/s per GPU}
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  name: str
+  title: str
+  target: str             # bench/gpu_targets/<target>.txtpb
+  devices: int
+  cluster: str            # bench.cluster.CLUSTERS key
+  config: str
+  flags: tuple = ()
+  variants: tuple = HEADLINE_VARIANTS
+  reference: Reference | None = None
+
+  def argv(self, variant: str) -> list[str]:
+    """bench/gpu_aot.py's arguments for one variant of this row."""
+    return (["--target", self.target, "--what", "step", "--config", self.config, "--devices", str(self.devices),
+             "--batch_per_device", "1", "--twin=false"] + list(self.flags) + list(VARIANTS[variant]))
+
+
+TORCHTITAN_B200 = Reference(
+    source="torchtitan, Llama-3-8B on 8 B200 (its NVFP4 training document: bf16 baseline; NVFP4 1.37x bf16)",
+    url="https://github.com/pytorch/torchtitan (docs: NVFP4 training on B200)",
+    hardware="8 B200 (one HGX node), FSDP",
+    tokens_per_s_per_gpu={"bf16": 21919.0, "nvfp4": 21919.0 * 1.37},
+    note="NVFP4 as the document's ratio to its bf16 run (1.37x), not a separately printed figure")
+
+MEGATRON_SUPER_B200 = Reference(
+    source="Megatron-Bridge performance summary, Nemotron 3 Super pretraining on 64 B200",
+    url="https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html",
+    hardware="64 B200 (8 DGX/HGX B200 nodes)",
+    tokens_per_s_per_gpu={"nvfp4": 5632.0, "mxfp8": 6400.0},
+    note="Megatron's own parallel layout (TP/EP/PP, CUDA graphs), not fp4jax's fsdp x expert")
+
+ROWS = {r.name: r for r in (
+    Row("12b_h200", "nemotron_h_12b, 8 H200", "h200", 8, "hgx_h200", "configs/nemotron_h_12b.py",
+        ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
+    Row("12b_b200", "nemotron_h_12b, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
+        ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
+    Row("super_h200", "nemotron3_super, 64 H200 (8 HGX nodes)", "h200", 64, "hgx_h200", "configs/nemotron3_super.py"),
+    Row("super_b200", "nemotron3_super, 64 B200 (8 HGX nodes)", "b200", 64, "hgx_b200", "configs/nemotron3_super.py",
+        reference=MEGATRON_SUPER_B200),
+    # the same compiles as super_b200, priced as if the 64 GPUs shared one NVLink domain (no network)
+    Row("super_b200_nvl", "nemotron3_super, 64 B200 in one NVLink domain (what-if)", "b200", 64, "gb200_nvl72",
+        "configs/nemotron3_super.py", variants=("bf16", "mxfp8", "nvfp4")),
+    Row("llama8b_b200", "Llama-3-8B shape, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
+        ("--config.mesh.fsdp=8",) + LLAMA3_8B, variants=("bf16", "mxfp8", "nvfp4", "nvfp4_proved"),
+        reference=TORCHTITAN_B200),
+)}

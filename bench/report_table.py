@@ -1,0 +1,163 @@
+"""The headline table of bench/report.py: each cached compile priced by the ruler, the calibration points,
+and the block written at the top of docs/PERF.md."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+from bench import calibration
+from bench import cluster as cluster_lib
+from bench import gemm_rates
+from bench import report_cache
+from bench import report_rows
+from bench import xla_schedule
+
+ROOT = report_cache.ROOT
+PERF_MD = os.path.join(ROOT, "docs", "PERF.md")
+BEGIN, END = "<!-- bench/report.py: begin -->", "<!-- bench/report.py: end -->"
+RULER_FILES = ("bench/ruler.py", "bench/xla_schedule.py", "bench/cluster.py", "bench/gemm_rates.py", "bench/hlo_cost.py", "bench/gpu_aot.py")
+GiB = 2 ** 30
+
+
+def ruler_hash() -> str:
+  h = hashlib.sha256()
+  for f in RULER_FILES:
+    with open(os.path.join(ROOT, f), "rb") as fh:
+      h.update(fh.read())
+  return h.hexdigest()[:16]
+
+
+def priced(cache: report_cache.Cache, row: report_rows.Row, variant: str) -> dict:
+  """One cell of the table: ``dict(state="missing" | "error" | "ok", ...)``, the ruler's numbers cached
+  beside the compile under the ruler's own hash."""
+  key = cache.key(row.argv(variant), row.target)
+  meta_path, _ = cache.paths(key)
+  if not os.path.exists(meta_path):
+    return dict(state="missing")
+  with open(meta_path, encoding="utf-8") as f:
+    meta = json.load(f)
+  if meta.get("error"):
+    return dict(state="error", reason=meta["error"], date=meta.get("date", ""))
+  priced_path = os.path.join(cache.dir, f"{key}.ruler-{ruler_hash()}.json")
+  if os.path.exists(priced_path):
+    with open(priced_path, encoding="utf-8") as f:
+      return json.load(f)
+  from bench import ruler   # pylint: disable=import-outside-toplevel
+  _, text = cache.load(key)
+  res = meta["results"][0]
+  pred = ruler.predict(text, row.target, row.cluster)
+  tokens = res["tokens_per_device"]
+  active = res.get("active_params", res["params"])
+  peak = ruler.spec_peaks(row.target)["flops"]["bf16"]
+  mem = res["memory"]
+  out = dict(state="ok", date=meta.get("date", ""), step_ms=pred["step_s"] * 1e3,
+             tokens_per_s=tokens / pred["step_s"], mfu=6 * active * tokens / (pred["step_s"] * peak),
+             kernels=pred["kernels"], exposed_comm_ms=pred["exposed_comm_s"] * 1e3, comm_ms=pred["comm_s"] * 1e3,
+             floor_ms=pred["floor_s"] * 1e3, memory_gib=(mem["argument_bytes"] + mem["temp_bytes"]) / GiB,
+             roofline_ms=pred["roofline_s"] * 1e3, tokens=tokens, active_params=active,
+             compile_s=res.get("compile_s"), collectives=pred["collectives"],
+             xla=xla_schedule.compare(pred, report_cache.load_schedule(cache.dir, key)))
+  with open(priced_path, "w", encoding="utf-8") as f:
+    json.dump(out, f)
+  return out
+
+
+def _versions() -> str:
+  from importlib import metadata   # pylint: disable=import-outside-toplevel
+  out = []
+  for pkg in ("jax", "jaxlib", "jax-cuda13-plugin"):
+    try:
+      out.append(f"{pkg} {metadata.version(pkg)}")
+    except metadata.PackageNotFoundError:
+      out.append(f"{pkg} (not installed)")
+  return ", ".join(out)
+
+
+def render(cache: report_cache.Cache, rows, variants=()) -> str:
+  cells, points = [], []
+  for row in rows:
+    for v in row.variants:
+      if variants and v not in variants:
+        continue
+      c = priced(cache, row, v)
+      cells.append((row, v, c))
+      ref = row.reference
+      if ref and c["state"] == "ok" and v in ref.tokens_per_s_per_gpu:
+        points.append(calibration.Point(ref.source, ref.hardware, v, ref.tokens_per_s_per_gpu[v],
+                                        c["tokens_per_s"]))
+  b = calibration.bias(points)
+  lines = [f"**Predictions, not measurements** (no GPU ran these programs): `python bench/report.py`, "
+           f"{time.strftime('%Y-%m-%d', time.gmtime())}, {_versions()}; each program compiled without a GPU "
+           f"(bench/gpu_aot.py, 1 x 8192 tokens per GPU) and priced by bench/ruler.py. Calibration bias: "
+           f"{calibration.describe(b)}.",
+           "",
+           "| program, GPUs | variant | step ms | tokens/s/GPU | ÷ bias | MFU | kernels/step | exposed comm ms "
+           "(of all) | memory GiB/GPU | old ruler ms |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for row, v, c in cells:
+    if c["state"] == "missing":
+      lines.append(f"| {row.title} | {v} | not compiled yet (`bench/report.py --rows {row.name} --variants {v}`) "
+                   "| | | | | | | |")
+    elif c["state"] == "error":
+      lines.append(f"| {row.title} | {v} | does not compile: {c['reason'][:140].replace('|', '/')} | | | | | | | |")
+    else:
+      corrected = f"{c['tokens_per_s'] / b:,.0f}" if b else ""
+      lines.append(f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f} (optimistic)"
+                   if b and b > 1 else
+                   f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f}")
+      lines[-1] += (f" | {corrected} | {100 * c['mfu']:.1f}% | {c['kernels']:,} | {c['exposed_comm_ms']:,.1f} "
+                    f"({c['comm_ms']:,.1f}) | {c['memory_gib']:.1f} | {c['roofline_ms']:,.1f} |")
+  xla_rows = [(row, v, c["xla"]) for row, v, c in cells if c["state"] == "ok" and c.get("xla")
+              and c["xla"].get("xla_ms")]
+  lines += ["", "XLA's own estimate beside the ruler's (bench/xla_schedule.py: the latency-hiding scheduler's "
+            "schedule dumped by the same compile, its default analytical estimator; over the innermost loop "
+            "bodies, each times its executions per step, the computations whose totals XLA does not cut "
+            "short at a loop):", ""]
+  if xla_rows:
+    lines += ["| program, GPUs | variant | loop bodies | XLA's estimate ms | the ruler's ms | XLA / ruler |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {row.title} | {v} | {x['bodies']} | {x['xla_ms']:,.1f} | {x['ruler_ms']:,.1f} | "
+              f"{x['xla_ms'] / x['ruler_ms']:.2f} |" for row, v, x in xla_rows]
+  else:
+    lines.append("(no compiled row has a dumped schedule)")
+  lines += ["", "Calibration: the ruler against published measurements of the same shapes on the same GPU kind "
+            "(predicted = the table's tokens/s/GPU):", "", calibration.render(points), "", _assumptions()]
+  return "\n".join(lines)
+
+
+def _assumptions() -> str:
+  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
+  from bench import ruler   # pylint: disable=import-outside-toplevel
+  clusters = "; ".join(c.description for c in cluster_lib.CLUSTERS.values())
+  return "\n".join([
+      "Assumptions (docs/PERF.md, \"The ruler's charges\"): step = the compiled schedule walked with one "
+      "compute and one communication stream; each kernel its roofline (bytes at "
+      f"{100 * gpu_aot.HBM_DERATE:.0f}% of the datasheet HBM bandwidth, integer work at 64 int32 ops/SM/clock x "
+      f"{100 * gpu_aot.COMPUTE_DERATE:.0f}%, always charged) plus a {ruler.KERNEL_FLOOR_S * 1e6:.0f} us floor "
+      "(XLA's kKernelLaunchOverhead); GEMMs at measured rates by shape (bench/gemm_rates.py: XLA's matmul "
+      "tables for H100 and B200, TileLang's H800 FP8; block-scaled MXFP8/NVFP4 assumed at FP8's measured "
+      f"fraction of their peak: {', '.join(sorted(gemm_rates.ASSUMED))}); collectives on {clusters}; ring "
+      "factors (n-1)/n (all-gather, reduce-scatter on the full buffer), 2(n-1)/n (all-reduce), all-to-all split "
+      "NVLink/network; 5 us per collective inside a node, XLA's SoL launch and round-trip terms across nodes. "
+      "The B200 programs are compiled with XLA's Triton GEMM emitter off (cuBLAS; a deviceless-compile "
+      "workaround). MFU = 6 x active parameters x tokens / (step x datasheet bf16 peak). \"÷ bias\": the "
+      "tokens/s divided by the calibration bias. \"old ruler\": the flat-80% roofline this replaces (no floor, "
+      "no communication, integer work charged). A cell that does not compile says why."])
+
+
+def write_perf(block: str, path: str = PERF_MD) -> None:
+  """Replaces the report block at the top of docs/PERF.md (or puts it under the title)."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  new = f"{BEGIN}\n{block}\n{END}"
+  if BEGIN in text and END in text:
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    text = head + new + tail
+  else:
+    title, _, rest = text.partition("\n")
+    text = f"{title}\n\n## Headline (bench/report.py)\n\n{new}\n{rest}"
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)

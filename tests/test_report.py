@@ -1,0 +1,55 @@
+"""bench/report.py's table from its on-disk cache, without compiling: a row that failed to compile is
+printed with its reason, a missing one says how to make it, a compiled one is priced by the ruler and
+labelled a prediction, and the table replaces only its own block of docs/PERF.md."""
+import gzip
+import json
+
+from bench import report_cache
+from bench import report_rows
+from bench import report_table
+
+HLO = """HloModule m, is_scheduled=true, num_partitions=8
+
+%fused_neg (p0: f32[1048576]) -> f32[1048576] {
+  %p0 = f32[1048576]{0} parameter(0)
+  ROOT %n = f32[1048576]{0} negate(%p0)
+}
+
+ENTRY %main (a: f32[1048576]) -> f32[1048576] {
+  %a = f32[1048576]{0} parameter(0)
+  ROOT %r = f32[1048576]{0} fusion(%a), kind=kLoop, calls=%fused_neg
+}
+"""
+
+
+def _put(cache, row, variant, meta, hlo=None):
+  key = cache.key(row.argv(variant), row.target)
+  meta_path, hlo_path = cache.paths(key)
+  with open(meta_path, "w", encoding="utf-8") as f:
+    json.dump(meta, f)
+  if hlo is not None:
+    with gzip.open(hlo_path, "wt", encoding="utf-8") as f:
+      f.write(hlo)
+
+
+def test_the_table_from_the_cache(tmp_path, monkeypatch):
+  monkeypatch.setattr(report_cache.Cache, "code", "fixed")     # no git call: the key's code part fixed
+  cache = report_cache.Cache(str(tmp_path))
+  row = report_rows.ROWS["llama8b_b200"]
+  _put(cache, row, "mxfp8", dict(error="NotImplementedError: mxfp8 grouped GEMM", date="2026-12-03"))
+  _put(cache, row, "bf16", dict(date="2026-12-03", results=[dict(
+      tokens_per_device=8192, params=8.03e9, active_params=8.03e9, compile_s=1.0,
+      memory=dict(argument_bytes=2 ** 33, temp_bytes=2 ** 34, output_bytes=0, alias_bytes=0))]), HLO)
+  text = report_table.render(cache, [row])
+  assert "| mxfp8 | does not compile: NotImplementedError: mxfp8 grouped GEMM |" in text
+  assert "bench/report.py --rows llama8b_b200 --variants nvfp4" in text          # not compiled yet
+  assert "Predictions, not measurements" in text and "| 24.0 |" in text           # 8 + 16 GiB per GPU
+  bf16 = next(l for l in text.splitlines() if l.startswith("| Llama-3-8B shape, 8 B200 | bf16 |"))
+  assert "(optimistic)" in bf16          # one fusion: far faster than torchtitan, so the bias is above 1
+  perf = tmp_path / "PERF.md"
+  perf.write_text("# Performance log\n\nolder entries\n")
+  report_table.write_perf("first", str(perf))
+  report_table.write_perf("second", str(perf))
+  out = perf.read_text()
+  assert out.count(report_table.BEGIN) == 1 and "second" in out and "first" not in out
+  assert out.startswith("# Performance log") and out.endswith("older entries\n")
