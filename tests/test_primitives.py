@@ -202,6 +202,7 @@ def test_vmap_xla():
   assert_same_qtensor(jax.tree.map(lambda t: t[1], qs), quantize_reference(xs[1], "nvfp4"))
 
 
+@pytest.mark.slow   # covered by test_vmap_xla and test_api_quantize_dequantize_equal_reference's pallas cases
 def test_vmap_pallas():
   impl = "pallas"
   xs = _x((3, 32, 64))

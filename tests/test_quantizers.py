@@ -104,7 +104,8 @@ def _chunked(q, rows):
   return jax.tree.map(split, q)
 
 
-@pytest.mark.parametrize("name", [pytest.param("4/6", marks=pytest.mark.slow), "dbq", "eden"])
+@pytest.mark.parametrize("name", [pytest.param("4/6", marks=pytest.mark.slow), "dbq",
+                                  pytest.param("eden", marks=pytest.mark.slow)])   # one format by default: dbq
 def test_grouped_gemm_is_one_gemm_per_group(name):
   """gemm.grouped_matmul with traced group sizes (an empty group, rows past the last one): per group the
   dense GEMM of that group's rows, bit for bit on the CPU; zeros past the groups."""
@@ -165,6 +166,7 @@ def test_row_scaled_nvfp4_is_one_tensor_per_row():
                                 np.concatenate([np.asarray(gemm.matmul(r, qw)) for r in rows]))
 
 
+@pytest.mark.slow   # covered by test_dot.py::test_switching_one_gemm_to_bf16_changes_exactly_that_gemm
 def test_dot_takes_a_table_of_roles_with_one_role_replaced():
   """A Recipe's roles are data: the same dot runs a table with one role swapped (a per-GEMM override),
   and the table of an unchanged recipe gives the recipe's bits."""
