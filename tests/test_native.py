@@ -226,11 +226,11 @@ def _both(fn, *args):
   return [jax.jit(lambda *a: fn(*a, impl=i))(*args) for i in ("native", "xla")]
 
 
-# By default nvfp4, row-scaled and DBQ on the tiling with the most items per group. Under -m slow: 4/6 and
-# MS-EDEN (their tokens and dot tests), the dgrad tiles and the other tilings (test_grouped_dot_value_and_grad_
-# native_equals_xla[nvfp4] runs fprop and dgrad on the default tiling).
+# By default nvfp4 and row-scaled on the tiling with the most items per group. Under -m slow: 4/6, MS-EDEN and
+# DBQ (their tokens tests and test_native_equals_xla_path_bit_for_bit), the dgrad tiles and the other tilings
+# (test_grouped_dot_value_and_grad_native_equals_xla[nvfp4] runs fprop and dgrad on the default tiling).
 @pytest.mark.parametrize("name, tiling", [
-    (n, t) if t == "tiles of A" and n in ("nvfp4 x tiles", "row-scaled", "DBQ")
+    (n, t) if t == "tiles of A" and n in ("nvfp4 x tiles", "row-scaled")
     else pytest.param(n, t, marks=pytest.mark.slow)
     for n in ROWS_PAIRS for t in TILINGS])
 def test_grouped_rows_native_equals_xla(name, tiling, monkeypatch):

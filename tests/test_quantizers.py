@@ -26,10 +26,11 @@ QUANTIZERS = {
 }
 
 
-# Slow: 4/6 (tested in test_recipes_four_over_six); eden and dbq (their grouped GEMM below, and "dbq sr" here);
-# mxfp8 (test_recipes_mxfp8_row_scaled). Each 15-60 s on 2 loaded cores.
+# Slow: 4/6 (tested in test_recipes_four_over_six); eden and dbq ("dbq sr" here, dbq's grouped GEMM below);
+# mxfp8 (test_recipes_mxfp8_row_scaled); fp8 (test_numerics_quantize.py::test_shapes_and_dtypes). Each 15-60 s
+# on 2 loaded cores.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n.startswith("4/6") or n in ("eden", "dbq", "mxfp8") else n
+                                  if n.startswith("4/6") or n in ("eden", "dbq", "mxfp8", "fp8") else n
                                   for n in QUANTIZERS])
 def test_every_format_is_one_qtensor(name):
   q = QUANTIZERS[name]
