@@ -46,9 +46,11 @@ def eager_and_jit(fn, *args):
   return eager, jax.jit(fn)(*args)
 
 
-@pytest.mark.parametrize("fmt, kw", [
-    ("nvfp4", {}), ("nvfp4", {"tile": (16, 16)}), ("nvfp4", {"axis": 0}), ("mxfp4", {}),
-    ("mxfp4", {"scale_rule": "floor"}), ("fp8", {}), ("fp8", {"scaling": "tensor"})])
+@pytest.mark.parametrize("fmt, kw", [   # by default each format's plain quantize and scaled matmul
+    ("nvfp4", {}), pytest.param("nvfp4", {"tile": (16, 16)}, marks=pytest.mark.slow),
+    pytest.param("nvfp4", {"axis": 0}, marks=pytest.mark.slow), ("mxfp4", {}),
+    pytest.param("mxfp4", {"scale_rule": "floor"}, marks=pytest.mark.slow), ("fp8", {}),
+    pytest.param("fp8", {"scaling": "tensor"}, marks=pytest.mark.slow)])
 def test_quantize_dequantize_scaled_matmul(fmt, kw):
   x, w = _inputs()
   if fmt == "fp8":   # blocks of 128 along K

@@ -217,6 +217,7 @@ def test_dgrad_weight_is_the_fprop_weight_transposed(preset, weight_2d):
   assert _rel(w_fprop, w) < 0.15 and _rel(w_dgrad, w) < 0.15
 
 
+@pytest.mark.slow   # covered by test_dgrad_weight_is_the_fprop_weight_transposed[nvfp4-True]
 @pytest.mark.parametrize("recipe, expected", [("nvfp4", True)] + [
     pytest.param(r, e, marks=pytest.mark.slow) for r, e in (
         ("fp8", True), ("nvfp4_bf16_fprop", False), (recipes.nvfp4(four_over_six="weights"), False))])
@@ -277,6 +278,7 @@ def _z_scores(samples_mean, ref, var, n):
   return np.asarray((samples_mean - ref) / jnp.sqrt(var / n + 1e-30))
 
 
+@pytest.mark.slow   # covered by test_numerics_quantize.py::test_stochastic_rounding_unbiased_through_nvfp4
 def test_stochastic_rounding_makes_dgrad_and_wgrad_unbiased():
   m, k, n_out, n_keys = 64, 32, 32, 512
   x, w, dy = _normal(0, (m, k)), _normal(1, (k, n_out)), _normal(2, (m, n_out))

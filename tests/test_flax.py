@@ -87,6 +87,7 @@ def test_linen_rng_stream():
     nn.Dense(D_OUT, dot_general_cls=functools.partial(Fp4DotGeneral, recipe="fp3")).init(jax.random.key(0), x)
 
 
+@pytest.mark.slow   # a Linen scan over remat blocks: test_models_lm.py's test_scan_matches_the_unrolled_model
 def test_linen_scan_over_remat_layers():
   layers = 3
 

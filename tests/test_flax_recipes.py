@@ -49,6 +49,7 @@ def _dot_value_and_grads(recipe, x, w, key):
   return y, jax.grad(loss, argnums=(0, 1))(x, w)
 
 
+@pytest.mark.slow   # covered by test_flax.py::test_linen_dense_general_is_fp4jax_dot_general
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r.startswith("quartet2") or r == "nvfp4_4over6"
                                     else r for r in RECIPES])   # Quartet II's dot: test_recipes_quartet2; 4/6: test_recipes_four_over_six
 def test_linen_dense_equals_dot(recipe):

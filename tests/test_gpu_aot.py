@@ -112,6 +112,7 @@ def test_small_train_step_compiles_for_one_h200(tmp_path):
   assert report["results"][0]["memory"]["temp_bytes"] > 0
 
 
+@pytest.mark.slow   # the attention implementations: test_models_attention.py's test_attend_agrees_across_...
 @needs_plugin
 def test_12b_slice_compiles_with_cudnn_attention(tmp_path):
   """The 12B as an H200 runs it, compiled without one: attention_impl="auto" is decided for the

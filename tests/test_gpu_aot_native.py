@@ -104,6 +104,7 @@ def test_presets_listed():
   assert _quantized_gemms("tetrajet2") == {"fprop": 4, "dgrad": 2, "wgrad": 2}
 
 
+@pytest.mark.slow   # covered by test_native.py::test_native_runs_the_block_scaled_op_on_cuda_only
 @needs_plugin
 @pytest.mark.parametrize("presets", [pytest.param(["nvfp4", "nvfp4_bf16_fprop"], id="nvfp4"),
                                      pytest.param(NVFP4_PRESETS, id="every", marks=pytest.mark.slow)])

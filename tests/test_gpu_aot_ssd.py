@@ -15,6 +15,7 @@ from test_gpu_aot import KERNEL_BUDGET_S, RSS_BUDGET_GIB, _check, _gpu_aot, need
 SHAPE = "1,512,16,64,2,128"   # B, L, H, P, G, N
 
 
+@pytest.mark.slow   # covered by the kernels in interpret mode: test_models_ssd_pallas.py
 @needs_plugin
 @pytest.mark.parametrize("target", ["h200", pytest.param("b200", marks=pytest.mark.slow)])
 def test_ssd_kernels_compile_forward_and_backward(tmp_path, target):

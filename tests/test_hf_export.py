@@ -46,6 +46,7 @@ def _write_hf(directory, params, config=CONFIG):
 
 # ------------------------------------------------------------------------------ transformers as the judge
 
+@pytest.mark.slow   # covered by transformers' logits: test_moe_hf.py::test_transformers_logits_and_choices_equal_ours
 def test_transformers_logits_equal_ours(tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
@@ -234,6 +235,7 @@ def test_sharded_weights_round_trip(tmp_path):
     np.testing.assert_array_equal(back[name], value)
 
 
+@pytest.mark.slow   # covered by the NVFP4 export: test_nvfp4_layout_is_modelopts; the CLI: test_export_import_round_trip_is_exact
 def test_nvfp4_cli_writes_modelopt_files(run_dir, tmp_path, capsys):
   text = tmp_path / "calib.txt"
   text.write_text("def f(x):\n    return x * 2\n" * 40)

@@ -60,6 +60,7 @@ def test_rejects_a_bad_chunk():
     chunked_cross_entropy(x, w, targets, chunk=0)
 
 
+@pytest.mark.slow   # covered by the model's loss: test_mtp.py::test_loss_is_the_masked_cross_entropy_of_each_depths_logits
 def test_language_model_loss_equals_cross_entropy_of_its_logits():
   # The shrunken model (one block of each kind), 4 strided chunks, 6 padded columns; both losses jitted
   # (op by op, the tiny model took ~90 s).

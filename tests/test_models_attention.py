@@ -31,7 +31,8 @@ CASES = [  # (B, L, S, H, K, P, block, first query position)
     pytest.param(2, 16, 16, 4, 4, 8, 4, 0, marks=pytest.mark.slow),   # MHA, blocks divide L (GQA's case below)
     (2, 19, 19, 6, 2, 8, 8, 0),      # GQA (3 query heads per KV head), ragged last block
     pytest.param(1, 32, 32, 8, 1, 16, 32, 0, marks=pytest.mark.slow),    # MQA, one block
-    (2, 3, 24, 4, 2, 8, 8, 10),      # decode: 3 new queries at positions 10..12 over a 24-key cache
+    pytest.param(2, 3, 24, 4, 2, 8, 8, 10, marks=pytest.mark.slow),   # decode: 3 new queries at positions 10..12
+    # over a 24-key cache (decode offsets: test_attend_agrees_across_implementations_with_and_without_offsets)
     pytest.param(2, 1, 24, 4, 2, 8, 5, 23, marks=pytest.mark.slow),      # decode: the last position
 ]
 
@@ -76,6 +77,7 @@ def test_never_holds_the_score_matrix():
   assert temp < scores / 4, (temp, scores)   # a few blocks of B x H x L x 64 scores, each 1/32 of L x L
 
 
+@pytest.mark.slow   # covered by test_attend_agrees_across_implementations_with_and_without_offsets
 def test_auto_is_chunked_off_gpu_and_model_impls_agree():
   config = get_model_config("tiny", pattern="*", attention_block=8)
   if jax.default_backend() != "gpu":

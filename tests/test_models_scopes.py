@@ -38,6 +38,7 @@ def test_scopes_change_no_operation(monkeypatch, preset, recipe):
   assert str(jax.make_jaxpr(fn)(params)) == scoped
 
 
+@pytest.mark.slow   # covered by test_profile_names.py::test_grad_of_dot_is_named
 def test_parts_name_the_compiled_gradient():
   """Every part of a trained hybrid is in the compiled CPU HLO's op_names, forward and backward, and
   bench/hlo_cost.py charges the non-GEMM work to them rather than to "unscoped"."""

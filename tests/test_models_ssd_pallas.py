@@ -131,6 +131,7 @@ class TestAgainstReferences:
     np.testing.assert_allclose(y, y_ref, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(final, final_ref, rtol=2e-5, atol=2e-5)
 
+  @pytest.mark.slow   # covered by test_forward_matches_the_naive_loop
   def test_bf16_inputs_compute_in_f32(self):
     args = _inputs(3, dtype=jnp.bfloat16)
     y, final, grads = jax.jit(functools.partial(_vjp, _kernel))(args)

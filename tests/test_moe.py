@@ -78,6 +78,7 @@ def test_sequence_aux_loss_is_one_when_balanced_and_uniform():
   assert abs(float(moe.sequence_aux_loss(scores, experts, 4)) - 1.0) < 1e-6
 
 
+@pytest.mark.slow   # covered by test_load_metrics_and_bias_update
 def test_train_step_moves_the_bias_not_by_gradient():
   model = LanguageModel(CONFIG.replace(moe_aux_loss_weight=0.01), "bf16")
   tx = optax.adamw(1e-3)

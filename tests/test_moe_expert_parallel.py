@@ -374,6 +374,7 @@ def _drop_run(tmp_path, cases):
   return _run(_DROP_DRIVER.format(root=ROOT, cases=cases, path=path)), np.load(path)
 
 
+@pytest.mark.slow   # covered by test_moe.py::test_dropped_pairs_are_a_metric_and_a_log_line
 def test_receive_factor_drops_by_rank_and_the_dropped_add_nothing(tmp_path):
   """factor 1.25 (a budget of 120 of a device's 96-pair average; the skewed routing sends some devices
   more): the drop count and the dropped pairs are those of the rule (numpy), a dropped pair's output is

@@ -35,8 +35,9 @@ def _case(recipe, counts, k=64, n=48, seed=0):
   return jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32), jnp.asarray(dy), tokens
 
 
-# nvfp4 in the default suite (~15 s, one compile per expert's fp4jax.dot); the others ~20-140 s each. The packed
+# nvfp4 ~15 s (one compile per expert's fp4jax.dot); the others ~20-140 s each. The packed
 # SR layout (Recipe.sr_bits) reads each expert's window of its own packed draw, as the default layout does.
+@pytest.mark.slow   # covered by test_random_groups_and_rows_past_the_end[nvfp4]
 @pytest.mark.parametrize("recipe", [r if r == "nvfp4" else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES]
                          + [pytest.param(PACKED, marks=pytest.mark.slow, id="nvfp4_packed")])
 def test_grouped_equals_per_expert_dots(recipe):

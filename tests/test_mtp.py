@@ -266,6 +266,7 @@ def test_export_refuses_an_mtp_pattern_vllm_cannot_build():
     hf.to_hf_config(CONFIG.replace(mtp_pattern="*-"))
 
 
+@pytest.mark.slow   # covered by the per-expert export: test_moe_hf.py::test_nvfp4_export_covers_the_experts_bit_identical_to_training
 def test_nvfp4_export_of_quantized_mtp_experts_is_per_expert():
   config = EXPORT.replace(precision="all_fp4")
   tensors, excluded = hf.to_hf_nvfp4(_random_params(config), config, "nvfp4")

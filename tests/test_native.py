@@ -103,7 +103,7 @@ def test_transposed_tiles_decode_to_the_transpose(four_over_six):
   np.testing.assert_array_equal(_bits(_independent(qt, op)), _bits(fp4jax.dequantize(q).T))
 
 
-@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("stochastic", [False, pytest.param(True, marks=pytest.mark.slow)])   # SR x RHT: test_native_equals_xla_path_bit_for_bit
 def test_rht_wgrad_operand_is_taken_as_it_is(stochastic):
   """The paper's wgrad operand: RHT-16 along the tokens of xᵀ, then 1x16 along the tokens (the GEMM's K)."""
   quant = Quantizer("nvfp4", stochastic=stochastic, rht_size=16)
@@ -226,10 +226,12 @@ def _both(fn, *args):
   return [jax.jit(lambda *a: fn(*a, impl=i))(*args) for i in ("native", "xla")]
 
 
-# Every format on the tiling with the most items per group; the other two tilings for nvfp4 by default.
+# By default nvfp4 and row-scaled on the tiling with the most items per group. Under -m slow: 4/6, MS-EDEN and
+# DBQ (their tokens tests and test_native_equals_xla_path_bit_for_bit), the dgrad tiles and the other tilings
+# (test_grouped_dot_value_and_grad_native_equals_xla[nvfp4] runs fprop and dgrad on the default tiling).
 @pytest.mark.parametrize("name, tiling", [
-    (n, t) if (t == "tiles of A" and n not in ("4/6", "MS-EDEN")) or n == "nvfp4 x tiles"
-    else pytest.param(n, t, marks=pytest.mark.slow)   # 4/6 and MS-EDEN: their tokens and dot tests below
+    (n, t) if t == "tiles of A" and n in ("nvfp4 x tiles", "row-scaled")
+    else pytest.param(n, t, marks=pytest.mark.slow)
     for n in ROWS_PAIRS for t in TILINGS])
 def test_grouped_rows_native_equals_xla(name, tiling, monkeypatch):
   """fprop / dgrad: y (S, N), the rows ragged; rows past the last group give zeros on both paths. The same
@@ -269,8 +271,12 @@ def _summation_close(got, want, rtol=0.0):
   np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=1e-5 * np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("tiling", list(TILINGS))
-@pytest.mark.parametrize("name", list(TOKENS_PAIRS))
+# By default the bit-exact nvfp4 case on every tiling and MS-EDEN on one; the others under -m slow (RHT and
+# SR: test_native_equals_xla_path_bit_for_bit).
+@pytest.mark.parametrize("name, tiling", [
+    (n, t) if n == "nvfp4 dyadic" or (n == "MS-EDEN" and t == "tiles of 2A")
+    else pytest.param(n, t, marks=pytest.mark.slow)
+    for n in TOKENS_PAIRS for t in TILINGS])
 def test_grouped_tokens_native_equals_xla(name, tiling, monkeypatch):
   """wgrad: dw (E, K, N), the contraction ragged; empty groups give 0. The native items contract their
   tile's rows with the others' block scales zeroed (and a group's items' partials summed), the XLA path
@@ -305,6 +311,7 @@ def test_grouped_tokens_dbq_native_equals_xla():
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow   # covered by test_grouped_rows_native_equals_xla and test_grouped_tokens_native_equals_xla
 def test_items_cover_every_row_once():
   """The work items: each row inside the groups in exactly one item of its group and its tile."""
   for seed in range(20):
@@ -395,8 +402,8 @@ def test_every_nvfp4_preset_is_covered():
   assert set(NVFP4_PRESETS) == set(fp4jax.recipes.NAMES) - {"mxfp4", "mxfp8", "fp8", "bf16"}
 
 
-# One preset per scheme and weight layout in the default suite (seconds each); the others under -m slow.
-_FAST = ("nvfp4", "nvfp4_no_2d", "nvfp4_4over6", "quartet2", "tetrajet2")
+# nvfp4 in the default suite; the other presets (each scheme's GEMM: test_native_equals_xla_path_bit_for_bit) under -m slow.
+_FAST = ("nvfp4",)
 
 
 @pytest.mark.parametrize("recipe", [r if r in _FAST else pytest.param(r, marks=pytest.mark.slow)

@@ -33,12 +33,13 @@ def normal(shape, seed=0, dtype=jnp.float32, scale=1.0):
 @pytest.mark.parametrize("fmt, kw, data_shape, scale_shape", [
     ("nvfp4", {}, (64, 64), (64, 8)),
     ("nvfp4", {"tile": (16, 16)}, (64, 64), (4, 8)),
-    ("nvfp4", {"axis": 0}, (32, 128), (4, 128)),
+    # other axes: test_any_axis_equals_moving_it_last; fp8's tile and tensor scaling: test_fp8_block_and_tile_scaling
+    pytest.param("nvfp4", {"axis": 0}, (32, 128), (4, 128), marks=pytest.mark.slow),
     ("mxfp4", {}, (64, 64), (64, 4)),
-    ("mxfp4", {"axis": 0}, (32, 128), (2, 128)),
+    pytest.param("mxfp4", {"axis": 0}, (32, 128), (2, 128), marks=pytest.mark.slow),
     ("fp8", {}, (64, 128), (64, 1)),
-    ("fp8", {"tile": (128, 128)}, (64, 128), (1, 1)),
-    ("fp8", {"scaling": "tensor"}, (64, 128), ()),
+    pytest.param("fp8", {"tile": (128, 128)}, (64, 128), (1, 1), marks=pytest.mark.slow),
+    pytest.param("fp8", {"scaling": "tensor"}, (64, 128), (), marks=pytest.mark.slow),
 ])
 def test_shapes_and_dtypes(fmt, kw, data_shape, scale_shape):
   x = normal((64, 128))
@@ -79,7 +80,8 @@ def test_tiles_are_16x16_blocks_with_one_scale():
       assert bits_of(q.scale)[i, j] == bits_of(b.scale)[0]
 
 
-@pytest.mark.parametrize("shape", [(16, 16), (48, 80), (5, 64, 32)])
+@pytest.mark.parametrize("shape", [(16, 16), pytest.param((48, 80), marks=pytest.mark.slow),   # several tiles:
+                                   (5, 64, 32)])                                          # as (5, 64, 32)
 def test_2d_transpose_gives_transposed_codes_and_scales(shape):
   w = normal(shape, seed=1, scale=3.0)
   wt = jnp.swapaxes(w, -1, -2)
@@ -93,7 +95,9 @@ def test_2d_transpose_gives_transposed_codes_and_scales(shape):
   assert (np.asarray(jnp.swapaxes(codes_of(c), -1, -2)) != np.asarray(codes_of(d))).mean() > 0.05
 
 
-@pytest.mark.parametrize("fmt, tile, shape", [("nvfp4", (16, 16), (48, 80)), ("fp8", (128, 128), (128, 256))])
+# fp8's tiles by default: test_fp8_block_and_tile_scaling
+@pytest.mark.parametrize("fmt, tile, shape", [("nvfp4", (16, 16), (48, 80)),
+                                              pytest.param("fp8", (128, 128), (128, 256), marks=pytest.mark.slow)])
 def test_transpose_tiles_equals_quantizing_the_transpose(fmt, tile, shape):
   w = normal(shape, seed=6, scale=2.0)
   t = transpose_tiles(fp4jax.quantize(w, fmt, tile=tile))
@@ -194,7 +198,8 @@ def test_stochastic_rounding_unbiased_through_nvfp4(sr_bits):
   assert np.abs(err).mean() < np.abs(nearest - target).mean() / 4
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [d if d == jnp.float32 else pytest.param(d, marks=pytest.mark.slow)
+                                   for d in DTYPES])   # the other input dtypes: test_idempotence_bit_for_bit
 def test_jit_and_vmap(dtype):
   x = normal((4, 32, 64), dtype=dtype)
   eager = fp4jax.quantize(x, "nvfp4")

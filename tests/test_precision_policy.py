@@ -264,6 +264,7 @@ def test_two_recipes_keep_independent_keys(monkeypatch):
   assert [k for _, k in mixed] == [k for _, k in keys["plain"]]     # by layer, whatever its recipe
 
 
+@pytest.mark.slow   # covered by test_models_policy.py::test_model_routes_exactly_the_policy_layers_through_the_quantized_dot
 def test_scanned_blocks_follow_the_rules():
   config = _tiny(pattern="M-M-M-M-", precision=[("blocks_{-2:}/*", "bf16"), ("*/out_proj", "mxfp8"),
                                                  ("*", "recipe")], bf16_last_blocks=0)

@@ -26,10 +26,11 @@ QUANTIZERS = {
 }
 
 
-# Slow: 4/6 (tested in test_recipes_four_over_six); eden and dbq (their grouped GEMM below, and "dbq sr" here);
-# mxfp8 (test_recipes_mxfp8_row_scaled). Each 15-60 s on 2 loaded cores.
+# Slow: 4/6 (tested in test_recipes_four_over_six); eden and dbq ("dbq sr" here, dbq's grouped GEMM below);
+# mxfp8 (test_recipes_mxfp8_row_scaled); fp8 (test_numerics_quantize.py::test_shapes_and_dtypes). Each 15-60 s
+# on 2 loaded cores.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n.startswith("4/6") or n in ("eden", "dbq", "mxfp8") else n
+                                  if n.startswith("4/6") or n in ("eden", "dbq", "mxfp8", "fp8") else n
                                   for n in QUANTIZERS])
 def test_every_format_is_one_qtensor(name):
   q = QUANTIZERS[name]
@@ -104,7 +105,8 @@ def _chunked(q, rows):
   return jax.tree.map(split, q)
 
 
-@pytest.mark.parametrize("name", [pytest.param("4/6", marks=pytest.mark.slow), "dbq", "eden"])
+@pytest.mark.parametrize("name", [pytest.param("4/6", marks=pytest.mark.slow), "dbq",
+                                  pytest.param("eden", marks=pytest.mark.slow)])   # one format by default: dbq
 def test_grouped_gemm_is_one_gemm_per_group(name):
   """gemm.grouped_matmul with traced group sizes (an empty group, rows past the last one): per group the
   dense GEMM of that group's rows, bit for bit on the CPU; zeros past the groups."""
@@ -165,6 +167,7 @@ def test_row_scaled_nvfp4_is_one_tensor_per_row():
                                 np.concatenate([np.asarray(gemm.matmul(r, qw)) for r in rows]))
 
 
+@pytest.mark.slow   # covered by test_dot.py::test_switching_one_gemm_to_bf16_changes_exactly_that_gemm
 def test_dot_takes_a_table_of_roles_with_one_role_replaced():
   """A Recipe's roles are data: the same dot runs a table with one role swapped (a per-GEMM override),
   and the table of an unchanged recipe gives the recipe's bits."""

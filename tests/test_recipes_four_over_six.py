@@ -286,6 +286,7 @@ def _paper_dot_from_numerics(recipe, precision, out_dtype, x, w, key):
   return f(x, w)
 
 
+@pytest.mark.slow   # covered by test_dot_with_four_over_six_forward
 def test_the_paper_recipe_equals_its_numerics_bit_for_bit():
   """fp4jax.dot's paper recipe equals its transcription from the numerics modules (forward, dgrad and
   wgrad, with the same random bits): an independent check of the quantizers and the one custom_vjp."""
@@ -300,7 +301,8 @@ def test_the_paper_recipe_equals_its_numerics_bit_for_bit():
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("role", [pytest.param("weights", marks=pytest.mark.slow), "activations", "all"])
+@pytest.mark.parametrize("role", [pytest.param("weights", marks=pytest.mark.slow),   # each role: "all"
+                                  pytest.param("activations", marks=pytest.mark.slow), "all"])
 def test_dot_with_four_over_six_forward(role):
   recipe = recipes.nvfp4(four_over_six=role)
   x = jax.random.normal(jax.random.key(0), (32, 64)) * 2

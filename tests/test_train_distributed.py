@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from configs import shrunken
 from training import sharding
@@ -63,6 +64,7 @@ def _losses(workdir):
     return np.asarray([r["last_loss"] for r in map(json.loads, f) if r["kind"] == "train"])
 
 
+@pytest.mark.slow   # covered by the mesh: test_sharding_mesh.py::test_eight_devices
 def test_8_device_mesh_and_2_processes_match_1_device(tmp_path):
   base = {"eval.batches": 1, "checkpoint.every_steps": 2}
   mesh8 = str(tmp_path / "mesh8")
