@@ -14,6 +14,7 @@ only change how the run is watched or stored (``FREE_FIELDS``) may change freely
 from __future__ import annotations
 
 import dataclasses
+import copy
 import datetime
 import json
 import os
@@ -178,6 +179,9 @@ def check_resume(workdir: str, config, step: int | None) -> Resume:
       messages.append(f"warning: the work directory {workdir} has checkpoints but no config record "
                       f"({CONFIG_FILE}, {HISTORY_FILE}); the resume cannot check the config")
     return Resume(step, {}, tuple(messages))
+  if config.get("sr_bits") is None:   # not chosen: the run keeps the stream its record names
+    config = copy.deepcopy(config)
+    config_lib.keep_recorded_sr_bits(config, before)
   changes = config_changes(before, config)
   if step is None:
     return Resume(None, changes, tuple(messages))
