@@ -17,7 +17,8 @@ from bench import xla_schedule
 ROOT = report_cache.ROOT
 PERF_MD = os.path.join(ROOT, "docs", "PERF.md")
 BEGIN, END = "<!-- bench/report.py: begin -->", "<!-- bench/report.py: end -->"
-RULER_FILES = ("bench/ruler.py", "bench/xla_schedule.py", "bench/cluster.py", "bench/gemm_rates.py", "bench/hlo_cost.py", "bench/gpu_aot.py")
+RULER_FILES = ("bench/ruler.py", "bench/xla_schedule.py", "bench/cluster.py", "bench/gemm_rates.py", "bench/hlo_cost.py",
+               "bench/gpu_aot.py", "bench/peaks.py")
 GiB = 2 ** 30
 
 
@@ -128,14 +129,14 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
 
 
 def _assumptions() -> str:
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
+  from bench import peaks as peak_rates   # pylint: disable=import-outside-toplevel
   from bench import ruler   # pylint: disable=import-outside-toplevel
   clusters = "; ".join(c.description for c in cluster_lib.CLUSTERS.values())
   return "\n".join([
       "Assumptions (docs/PERF.md, \"The ruler's charges\"): step = the compiled schedule walked with one "
       "compute and one communication stream; each kernel its roofline (bytes at "
-      f"{100 * gpu_aot.HBM_DERATE:.0f}% of the datasheet HBM bandwidth, integer work at 64 int32 ops/SM/clock x "
-      f"{100 * gpu_aot.COMPUTE_DERATE:.0f}%, always charged) plus a {ruler.KERNEL_FLOOR_S * 1e6:.0f} us floor "
+      f"{100 * peak_rates.HBM_DERATE:.0f}% of the datasheet HBM bandwidth, integer work at 64 int32 ops/SM/clock x "
+      f"{100 * peak_rates.COMPUTE_DERATE:.0f}%, always charged) plus a {ruler.KERNEL_FLOOR_S * 1e6:.0f} us floor "
       "(XLA's kKernelLaunchOverhead); GEMMs at measured rates by shape (bench/gemm_rates.py: XLA's matmul "
       "tables for H100 and B200, TileLang's H800 FP8; block-scaled MXFP8/NVFP4 assumed at FP8's measured "
       f"fraction of their peak: {', '.join(sorted(gemm_rates.ASSUMED))}); collectives on {clusters}; ring "

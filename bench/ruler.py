@@ -35,6 +35,7 @@ import re
 
 from bench import cluster as cluster_lib
 from bench import gemm_rates
+from bench import peaks as peak_rates
 from bench import hlo_cost
 
 KERNEL_FLOOR_S = 1e-6
@@ -44,13 +45,11 @@ _ASYNC_DONE = ("all-gather-done", "all-reduce-done", "collective-permute-done", 
 
 def peaks(target: str) -> dict:
   """bench/gpu_aot.py's derated rates with the integer rate (integer work is always charged)."""
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
-  return gpu_aot.peaks(target, "derated", int_ops=True)
+  return peak_rates.peaks(target, "derated", int_ops=True)
 
 
 def spec_peaks(target: str) -> dict:
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
-  return gpu_aot.peaks(target, "spec")
+  return peak_rates.peaks(target, "spec")
 
 
 @dataclasses.dataclass
