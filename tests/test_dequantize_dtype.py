@@ -1,5 +1,5 @@
 """``fp4jax.dequantize`` to a dtype JAX does not compute in: float64 without x64 gives float32 and a warning,
-as ``jnp.astype`` does, instead of an MLIR verifier error (issue 20, item 9)."""
+as ``jnp.astype`` does, instead of an MLIR verifier error."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,4 +1,4 @@
-"""The wgrad's RHT quantize reads its operand once (issue 30, item 2): fp4jax.dot takes both tensor amaxes
+"""The wgrad's RHT quantize reads its operand once: fp4jax.dot takes both tensor amaxes
 of x (fprop 1x16, wgrad RHT) and of dy (dgrad 1x16, wgrad RHT) from one reduction each
 (``quantizers.shared_amaxes``), and the values and gradients are bit for bit those of the dot that
 reads each amax on its own (max is exact in any order, so the bits are pinned), on the XLA path and

@@ -1,4 +1,4 @@
-"""The emulation-overhead cuts of issue 22 give the same bits on the CPU as the code they replace.
+"""The emulation-overhead cuts of the XLA composition give the same bits on the CPU as the code they replace.
 
 ``kernels.quantize_rht_t.rht_amax(..., one_pass=True)`` (the NVFP4 tensor amax after the RHT, which
 ``fp4jax.api`` now takes for both impls) runs the butterfly on strided row slices instead of
@@ -74,7 +74,7 @@ def test_one_pass_rht_amax_on_bf16_extremes():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_rht_amaxes_are_the_two_amaxes_from_one_read(dtype):
-  """``rht_amaxes`` (what fp4jax.dot gives the rows quantize and the wgrad, issue 30 item 2) equals
+  """``rht_amaxes`` (what fp4jax.dot gives the rows quantize and the wgrad) equals
   ``nvfp4.tensor_amax`` and the one-pass ``rht_amax`` bit for bit; a NaN input makes both NaN (where
   ``jnp.max(|x|)`` may lose it on the CPU: its value is not compared then), and it is one reduce op."""
   cases = _cases()

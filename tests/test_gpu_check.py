@@ -89,7 +89,7 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert all(r["predicted_ms"] > 0 for r in rows), [r["name"] for r in rows if not r["predicted_ms"]]
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
-  proof = report["proof"]                  # issue 30 item 1: every candidate proved (kernels interpreted)
+  proof = report["proof"]                  # the proof: every candidate proved (kernels interpreted)
   assert len(proof) == len(proof_lib.candidates(native=True)), sorted(proof)   # --rehearse proves native too
   assert all(e["verdict"] in ("faster", "slower") for e in proof.values()), proof
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked

@@ -24,7 +24,7 @@
    ``LOSS_RTOL`` (measured: step 1's loss, a forward pass of the initial params, bit-exact; step 2's 8.6e-8),
    and the validation loss after the two updates within ``VALIDATION_RTOL`` (measured 3.0e-4, not analysed
    further: the updated params differ by float32 ulps, from the gradients above, which FP4 rounding of the
-   next forward can amplify; issue 32 measured 4.85e-5 for tetrajet2 on the dense toy without EP).
+   next forward can amplify; measured 4.85e-5 for tetrajet2 on the dense toy without EP).
 
 Recorded values: none; every comparison is between two runs on this machine.
 

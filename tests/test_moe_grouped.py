@@ -128,7 +128,7 @@ def _check_per_expert(recipe, x, w, sizes, dy, starts, sizes_np, past, key):
     np.testing.assert_array_equal(np.asarray(dw[e]), np.asarray(dw_e), err_msg=f"dw of expert {e}")
 
 
-# Random sizes and offsets, rows past the groups in x and dy (the leak of issue 31): nvfp4 in the default
+# Random sizes and offsets, rows past the groups in x and dy (rows past the last group once leaked into its amax): nvfp4 in the default
 # suite, the other recipes under -m slow.
 @pytest.mark.parametrize("recipe", [r if r == "nvfp4" else pytest.param(r, marks=pytest.mark.slow)
                                     for r in RECIPES])
@@ -137,7 +137,7 @@ def test_random_groups_and_rows_past_the_end(recipe):
   _check_per_expert(recipe, *case, key=jax.random.key(11))
 
 
-# The roles beyond FP4 (issue 31): fp8 (1x128 blocks, 128x128 weight tiles), mxfp8 and row-scaled nvfp4
+# The roles beyond FP4: fp8 (1x128 blocks, 128x128 weight tiles), mxfp8 and row-scaled nvfp4
 # activations. Their quantization is each expert's, bit for bit; fp8's and mxfp8's products are float32 (not
 # exact in bfloat16), so the grouped GEMM may sum them in another order than a dense float32 dot: compared
 # to a bound of float32 summation error (a relative 1e-5 of the largest output), never pinned.

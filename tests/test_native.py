@@ -411,7 +411,7 @@ _FAST = ("nvfp4",)
 def test_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):
   """y, dx and dw of fp4jax.dot with every GEMM native (FP4JAX_DEFAULT_IMPL=native) are the XLA path's,
   within float32 summation error: inside the whole jitted step XLA's CPU GEMMs of the two paths may sum
-  in another order (measured, issue 31: 1-2 of 16384 y elements differ by one ulp for nvfp4_no_2d,
+  in another order (measured: 1-2 of 16384 y elements differ by one ulp for nvfp4_no_2d,
   quartet2 and tetrajet2 at K=256, once each path is traced afresh; the GEMM alone is bit for bit,
   test_native_equals_xla_path_bit_for_bit)."""
   x, w, dy = _x(20, (128, 256)), _x(21, (256, 128), 0.05), _x(22, (128, 128))

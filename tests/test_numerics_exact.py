@@ -8,7 +8,7 @@ a dequantized tensor. Each case runs three ways: under ``jax.jit``, eagerly, and
 one rounding per step (the oracle helpers of tests/test_numerics_oracle.py). Each test also checks that
 its input separates the forms: the same formula without the guard, jitted, differs from numpy.
 
-OsciReset (TetraJet-v2, §11.4): the two cases of issue 19 and trajectories with inexact scales against a
+OsciReset (TetraJet-v2, §11.4): the two measured cases and trajectories with inexact scales against a
 numpy transcription of the update. The subnormal boundary of XLA CPU (flush to zero) closes the file.
 Axis legend: R rows, L the quantized axis, K a GEMM's contraction axis, M tokens, C channels.
 """
@@ -75,7 +75,7 @@ PROVENANCE = {
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("provenance", list(PROVENANCE))
 def test_product_is_rounded_before_the_sum_whatever_its_operands(provenance, mode):
-  """product(a, b) - c: before issue 19 the guard read a NaN test of ``a``, which LLVM folds away when
+  """product(a, b) - c: an earlier guard read a NaN test of ``a``, which LLVM folds away when
   ``a`` is provably not NaN (E2M1 codes, constants), and the FMA came back."""
   rng = np.random.default_rng(1)
   n = 4096
@@ -241,7 +241,7 @@ def test_dbq_quantize_divisions_on_e4m3_midpoints(mode):
 
 @pytest.mark.parametrize("mode", ("jit", "eager"))
 def test_osci_reset_constant_weight_has_no_quantized_distance(mode):
-  """Issue 19, case 1: w[0] = 1, w[1] = 0.5 constant; the block scale is 1/6 rounded, 3 times it is
+  """Measured case 1: w[0] = 1, w[1] = 0.5 constant; the block scale is 1/6 rounded, 3 times it is
   inexact. Q never changes, so D_Q = 0 (it was [5.96e-08, 2.98e-08]: |Q - Q_prev| as one FMA)."""
   row = np.zeros((1, 128), np.float32)
   row[0, 0], row[0, 1] = 1.0, 0.5
@@ -253,7 +253,7 @@ def test_osci_reset_constant_weight_has_no_quantized_distance(mode):
 
 @pytest.mark.parametrize("mode", ("jit", "eager"))
 def test_osci_reset_ratio_exactly_at_the_threshold_resets(mode):
-  """Issue 19, case 2: D_Q = 0.08375001, D_FP = 0.010468751, ratio exactly 8.0, so w[1] resets to
+  """Measured case 2: D_Q = 0.08375001, D_FP = 0.010468751, ratio exactly 8.0, so w[1] resets to
   0.25124997 (the FMA gave D_Q 0.083749995, a ratio of 7.9999986, and kept 0.28265625)."""
   w0 = np.zeros((1, 128), np.float32)
   w0[0, 0], w0[0, 1] = F32(0.5025), _bits(0x3E96147B)

@@ -97,7 +97,7 @@ class TestDefaultIsToday:
     gradients of the policy before config.precision, computed in this process: the model built with that
     policy's ``dot_general_cls`` (``_today``: bf16 in the first/last blocks, the recipe elsewhere) in place of
     the rules. Every value here is summation-order dependent (GEMMs, sums, the loss), so it is compared with
-    its same-process twin, never with a float recorded on another machine (issue 32). all_fp4 must differ:
+    its same-process twin, never with a float recorded on another machine. all_fp4 must differ:
     the comparison sees a policy that changes a layer."""
     base = _tiny(bf16_first_blocks=1, bf16_last_blocks=1)
     explicit = base.replace(precision=[("blocks_{:1}/*", "bf16"), ("blocks_{-1:}/*", "bf16"), ("*", "recipe")])

@@ -329,7 +329,7 @@ def test_wrong_mixed_matmul_is_refused(fake_gpu, kernel_faster, monkeypatch, cap
   assert "Reproduce: python -m fp4jax.proof --op mixed_matmul --fmt nvfp4" in err
 
 
-# ------------------------------------------------------------------------------- model kernels (issue 29)
+# ------------------------------------------------------------------------------- model kernels
 # The model ops' kernels (models.gated_norm, models.ssd_pallas) register their proof with fp4jax.proof: the
 # kernel vs its XLA twin, forward and gradients, within the module's PROOF_TOL of each output's largest
 # magnitude (tiny shapes, interpreted, here), then timed (faked, as above).

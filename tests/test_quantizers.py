@@ -90,7 +90,7 @@ def test_bad_quantizers_and_bounds_fail_at_construction():
 
 def test_gemm_backends():
   qx, qw = QUANTIZERS["eden"](X, jax.random.key(1)), QUANTIZERS["eden"](W, jax.random.key(2))
-  # the native backend (issue 23; on the CPU its exact twin): the XLA path's bits (tests/test_native.py)
+  # the native backend (on the CPU its exact twin): the XLA path's bits (tests/test_native.py)
   assert jnp.array_equal(gemm.matmul(qx, qw, impl="native"), gemm.matmul(qx, qw, impl="xla"))
   with pytest.raises(ValueError, match="no Pallas kernels"):
     gemm.matmul(qx, qw, impl="pallas")

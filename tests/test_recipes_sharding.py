@@ -13,7 +13,7 @@ in a subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=8).
 2. A tiny-model train step (configs/shrunken.py) with tetrajet2 and quartet2 on 8 devices (data 2 x
    fsdp 4) compiles and gives the 1-device losses: the two train losses to float32 (both are forward passes
    of the initial params: the warmup's learning rate at step 0 is 0), the validation loss, after the one
-   applied update, within a bound measured per recipe (``VALIDATION_RTOL``, issue 32).
+   applied update, within a bound measured per recipe (``VALIDATION_RTOL``).
 
 Recorded values: none; every comparison is between two runs on this machine (summation-order dependent,
 with the tolerances measured below).
@@ -115,8 +115,8 @@ def _losses(workdir):
     return np.asarray([r["last_loss"] for r in map(json.loads, f) if r["kind"] == "train"])
 
 
-# Validation loss after 2 steps, 8 devices (data 2 x fsdp 4) vs 1, measured (issue 32; jax 0.10.2, XLA CPU):
-# bf16 0, nvfp4 0, quartet2 8.8e-8, tetrajet2 4.85e-5 (issue 32: the same on the base commit). Where it comes
+# Validation loss after 2 steps, 8 devices (data 2 x fsdp 4) vs 1, measured (jax 0.10.2, XLA CPU):
+# bf16 0, nvfp4 0, quartet2 8.8e-8, tetrajet2 4.85e-5. Where it comes
 # from: step 1's gradients (initial params) differ by float32 ulps only (max 5.7e-7 of a leaf's max), and so
 # do step 2's for lm_head, final_norm and the MLP's and attention's second GEMMs (down, out); the first GEMMs'
 # wgrad (up 1.1e-2, qkv 1.3e-2 of the leaf's max) and everything upstream of them (block 0, embed: 0.7-2.2e-2)

@@ -1,4 +1,4 @@
-"""The reliability matrix of fp4jax's public entry points (issue 11).
+"""The reliability matrix of fp4jax's public entry points.
 
 Every case feeds one bad, degenerate or extreme input to a public op and states what must happen:
 either a specific error (exception type + a fragment of its one-line message) or an exactly specified

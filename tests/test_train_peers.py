@@ -1,4 +1,4 @@
-"""Two real train.py processes on the CPU (jax.distributed on 127.0.0.1) and the faults of issue 32: kill -9
+"""Two real train.py processes on the CPU (jax.distributed on 127.0.0.1) and its faults: kill -9
 of one process before, during and after a checkpoint save, and SIGTERM to both. The survivor exits 10 with
 one fp4jax line within a bound (the JAX/coordination output goes to error.log), both exit 143 on SIGTERM
 after saving one step, and the restart of both processes continues bit-identically: every step's loss and

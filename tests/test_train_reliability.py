@@ -86,7 +86,7 @@ CASES = {
     "test_init_from_bad_sources": ("config.init_from: missing / other model", CLEAR, 5),
     "test_init_from_an_imported_run": ("config.init_from = a run written by tools.runs.write_run (importers)",
                                        CORRECT, 0),
-    # issue 20: operations
+    # operations
     "test_second_run_on_a_held_workdir": ("a second run on a work directory another process holds", CLEAR, 4),
     "test_killed_holder_lock_is_taken_over": ("the lock of a run killed with kill -9: taken over, reason printed",
                                               CORRECT, 0),
@@ -414,7 +414,7 @@ def test_allowed_config_change_is_recorded(finished, tmp_path, capsys):
     assert json.load(f)["optim"]["lr"] == 0.001
 
 
-# A corrupt run record (issue 32): config.json unreadable falls back to config_history.jsonl; both: refused.
+# A corrupt run record: config.json unreadable falls back to config_history.jsonl; both: refused.
 CORRUPT_RECORDS = {"truncated": '{"broken', "empty": "", "not JSON": "\x00\x01garbage", "not a config": "[1, 2]"}
 
 
@@ -591,7 +591,7 @@ def test_init_from_bad_sources(finished, tmp_path):
     trainer.train_and_evaluate(_config(init_from=finished[0], **{"model.d_model": 48}), str(tmp_path / "b"))
 
 
-# ------------------------------------------------------------------------------------------- issue 20: operations
+# ------------------------------------------------------------------------------------------- operations
 
 _HOLDER = ("import sys, time\nfrom training import lock\nheld = lock.hold(sys.argv[1])\nprint('held', flush=True)\n"
            "time.sleep(600)\n")

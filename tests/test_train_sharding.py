@@ -36,7 +36,7 @@ def test_several_mesh_axes_fall_back_to_their_leading_run():
 def test_expert_ranks_share_the_dense_state_and_experts_gather_along_their_leading_axis():
   """On a (fsdp 8, expert 8) mesh the dense layers' d_model is split 64 ways (the expert axis is data
   parallel for them), and the stored experts' leading axis over (expert, fsdp) with their other axes whole
-  but tensor's, so each layer's gather over fsdp runs along the major axis (docs/DESIGN.md, session 12)."""
+  but tensor's, so each layer's gather over fsdp runs along the major axis (docs/DESIGN.md, "Super's memory")."""
   import flax.linen as nn   # pylint: disable=import-outside-toplevel
   rules = sharding.LOGICAL_RULES
   specs = {name: nn.logical_to_mesh_axes(axes, rules) for name, axes in (
