@@ -179,9 +179,9 @@ def check_resume(workdir: str, config, step: int | None) -> Resume:
       messages.append(f"warning: the work directory {workdir} has checkpoints but no config record "
                       f"({CONFIG_FILE}, {HISTORY_FILE}); the resume cannot check the config")
     return Resume(step, {}, tuple(messages))
-  if config.get("sr_bits") is None:   # not chosen: the run keeps the stream its record names
+  if config.get("sr_bits") is None:   # not chosen: the run keeps the stream its record names (as setup resumes it)
     config = copy.deepcopy(config)
-    config_lib.keep_recorded_sr_bits(config, before)
+    config.sr_bits = before["sr_bits"] if "sr_bits" in before else ADDED_FIELDS["sr_bits"]
   changes = config_changes(before, config)
   if step is None:
     return Resume(None, changes, tuple(messages))
