@@ -6,9 +6,9 @@
 
 Every path multiplies the exact block products (``epilogue.products``) with float32 accumulation and then
 applies the format's second level, ``fp4jax.epilogue`` (DBQ: ``dbq.chunked_gemm``, one rescale per
-128-chunk of K). ``scaled_matmul`` is ``matmul``'s former name.
+128-chunk of K).
 
-impl (the switch, as everywhere in fp4jax; ``backend=`` is its former name):
+impl (the switch, as everywhere in fp4jax):
   "xla"     the block products in bf16 (exact), one bf16 GEMM with float32 accumulation, the epilogue:
               nvfp4 (bound 448) and mxfp4: ``fp4jax.scaled_matmul`` (the primitive); fp8 its reference;
               4/6, MS-EDEN, DBQ, MXFP8 and row-scaled nvfp4 (the factor per output row): here
@@ -43,12 +43,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import api, epilogue, formats, native, reference, target, tiles
+from fp4jax._deprecation import former_argument, former_names
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.primitives.impl import default_gemm_backend, default_grouped_backend
 from fp4jax.qtensor import QTensor, validate
 
 IMPLS = ("xla", "pallas", "native")
-BACKENDS = IMPLS   # former name
 _bf16_products = epilogue.products
 
 
@@ -83,18 +83,14 @@ def _check(a, b, backend):
                     f"{type(a).__name__} and {type(b).__name__}")
   if a.fmt != b.fmt:
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
-  if backend is not None and backend not in BACKENDS:
+  if backend is not None and backend not in IMPLS:
     raise ValueError(f"impl={backend!r}; use one of {IMPLS} or None (the verified default)")
-
-
-def _row_scaled(q: QTensor) -> bool:
-  return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == 1 and q.tile is None
 
 
 def _dense(a: QTensor, b: QTensor, out_dtype, impl):
   if impl == "native":
     return native.matmul(a, b, out_dtype=out_dtype)
-  if _row_scaled(a) and not _row_scaled(b):   # row-scaled activations: the factor per output row
+  if a.row_scaled and not b.row_scaled:   # row-scaled activations: the factor per output row
     if impl == "pallas":
       raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use impl='xla'")
     validate(a, "fp4jax.gemm.matmul (lhs)")
@@ -115,6 +111,7 @@ def _dense(a: QTensor, b: QTensor, out_dtype, impl):
 
 def _resolve(a, b, impl, backend):
   if backend is not None:
+    former_argument("fp4jax.gemm.matmul", "backend", "impl")
     if impl is not None and impl != backend:
       raise ValueError(f"impl={impl!r} and backend={backend!r}: backend= is impl='s former name; pass impl= only")
     impl = backend
@@ -131,7 +128,7 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = 
   return _dense(a, b, out_dtype, impl)
 
 
-scaled_matmul = matmul   # former name
+__getattr__ = former_names(__name__, {"scaled_matmul": "matmul", "BACKENDS": "IMPLS"})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -281,8 +278,8 @@ def grouped_matmul_t(a_U: QTensor, b_U: QTensor, g: Groups, *, out_dtype=jnp.flo
     oa = jax.vmap(native.codes_operand)(a_U)
     ob = jax.vmap(native.codes_operand)(b_U)
     chunk = lambda op: (op.values, op.scales)
-    part = lambda a_, b_: native.block_scaled_matmul(native.as_float4(native.Operand(*a_)),
-                                                     native.as_float4(native.Operand(*b_)))
+    part = lambda a_, b_: native.block_scaled_matmul(native.as_native(native.Operand(*a_)),
+                                                     native.as_native(native.Operand(*b_)))
     xs_a, xs_b = chunk(oa), chunk(ob)
   else:
     xs_a, xs_b = epilogue.batched_products(a_U), epilogue.batched_products(b_U)

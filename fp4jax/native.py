@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
+from fp4jax._deprecation import former_names
 from fp4jax import epilogue, reference, tiles
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.qtensor import QTensor, validate
@@ -98,15 +99,10 @@ def check(a: QTensor, b: QTensor, *, ndim: int = 2, where: str = "fp4jax.native.
                        f"it; the {name} has shape {q.shape} quantized along axis {q.axis}")
   if a.shape[-1] != b.shape[-1]:
     raise ValueError(f"scaled_matmul contraction mismatch: a (M, K)={a.shape}, b (N, K)={b.shape}")
-  if _row_scaled(b):
+  if b.row_scaled:
     raise ValueError("impl='native' takes a row-scaled nvfp4 lhs only (one amax per output row); the "
                      "rhs has one amax per row too, which no GEMM factor can apply; quantize the rhs "
                      "with one tensor amax")
-
-
-def _row_scaled(q: QTensor) -> bool:
-  """One amax per row (a leading chunk or group axis adds one to both ranks)."""
-  return q.fmt == "nvfp4" and q.amax is not None and q.amax.ndim == q.ndim - 1
 
 
 def codes_operand(q: QTensor) -> Operand:
@@ -125,9 +121,6 @@ def as_native(op: Operand) -> Operand:
   if op.values.dtype != jnp.uint8:
     return op
   return Operand(nc.to_float4(op.values), op.scales)
-
-
-as_float4 = as_native   # former name
 
 
 def operand(q: QTensor) -> Operand:
@@ -199,7 +192,7 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)
 
 
-scaled_matmul = matmul   # former name
+__getattr__ = former_names(__name__, {"scaled_matmul": "matmul", "as_float4": "as_native"})
 
 
 # ---------------------------------------------------------------------------------------------------

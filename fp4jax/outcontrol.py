@@ -87,10 +87,10 @@ def _forward(x_MxK, w_KxN, perm_K, n_fp8):
   if n_fp8 < x_MxK.shape[1]:
     q4x = _DBQ(pad_to_multiple(x_g[:, n_fp8:], 1, dbq.OUTER))
     q4w = _DBQ(pad_to_multiple(w_g[n_fp8:].T, 1, dbq.OUTER))                    # (N, K4)
-    y = gemm.scaled_matmul(q4x, q4w)
+    y = gemm.matmul(q4x, q4w)
   if n_fp8:
     q8x, q8w = _MXFP8(x_g[:, :n_fp8]), _MXFP8(w_g[:n_fp8].T)                   # (M, k8), (N, k8)
-    y = y + gemm.scaled_matmul(q8x, q8w)
+    y = y + gemm.matmul(q8x, q8w)
   return y, (q4x, q4w, q8x, q8w)
 
 
@@ -123,16 +123,16 @@ def _dot_bwd(n_fp8, res, dy_MxN):
   wt_hat = jnp.concatenate(parts, axis=1)[:, :k_in]
   k_sign, k_a, k_b = jax.random.split(key_d, 3)
   s = eden.random_signs(k_sign, 16)
-  dx_g = gemm.scaled_matmul(_DBQ_SR(dy, k_a, s), _DBQ_SR.quantize_t(wt_hat, k_b, s))    # (M, N) · (K, N)ᵀ
+  dx_g = gemm.matmul(_DBQ_SR(dy, k_a, s), _DBQ_SR.quantize_t(wt_hat, k_b, s))    # (M, N) · (K, N)ᵀ
   # Wgrad, C8 rows: MXFP8 along tokens, no RHT, from the forward's FP8 activations; C4 rows:
   # TetraJet-v2's operands along tokens.
   k_sign, k_a, k_b = jax.random.split(key_w, 3)
   s = eden.random_signs(k_sign, 16)
   parts = []
   if n_fp8:
-    parts.append(gemm.scaled_matmul(_MXFP8.quantize_t(dequantize(q8x)), _MXFP8.quantize_t(dy)))
+    parts.append(gemm.matmul(_MXFP8.quantize_t(dequantize(q8x)), _MXFP8.quantize_t(dy)))
   if q4x is not None:
-    parts.append(gemm.scaled_matmul(_DBQ_SR.quantize_t(dequantize(q4x), k_a, s),             # (K4, M)
+    parts.append(gemm.matmul(_DBQ_SR.quantize_t(dequantize(q4x), k_a, s),             # (K4, M)
                                     _DBQ_SR.quantize_t(dy, k_b, s)))                         # (N, M)
   dw_g = jnp.concatenate(parts, axis=0)[:k_in]
   dx = _scatter(dx_g, perm_K, 1)

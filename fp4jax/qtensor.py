@@ -81,6 +81,13 @@ class QTensor:
     return len(self.data.shape)
 
   @property
+  def row_scaled(self) -> bool:
+    """nvfp4 with one tensor amax per row (the row-scaled activations of ``recipes.nvfp4(row_scaled_
+    activation=True)``): amax has one axis fewer than the data; a leading chunk or group axis adds one
+    to both."""
+    return self.fmt == "nvfp4" and self.amax is not None and jnp.ndim(self.amax) == self.ndim - 1
+
+  @property
   def nbytes(self) -> int:
     """Bytes of data, scales and amax: what storing this tensor costs."""
     leaves = [x for x in (self.data, self.scale, self.amax, self.scale2) if x is not None]

@@ -345,7 +345,7 @@ def native_rows(report: Report, bf16_tflops: float, bf16_dot_ms: dict):
   x = jnp.asarray(rng.standard_normal((n, n)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((n, n)) * 0.05, jnp.bfloat16)
   cm, cn, ck = s.check_gemm
-  fn = lambda backend: jax.jit(lambda a, b: fgemm.scaled_matmul(a, b, out_dtype=jnp.bfloat16, backend=backend))
+  fn = lambda backend: jax.jit(lambda a, b: fgemm.matmul(a, b, out_dtype=jnp.bfloat16, impl=backend))
   for name, (qa, qb) in NATIVE_OPS.items():
     row = Row("native", name, "native", f"{n}^3")
     if name == "native nvfp4 1x16.16x16":

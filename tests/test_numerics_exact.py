@@ -434,7 +434,7 @@ def test_gemm_tensor_factors_plus_a_traced_value(mode):
         qa = Quantizer("nvfp4_eden")(jnp.asarray(a), jax.random.key(1))
         qb = Quantizer("nvfp4_eden")(jnp.asarray(b), jax.random.key(2))
         factor = ftz(np.asarray(qa.scale2) * np.asarray(qb.scale2))
-      fn = lambda qa, qb, c: gemm.scaled_matmul(qa, qb) + c
+      fn = lambda qa, qb, c: gemm.matmul(qa, qb) + c
       va = np.asarray(reference.scaled_codes_bf16(qa), np.float32)
       vb = np.asarray(reference.scaled_codes_bf16(qb), np.float32)
     acc, ok = exact_sum(va.astype(np.float64)[:, None, :] * vb.astype(np.float64)[None, :, :])

@@ -310,7 +310,7 @@ def test_dot_with_four_over_six_forward(role):
   y = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe))(x, w)
   qx = Quantizer("nvfp4", four_over_six=FOS if role != "weights" else None)(x)
   qw = Quantizer("nvfp4", tiled=True, four_over_six=FOS if role != "activations" else None)(w.T)
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(gemm.scaled_matmul(qx, qw)))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(gemm.matmul(qx, qw)))
   # The GEMM equals the float64 product of the dequantized operands up to float32 summation.
   want = np.asarray(fp4jax.dequantize(qx), np.float64) @ np.asarray(fp4jax.dequantize(qw), np.float64).T
   np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)

@@ -221,7 +221,7 @@ class TestRowScaledNvfp4:
     w_t = (wg * F32(0.37)).astype(F32)                       # (N, K); tensor amax 2.22
     roles = recipes.nvfp4(row_scaled_activation=True).roles
     q_x, q_w = roles.fprop_x(jnp.asarray(x)), roles.fprop_w(jnp.asarray(w_t))
-    got = np.asarray(gemm.scaled_matmul(q_x, q_w))
+    got = np.asarray(gemm.matmul(q_x, q_w))
     vals_x = np.stack([nvfp4_row(r, np.max(np.abs(r)))[0] for r in x])
     np.testing.assert_array_equal(vals_x, g)                                   # codes g, scales 448
     np.testing.assert_array_equal(np.asarray(e2m1.decode(reference.codes_of(q_w))), wg)
@@ -246,7 +246,7 @@ class TestRowScaledNvfp4:
     nv = recipes.nvfp4().roles
     q_w = nv.fprop_w(jnp.asarray(w.T))
     for i in range(x.shape[0]):
-      want = gemm.scaled_matmul(nv.fprop_x(jnp.asarray(x[i:i + 1])), q_w)
+      want = gemm.matmul(nv.fprop_x(jnp.asarray(x[i:i + 1])), q_w)
       np.testing.assert_array_equal(np.asarray(y_row[i:i + 1]), np.asarray(want))
     assert not np.array_equal(np.asarray(y_row), np.asarray(y_nv))
 
@@ -280,7 +280,7 @@ def test_the_documented_row_scaled_vectors():
     np.testing.assert_array_equal(np.asarray(e2m1.decode(codes[i]), np.float64), vals)
     np.testing.assert_array_equal(np.asarray(q.scale[i], np.float32), s_b)
   q_w = recipes.nvfp4().roles.fprop_w(jnp.asarray(np.eye(32, 16, dtype=F32).T))
-  y = np.asarray(gemm.scaled_matmul(q, q_w))
+  y = np.asarray(gemm.matmul(q, q_w))
   acc = F32(-6 * 36) * F32(6 * 448)                      # the identity weight: code 6, tile scale 448, amax 1
   assert y[1, 0] == (acc * (F32(12.0) * F32(1.0) * F32(1.0 / (36 * 448 * 448)))).astype(F32) == F32(-0.9642857)
   assert np.all(y[0] == 0) and not np.any(np.isfinite(y[2, :3])) and np.all(np.isfinite(y[:2]))

@@ -157,7 +157,6 @@ def pallas_matmul(a_data, a_scale, b_data, b_scale, factor, *, fmt="nvfp4", a_ti
   return out.reshape(*lead, m, b_data.shape[0])
 
 
-scaled_matmul = pallas_matmul   # former name
 
 
 def scaled_matmul_reference(a, b, out_dtype=jnp.float32):

@@ -10,11 +10,11 @@ becomes a kernel only where ``VERIFIED_KERNELS`` records a device run that showe
 from fp4jax.primitives.dequantize import dequantize_last, dequantize_p
 from fp4jax.primitives.impl import (DEFAULT_IMPL_ENV, IMPLS, KERNEL_OPS, VERIFIED_KERNELS, Evidence,
                                     can_use_pallas, default_impl, resolve_impl)
-from fp4jax.primitives.matmul import fp4_matmul, scaled_matmul, scaled_matmul_p
+from fp4jax.primitives.matmul import fp4_matmul, scaled_matmul_p
 from fp4jax.primitives.quantize import quantize_last, quantize_p
 from fp4jax.primitives.rht_t import quantize_rht_t, quantize_rht_t_p
 
 __all__ = ["DEFAULT_IMPL_ENV", "IMPLS", "KERNEL_OPS", "VERIFIED_KERNELS", "Evidence", "can_use_pallas",
            "default_impl", "dequantize_last",
            "dequantize_p", "quantize_last", "quantize_p", "quantize_rht_t", "quantize_rht_t_p",
-           "resolve_impl", "fp4_matmul", "scaled_matmul", "scaled_matmul_p"]
+           "resolve_impl", "fp4_matmul", "scaled_matmul_p"]

@@ -115,7 +115,7 @@ def _native(choice: NativeChoice | None, fmt: str, capability, target) -> str | 
 
 def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
                          target: target_lib.Target | None = None) -> str | None:
-  """What ``fp4jax.gemm.scaled_matmul(backend=None)`` runs for ``fmt``: "native" where the program's devices
+  """What ``fp4jax.gemm.matmul(backend=None)`` runs for ``fmt``: "native" where the program's devices
   (``target``, default ``fp4jax.target.current()``) have compute capability 10.x and NATIVE_DEFAULTS
   chooses it (a default-on format unless this device's proof revokes it; a default-off one once this
   device's proof finds it exact and faster), or everywhere the native GEMM exists when

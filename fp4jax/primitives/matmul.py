@@ -109,5 +109,3 @@ def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None, kern
                                 a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=jnp.dtype(out_dtype),
                                 impl=impl)
 
-
-scaled_matmul = fp4_matmul   # former name

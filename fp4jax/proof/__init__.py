@@ -558,7 +558,7 @@ def _prove_rmsnorm(v: Variant, sizes: Sizes, deadline: float) -> dict:
 def _gemm_fns(v: Variant, out_dtype=jnp.bfloat16):
   """(candidate, XLA path) GEMM functions of two QTensors."""
   if v.op == verdicts.NATIVE_OP:
-    side = lambda backend: jax.jit(lambda a, b: gemm.scaled_matmul(a, b, out_dtype=out_dtype, backend=backend))
+    side = lambda backend: jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype=out_dtype, impl=backend))
     return side("native"), side("xla")
   side = lambda impl: jax.jit(lambda a, b: api.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl))
   if v.op == "mixed_matmul":   # the GEMM that decodes as it loads (kernels.mixed_matmul)
