@@ -196,8 +196,7 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
                                         jax.ShapeDtypeStruct((n, k), jnp.bfloat16)))
     if what == "mixed_matmul" and impl == "pallas":   # one kernel: the GEMM that decodes as it loads
       from fp4jax import primitives   # pylint: disable=import-outside-toplevel
-      return Program(tag, lambda a, b: primitives.fp4_matmul(a, b, out_dtype=jnp.bfloat16, impl="pallas",
-                                                             kernel="mixed"), (qa, qb), 1)
+      return Program(tag, lambda a, b: primitives.mixed_matmul(a, b, out_dtype=jnp.bfloat16), (qa, qb), 1)
     # the kernel path: its two dequantize passes and its GEMM are kernels
     return Program(tag, lambda a, b: fp4jax.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl=impl),
                    (qa, qb), 3 * kern)
@@ -477,7 +476,7 @@ def _flags():
                     "compile; identical kernels compiled once); the others compile program by program.")
   flags.DEFINE_boolean("one_pass_rht_amax", False, "what-if: the RHT amax as one pass "
                        "(kernels.quantize_rht_t.rht_amax(one_pass=True)) where fp4jax.api takes it.")
-  flags.DEFINE_list("what_if_proved", [], "what-if: these kernel ops (of fp4jax.primitives.impl.KERNEL_OPS, "
+  flags.DEFINE_list("what_if_proved", [], "what-if: these kernel ops (of fp4jax.dispatch.KERNEL_OPS, "
                     "or 'all') count as proved exact and faster on --target, as the on-device proof "
                     "(fp4jax.proof) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
@@ -550,15 +549,15 @@ def _assume_proved(ops: list[str]) -> None:
   """--what_if_proved: record ``ops`` in VERIFIED_KERNELS for every kernel format, as a device run
   that found them exact and faster would (the evidence says it is a what-if)."""
   from fp4jax import formats   # pylint: disable=import-outside-toplevel
-  from fp4jax.primitives import impl   # pylint: disable=import-outside-toplevel
-  ops = list(impl.KERNEL_OPS) if ops == ["all"] else ops
-  unknown = sorted(set(ops) - set(impl.KERNEL_OPS))
+  from fp4jax import dispatch   # pylint: disable=import-outside-toplevel
+  ops = list(dispatch.KERNEL_OPS) if ops == ["all"] else ops
+  unknown = sorted(set(ops) - set(dispatch.KERNEL_OPS))
   if unknown:
-    raise ValueError(f"--what_if_proved: unknown kernel ops {unknown}; use some of {impl.KERNEL_OPS} or 'all'")
-  what_if = impl.Evidence(date="what-if", device="--what_if_proved", jax_version="", speedup=float("nan"))
+    raise ValueError(f"--what_if_proved: unknown kernel ops {unknown}; use some of {dispatch.KERNEL_OPS} or 'all'")
+  what_if = dispatch.Evidence(date="what-if", device="--what_if_proved", jax_version="", speedup=float("nan"))
   for op in ops:
     for fmt in formats.KERNEL_FORMATS:
-      impl.VERIFIED_KERNELS[(op, fmt)] = what_if
+      dispatch.VERIFIED_KERNELS[(op, fmt)] = what_if
 
 
 def _force_impl(impl: str) -> None:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
-from fp4jax import primitives
+from fp4jax import dispatch
 from fp4jax.api import quantize_rht_transposed, scaled_matmul
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +83,7 @@ def main(argv=None):
   parser.add_argument("--sizes", default=None, help="comma-separated square sizes")
   parser.add_argument("--iters", type=int, default=None)
   args = parser.parse_args(argv)
-  on_gpu = primitives.can_use_pallas("nvfp4")
+  on_gpu = dispatch.can_use_pallas("nvfp4")
   sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
       [4096, 8192] if on_gpu else [256, 512])
   iters = args.iters or (20 if on_gpu else 3)

@@ -12,7 +12,7 @@ from fp4jax.dot import dot, dot_general
 from fp4jax.prequantized import PreQuantized, prequantize
 from fp4jax.numerics import hadamard
 from fp4jax.numerics.hadamard import rht
-from fp4jax.primitives import can_use_pallas
+from fp4jax.dispatch import can_use_pallas
 from fp4jax.qtensor import QTensor
 from fp4jax.recipes import Recipe
 

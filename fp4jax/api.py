@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp4jax import _exact, derivatives, formats, primitives, random_bits
+from fp4jax import _exact, derivatives, dispatch, formats, native, primitives, random_bits
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
@@ -210,7 +210,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
     CPU), "xla" (the pure-JAX reference), or None = the kernel only where
-    ``fp4jax.primitives.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
+    ``fp4jax.dispatch.VERIFIED_KERNELS`` records it exact and faster on a GPU, else "xla". FP4 formats run as the ``fp4jax_quantize`` primitive;
     fp8 runs the reference directly. stored: quantize x as its dtype stores it (``fp4jax._exact.stored``), even
     where XLA fuses x's float32 producer and would keep more precision (fp4jax.dot's quantizers set it): the
     amax and the XLA path read x through it, a compiled kernel reads x from memory, stored already.
@@ -224,8 +224,7 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits)
   x = derivatives.refuse_tangents(x, derivatives.QUANTIZE_MESSAGE.format(where="fp4jax.quantize"))
   kernel_path = fmt in formats.KERNEL_FORMATS and x.size > 0   # zero-size: no kernel launch
-  impl = primitives.resolve_impl(impl, fmt, ("quantize_2d" if tile is not None else "quantize_1d")
-                                 if kernel_path else None)
+  impl = dispatch.choose("quantize_2d" if tile is not None else "quantize_1d", fmt, impl)
   # The primitive quantizes (and packs) along the last axis: move the axis there and back. For 16x16
   # tiles packed along axis -2 that is the tile quantization of the transpose, transposed back.
   last = x.ndim - 1
@@ -265,7 +264,7 @@ def dequantize(q: QTensor, dtype=jnp.float32, *, impl: str | None = None):
   """
   validate(q, "fp4jax.dequantize")
   dtype = _available(as_float_dtype(dtype, "fp4jax.dequantize"), "fp4jax.dequantize")
-  impl = primitives.resolve_impl(impl, q.fmt)
+  impl = dispatch.choose("dequantize", q.fmt, impl)
   if q.fmt not in formats.KERNEL_FORMATS or q.bound != formats.NVFP4_BOUND or q.data.size == 0:
     return dequantize_reference(q, dtype)
   nd = q.data.ndim
@@ -315,7 +314,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
     raise ValueError(f"token axis length {x.shape[0]} is not a multiple of rht_size={rht_size}; pad it")
   _validate(x.T, fmt, -1, None, rounding, key, bits, amax, scale_rule, "block", sr_bits)
   x = derivatives.refuse_tangents(x, derivatives.QUANTIZE_MESSAGE.format(where="quantize_rht_transposed"))
-  impl = primitives.resolve_impl(impl, fmt, "quantize_rht_t")
+  impl = dispatch.choose("quantize_rht_t", fmt, impl)
   if rounding == "stochastic" and bits is None:
     # With the kernel, its own bits (hashed from the key, none in HBM); else drawn here.
     bits = random_bits.KeyedBits.of(key, x.T.shape, -1, sr_bits) if impl == "pallas" else None
@@ -375,13 +374,16 @@ def check_operands(a: QTensor, b: QTensor):
 def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None):
   """a (..., M, K) · b (N, K)ᵀ -> (..., M, N) in ``out_dtype``, from quantized operands.
 
-  FP4 operands run as the ``fp4jax_scaled_matmul`` primitive. impl: "pallas" (the Pallas kernel;
-  interpreted on CPU), "xla" (the reference), or None = the kernel only where
-  ``fp4jax.primitives.VERIFIED_KERNELS`` says so (else the exact dequantize-then-bf16-GEMM). fp8 operands run the reference.
+  FP4 operands run as the ``fp4jax_scaled_matmul`` primitive. impl (``fp4jax.dispatch``): "pallas" (a
+  Pallas GEMM; interpreted on CPU), "xla" (the exact dequantize-then-bf16-GEMM), "native" (the block-scaled
+  GEMM of ``fp4jax.native``: nvfp4), or None: ``dispatch.choose("scaled_matmul", fmt)``, the native GEMM on
+  compute capability 10.x, a kernel only with evidence, else "xla". fp8 operands run the reference.
   """
   check_operands(a, b)
   out_dtype = as_float_dtype(out_dtype, "fp4jax.scaled_matmul", "out_dtype")
-  impl = primitives.resolve_impl(impl, a.fmt)
+  impl = dispatch.choose("scaled_matmul", a.fmt, impl)
+  if impl == "native":
+    return native.matmul(a, b, out_dtype=out_dtype)
   if a.fmt not in formats.KERNEL_FORMATS:
     return scaled_matmul_reference(a, b, out_dtype)
   return primitives.fp4_matmul(a, b, out_dtype=out_dtype, impl=impl)

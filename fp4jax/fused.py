@@ -25,17 +25,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats
+from fp4jax import dispatch, formats
 from fp4jax._exact import div
 from fp4jax.kernels import relu2_quantize as relu2_kernel
 from fp4jax.kernels import rmsnorm_quantize as kernel
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.prequantized import PreQuantized, _check_quantizer
-from fp4jax.primitives.impl import resolve_impl
 from fp4jax.qtensor import QTensor
 from fp4jax.recipes import as_recipe
 
-OP = "rmsnorm_quantize"   # its name in fp4jax.primitives.impl.KERNEL_OPS (the impl switch, the proof)
+OP = "rmsnorm_quantize"   # its name in fp4jax.dispatch.KERNEL_OPS (the impl switch, the proof)
 RELU2_OP = "relu2_quantize"
 
 
@@ -110,14 +109,14 @@ def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) ->
   """RMSNorm(x)·scale in ``dtype``, pre-quantized for ``recipe``'s fprop GEMM (module docstring).
 
   impl: "pallas" (the kernel; interpreted off a GPU), "xla" (the twin), or None: the impl switch
-  (``fp4jax.primitives.impl.default_impl("rmsnorm_quantize", fmt)``: a kernel only with evidence).
+  (``fp4jax.dispatch.default_impl("rmsnorm_quantize", fmt)``: a kernel only with evidence).
   """
   quantizer = _fprop_quantizer(recipe, x.shape[-1], "rmsnorm_quantize: D", "use the plain norm")
   fits = kernel_ok(quantizer, x.shape, x.dtype, dtype)
   if impl == "pallas" and not fits:
     raise ValueError(f"impl='pallas': the rmsnorm_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16/fp16 x into a bf16 h; "
                      f"got {quantizer!r} on {x.dtype} -> {jnp.dtype(dtype)}. Use impl='xla' or None")
-  impl = resolve_impl(impl, quantizer.fmt, OP) if fits else "xla"
+  impl = dispatch.choose(OP, quantizer.fmt, impl) if fits else "xla"
   with jax.named_scope(f"fp4jax/{OP}"):   # one pass in profiles and in bench/hlo_cost.py's "fp4jax passes"
     return _rmsnorm_quantize(x, scale, float(eps), jnp.dtype(dtype), quantizer, impl)
 
@@ -181,6 +180,6 @@ def relu2_quantize(u, recipe, *, impl=None) -> PreQuantized:
   if impl == "pallas" and not fits:
     raise ValueError(f"impl='pallas': the relu2_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16 u; got "
                      f"{quantizer!r} on {u.dtype}. Use impl='xla' or None")
-  impl = resolve_impl(impl, quantizer.fmt, RELU2_OP) if fits else "xla"
+  impl = dispatch.choose(RELU2_OP, quantizer.fmt, impl) if fits else "xla"
   with jax.named_scope(f"fp4jax/{RELU2_OP}"):
     return _relu2_quantize(u, quantizer, impl)

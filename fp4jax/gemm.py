@@ -8,7 +8,7 @@ Every path multiplies the exact block products (``epilogue.products``) with floa
 applies the format's second level, ``fp4jax.epilogue`` (DBQ: ``dbq.chunked_gemm``, one rescale per
 128-chunk of K).
 
-impl (the switch, as everywhere in fp4jax):
+impl (``fp4jax.dispatch``, the switch of every op; resolved once, by ``dispatch.choose``):
   "xla"     the block products in bf16 (exact), one bf16 GEMM with float32 accumulation, the epilogue:
               nvfp4 (bound 448) and mxfp4: ``fp4jax.scaled_matmul`` (the primitive); fp8 its reference;
               4/6, MS-EDEN, DBQ, MXFP8 and row-scaled nvfp4 (the factor per output row): here
@@ -16,21 +16,20 @@ impl (the switch, as everywhere in fp4jax):
   "pallas"  the Triton kernels (nvfp4 with bound 448, mxfp4: ``formats.KERNEL_FORMATS``)
   "native"  the hardware's block-scaled GEMM (``fp4jax.native``: nvfp4, 4/6, MS-EDEN, DBQ, MXFP8; on CUDA
             ``jax.nn.scaled_matmul``, cuDNN on sm_100; its exact twin elsewhere)
-  None      the default: "native" for those formats on a GPU of compute capability 10.x
-            (``primitives.impl.default_gemm_backend``); else the verified default of
-            ``fp4jax.primitives.default_impl``: "xla" unless a device run put the kernel in
-            ``VERIFIED_KERNELS``. FP4JAX_DEFAULT_IMPL=xla|pallas|native overrides.
+  None      the default, ``dispatch.choose("scaled_matmul", fmt)``: "native" for those formats on a GPU of
+            compute capability 10.x (``dispatch.NATIVE_DEFAULTS``); else "xla" unless a device run put
+            a Pallas GEMM in ``dispatch.VERIFIED_KERNELS``. FP4JAX_DEFAULT_IMPL=xla|pallas|native overrides.
 
 The grouped GEMM (``Groups``: traced (E,) group sizes, each a multiple of A rows) takes its operands in
 chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level per chunk (its group's),
 b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
 (the contraction ragged) on the exact products with impl="xla" (on a GPU target their tiled form,
-``fp4jax.tiles``: ``ragged_impl``); with impl="native" the block-scaled GEMM
+``fp4jax.tiles``: ``tiled_here``); with impl="native" the block-scaled GEMM
 of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
 ``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
 into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
-GEMM's default is native (``default_grouped_backend``: compute capability 10.x), else "xla".
+GEMM's default is native (``dispatch.choose("grouped_matmul", fmt)``: compute capability 10.x), else "xla".
 """
 from __future__ import annotations
 
@@ -42,13 +41,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, epilogue, formats, native, reference, target, tiles
+from fp4jax import api, dispatch, epilogue, formats, native, reference, target, tiles
 from fp4jax._deprecation import former_argument, former_names
 from fp4jax.numerics import dbq, mxfp8
-from fp4jax.primitives.impl import default_gemm_backend, default_grouped_backend
 from fp4jax.qtensor import QTensor, validate
 
-IMPLS = ("xla", "pallas", "native")
+IMPLS = dispatch.IMPLS
 _bf16_products = epilogue.products
 
 
@@ -77,14 +75,12 @@ def _gpu_target() -> bool:
   return target.current().platform in ("gpu", "cuda", "rocm")
 
 
-def _check(a, b, backend):
+def _check(a, b):
   if not (isinstance(a, QTensor) and isinstance(b, QTensor)):
     raise TypeError("fp4jax.gemm.matmul takes two QTensors; got "
                     f"{type(a).__name__} and {type(b).__name__}")
   if a.fmt != b.fmt:
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
-  if backend is not None and backend not in IMPLS:
-    raise ValueError(f"impl={backend!r}; use one of {IMPLS} or None (the verified default)")
 
 
 def _dense(a: QTensor, b: QTensor, out_dtype, impl):
@@ -115,8 +111,8 @@ def _resolve(a, b, impl, backend):
     if impl is not None and impl != backend:
       raise ValueError(f"impl={impl!r} and backend={backend!r}: backend= is impl='s former name; pass impl= only")
     impl = backend
-  _check(a, b, impl)
-  return default_gemm_backend(a.fmt) if impl is None else impl
+  _check(a, b)
+  return dispatch.choose("scaled_matmul", a.fmt, impl)
 
 
 def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None,
@@ -171,47 +167,35 @@ def groups(sizes_E, s: int, rows: int) -> Groups:
 
 
 def _grouped_impl(a: QTensor, b: QTensor, impl, where):
-  """impl for the grouped GEMM: "xla", or "native" (``default_grouped_backend``'s choice for impl=None)."""
-  if impl is None:
-    impl = default_grouped_backend(a.fmt) or "xla"
-  if impl not in ("xla", "native"):
-    raise ValueError(f"the grouped GEMM has impl='xla' or 'native' (got {impl!r}); there are no Pallas "
-                     "grouped kernels: use impl='xla'")
+  """impl for the grouped GEMM: "xla" or "native" (``dispatch.choose("grouped_matmul", fmt, impl)``)."""
+  impl = dispatch.choose("grouped_matmul", a.fmt, impl)
   if impl == "native":
     native.check(a, b, ndim=3, where=where)
   return impl
 
 
-RAGGED_IMPLS = ("ragged", "tiled")
+def tiled_here() -> bool:
+  """Whether the float GEMMs with ragged rows run tiled (``fp4jax.tiles``: the work items of row tiles, one
+  batched dot) rather than as ``lax.ragged_dot``: where the program is compiled for a GPU
+  (``fp4jax.target.current()``: XLA:GPU expands a ragged dot to a dense dot over every group, E times the
+  FLOPs and the output's bytes). Elsewhere (the CPU) the ragged dot runs: the twin the tiles are tested
+  against. Not a switch: the target decides."""
+  return _gpu_target()
 
 
-def ragged_impl(impl: str = "auto") -> str:
-  """The float GEMM with ragged rows: "ragged" (``lax.ragged_dot``) or "tiled" (``fp4jax.tiles``: the
-  work items of row tiles, one batched dot). "auto": tiled where the program is compiled for a GPU
-  (``fp4jax.target.current()``: XLA:GPU expands a ragged dot to a dense dot over every group, E times
-  the FLOPs and the output's bytes), ragged elsewhere (the CPU, and the twin the tiled form is tested
-  against)."""
-  if impl == "auto":
-    return "tiled" if _gpu_target() else "ragged"
-  if impl not in RAGGED_IMPLS:
-    raise ValueError(f"ragged impl={impl!r}; use 'auto', 'ragged' or 'tiled'")
-  return impl
-
-
-def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto",
-                out_dtype=jnp.float32):
-  """(S, N): rows of group e times b[e] (``lax.ragged_dot``, or ``tiles.rows``: ``ragged_impl``), float32
-  accumulation rounded once to ``out_dtype`` (the tiled GEMM writes it: ``tiles.rows``)."""
-  if ragged_impl(impl) == "tiled":
+def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, out_dtype=jnp.float32):
+  """(S, N): rows of group e times b[e] (``tiles.rows`` where ``tiled_here``, else ``lax.ragged_dot``),
+  float32 accumulation rounded once to ``out_dtype`` (the tiled GEMM writes it: ``tiles.rows``)."""
+  if tiled_here():
     return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision, out_dtype=out_dtype)
   return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision,
                         preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST, impl: str = "auto"):
-  """float32 (E, K, N): per group, its rows of a contracted with its rows of b (``ragged_dot_general``,
-  or ``tiles.tokens``: ``ragged_impl``)."""
-  if ragged_impl(impl) == "tiled":
+def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST):
+  """float32 (E, K, N): per group, its rows of a contracted with its rows of b (``tiles.tokens`` where
+  ``tiled_here``, else ``lax.ragged_dot_general``)."""
+  if tiled_here():
     return tiles.tokens(a_SxK, b_SxN, sizes_E, precision=precision)
   dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -235,7 +219,7 @@ def _tokens_operand(q_U: QTensor) -> native.Operand:
 def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None):
   """a (S, K) rows · b[e] (N, K)ᵀ per group -> (S, N); a in chunks (U, A, K), b per group (E, N, K).
   impl: "xla" (``lax.ragged_dot`` of the exact products) or "native" (``native.grouped_rows``: the
-  batched block-scaled GEMM of the work items); None: ``default_grouped_backend``."""
+  batched block-scaled GEMM of the work items); None: ``dispatch.choose("grouped_matmul", fmt)``."""
   impl = _grouped_impl(a_U, b_E, impl, "fp4jax.gemm.grouped_matmul")
   s = a_U.data.shape[0] * a_U.data.shape[1]
   g_S = g.group_of_row

@@ -1,7 +1,7 @@
 """The native GEMM: a pair of block-scaled QTensors on the hardware's block-scaled tensor cores.
 
 ``fp4jax.gemm.matmul(a, b, impl="native")`` lands here (and impl=None on a GPU of compute capability 10.x
-for the formats ``fp4jax.primitives.impl.default_gemm_backend`` turns on there). Two families:
+for the formats ``fp4jax.dispatch.native_default`` turns on there). Two families:
 
   NVFP4 (nvfp4, nvfp4_eden, nvfp4_dbq)  values float4_e2m1fn, scales float8_e4m3fn per 1x16 along K
   MXFP8 (mxfp8)                         values float8_e4m3fn, scales float8_e8m0fnu per 1x32 along K

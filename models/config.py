@@ -47,7 +47,7 @@ class ModelConfig:
   conv_bias: bool = True          # Mamba-2 / Nemotron-H keep the depthwise conv bias; linears have none
   chunk_size: int = 64
   # The SSD scan: "xla" (models.ssd.ssd_chunked), "pallas" (models.ssd_pallas, the GPU kernels; the
-  # Pallas interpreter on a CPU), "auto" (fp4jax.primitives.impl's recorded rule: "xla" until a device run).
+  # Pallas interpreter on a CPU), "auto" (fp4jax.dispatch's recorded rule: "xla" until a device run).
   ssd_impl: str = "auto"
   # The gated RMSNorm after the scan: "xla" (models.gated_norm.gated_norm_reference), "pallas" (its forward
   # and backward kernels; the interpreter on a CPU), "auto" (the same recorded rule as ssd_impl's).

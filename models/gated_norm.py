@@ -35,7 +35,7 @@ from jax import lax
 from fp4jax import pallas_compat as plc
 from fp4jax import proof as fp4_proof
 from fp4jax import target as fp4_target
-from fp4jax.primitives import impl as fp4_impl
+from fp4jax import dispatch
 from models import ssd_pallas
 
 IMPLS = ("xla", "pallas")
@@ -244,10 +244,10 @@ def can_use_pallas(*, platform: str | None = None) -> bool:
 
 
 def default_impl(*, platform: str | None = None) -> str:
-  """What impl=None / "auto" runs: the SSD kernels' rule (``fp4jax.primitives.impl.model_kernel_default``,
+  """What impl=None / "auto" runs: the SSD kernels' rule (``fp4jax.dispatch.model_kernel_default``,
   op "gated_norm"): "pallas" where the kernels can run here and this device proved them within
   ``PROOF_TOL`` and faster (or a device run is recorded), else "xla"."""
-  if can_use_pallas(platform=platform) and fp4_impl.model_kernel_default("gated_norm") == "pallas":
+  if can_use_pallas(platform=platform) and dispatch.model_kernel_default("gated_norm") == "pallas":
     return "pallas"
   return "xla"
 

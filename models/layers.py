@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from fp4jax import fused, outcontrol, prequantized
 from fp4jax import flax as fp4flax
+from fp4jax import dispatch
 from fp4jax.prequantized import PreQuantized
-from fp4jax.primitives import impl as pimpl
 from models import policy, remat, scopes
 from models.config import ModelConfig
 
@@ -53,7 +53,7 @@ def fused_norm_recipe(config: ModelConfig, recipe: Any, consumer_paths: Sequence
   """The recipe a norm may pre-quantize its output for (``RMSNorm(prequantize_for=...)``), or None.
 
   ``consumer_paths``: the module paths of every linear layer that reads the norm's output, and nothing
-  else may read it. Fused only behind the impl switch (``fp4jax.primitives.impl.default_impl``:
+  else may read it. Fused only behind the impl switch (``fp4jax.dispatch.default_impl``:
   "rmsnorm_quantize" is a kernel candidate of the on-device proof; default XLA, the plain norm), when
   every consumer runs the same recipe with a pre-quantizable fprop input (no OutControl) that the
   kernel covers at this width."""
@@ -83,7 +83,7 @@ def _fusable(layer_recipe, width: int, op: str, kernel_covers) -> Any:
   q = layer_recipe.roles.fprop_x
   if not prequantized.supported(q) or width % layer_recipe.roles.alignment()[1] or not kernel_covers(q):
     return None
-  return layer_recipe if pimpl.default_impl(op, q.fmt) == "pallas" else None
+  return layer_recipe if dispatch.choose(op, q.fmt) == "pallas" else None
 
 
 def residual_std(config: ModelConfig) -> float:

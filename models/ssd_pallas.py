@@ -39,7 +39,7 @@ from jax import lax
 from fp4jax import pallas_compat as plc
 from fp4jax import proof as fp4_proof
 from fp4jax import target as fp4_target
-from fp4jax.primitives import impl as fp4_impl
+from fp4jax import dispatch
 from models import ssd as ssd_xla
 
 IMPLS = ("xla", "pallas")
@@ -383,10 +383,10 @@ def can_use_pallas(x_shape, b_shape, tiles: SsdTiles = DEFAULT_TILES, *, platfor
 
 
 def default_impl(x_shape, b_shape, *, platform: str | None = None) -> str:
-  """What impl=None runs: "pallas" where the kernel can run here and ``fp4jax.primitives.impl.
+  """What impl=None runs: "pallas" where the kernel can run here and ``fp4jax.dispatch.
   model_kernel_default("ssd")`` chooses it (this device proved it within ``PROOF_TOL`` and faster, or
   a recorded device run; today no run is recorded), else "xla"."""
-  if can_use_pallas(x_shape, b_shape, platform=platform) and fp4_impl.model_kernel_default("ssd") == "pallas":
+  if can_use_pallas(x_shape, b_shape, platform=platform) and dispatch.model_kernel_default("ssd") == "pallas":
     return "pallas"
   return "xla"
 

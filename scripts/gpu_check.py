@@ -25,7 +25,7 @@ kind), so the first device run tests the model too. Each row is printed as it fi
 $OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
 bandwidth (nvfp4 1x16 RNE, bf16 8192x8192), emulated NVFP4 GEMM >= 0.90 of bf16 at 8192^3, small nvfp4
 step <= 1.25x the bf16 step. The last lines say which kernels a run justifies adding to
-``fp4jax.primitives.VERIFIED_KERNELS`` (exact and faster than the XLA path).
+``fp4jax.dispatch.VERIFIED_KERNELS`` (exact and faster than the XLA path).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fp4jax  # noqa: E402  (needs ROOT on the path when run as a script)
-from fp4jax import formats, gemm as fgemm, native, primitives, proof, random_bits  # noqa: E402
+from fp4jax import dispatch, formats, gemm as fgemm, native, primitives, proof, random_bits  # noqa: E402
 from fp4jax.quantizers import Quantizer  # noqa: E402
 from fp4jax.numerics.hadamard import rht  # noqa: E402
 from fp4jax.qtensor import QTensor  # noqa: E402
@@ -322,7 +322,7 @@ NATIVE_OPS = {f"native {v.fmt} {v.name}": v.pair for (op, _), vs in proof.VARIAN
 
 def is_blackwell() -> bool:
   """A GPU of compute capability 10.x, where impl=None runs the native GEMM."""
-  return primitives.impl.native_device()
+  return dispatch.native_device()
 
 
 _exact_native_operand = proof.exact_native_operand   # the same in each NVFP4-family format
@@ -390,15 +390,15 @@ def native_rows(report: Report, bf16_tflops: float, bf16_dot_ms: dict):
 
       outs = {}
       for impl in (("native", "xla") if recipe != "bf16" else ("xla",)):
-        saved = os.environ.get(primitives.DEFAULT_IMPL_ENV)
-        os.environ[primitives.DEFAULT_IMPL_ENV] = impl   # resolved while tracing: this compile only
+        saved = os.environ.get(dispatch.DEFAULT_IMPL_ENV)
+        os.environ[dispatch.DEFAULT_IMPL_ENV] = impl   # resolved while tracing: this compile only
         try:
           compiled = jax.jit(dot).lower(x, w, dy).compile()
         finally:
           if saved is None:
-            os.environ.pop(primitives.DEFAULT_IMPL_ENV, None)
+            os.environ.pop(dispatch.DEFAULT_IMPL_ENV, None)
           else:
-            os.environ[primitives.DEFAULT_IMPL_ENV] = saved
+            os.environ[dispatch.DEFAULT_IMPL_ENV] = saved
         outs[impl] = compiled
       main = outs["native" if recipe != "bf16" else "xla"]
       row.predicted_ms = _predict(main)
@@ -488,16 +488,16 @@ def _train_step_fn(report: Report, recipe: str, force_kernels: bool):
   tokens = jax.random.randint(jax.random.key(1), (s.step_batch, s.step_seq + 1), 0,
                               model_config.vocab_size, jnp.int32)
   fn = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, lr_fn=lr_fn))
-  saved = os.environ.get(primitives.DEFAULT_IMPL_ENV)
+  saved = os.environ.get(dispatch.DEFAULT_IMPL_ENV)
   if force_kernels:        # impl=None is resolved while tracing: force the kernels for this compile only
-    os.environ[primitives.DEFAULT_IMPL_ENV] = "pallas"
+    os.environ[dispatch.DEFAULT_IMPL_ENV] = "pallas"
   try:
     compiled = fn.lower(state, tokens).compile()
   finally:
     if saved is None:
-      os.environ.pop(primitives.DEFAULT_IMPL_ENV, None)
+      os.environ.pop(dispatch.DEFAULT_IMPL_ENV, None)
     else:
-      os.environ[primitives.DEFAULT_IMPL_ENV] = saved
+      os.environ[dispatch.DEFAULT_IMPL_ENV] = saved
   return compiled, state, tokens, s.step_batch * s.step_seq
 
 
@@ -619,13 +619,13 @@ def verdicts(rows):
   if r and r.ratio is not None:
     verdict = "confirms" if r.status == "ok" and r.ratio <= TARGETS["native_dot"] else "revokes"
     lines.append(f"dot nvfp4 native: {r.status}, {r.ratio:.2f}x the bf16 dot -> {verdict} impl=None = native "
-                 "on cc 10.x (fp4jax.primitives.impl.NATIVE_DEFAULTS)")
+                 "on cc 10.x (fp4jax.dispatch.NATIVE_DEFAULTS)")
   for op, row_name in (("ssd", "ssd fwd+bwd (+D x)"), ("gated_norm", "gated norm fwd+bwd")):
     r, x = by.get((row_name, "pallas")), by.get((row_name, "xla"))
     if r and x and r.ms and x.ms:
       ok = r.status == "ok" and x.ms > r.ms
       lines.append(f"kernel {op}: {r.status} ({r.exact}), {x.ms / r.ms:.2f}x the XLA path"
-                   + (f" -> candidate: fp4jax.primitives.impl.VERIFIED_MODEL_KERNELS['{op}'] = Evidence(...)"
+                   + (f" -> candidate: fp4jax.dispatch.VERIFIED_MODEL_KERNELS['{op}'] = Evidence(...)"
                       if ok else " -> stays impl='xla'"))
   r = by.get(("train step nvfp4", "default"))
   if r and r.ratio is not None:
@@ -669,7 +669,7 @@ def write_report(report: Report, env: dict):
   if report.rehearse:
     print("# rehearsal on CPU: interpreted kernels, tiny shapes; the times and ratios say nothing about a GPU")
   elif evidence:
-    print("# VERIFIED_KERNELS entries this run justifies (fp4jax/primitives/impl.py):\n" + "\n".join(evidence))
+    print("# VERIFIED_KERNELS entries this run justifies (fp4jax/dispatch.py):\n" + "\n".join(evidence))
   else:
     print("# no kernel was both exact and faster than its XLA path: VERIFIED_KERNELS stays empty")
   data = dict(env=env, sizes=dataclasses.asdict(report.sizes), rehearse=report.rehearse,
@@ -709,9 +709,9 @@ def _environment():
               device=getattr(dev, "device_kind", dev.platform), backend=jax.default_backend(),
               devices=len(jax.devices()), jax=jax.__version__, jaxlib=jaxlib.__version__,
               python=platform.python_version(), triton=fp4jax._pallas_compat.has_triton(),  # pylint: disable=protected-access
-              default_impl_env=os.environ.get(primitives.DEFAULT_IMPL_ENV, ""),
+              default_impl_env=os.environ.get(dispatch.DEFAULT_IMPL_ENV, ""),
               verified_kernels={f"{k[0]}/{k[1]}": dataclasses.asdict(v)
-                                for k, v in primitives.VERIFIED_KERNELS.items()})
+                                for k, v in dispatch.VERIFIED_KERNELS.items()})
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ PACKAGES = ("tools", "training", "configs", "models", "fp4jax")
 KNOWN_UPWARD = {("proof", "fp4jax")}
 # What models may import of fp4jax besides the package itself (the map's models line names them).
 MODELS_MAY_IMPORT = {"fp4jax", "flax", "grouped", "recipes", "quantizers", "outcontrol", "osci_reset", "fused",
-                     "prequantized", "target", "formats", "pallas_compat", "proof", "primitives"}
+                     "prequantized", "target", "formats", "pallas_compat", "proof", "dispatch"}
 
 
 def _map_block() -> list[str]:

@@ -524,14 +524,14 @@ def test_hlo_walk_charges_cudnn_attention_by_flops_and_bytes():
 
 def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
   from bench import gpu_aot   # pylint: disable=import-outside-toplevel
-  from fp4jax.primitives import impl   # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(impl, "VERIFIED_KERNELS", {})
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  from fp4jax import dispatch   # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(dispatch, "VERIFIED_KERNELS", {})
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   with pytest.raises(ValueError, match="unknown kernel ops.*quantise"):
     gpu_aot._assume_proved(["quantise"])   # pylint: disable=protected-access
   gpu_aot._assume_proved(["quantize_rht_t"])   # pylint: disable=protected-access
-  assert {op for op, _ in impl.VERIFIED_KERNELS} == {"quantize_rht_t"}
-  assert impl.default_impl("quantize_rht_t", "nvfp4", platform="cuda") == "pallas"
-  assert impl.default_impl("quantize_1d", "nvfp4", platform="cuda") == "xla"
+  assert {op for op, _ in dispatch.VERIFIED_KERNELS} == {"quantize_rht_t"}
+  assert dispatch.default_impl("quantize_rht_t", "nvfp4", platform="cuda") == "pallas"
+  assert dispatch.default_impl("quantize_1d", "nvfp4", platform="cuda") == "xla"
   gpu_aot._assume_proved(["all"])   # pylint: disable=protected-access
-  assert {op for op, _ in impl.VERIFIED_KERNELS} == set(impl.KERNEL_OPS)
+  assert {op for op, _ in dispatch.VERIFIED_KERNELS} == set(dispatch.KERNEL_OPS)

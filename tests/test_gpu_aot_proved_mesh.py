@@ -1,6 +1,6 @@
 """The programs an on-device proof can choose compile for their meshes, on a machine without a GPU: the 12B on 8
 GPUs (fsdp 8) and Nemotron 3 Super on 64 (fsdp 8 x expert 8), for H200 (sm_90) and B200 (sm_100), with every
-kernel on: ``--what_if_proved=all`` (each kernel of ``fp4jax.primitives.impl.KERNEL_OPS`` counts as proved
+kernel on: ``--what_if_proved=all`` (each kernel of ``fp4jax.dispatch.KERNEL_OPS`` counts as proved
 exact and faster, as a passing proof records it) and the model kernels (the Mamba-2 SSD and gated-norm
 kernels) on. The kernels then run per shard inside the partitioned primitives and inside the expert-parallel
 shard_map, where they must carry the varying-manual-axes types jax checks there.

@@ -11,7 +11,7 @@ import pytest
 
 import fp4jax
 from fp4jax import _pallas_compat as plc
-from fp4jax import primitives
+from fp4jax import dispatch
 from fp4jax.api import quantize_rht_transposed, scaled_matmul
 from fp4jax.numerics.hadamard import rht
 from fp4jax.reference import quantize_reference, scaled_matmul_reference
@@ -48,10 +48,10 @@ def _raw(a):
 
 
 def test_default_impl_follows_the_verified_table():
-  assert primitives.can_use_pallas("nvfp4")
-  for op in primitives.KERNEL_OPS:
-    verified = (op, "nvfp4") in primitives.VERIFIED_KERNELS
-    assert primitives.default_impl(op, "nvfp4") == ("pallas" if verified else "xla")
+  assert dispatch.can_use_pallas("nvfp4")
+  for op in dispatch.KERNEL_OPS:
+    verified = (op, "nvfp4") in dispatch.VERIFIED_KERNELS
+    assert dispatch.default_impl(op, "nvfp4") == ("pallas" if verified else "xla")
 
 
 @pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1024)])

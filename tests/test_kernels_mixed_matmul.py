@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import api, formats, primitives, proof
+from fp4jax import api, dispatch, formats, primitives, proof
 from fp4jax.kernels import mixed_matmul as MM
-from fp4jax.primitives import matmul as pmatmul
 from fp4jax.qtensor import QTensor
 from fp4jax.reference import scaled_matmul_reference, tensor_factor_parts
 
@@ -155,37 +154,40 @@ def _impl_of(fn, *args):
 def test_primitive_runs_the_mixed_kernel_bit_for_bit():
   a = exact_operand((48, 256), "nvfp4", None, 11)
   b = exact_operand((32, 256), "nvfp4", TILE, 12)
-  run = lambda a, b: primitives.fp4_matmul(a, b, out_dtype=jnp.bfloat16, impl="pallas", kernel="mixed")
+  run = lambda a, b: primitives.mixed_matmul(a, b, out_dtype=jnp.bfloat16)
   assert _impl_of(run, a, b) == ["mixed"]
   np.testing.assert_array_equal(np.asarray(run(a, b).astype(jnp.float32)),
                                 np.asarray(api.scaled_matmul(a, b, out_dtype=jnp.bfloat16, impl="xla")
                                            .astype(jnp.float32)))
 
 
-def test_impl_none_picks_mixed_only_where_it_is_proved(monkeypatch):
-  """impl=None: "mixed" where default_impl("mixed_matmul") says so (a device verdict or
-  VERIFIED_KERNELS), else scaled_matmul's choice; FP4JAX_DEFAULT_IMPL and explicit impls win."""
-  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
+def test_the_proved_pallas_gemm_is_mixed_only_where_it_is_proved(monkeypatch):
+  """impl=None and impl="pallas" run "mixed" where it is proved (a device verdict or VERIFIED_KERNELS, on a
+  device where the kernels run compiled), else the pair ("pallas") or, for None, the XLA path;
+  FP4JAX_DEFAULT_IMPL=pallas forces the pair, =xla the XLA path."""
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   a = exact_operand((16, 64), "nvfp4", None, 13)
   b = exact_operand((16, 64), "nvfp4", TILE, 14)
   none = lambda a, b: api.scaled_matmul(a, b, impl=None)
-  assert _impl_of(none, a, b) == ["xla"]                                # CPU: nothing proved
-  proved = {"mixed_matmul"}
-  monkeypatch.setattr(pmatmul, "default_impl", lambda op, fmt: "pallas" if op in proved else "xla")
-  assert _impl_of(none, a, b) == ["mixed"]
-  assert _impl_of(lambda a, b: api.scaled_matmul(a, b, impl="pallas"), a, b) == ["pallas"]   # the pair
+  pallas = lambda a, b: api.scaled_matmul(a, b, impl="pallas")
+  assert _impl_of(none, a, b) == ["xla"] and _impl_of(pallas, a, b) == ["pallas"]   # CPU: nothing proved
+  monkeypatch.setattr(dispatch, "can_use_pallas", lambda fmt, **_: True)          # a GPU, to the rule
+  assert _impl_of(none, a, b) == ["xla"] and _impl_of(pallas, a, b) == ["pallas"]   # ... still nothing proved
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, ("mixed_matmul", "nvfp4"),
+                      dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert _impl_of(none, a, b) == ["mixed"] and _impl_of(pallas, a, b) == ["mixed"]
   assert _impl_of(lambda a, b: api.scaled_matmul(a, b, impl="xla"), a, b) == ["xla"]
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   assert _impl_of(none, a, b) == ["xla"]
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "pallas")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
   assert _impl_of(none, a, b) == ["pallas"]
-  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV)
-  proved.clear()
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV)
+  monkeypatch.delitem(dispatch.VERIFIED_KERNELS, ("mixed_matmul", "nvfp4"))
   assert _impl_of(none, a, b) == ["xla"]
-  with pytest.raises(ValueError, match="kernel='fused'"):
-    primitives.fp4_matmul(a, b, impl="pallas", kernel="fused")
+  with pytest.raises(TypeError, match="kernel"):
+    primitives.fp4_matmul(a, b, impl="pallas", kernel="mixed")   # pylint: disable=unexpected-keyword-arg
 
 
 def test_mixed_matmul_is_a_kernel_op():
-  assert "mixed_matmul" in primitives.KERNEL_OPS
-  assert primitives.default_impl("mixed_matmul", "nvfp4") == "xla"     # no device run recorded
+  assert "mixed_matmul" in dispatch.KERNEL_OPS
+  assert dispatch.default_impl("mixed_matmul", "nvfp4") == "xla"     # no device run recorded

@@ -74,7 +74,7 @@ class _ScaledMatmulCases:
 
   def _check(self, fmt, m, n, k, a_tile, b_tile, out_dtype, lead=()):
     a, b = _operands(m, n, k, fmt, a_tile, b_tile, lead=lead)
-    got = KM.scaled_matmul(a.data, _bytes(a.scale), b.data, _bytes(b.scale), tensor_factor(a, b),
+    got = KM.pallas_matmul(a.data, _bytes(a.scale), b.data, _bytes(b.scale), tensor_factor(a, b),
                            fmt=fmt, a_tiled=a_tile is not None, b_tiled=b_tile is not None,
                            out_dtype=out_dtype, interpret=self.INTERPRET)
     assert got.shape == lead + (m, n) and got.dtype == out_dtype
@@ -112,7 +112,7 @@ class _ScaledMatmulExactCases:
     a = exact_operand((m, k), fmt, a_tile, 0)
     b = exact_operand((n, k), fmt, b_tile, 1)
     for out_dtype in (jnp.float32, jnp.bfloat16):
-      got = KM.scaled_matmul(a.data, _bytes(a.scale), b.data, _bytes(b.scale), tensor_factor(a, b),
+      got = KM.pallas_matmul(a.data, _bytes(a.scale), b.data, _bytes(b.scale), tensor_factor(a, b),
                              fmt=fmt, a_tiled=a_tile is not None, b_tiled=b_tile is not None,
                              out_dtype=out_dtype, interpret=self.INTERPRET)
       want = scaled_matmul_reference(a, b, out_dtype)
@@ -147,7 +147,7 @@ def test_extreme_amaxes_follow_the_reference():
   for amax_a, amax_b in ((1e20, 3e19), (1e-30, 2e-25), (5.0, 7.0)):
     qa = dataclasses.replace(a, amax=jnp.float32(amax_a))
     qb = dataclasses.replace(b, amax=jnp.float32(amax_b))
-    got = KM.scaled_matmul(qa.data, _bytes(qa.scale), qb.data, _bytes(qb.scale),
+    got = KM.pallas_matmul(qa.data, _bytes(qa.scale), qb.data, _bytes(qb.scale),
                            tensor_factor_parts(qa, qb), fmt="nvfp4", b_tiled=True, interpret=True)
     want = scaled_matmul_reference(qa, qb, jnp.float32)
     assert np.isfinite(np.asarray(want)).all()

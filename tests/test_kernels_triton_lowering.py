@@ -75,7 +75,7 @@ def test_mixed_matmul_lowers(fmt, w_tile):
   def fn(x, w):
     a = fp4jax.quantize(x, fmt, impl="pallas")
     b = fp4jax.quantize(w, fmt, tile=w_tile, impl="pallas")
-    return primitives.fp4_matmul(a, b, out_dtype=jnp.bfloat16, impl="pallas", kernel="mixed")
+    return primitives.mixed_matmul(a, b, out_dtype=jnp.bfloat16)
   # quantize a, quantize b, then one GEMM that decodes as it loads (no dequantize pass)
   assert _kernels_in(fn, S((2, 304, 320), jnp.bfloat16), S((4096, 320), jnp.bfloat16)) == 3
 

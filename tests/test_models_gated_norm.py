@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fp4jax import pallas_compat as plc
-from fp4jax.primitives import impl as fp4_impl
+from fp4jax import dispatch
 from models import gated_norm
 
 F32_TOL = 1e-5
@@ -91,7 +91,7 @@ class TestAgainstTheTwin:
 class TestSwitch:
 
   def test_the_default_is_the_twin_until_a_device_run(self):
-    assert "gated_norm" not in fp4_impl.VERIFIED_MODEL_KERNELS
+    assert "gated_norm" not in dispatch.VERIFIED_MODEL_KERNELS
     assert gated_norm.default_impl(platform="cuda") == "xla"
     assert not gated_norm.can_use_pallas(platform="cpu")
     y, z, w, _ = _inputs(1, 1, 4, 2, 16, jnp.float32)
@@ -100,7 +100,7 @@ class TestSwitch:
         gated_norm.gated_norm_reference(y, z, w, eps=EPS, out_dtype=jnp.bfloat16))
 
   def test_forced_pallas_is_chosen_where_it_can_run(self, monkeypatch):
-    monkeypatch.setenv(fp4_impl.DEFAULT_IMPL_ENV, "pallas")
+    monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
     assert gated_norm.default_impl(platform="cuda") == ("pallas" if plc.has_triton() else "xla")
     assert gated_norm.default_impl(platform="cpu") == "xla"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fp4jax import pallas_compat as plc
-from fp4jax.primitives import impl as fp4_impl
+from fp4jax import dispatch
 from models import ssd, ssd_pallas
 
 ERR_RATIO = 8.0
@@ -187,12 +187,12 @@ class TestDecodeHandOff:
 class TestSwitch:
 
   def test_the_default_is_xla_until_a_device_run(self):
-    assert fp4_impl.VERIFIED_MODEL_KERNELS == {}
+    assert dispatch.VERIFIED_MODEL_KERNELS == {}
     assert ssd_pallas.default_impl((1, 64, 4, 64), (1, 64, 1, 128), platform="cuda") == "xla"
     assert not ssd_pallas.can_use_pallas((1, 64, 4, 64), (1, 64, 1, 128), platform="cpu")
 
   def test_forced_pallas_is_chosen_where_it_can_run(self, monkeypatch):
-    monkeypatch.setenv(fp4_impl.DEFAULT_IMPL_ENV, "pallas")
+    monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
     expected = "pallas" if plc.has_triton() else "xla"
     assert ssd_pallas.default_impl((1, 64, 4, 64), (1, 64, 1, 128), platform="cuda") == expected
     assert ssd_pallas.default_impl((1, 64, 4, 24), (1, 64, 1, 128), platform="cuda") == "xla"

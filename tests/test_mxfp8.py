@@ -18,8 +18,9 @@ import pytest
 
 import fp4jax
 from fp4jax import gemm, grouped, native
+from fp4jax import dispatch
+from fp4jax import verdicts
 from fp4jax.numerics import mxfp8
-from fp4jax.primitives import impl, verdicts
 from fp4jax.quantizers import Quantizer
 from test_recipes_mxfp8_row_scaled import _exact_operands, e4m3_rne, mx_scale_byte
 
@@ -160,7 +161,7 @@ def test_native_operands_are_the_emulated_bytes(monkeypatch):
     return gemm_fn(a, b)
 
   monkeypatch.setattr(native, "block_scaled_matmul", record)
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
   x = jax.random.normal(jax.random.key(0), (M, K)) * 3
   x = x.at[3, :32].set(0.0).at[5, 40].set(1e4).at[7, 64:].multiply(1e-30)
   w = jax.random.normal(jax.random.key(1), (K, N))
@@ -209,9 +210,9 @@ def test_dot_value_and_grad_native_equals_xla(monkeypatch):
       return (y, *vjp(dy))
     return jax.jit(f)(x, w, dy)
 
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   want = run()
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
   assert "scaled_matmul" in str(jax.make_jaxpr(lambda a, b: fp4jax.dot(a, b, recipe="mxfp8"))(x, w))
   got = run()
   for g, w_ in zip(got, want):
@@ -271,9 +272,9 @@ def test_grouped_dot_native_equals_xla(tiling, monkeypatch):
       return (y, *vjp(dy))
     return f
 
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   want = jax.jit(run())(x, w, dy)
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
   jaxpr = str(jax.make_jaxpr(run())(x, w, dy))
   assert jaxpr.count("scaled_matmul") >= 3 and "ragged_dot" not in jaxpr
   got = jax.jit(run())(x, w, dy)
@@ -302,22 +303,22 @@ def test_off_by_default_on_until_a_device_verdict(cc, monkeypatch):
   """No verdict: mxfp8 runs the XLA path everywhere (nvfp4 is native on 10.x); a "faster" verdict turns
   the dense and grouped GEMMs on, on compute capability 10.x only; "differs" keeps them off;
   FP4JAX_DEFAULT_IMPL=native forces them."""
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   native_cc = cc is not None and cc[0] == 10
   verdict = {}
   monkeypatch.setattr(verdicts, "decide", lambda op, fmt, device_kind=None: verdict.get((op, fmt)))
-  assert impl.default_gemm_backend("mxfp8", capability=cc) is None
-  assert impl.default_grouped_backend("mxfp8", capability=cc) is None
-  assert impl.default_gemm_backend("nvfp4", capability=cc) == ("native" if native_cc else None)
+  assert dispatch.native_default("mxfp8", capability=cc) is None
+  assert dispatch.native_grouped_default("mxfp8", capability=cc) is None
+  assert dispatch.native_default("nvfp4", capability=cc) == ("native" if native_cc else None)
   verdict[(verdicts.NATIVE_OP, "mxfp8")] = True
   want = "native" if native_cc else None
-  assert impl.default_gemm_backend("mxfp8", capability=cc) == want
-  assert impl.default_grouped_backend("mxfp8", capability=cc) == want
+  assert dispatch.native_default("mxfp8", capability=cc) == want
+  assert dispatch.native_grouped_default("mxfp8", capability=cc) == want
   verdict[(verdicts.NATIVE_OP, "mxfp8")] = False
-  assert impl.default_gemm_backend("mxfp8", capability=cc) is None
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
-  assert impl.default_gemm_backend("mxfp8", capability=cc) == "native"
-  assert impl.default_grouped_backend("mxfp8", capability=cc) == "native"
+  assert dispatch.native_default("mxfp8", capability=cc) is None
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
+  assert dispatch.native_default("mxfp8", capability=cc) == "native"
+  assert dispatch.native_grouped_default("mxfp8", capability=cc) == "native"
 
 
 def test_the_proof_covers_mxfp8_and_passes_on_the_cpu():

@@ -24,7 +24,7 @@ import pytest
 import fp4jax
 from fp4jax import _native_compat as nc
 from fp4jax import gemm, grouped, native
-from fp4jax.primitives import impl
+from fp4jax import dispatch
 from fp4jax.quantizers import Quantizer
 
 M, N, K = 48, 32, 256
@@ -349,10 +349,10 @@ def test_grouped_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):
       return (y, *vjp(dy))
     return f
 
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   assert "scaled_matmul" not in str(jax.make_jaxpr(run())())
   want = jax.jit(run())()
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
   jaxpr = str(jax.make_jaxpr(run())())
   assert jaxpr.count("scaled_matmul") >= 3 and "ragged_dot" not in jaxpr   # fprop, dgrad, wgrad native
   got = jax.jit(run())()
@@ -380,14 +380,14 @@ def test_grouped_pallas_and_mxfp4_are_refused():
 
 @pytest.mark.parametrize("cc,want", [((10, 0), "native"), ((12, 0), None), ((9, 0), None), (None, None)])
 def test_grouped_default_is_native_on_cc_10_only(cc, want, monkeypatch):
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   for fmt in native.NVFP4_FORMATS:
-    assert impl.default_grouped_backend(fmt, capability=cc) == want
-  assert impl.default_grouped_backend("mxfp4", capability=cc) is None
-  assert impl.default_grouped_backend("mxfp8", capability=cc) is None   # until a device proof (test_mxfp8.py)
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
-  assert impl.default_grouped_backend("nvfp4", capability=(10, 0)) is None
-  assert set(impl.NATIVE_GROUPED_DEFAULTS) == set(native.FORMATS)
+    assert dispatch.native_grouped_default(fmt, capability=cc) == want
+  assert dispatch.native_grouped_default("mxfp4", capability=cc) is None
+  assert dispatch.native_grouped_default("mxfp8", capability=cc) is None   # until a device proof (test_mxfp8.py)
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
+  assert dispatch.native_grouped_default("nvfp4", capability=(10, 0)) is None
+  assert set(dispatch.NATIVE_GROUPED_DEFAULTS) == set(native.FORMATS)
 
 
 def _formats(recipe):
@@ -423,9 +423,9 @@ def test_dot_value_and_grad_native_equals_xla(recipe, monkeypatch):
       return (y, *vjp(dy))
     return jax.jit(f)()
 
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   want = run()
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
   got = run()
   for g, w_ in zip(got, want):
     _summation_close(g, w_)
@@ -479,41 +479,41 @@ def test_axis_must_be_the_contraction():
 @pytest.mark.parametrize("cc,want", [((10, 0), "native"), ((10, 3), "native"), ((12, 0), None),
                                      ((9, 0), None), (None, None)])
 def test_default_is_native_on_cc_10_only(cc, want, monkeypatch):
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
-  assert impl.default_gemm_backend("nvfp4", capability=cc) == want
-  assert impl.default_gemm_backend("nvfp4_eden", capability=cc) == want
-  assert impl.default_gemm_backend("mxfp4", capability=cc) is None
-  assert impl.default_gemm_backend("fp8", capability=cc) is None
-  assert impl.default_gemm_backend("nvfp4_dbq", capability=cc) == want
-  assert impl.default_gemm_backend("mxfp8", capability=cc) is None   # until a device proof (test_mxfp8.py)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
+  assert dispatch.native_default("nvfp4", capability=cc) == want
+  assert dispatch.native_default("nvfp4_eden", capability=cc) == want
+  assert dispatch.native_default("mxfp4", capability=cc) is None
+  assert dispatch.native_default("fp8", capability=cc) is None
+  assert dispatch.native_default("nvfp4_dbq", capability=cc) == want
+  assert dispatch.native_default("mxfp8", capability=cc) is None   # until a device proof (test_mxfp8.py)
 
 
 def test_env_overrides(monkeypatch):
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
-  assert impl.default_gemm_backend("nvfp4", capability=(10, 0)) is None
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "pallas")
-  assert impl.default_gemm_backend("nvfp4", capability=(10, 0)) is None
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
+  assert dispatch.native_default("nvfp4", capability=(10, 0)) is None
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
+  assert dispatch.native_default("nvfp4", capability=(10, 0)) is None
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
   for fmt in native.FORMATS:
-    assert impl.default_gemm_backend(fmt, capability=None) == "native"
-  assert impl.default_gemm_backend("mxfp4") is None
-  # the primitives (quantize, the op-level scaled matmul) keep their evidence-based default
-  assert impl.default_impl("quantize_1d", "nvfp4") == "xla"
-  assert impl.resolve_impl(None, "nvfp4") is None
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "fast")
+    assert dispatch.native_default(fmt, capability=None) == "native"
+  assert dispatch.native_default("mxfp4") is None
+  # the quantize ops keep their evidence-based default; every GEMM runs native
+  assert dispatch.default_impl("quantize_1d", "nvfp4") == "xla" and dispatch.choose("quantize_1d", "nvfp4") == "xla"
+  assert dispatch.choose("scaled_matmul", "nvfp4") == dispatch.choose("grouped_matmul", "nvfp4") == "native"
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "fast")
   with pytest.raises(ValueError, match="'xla', 'pallas', 'native'"):
-    impl.default_gemm_backend("nvfp4")
+    dispatch.native_default("nvfp4")
 
 
 def test_every_native_format_has_a_recorded_choice():
-  assert set(impl.NATIVE_DEFAULTS) == set(native.FORMATS)
-  for fmt, choice in impl.NATIVE_DEFAULTS.items():
+  assert set(dispatch.NATIVE_DEFAULTS) == set(native.FORMATS)
+  for fmt, choice in dispatch.NATIVE_DEFAULTS.items():
     assert choice.basis and choice.missing
     assert choice.default == (fmt in native.NVFP4_FORMATS)   # MXFP8: off until a device proves it
 
 
 def test_this_cpu_is_not_a_native_device():
-  assert not impl.native_device()
+  assert not dispatch.native_device()
   assert nc.cuda_compute_capability() is None
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import fp4jax
 from fp4jax import _pallas_compat as plc
-from fp4jax import primitives
+from fp4jax import dispatch
 from fp4jax.api import quantize_rht_transposed, scaled_matmul, transpose_tiles
 from fp4jax.reference import dequantize_reference, scaled_matmul_reference
 from fp4jax.reference import quantize_reference as _quantize_reference
@@ -62,13 +62,13 @@ def test_jaxpr_shows_the_primitives(impl):
 
 
 def test_impl_switch_and_can_use_pallas():
-  assert primitives.can_use_pallas("nvfp4", platform="cuda")
-  assert not primitives.can_use_pallas("fp8", platform="cuda")
-  assert not primitives.can_use_pallas("nvfp4", platform="cpu")
+  assert dispatch.can_use_pallas("nvfp4", platform="cuda")
+  assert not dispatch.can_use_pallas("fp8", platform="cuda")
+  assert not dispatch.can_use_pallas("nvfp4", platform="cpu")
   if jax.default_backend() == "cpu":
-    assert primitives.default_impl("scaled_matmul", "nvfp4") == "xla"
-  assert primitives.resolve_impl("pallas", "mxfp4") == "pallas"
-  assert primitives.resolve_impl(None, "fp8") == "xla"
+    assert dispatch.default_impl("scaled_matmul", "nvfp4") == "xla"
+  assert dispatch.choose("quantize_1d", "mxfp4", "pallas") == "pallas"
+  assert dispatch.choose("scaled_matmul", "fp8") == "xla" and dispatch.choose("quantize_1d", "fp8") == "xla"
   with pytest.raises(ValueError, match="impl="):
     fp4jax.quantize(_x((16, 16)), "nvfp4", impl="triton")
   with pytest.raises(ValueError, match="no Pallas kernels for fmt='fp8'"):
@@ -94,47 +94,47 @@ def _every_op(x):
 def fake_gpu(monkeypatch):
   """The program is traced for an H200 with Triton (nothing is compiled: make_jaxpr only traces)."""
   monkeypatch.setattr(plc, "has_triton", lambda: True)
-  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   with fp4jax.target.use(fp4jax.target.Target("gpu", "NVIDIA H200", (9, 0))):
     yield
 
 
 def test_default_on_gpu_is_xla_until_a_kernel_is_verified(fake_gpu, monkeypatch):
   x = _x((32, 64))
-  assert primitives.can_use_pallas("nvfp4")
-  assert primitives.VERIFIED_KERNELS == {}   # no device run has verified a kernel yet
+  assert dispatch.can_use_pallas("nvfp4")
+  assert dispatch.VERIFIED_KERNELS == {}   # no device run has verified a kernel yet
   assert set(_impls_in_jaxpr(_every_op, x).values()) == {"xla"}
-  for op in primitives.KERNEL_OPS:
-    assert primitives.default_impl(op, "nvfp4") == "xla"
-  evidence = primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3)
-  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_2d", "nvfp4"), evidence)
-  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("scaled_matmul", "nvfp4"), evidence)
+  for op in dispatch.KERNEL_OPS:
+    assert dispatch.default_impl(op, "nvfp4") == "xla"
+  evidence = dispatch.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3)
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, ("quantize_2d", "nvfp4"), evidence)
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, ("scaled_matmul", "nvfp4"), evidence)
   impls = [e.params["impl"] for e in jax.make_jaxpr(lambda x: _every_op(x))(x).jaxpr.eqns
            if str(e.primitive).startswith("fp4jax_")]
   # quantize 1x16, quantize 16x16, rht_t, scaled_matmul, in binding order
   assert impls == ["xla", "pallas", "xla", "pallas"]
-  assert primitives.default_impl("scaled_matmul", "mxfp4") == "xla"   # verified per format
-  assert primitives.default_impl("quantize_2d", "nvfp4", platform="cpu") == "xla"
+  assert dispatch.default_impl("scaled_matmul", "mxfp4") == "xla"   # verified per format
+  assert dispatch.default_impl("quantize_2d", "nvfp4", platform="cpu") == "xla"
 
 
 def test_default_impl_env_override(fake_gpu, monkeypatch):
   x = _x((32, 64))
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "pallas")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
   assert set(_impls_in_jaxpr(_every_op, x).values()) == {"pallas"}
-  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
-                      primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
+                      dispatch.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   assert set(_impls_in_jaxpr(_every_op, x).values()) == {"xla"}
-  assert primitives.resolve_impl("pallas", "nvfp4") == "pallas"   # an explicit impl wins
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "triton")
+  assert dispatch.choose("quantize_1d", "nvfp4", "pallas") == "pallas"   # an explicit impl wins
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "triton")
   with pytest.raises(ValueError, match="FP4JAX_DEFAULT_IMPL"):
     fp4jax.quantize(x, "nvfp4")
 
 
 def test_default_on_cpu_is_xla(monkeypatch):
-  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
-  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
-                      primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
+                      dispatch.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
   with fp4jax.target.use(fp4jax.target.Target("cpu", "cpu")):
     assert set(_impls_in_jaxpr(_every_op, _x((32, 64))).values()) == {"xla"}
 

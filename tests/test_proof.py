@@ -1,4 +1,4 @@
-"""The on-device proof (fp4jax.proof) and its verdicts (fp4jax.primitives.verdicts), on the CPU.
+"""The on-device proof (fp4jax.proof) and its verdicts (fp4jax.verdicts), on the CPU.
 
 A fake device table (``fake_gpu``: a fake device kind and driver, the Pallas kernels reported usable)
 makes the prover run here, the kernels in Pallas interpret mode at tiny sizes. Timing on the CPU says
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from fp4jax import _pallas_compat as plc
-from fp4jax import native, proof
+from fp4jax import dispatch, native, proof, verdicts
 from fp4jax import target as target_lib
 from fp4jax.kernels import quantize_1d as k1d
-from fp4jax.primitives import impl, quantize_last, verdicts
+from fp4jax.primitives import quantize_last
 
 FAKE = proof.Device("Fake GPU 9000", "999.99 CUDA 99.9")
 OP, FMT = "quantize_1d", "nvfp4"
@@ -27,7 +27,7 @@ OP, FMT = "quantize_1d", "nvfp4"
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
   """This process looks like a GPU to the prover; verdicts go to tmp_path; nothing forced."""
-  for name in (impl.DEFAULT_IMPL_ENV, verdicts.PROOF_ENV):
+  for name in (dispatch.DEFAULT_IMPL_ENV, verdicts.PROOF_ENV):
     monkeypatch.delenv(name, raising=False)
   monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
   monkeypatch.setenv(verdicts.BUDGET_ENV, "600")
@@ -78,11 +78,11 @@ def _wrong_on_tiny_amax(monkeypatch):
 def test_no_gpu_no_proof(monkeypatch, tmp_path):
   """On the CPU, without the fake table, impl=None stays on the XLA path and nothing is proved."""
   monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   calls = _count_proofs(monkeypatch)
   verdicts.forget()
   assert proof.device_key() is None
-  assert impl.default_impl(OP, FMT) == "xla" and impl.default_gemm_backend(FMT) is None
+  assert dispatch.default_impl(OP, FMT) == "xla" and dispatch.native_default(FMT) is None
   assert verdicts.decide(OP, FMT) is None and not calls and not os.listdir(tmp_path)
 
 
@@ -104,28 +104,28 @@ def test_exact_kernel_is_proved_cached_and_used(fake_gpu, kernel_faster, monkeyp
   assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16", "1x16 SR", "1x16 SR packed"]
   assert all(c["mismatches"] == 0 and c["compared"] > 0 for v in entry["evidence"]["variants"] for c in v["cases"])
   # ... once: the same process asks again without proving again,
-  assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]
+  assert dispatch.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]
   # and a new process (what it knows forgotten) reads the file instead of proving.
   verdicts.forget()
-  assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]
+  assert dispatch.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]
   assert "differs" not in capsys.readouterr().err
 
 
 def test_exact_but_slower_is_not_used_even_if_verified(fake_gpu, monkeypatch):
   monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (2e-3, 1e-3))
-  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
-  assert impl.default_impl(OP, FMT) == "xla"
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, (OP, FMT), dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert dispatch.default_impl(OP, FMT) == "xla"
   assert verdicts.entry_for(OP, FMT)["verdict"] == "slower"
 
 
 def test_wrong_kernel_is_refused_with_the_reproduction_command(fake_gpu, kernel_faster, monkeypatch, capsys):
   _wrong_on_tiny_amax(monkeypatch)
-  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
-  assert impl.default_impl(OP, FMT) == "xla"        # "differs" revokes even a VERIFIED_KERNELS entry
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, (OP, FMT), dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert dispatch.default_impl(OP, FMT) == "xla"        # "differs" revokes even a VERIFIED_KERNELS entry
   err = capsys.readouterr().err
   assert f"{OP}/{FMT} differs" in err and "tiny 2^-120" in err and FAKE.kind in err
   assert "Reproduce: python -m fp4jax.proof --op quantize_1d --fmt nvfp4" in err
-  assert impl.default_impl(OP, FMT) == "xla"
+  assert dispatch.default_impl(OP, FMT) == "xla"
   assert capsys.readouterr().err == ""              # printed once per process
   entry = json.loads(_file(fake_gpu).read_text())["verdicts"][f"{OP}/{FMT}"]
   case = entry["evidence"]["variants"][0]["cases"][-1]
@@ -141,12 +141,12 @@ def test_budget_is_respected_and_undecided_falls_back(fake_gpu, monkeypatch):
   calls = _count_proofs(monkeypatch)
   monkeypatch.setenv(verdicts.BUDGET_ENV, "0")
   start = time.perf_counter()
-  assert impl.default_impl(OP, FMT) == "xla"        # undecided, nothing verified: the XLA path
+  assert dispatch.default_impl(OP, FMT) == "xla"        # undecided, nothing verified: the XLA path
   assert time.perf_counter() - start < 5
   entry = verdicts.entry_for(OP, FMT)
   assert entry["verdict"] == "undecided" and "budget" in entry["summary"] and entry["attempts"] == 1
-  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
-  assert impl.default_impl(OP, FMT) == "pallas"     # undecided: the lab evidence decides
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, (OP, FMT), dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert dispatch.default_impl(OP, FMT) == "pallas"     # undecided: the lab evidence decides
   assert len(calls) == 1                            # not retried by the same process
   for attempt in (2, 3):                            # later processes retry, MAX_ATTEMPTS in all
     verdicts.forget()
@@ -180,27 +180,27 @@ def test_budget_stops_between_steps(fake_gpu, monkeypatch):
 def test_opt_out(fake_gpu, monkeypatch):
   calls = _count_proofs(monkeypatch)
   monkeypatch.setenv(verdicts.PROOF_ENV, "off")
-  assert impl.default_impl(OP, FMT) == "xla" and verdicts.decide(OP, FMT) is None and not calls
-  monkeypatch.setitem(impl.VERIFIED_KERNELS, (OP, FMT), impl.Evidence("2026-01-01", "lab", "0", 1.5))
-  assert impl.default_impl(OP, FMT) == "pallas" and not calls
+  assert dispatch.default_impl(OP, FMT) == "xla" and verdicts.decide(OP, FMT) is None and not calls
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, (OP, FMT), dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert dispatch.default_impl(OP, FMT) == "pallas" and not calls
   monkeypatch.setenv(verdicts.PROOF_ENV, "maybe")
   with pytest.raises(ValueError, match="FP4JAX_PROOF='maybe'.*'off'"):
-    impl.default_impl(OP, FMT)
+    dispatch.default_impl(OP, FMT)
 
 
 def test_default_impl_env_wins(fake_gpu, kernel_faster, monkeypatch):
   _wrong_on_tiny_amax(monkeypatch)
-  assert impl.default_impl(OP, FMT) == "xla"        # proved: differs
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "pallas")
-  assert impl.default_impl(OP, FMT) == "pallas"     # forced, over the device's verdict
+  assert dispatch.default_impl(OP, FMT) == "xla"        # proved: differs
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
+  assert dispatch.default_impl(OP, FMT) == "pallas"     # forced, over the device's verdict
 
 
 def test_default_impl_xla_wins_over_a_faster_verdict(fake_gpu, kernel_faster, monkeypatch):
   calls = _count_proofs(monkeypatch)
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
-  assert impl.default_impl(OP, FMT) == "xla" and not calls   # forced: nothing is even proved
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV)
-  assert impl.default_impl(OP, FMT) == "pallas" and len(calls) == 1
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
+  assert dispatch.default_impl(OP, FMT) == "xla" and not calls   # forced: nothing is even proved
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV)
+  assert dispatch.default_impl(OP, FMT) == "pallas" and len(calls) == 1
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"schema": 1, "key": {"device": "other"},
@@ -215,7 +215,7 @@ def test_corrupt_cache_file_is_ignored(fake_gpu, kernel_faster, monkeypatch, cap
     f.write(content)
   _wrong_on_tiny_amax(monkeypatch)
   calls = _count_proofs(monkeypatch)
-  assert impl.default_impl(OP, FMT) == "xla" and calls == [(OP, FMT)]   # re-proved, never trusted
+  assert dispatch.default_impl(OP, FMT) == "xla" and calls == [(OP, FMT)]   # re-proved, never trusted
   assert "ignoring the kernel verdict file" in capsys.readouterr().err
   data = json.loads(open(path).read())
   assert data["key"] == key and data["verdicts"][f"{OP}/{FMT}"]["verdict"] == "differs"
@@ -226,7 +226,7 @@ def test_native_default_confirmed_or_revoked(fake_gpu, monkeypatch, capsys):
   when slower or when it differs (here its CPU twin, made wrong by one element)."""
   fmt = "nvfp4_eden"
   monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (1e-3, 2e-3))
-  assert impl.default_gemm_backend(fmt, capability=(10, 0)) == "native"
+  assert dispatch.native_default(fmt, capability=(10, 0)) == "native"
   entry = verdicts.entry_for(verdicts.NATIVE_OP, fmt)
   assert entry["verdict"] == "faster"
   bound = entry["evidence"]["variants"][0]["cases"][-1]
@@ -235,7 +235,7 @@ def test_native_default_confirmed_or_revoked(fake_gpu, monkeypatch, capsys):
   verdicts.forget()
   os.remove(_file(fake_gpu))
   monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (2e-3, 1e-3))
-  assert impl.default_gemm_backend(fmt, capability=(10, 0)) is None     # exact but slower here
+  assert dispatch.native_default(fmt, capability=(10, 0)) is None     # exact but slower here
 
   verdicts.forget()
   os.remove(_file(fake_gpu))
@@ -243,10 +243,10 @@ def test_native_default_confirmed_or_revoked(fake_gpu, monkeypatch, capsys):
   real = native._twin
   # one element off by 1% + 1: visible in a bf16 output whatever its value
   monkeypatch.setattr(native, "_twin", lambda *a: (lambda r: r.at[0, 0].set(r[0, 0] * 1.01 + 1))(real(*a)))
-  assert impl.default_gemm_backend(fmt, capability=(10, 0)) is None
+  assert dispatch.native_default(fmt, capability=(10, 0)) is None
   err = capsys.readouterr().err
   assert f"native_gemm/{fmt} differs" in err and "--op native_gemm --fmt nvfp4_eden" in err
-  assert impl.default_gemm_backend(fmt, capability=(8, 0)) is None      # not Blackwell: never native
+  assert dispatch.native_default(fmt, capability=(8, 0)) is None      # not Blackwell: never native
 
 
 def test_compare_quantized_ignores_codes_under_a_nan_scale():
@@ -294,9 +294,9 @@ def test_no_verdict_for_a_program_compiled_for_other_devices(fake_gpu, kernel_fa
   evidence alone: nothing is proved here for it, and this device's verdicts do not apply to it."""
   calls = _count_proofs(monkeypatch)
   other = target_lib.Target("gpu", "NVIDIA B200", (10, 0))
-  assert impl.default_impl(OP, FMT, target=other) == "xla" and not calls
-  assert impl.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]     # this device: proved, faster
-  assert impl.default_impl(OP, FMT, target=other) == "xla"
+  assert dispatch.default_impl(OP, FMT, target=other) == "xla" and not calls
+  assert dispatch.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]     # this device: proved, faster
+  assert dispatch.default_impl(OP, FMT, target=other) == "xla"
 
 
 def _matmul_impl(a, b):
@@ -365,15 +365,15 @@ def _wrong_dscale(monkeypatch):
 
 def test_model_kernels_stay_xla_on_the_cpu(monkeypatch, tmp_path):
   monkeypatch.setenv(verdicts.DIR_ENV, str(tmp_path))
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   calls = _count_proofs(monkeypatch)
   verdicts.forget()
-  for op in impl.MODEL_KERNEL_OPS:
+  for op in dispatch.MODEL_KERNEL_OPS:
     _, default = _model(op)
-    assert default() == "xla" and impl.model_kernel_default(op) == "xla"
+    assert default() == "xla" and dispatch.model_kernel_default(op) == "xla"
     assert verdicts.decide(op, verdicts.MODEL_FMT) is None
   assert not calls and not os.listdir(tmp_path)
-  assert set(proof.model_candidates()) == {(op, verdicts.MODEL_FMT) for op in impl.MODEL_KERNEL_OPS}
+  assert set(proof.model_candidates()) == {(op, verdicts.MODEL_FMT) for op in dispatch.MODEL_KERNEL_OPS}
 
 
 def test_model_kernel_within_tolerance_and_faster_is_chosen(fake_gpu, kernel_faster, monkeypatch, capsys):
@@ -386,21 +386,21 @@ def test_model_kernel_within_tolerance_and_faster_is_chosen(fake_gpu, kernel_fas
   case = entry["evidence"]["variants"][0]["cases"][0]
   assert set(case["errors"]) == set(gated_norm.PROOF_OUTPUTS) and case["mismatches"] == 0
   verdicts.forget()                                  # a new process reads the file
-  assert default() == "pallas" and impl.model_kernel_default("gated_norm") == "pallas" and len(calls) == 1
+  assert default() == "pallas" and dispatch.model_kernel_default("gated_norm") == "pallas" and len(calls) == 1
   assert default(platform="cpu") == "xla"            # the caller's predicate still decides where it runs
   assert "differs" not in capsys.readouterr().err
 
 
 def test_model_kernel_slower_is_not_used_even_if_verified(fake_gpu, monkeypatch):
   monkeypatch.setattr(proof, "time_pair", lambda *a, **k: (2e-3, 1e-3))
-  monkeypatch.setitem(impl.VERIFIED_MODEL_KERNELS, "gated_norm", impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  monkeypatch.setitem(dispatch.VERIFIED_MODEL_KERNELS, "gated_norm", dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
   assert _model("gated_norm")[1]() == "xla"
   assert verdicts.entry_for("gated_norm", verdicts.MODEL_FMT)["verdict"] == "slower"
 
 
 def test_wrong_model_kernel_is_refused_with_the_reason(fake_gpu, kernel_faster, monkeypatch, capsys):
   _wrong_dscale(monkeypatch)
-  monkeypatch.setitem(impl.VERIFIED_MODEL_KERNELS, "gated_norm", impl.Evidence("2026-01-01", "lab", "0", 1.5))
+  monkeypatch.setitem(dispatch.VERIFIED_MODEL_KERNELS, "gated_norm", dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
   assert _model("gated_norm")[1]() == "xla"          # "differs" revokes even a VERIFIED_MODEL_KERNELS entry
   err = capsys.readouterr().err
   assert "gated_norm/float32 differs" in err and "dscale 3.0e-02 of its largest magnitude > tol 1e-02" in err
@@ -410,24 +410,24 @@ def test_wrong_model_kernel_is_refused_with_the_reason(fake_gpu, kernel_faster, 
   # the printed command reproduces it (in-process: the wrong kernel is still patched in)
   assert proof.main(["--import", "models.gated_norm", "--op", "gated_norm", "--fmt", "float32", "--no_save"]) == 1
   assert "proof gated_norm/float32: differs" in capsys.readouterr().out
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "pallas")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
   assert _model("gated_norm")[1]() == "pallas"      # forced, over the device's verdict
 
 
 def test_default_impl_xla_wins_over_a_faster_model_verdict(fake_gpu, kernel_faster, monkeypatch):
   calls = _count_proofs(monkeypatch)
-  monkeypatch.setenv(impl.DEFAULT_IMPL_ENV, "xla")
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
   assert _model("gated_norm")[1]() == "xla" and not calls
-  monkeypatch.delenv(impl.DEFAULT_IMPL_ENV)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV)
   assert _model("gated_norm")[1]() == "pallas" and len(calls) == 1
 
 
 def test_no_model_verdict_for_a_deviceless_compile(fake_gpu, kernel_faster, monkeypatch):
   calls = _count_proofs(monkeypatch)
   other = target_lib.Target("gpu", "NVIDIA B200", (10, 0))
-  assert impl.model_kernel_default("ssd", target=other) == "xla" and not calls
-  monkeypatch.setitem(impl.VERIFIED_MODEL_KERNELS, "ssd", impl.Evidence("2026-01-01", "lab", "0", 1.5))
-  assert impl.model_kernel_default("ssd", target=other) == "pallas" and not calls   # the lab table decides
+  assert dispatch.model_kernel_default("ssd", target=other) == "xla" and not calls
+  monkeypatch.setitem(dispatch.VERIFIED_MODEL_KERNELS, "ssd", dispatch.Evidence("2026-01-01", "lab", "0", 1.5))
+  assert dispatch.model_kernel_default("ssd", target=other) == "pallas" and not calls   # the lab table decides
 
 
 def test_model_proof_needs_its_module_and_fmt():

@@ -15,8 +15,7 @@ import pytest
 
 import fp4jax
 from fp4jax import _pallas_compat as plc
-from fp4jax import primitives
-from fp4jax.primitives import impl
+from fp4jax import dispatch
 from fp4jax.target import Target, capability
 from models import get_model_config
 from models.attention import resolve_attention_impl
@@ -95,7 +94,7 @@ def test_a_trace_sees_use_then_the_set_mesh_mesh():
 
 @pytest.fixture
 def no_env(monkeypatch):
-  monkeypatch.delenv(primitives.DEFAULT_IMPL_ENV, raising=False)
+  monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   monkeypatch.setattr(plc, "has_triton", lambda: True)
 
 
@@ -103,26 +102,26 @@ def no_env(monkeypatch):
                                                 (T4, True, None), (CPU, False, None),
                                                 (Target("gpu", "NVIDIA RTX 5090", (12, 0)), True, None)])
 def test_fp4jax_decisions_follow_the_target(no_env, monkeypatch, target, pallas, gemm):
-  assert primitives.can_use_pallas("nvfp4", target=target) == pallas
-  assert impl.default_gemm_backend("nvfp4", target=target) == gemm
-  assert impl.native_device(target=target) == (gemm == "native")
-  assert primitives.default_impl("quantize_1d", "nvfp4", target=target) == "xla"   # nothing verified
-  monkeypatch.setitem(primitives.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
-                      primitives.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
-  assert primitives.default_impl("quantize_1d", "nvfp4", target=target) == ("pallas" if pallas else "xla")
+  assert dispatch.can_use_pallas("nvfp4", target=target) == pallas
+  assert dispatch.native_default("nvfp4", target=target) == gemm
+  assert dispatch.native_device(target=target) == (gemm == "native")
+  assert dispatch.default_impl("quantize_1d", "nvfp4", target=target) == "xla"   # nothing verified
+  monkeypatch.setitem(dispatch.VERIFIED_KERNELS, ("quantize_1d", "nvfp4"),
+                      dispatch.Evidence("2026-12-01", "NVIDIA H200", jax.__version__, 1.3))
+  assert dispatch.default_impl("quantize_1d", "nvfp4", target=target) == ("pallas" if pallas else "xla")
   with fp4jax.target.use(target):   # the same, read from the trace's target
-    assert primitives.can_use_pallas("nvfp4") == pallas
-    assert impl.default_gemm_backend("nvfp4") == gemm
-    assert primitives.default_impl("quantize_1d", "nvfp4") == ("pallas" if pallas else "xla")
+    assert dispatch.can_use_pallas("nvfp4") == pallas
+    assert dispatch.native_default("nvfp4") == gemm
+    assert dispatch.default_impl("quantize_1d", "nvfp4") == ("pallas" if pallas else "xla")
 
 
 def test_explicit_arguments_and_env_still_win(no_env, monkeypatch):
-  assert not primitives.can_use_pallas("nvfp4", platform="cpu", target=H200)   # platform says it
-  assert impl.default_gemm_backend("nvfp4", capability=(9, 0), target=B200) is None   # so does cc
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "xla")
-  assert impl.default_gemm_backend("nvfp4", target=B200) is None
-  monkeypatch.setenv(primitives.DEFAULT_IMPL_ENV, "native")
-  assert impl.default_gemm_backend("nvfp4", target=CPU) == "native"
+  assert not dispatch.can_use_pallas("nvfp4", platform="cpu", target=H200)   # platform says it
+  assert dispatch.native_default("nvfp4", capability=(9, 0), target=B200) is None   # so does cc
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "xla")
+  assert dispatch.native_default("nvfp4", target=B200) is None
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
+  assert dispatch.native_default("nvfp4", target=CPU) == "native"
 
 
 def test_the_dot_picks_its_gemm_backend_for_the_target(no_env):

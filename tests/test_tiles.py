@@ -37,13 +37,13 @@ def _ints(seed, shape):
 
 
 def _both(a, b, dy, sizes, tiling):
-  ragged = lambda a, b: gemm.ragged_rows(a, b, sizes, impl="ragged")
+  ragged = lambda a, b: gemm.ragged_rows(a, b, sizes)   # the CPU: lax.ragged_dot
   tiled = lambda a, b: tiles.rows(a, b, sizes, tiling=tiling)
   out = {}
   for name, f in (("ragged", ragged), ("tiled", tiled)):
     y, vjp = jax.vjp(f, a, b)
     out[name] = (y, *vjp(dy))
-  out["ragged"] += (gemm.ragged_tokens(a, dy, sizes, impl="ragged"),)
+  out["ragged"] += (gemm.ragged_tokens(a, dy, sizes),)
   out["tiled"] += (tiles.tokens(a, dy, sizes, tiling=tiling),)
   return out
 
@@ -70,9 +70,9 @@ def test_tiled_within_summation_bound_bf16():
   dy = jnp.asarray(rng.standard_normal((S, N)), jnp.float32)
   out = _both(a, b, dy, sizes, TILINGS["tiles of 64"])
   bound = lambda x, y, k: k * 2.0 ** -23 * np.asarray(x)
-  abs_y = gemm.ragged_rows(jnp.abs(a), jnp.abs(b), sizes, impl="ragged")
+  abs_y = gemm.ragged_rows(jnp.abs(a), jnp.abs(b), sizes)
   np.testing.assert_array_less(np.abs(np.asarray(out["tiled"][0] - out["ragged"][0])), bound(abs_y, None, K) + 1e-30)
-  abs_w = gemm.ragged_tokens(jnp.abs(a).astype(jnp.float32), jnp.abs(dy), sizes, impl="ragged")
+  abs_w = gemm.ragged_tokens(jnp.abs(a).astype(jnp.float32), jnp.abs(dy), sizes)
   np.testing.assert_array_less(np.abs(np.asarray(out["tiled"][3] - out["ragged"][3])), bound(abs_w, None, S) + 1e-30)
   # the gradients are rounded once to their operand's dtype (bf16), as the ragged dot's transpose rounds them
   assert out["tiled"][1].dtype == out["tiled"][2].dtype == jnp.bfloat16
@@ -101,12 +101,22 @@ def test_bf16_result_is_the_float32_one_rounded_with_bf16_backward_gemms():
   assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
 
 
-def test_auto_is_tiled_for_a_gpu_target():
-  assert gemm.ragged_impl() == "ragged"   # the CPU
+def _ragged_primitives(f, *args):
+  return {e.primitive.name for e in jax.make_jaxpr(f)(*args).jaxpr.eqns if "ragged" in e.primitive.name}
+
+
+def test_tiled_for_a_gpu_target_ragged_elsewhere():
+  """The comparisons above hold the CPU's ragged dot (the twin) against the tiles; a GPU target's trace
+  has the tiles."""
+  sizes = _sizes(0)
+  a, b, dy = _ints(1, (S, K)), _ints(2, (E, K, N)), _ints(3, (S, N))
+  rows = lambda: lambda a, b: gemm.ragged_rows(a, b, sizes)   # a new function per trace: jax caches traces
+  tokens = lambda: lambda a, dy: gemm.ragged_tokens(a, dy, sizes)
+  assert not gemm.tiled_here()   # the CPU
+  assert _ragged_primitives(rows(), a, b) == {"ragged_dot_general"} == _ragged_primitives(tokens(), a, dy)
   with fp4jax.target.use(fp4jax.target.Target("gpu", "NVIDIA H200", (9, 0))):
-    assert gemm.ragged_impl() == "tiled"
-  with pytest.raises(ValueError, match="'auto', 'ragged' or 'tiled'"):
-    gemm.ragged_impl("dense")
+    assert gemm.tiled_here()
+    assert not _ragged_primitives(rows(), a, b) and not _ragged_primitives(tokens(), a, dy)
 
 
 @pytest.mark.slow   # ~1.5 min on the 2-core VM: three traces of nvfp4 grouped_dot and its vjp

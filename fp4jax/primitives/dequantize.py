@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp4jax import formats
+from fp4jax import dispatch, formats
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
-from fp4jax.primitives.impl import resolve_impl
 from fp4jax.primitives.quantize import variant
 from fp4jax.reference import dequantize_last_reference
 
@@ -43,7 +42,7 @@ dequantize_p = pair.define(pair.OpSpec(
 
 def dequantize_last(data, scale, amax, *, fmt, tiled=False, dtype=jnp.float32, impl=None):
   """Values of codes packed along the last axis (1D blocks or 16x16 tiles), as ``dtype``."""
-  impl = resolve_impl(impl, fmt) or "xla"    # both impls lower to the reference
+  impl = dispatch.choose("dequantize", fmt, impl)    # both impls lower to the reference
   with pair.scope(variant(fmt, tiled)):
     amax = jnp.zeros((), jnp.float32) if amax is None else jnp.asarray(amax, jnp.float32)
     (out,) = dequantize_p.bind(data, scale, amax, fmt=fmt, tiled=bool(tiled),

@@ -2,8 +2,8 @@
 along K (1D blocks, or nvfp4 16x16 tiles per operand).
 
 Operands: a_data, a_scale, a_amax, b_data, b_scale, b_amax (amax zeros for MXFP4). Params: fmt,
-a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (``kernels.scaled_matmul``: dequantize passes, then
-a bf16 GEMM) or "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads). A K-sharded
+a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (the pair, ``kernels.scaled_matmul``: dequantize
+passes, then a bf16 GEMM) or "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads). A K-sharded
 contraction sums float32 partial products (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
@@ -12,12 +12,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import formats
+from fp4jax import dispatch, formats
 from fp4jax.kernels import mixed_matmul as mixed_kernel
 from fp4jax.kernels import scaled_matmul as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
-from fp4jax.primitives.impl import default_impl, resolve_impl
 from fp4jax.primitives.quantize import variant
 from fp4jax.qtensor import QTensor, along_last
 from fp4jax.reference import scaled_matmul_reference, tensor_factor_parts
@@ -74,32 +73,26 @@ scaled_matmul_p = pair.define(pair.OpSpec(
     partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}))
 
 
-KERNELS = ("pair", "mixed")   # the Pallas GEMMs: kernels.scaled_matmul, kernels.mixed_matmul
-
-
-def _choose(fmt: str, impl: str | None, kernel: str | None) -> str:
-  """The primitive's impl: "xla", "pallas" (the pair) or "mixed".
-
-  impl=None (and no FP4JAX_DEFAULT_IMPL): "mixed" where ``default_impl("mixed_matmul", fmt)`` says so
-  (this device proved it exact and faster than the XLA path, or VERIFIED_KERNELS records it), else
-  what ``default_impl("scaled_matmul", fmt)`` says, with the pair. An explicit or forced "pallas" runs
-  ``kernel`` (default "pair")."""
-  if kernel not in (None, *KERNELS):
-    raise ValueError(f"kernel={kernel!r}; use one of {KERNELS} or None")
-  if impl is None and kernel is None and resolve_impl(None, fmt) is None:
-    if default_impl("mixed_matmul", fmt) == "pallas":
-      return "mixed"
-  impl = resolve_impl(impl, fmt, "scaled_matmul")
-  return "mixed" if impl == "pallas" and kernel == "mixed" else impl
-
-
-def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None, kernel=None):
+def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str):
   """a (..., M, K) · b (N, K)ᵀ from two FP4 QTensors quantized along K (validated by the caller).
 
-  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl`` per op: "mixed_matmul"
-  first, then "scaled_matmul"). kernel: which Pallas GEMM impl="pallas" runs: "pair" (the default:
-  dequantize passes, then a bf16 GEMM) or "mixed" (decoded in the GEMM's K loop)."""
-  impl = _choose(a.fmt, impl, kernel)
+  impl: "xla", or "pallas": the Pallas GEMM ``dispatch.pallas_gemm`` picks (the proved "mixed" one, else
+  the pair). The caller resolves impl=None (``dispatch.choose("scaled_matmul", fmt)``)."""
+  impl = dispatch.choose("scaled_matmul", a.fmt, impl)
+  if impl == "native":
+    raise ValueError("the fp4jax_scaled_matmul primitive has impl 'xla' or 'pallas'; the native GEMM is "
+                     "fp4jax.scaled_matmul(impl='native')")
+  return _bind(a, b, out_dtype, "xla" if impl == "xla" else dispatch.pallas_gemm(a.fmt))
+
+
+def mixed_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
+  """``fp4_matmul`` on the Pallas GEMM that decodes its operands as it loads them (``kernels.mixed_matmul``),
+  whatever the default: what the proof and the kernel's tests compare against the XLA path."""
+  dispatch.choose("scaled_matmul", a.fmt, "pallas")   # validates the format
+  return _bind(a, b, out_dtype, "mixed")
+
+
+def _bind(a: QTensor, b: QTensor, out_dtype, kernel: str):
   a_tiled, b_tiled = a.tile is not None, b.tile is not None
   with pair.scope(f"{variant(a.fmt, a_tiled)}.{variant(b.fmt, b_tiled)}"):
     zero = jnp.zeros((), jnp.float32)
@@ -107,5 +100,4 @@ def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl=None, kern
     b_amax = zero if b.amax is None else jnp.asarray(b.amax, jnp.float32)
     return scaled_matmul_p.bind(a.data, a.scale, a_amax, b.data, b.scale, b_amax, fmt=a.fmt,
                                 a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=jnp.dtype(out_dtype),
-                                impl=impl)
-
+                                impl=kernel)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _exact, formats, random_bits
+from fp4jax import _exact, dispatch, formats, random_bits
 from fp4jax.kernels import quantize_1d, quantize_2d
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
-from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_last_reference
 
 
@@ -101,10 +100,10 @@ def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", i
 
   amax: float32 of shape x.shape[:n] (ignored by MXFP4). bits: uint8 of x's shape,
   ``random_bits.KeyedBits`` of it (the kernel hashes them; the XLA side draws them), or None.
-  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``). stored: the XLA side quantizes
+  impl: "pallas" | "xla" | None (the default: ``dispatch.choose``). stored: the XLA side quantizes
   ``_exact.stored(x)`` (the kernel gets x: no rounded copy of it is written for the kernel to read).
   """
-  impl = resolve_impl(impl, fmt, "quantize_2d" if tiled else "quantize_1d")
+  impl = dispatch.choose("quantize_2d" if tiled else "quantize_1d", fmt, impl)
   with pair.scope(variant(fmt, tiled, bits is not None)):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_p.bind(*ops, fmt=fmt, tiled=bool(tiled), scale_rule=scale_rule,

@@ -12,12 +12,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _exact, formats, random_bits
+from fp4jax import _exact, dispatch, formats, random_bits
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives.quantize import keyed_param, sr_bits, sr_operands
 from fp4jax.primitives import sharding as shd
-from fp4jax.primitives.impl import resolve_impl
 from fp4jax.reference import quantize_rht_t_reference
 
 
@@ -68,8 +67,8 @@ def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale
   """(packed codes (C, T/2), scales (C, T/B)) of RHT(x)ᵀ quantized along T; x of shape (T, C).
 
   bits: uint8 (C, T), ``random_bits.KeyedBits`` of (C, T), or None.
-  impl: "pallas" | "xla" | None (the verified default, ``impl.default_impl``). stored: as ``quantize_last``'s."""
-  impl = resolve_impl(impl, fmt, "quantize_rht_t")
+  impl: "pallas" | "xla" | None (the default: ``dispatch.choose``). stored: as ``quantize_last``'s."""
+  impl = dispatch.choose("quantize_rht_t", fmt, impl)
   name = f"{fmt}_rht{rht_size}_t_1x{formats.BLOCK[fmt]}" + ("_sr" if bits is not None else "")
   with pair.scope(name):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)

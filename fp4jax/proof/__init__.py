@@ -3,7 +3,7 @@
   python -m fp4jax.proof                                  # every candidate, printed (and cached on a GPU)
   python -m fp4jax.proof --op quantize_1d --fmt nvfp4     # one: the command a refusal prints
 
-Candidates are named "<op>/<fmt>": the Pallas kernels (``primitives.KERNEL_OPS`` x the kernel formats,
+Candidates are named "<op>/<fmt>": the Pallas kernels (``dispatch.KERNEL_OPS`` x the kernel formats,
 every variant the quantized dot runs: RNE and stochastic rounding, 1x and 16x16 tiles, MXFP4's scale
 rules, the GEMM layouts; two Pallas GEMMs, "scaled_matmul" the dequantize passes and bf16 GEMM and
 "mixed_matmul" the GEMM that decodes as it loads) and "native_gemm/<fmt>", the Blackwell block-scaled GEMM (``fp4jax.native``)
@@ -32,7 +32,7 @@ for each ``NATIVE_DEFAULTS`` format. For each variant:
    (The bf16 outputs of the exact cases need no bound: exact sums round alike.)
 3. Timing at that size: kernel and XLA calls interleaved, 3 runs of ``iters`` calls each, the median.
 
-Model ops (``primitives.MODEL_KERNEL_OPS``: the Mamba-2 SSD and gated-norm kernels of ``models``) are
+Model ops (``dispatch.MODEL_KERNEL_OPS``: the Mamba-2 SSD and gated-norm kernels of ``models``) are
 proved by the function their module registers at import (``register_model``; fp4jax never imports
 models): the kernel and its XLA twin on the same random inputs at a representative size, forward and
 gradients, each output within ``tol`` x the largest magnitude of the twin's (their float32 sums run in
@@ -41,7 +41,7 @@ other orders, so bit-exactness is not the test), then timed as in 3. Their verdi
 Verdict: "differs" at the first mismatch (for a model op: an output beyond its tolerance); "error"
 if a side does not compile or run; else "faster" when every variant's kernel beats its XLA twin,
 "slower" otherwise; "undecided" once the deadline passes (checked between steps). ``import fp4jax``
-registers this prover with ``fp4jax.primitives.verdicts``, which keeps the verdicts on disk per device
+registers this prover with ``fp4jax.verdicts``, which keeps the verdicts on disk per device
 key and lets ``impl=None`` use a kernel only where its verdict is "faster" (docs/KERNELS.md, "On-device proof").
 """
 from __future__ import annotations
@@ -65,12 +65,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax
-from fp4jax import api, formats, gemm, primitives, random_bits
+from fp4jax import api, dispatch, formats, gemm, primitives, random_bits, verdicts
 from fp4jax.numerics.hadamard import rht
-from fp4jax.primitives import impl as pimpl
 from fp4jax.primitives import quantize as pquantize
 from fp4jax.primitives import rht_t as prht
-from fp4jax.primitives import verdicts
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import Quantizer
 
@@ -170,8 +168,8 @@ def candidates(native: bool | None = None) -> list[tuple[str, str]]:
   """Every (op, fmt) with a verdict to prove; the native GEMM only where ``native`` (default: on a
   device of compute capability 10.x), for every ``NATIVE_DEFAULTS`` format (on by default, where the
   verdict can revoke it, or off, where it can turn it on)."""
-  native = pimpl.native_device() if native is None else native
-  return [k for k in VARIANTS if k[0] != verdicts.NATIVE_OP or (native and k[1] in pimpl.NATIVE_DEFAULTS)]
+  native = dispatch.native_device() if native is None else native
+  return [k for k in VARIANTS if k[0] != verdicts.NATIVE_OP or (native and k[1] in dispatch.NATIVE_DEFAULTS)]
 
 
 def command(op: str, fmt: str) -> str:
@@ -194,9 +192,9 @@ MODEL_PROOFS: dict[str, ModelProof] = {}
 
 
 def register_model(op: str, module: str, case: Callable, tol: float):
-  """Called by ``models`` at import: ``op`` (one of ``primitives.MODEL_KERNEL_OPS``) is proved by ``case``."""
-  if op not in pimpl.MODEL_KERNEL_OPS:
-    raise ValueError(f"unknown model kernel op {op!r}; add it to fp4jax.primitives.impl.MODEL_KERNEL_OPS")
+  """Called by ``models`` at import: ``op`` (one of ``dispatch.MODEL_KERNEL_OPS``) is proved by ``case``."""
+  if op not in dispatch.MODEL_KERNEL_OPS:
+    raise ValueError(f"unknown model kernel op {op!r}; add it to fp4jax.dispatch.MODEL_KERNEL_OPS")
   if not 0 < tol < 1:
     raise ValueError(f"tol={tol!r} for {op!r}; a fraction of the largest magnitude, in (0, 1)")
   MODEL_PROOFS[op] = ModelProof(module, case, tol)
@@ -562,7 +560,7 @@ def _gemm_fns(v: Variant, out_dtype=jnp.bfloat16):
     return side("native"), side("xla")
   side = lambda impl: jax.jit(lambda a, b: api.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl))
   if v.op == "mixed_matmul":   # the GEMM that decodes as it loads (kernels.mixed_matmul)
-    mixed = jax.jit(lambda a, b: primitives.fp4_matmul(a, b, out_dtype=out_dtype, impl="pallas", kernel="mixed"))
+    mixed = jax.jit(lambda a, b: primitives.mixed_matmul(a, b, out_dtype=out_dtype))
     return mixed, side("xla")
   return side("pallas"), side("xla")
 
@@ -610,7 +608,7 @@ def _prove_gemm(v: Variant, sizes: Sizes, deadline: float) -> dict:
 def prove(op: str, fmt: str, *, sizes: Sizes | None = None, deadline: float = float("inf")) -> dict:
   """Prove (op, fmt) now: {"verdict", "summary", "command", "evidence"} (module docstring)."""
   model = op in MODEL_PROOFS and fmt == verdicts.MODEL_FMT
-  if op in pimpl.MODEL_KERNEL_OPS and not model:
+  if op in dispatch.MODEL_KERNEL_OPS and not model:
     raise ValueError(f"nothing to prove for op={op!r}, fmt={fmt!r}: import the model module that registers "
                      f"its proof (python -m fp4jax.proof --import models.<module> ...) and use "
                      f"fmt={verdicts.MODEL_FMT!r}")
@@ -780,7 +778,7 @@ def prove_all(pairs=None, *, budget_s: float | None = None, sizes: Sizes | None 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--op", choices=sorted({o for o, _ in VARIANTS} | set(pimpl.MODEL_KERNEL_OPS)),
+  parser.add_argument("--op", choices=sorted({o for o, _ in VARIANTS} | set(dispatch.MODEL_KERNEL_OPS)),
                       help="one op (with --fmt)")
   parser.add_argument("--fmt", help=f"its format (nvfp4, mxfp4, nvfp4_eden, nvfp4_dbq; {verdicts.MODEL_FMT} "
                       "for a model op)")
@@ -795,7 +793,7 @@ def main(argv=None) -> int:
     parser.error("give --op and --fmt together (or neither, for every candidate)")
   for module in args.imports:
     importlib.import_module(module)
-  pairs = [(args.op, args.fmt)] if args.op else candidates(native=pimpl.native_device()) + model_candidates()
+  pairs = [(args.op, args.fmt)] if args.op else candidates(native=dispatch.native_device()) + model_candidates()
   if jax.default_backend() != "gpu":
     print("# no GPU: the kernels run in the Pallas interpreter at tiny sizes; nothing is cached", flush=True)
   key = device_key()

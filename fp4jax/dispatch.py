@@ -1,21 +1,29 @@
-"""The impl switch: which implementation a primitive lowers to, "pallas" (the kernels) or "xla" (the
-reference / the XLA composition), for a user's ``impl=`` (None = the default, decided by evidence);
-and which backend ``fp4jax.gemm.scaled_matmul`` (the quantized dot's GEMMs) runs by default, where
-"native" (the block-scaled tensor cores, ``fp4jax.native``) is chosen on compute capability 10.x.
-Each choice is made for the devices the program is compiled for (``fp4jax.target``: the mesh's,
-or an explicit target), not for the process's default backend.
+"""Which implementation each op of fp4jax runs: THE impl switch, one vocabulary for every op.
 
-The default on a CUDA GPU is a kernel only where ``VERIFIED_KERNELS`` holds a recorded device run that
-showed that kernel bit-exact with the reference *and* faster than the XLA path. Everywhere else the
-XLA path runs: quantize as the reference, the scaled matmul as dequantize-to-bf16 then one bf16 GEMM
-with float32 accumulation (exact: E2M1 x E4M3 products fit bf16). ``scripts/gpu_check.py`` prints the
-rows that justify (or refute) an entry.
+  impl = "xla"     the XLA composition (quantize as the reference; a GEMM of exact block products)
+         "pallas"  the Pallas kernels (FP4 formats with kernels: ``formats.KERNEL_FORMATS``)
+         "native"  the hardware's block-scaled GEMM (``fp4jax.native``; the GEMMs only)
+         None      the default for the devices the program is compiled for (``fp4jax.target``: the mesh's,
+                   or an explicit target, not the process's default backend) and the evidence on record
 
+``OPS`` says which impls each op has; ``choose(op, fmt, impl)`` is the one decision: it validates an
+explicit impl and resolves None. Every public entry point (``fp4jax.quantize``, ``dequantize``,
+``quantize_rht_transposed``, ``scaled_matmul``, ``gemm.matmul``, the grouped GEMM, the fused producers)
+asks it once; the layers below receive the answer.
+
+The default (impl=None):
+- a Pallas kernel only where ``VERIFIED_KERNELS`` holds a recorded device run that showed it bit-exact
+  with the reference *and* faster than the XLA path (``scripts/gpu_check.py`` prints the rows that justify
+  or refute an entry); of the two Pallas GEMMs, the one that decodes as it loads ("mixed_matmul") where it
+  is proved, else the pair ("scaled_matmul": dequantize passes, then a bf16 GEMM);
+- the native GEMM on compute capability 10.x for the formats ``NATIVE_DEFAULTS`` (dense) and
+  ``NATIVE_GROUPED_DEFAULTS`` (the experts' grouped GEMM) choose;
+- the XLA path everywhere else.
 On the user's GPU, the device's own verdict (``verdicts``, proved by ``fp4jax.proof`` the first time a
 process meets its device key) adds to that evidence: exact and faster there turns a kernel (or an
 off-by-default native GEMM, MXFP8's) on, "differs", "error" or "slower" there turns it off (even a
-VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS choice; no verdict (FP4JAX_PROOF=off, no GPU, budget spent) leaves the recorded evidence in charge.
-FP4JAX_DEFAULT_IMPL still wins over both.
+VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS choice; no verdict (FP4JAX_PROOF=off, no GPU, budget
+spent) leaves the recorded evidence in charge. FP4JAX_DEFAULT_IMPL=xla|pallas|native wins over both.
 """
 from __future__ import annotations
 
@@ -25,10 +33,9 @@ import os
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
 from fp4jax import target as target_lib
-from fp4jax.primitives import verdicts
+from fp4jax import verdicts
 
-IMPLS = ("xla", "pallas")
-FORCEABLE = IMPLS + ("native",)   # what FP4JAX_DEFAULT_IMPL takes; "native" is a GEMM backend only
+IMPLS = ("xla", "pallas", "native")
 DEFAULT_IMPL_ENV = "FP4JAX_DEFAULT_IMPL"
 # The kernel-backed ops, as named in VERIFIED_KERNELS and in scripts/gpu_check.py's report.
 # "scaled_matmul" is the pair (dequantize passes, then a bf16 GEMM: kernels.scaled_matmul), "mixed_matmul"
@@ -54,7 +61,7 @@ VERIFIED_KERNELS: dict[tuple[str, str], Evidence] = {}
 
 @dataclasses.dataclass(frozen=True)
 class NativeChoice:
-  """Why ``fp4jax.gemm.scaled_matmul``'s default is (or is not) the native GEMM for one format."""
+  """Why ``fp4jax.gemm.matmul``'s default is (or is not) the native GEMM for one format."""
 
   default: bool          # impl=None runs "native" on compute capability NATIVE_MAJOR.x
   basis: str             # what the choice rests on today
@@ -113,9 +120,9 @@ def _native(choice: NativeChoice | None, fmt: str, capability, target) -> str | 
   return "native" if (choice.default if proved is None else proved) else None
 
 
-def default_gemm_backend(fmt: str, *, capability: tuple[int, int] | None = None,
-                         target: target_lib.Target | None = None) -> str | None:
-  """What ``fp4jax.gemm.matmul(backend=None)`` runs for ``fmt``: "native" where the program's devices
+def native_default(fmt: str, *, capability: tuple[int, int] | None = None,
+                   target: target_lib.Target | None = None) -> str | None:
+  """What ``fp4jax.gemm.matmul(impl=None)`` runs for ``fmt``: "native" where the program's devices
   (``target``, default ``fp4jax.target.current()``) have compute capability 10.x and NATIVE_DEFAULTS
   chooses it (a default-on format unless this device's proof revokes it; a default-off one once this
   device's proof finds it exact and faster), or everywhere the native GEMM exists when
@@ -138,10 +145,10 @@ NATIVE_GROUPED_DEFAULTS: dict[str, NativeChoice] = {
 }
 
 
-def default_grouped_backend(fmt: str, *, capability: tuple[int, int] | None = None,
-                            target: target_lib.Target | None = None) -> str | None:
+def native_grouped_default(fmt: str, *, capability: tuple[int, int] | None = None,
+                           target: target_lib.Target | None = None) -> str | None:
   """What the grouped GEMM runs for impl=None: "native" where NATIVE_GROUPED_DEFAULTS chooses it for the
-  program's devices, decided as ``default_gemm_backend`` decides (compute capability 10.x, the same device
+  program's devices, decided as ``native_default`` decides (compute capability 10.x, the same device
   verdict, FP4JAX_DEFAULT_IMPL); None otherwise (the XLA path)."""
   return _native(NATIVE_GROUPED_DEFAULTS.get(fmt), fmt, capability, target)
 
@@ -170,7 +177,7 @@ def default_impl(op: str, fmt: str, *, platform: str | None = None,
   records (or when FP4JAX_DEFAULT_IMPL=pallas forces it); else "xla"."""
   if op not in KERNEL_OPS:
     raise ValueError(f"unknown kernel op {op!r}; one of {KERNEL_OPS}")
-  forced = _forced()   # "native" is a GEMM backend (default_gemm_backend): the primitives keep theirs
+  forced = _forced()   # "native" reaches the GEMMs only (native_default): the quantize ops keep theirs
   if forced == "xla" or fmt not in formats.KERNEL_FORMATS:
     return "xla"
   if forced == "pallas":
@@ -190,31 +197,64 @@ def _device_verdict(op: str, fmt: str, target: target_lib.Target | None) -> bool
 
 def _forced() -> str:
   forced = os.environ.get(DEFAULT_IMPL_ENV, "").strip().lower()
-  if forced not in ("", *FORCEABLE):
+  if forced not in ("", *IMPLS):
     raise ValueError(f"{DEFAULT_IMPL_ENV}={forced!r}; set it to 'xla', 'pallas', 'native' or leave it unset")
   return forced
 
 
-def resolve_impl(impl: str | None, fmt: str, op: str | None = None) -> str | None:
-  """Validated ``impl``: "pallas" | "xla"; None is resolved per op by ``default_impl`` when ``op`` is
-  given, else returned as None (the primitive's wrapper resolves it, knowing the op).
+# op -> the impls it has, as plain data. "scaled_matmul" is the dense GEMM of any QTensor pair
+# (``fp4jax.gemm.matmul``; ``fp4jax.scaled_matmul`` for the formats of the primitive), "grouped_matmul" the
+# experts' grouped GEMM (``gemm.grouped_matmul`` / ``grouped_matmul_t``), "dequantize" lowers to the
+# reference with either impl. The Pallas kernels exist for ``formats.KERNEL_FORMATS`` only, the native GEMM
+# for ``native.FORMATS`` (checked where the operands are: ``native.check``).
+OPS: dict[str, tuple[str, ...]] = {
+    "quantize_1d": ("xla", "pallas"), "quantize_2d": ("xla", "pallas"), "quantize_rht_t": ("xla", "pallas"),
+    "dequantize": ("xla", "pallas"), "rmsnorm_quantize": ("xla", "pallas"), "relu2_quantize": ("xla", "pallas"),
+    "scaled_matmul": ("xla", "pallas", "native"), "grouped_matmul": ("xla", "native"),
+}
+_WHAT = {"grouped_matmul": "the grouped GEMM", "scaled_matmul": "the GEMM"}
 
-  FP4JAX_DEFAULT_IMPL=xla makes None mean "xla" everywhere (runs that must not depend on the kernels);
-  =pallas forces the kernels wherever they exist, verified or not (for the device check); =native
-  concerns ``fp4jax.gemm``'s backend only and leaves the primitives at their default.
-  """
-  if impl is None:
-    if fmt not in formats.KERNEL_FORMATS:
-      return "xla"
-    if op is not None:
-      return default_impl(op, fmt)
-    forced = _forced()
-    return forced if forced in IMPLS else None
-  if impl not in IMPLS:
-    raise ValueError(f"impl={impl!r}; use 'pallas', 'xla' or None (the verified default)")
-  if impl == "pallas" and fmt not in formats.KERNEL_FORMATS:
-    raise ValueError(f"there are no Pallas kernels for fmt={fmt!r}; use impl='xla'")
-  return impl
+
+def choose(op: str, fmt: str, impl: str | None = None, *, target: target_lib.Target | None = None) -> str:
+  """The implementation ``op`` (one of ``OPS``) runs for ``fmt``: ``impl`` when given (validated), else the
+  default for the program's devices (``target``, default ``fp4jax.target.current()``): the module
+  docstring's rule."""
+  if op not in OPS:
+    raise ValueError(f"unknown op {op!r}; one of {tuple(OPS)}")
+  has = OPS[op]
+  if impl is not None:
+    if impl not in IMPLS:
+      raise ValueError(f"impl={impl!r}; use one of {IMPLS} or None (the default for this program's devices)")
+    if impl not in has:
+      raise ValueError(f"{_WHAT.get(op, op)} has impl " + " or ".join(repr(i) for i in has) + f" (got {impl!r})"
+                       + ("; there are no Pallas grouped kernels: use impl='xla'" if impl == "pallas" else
+                          "; use impl='xla'"))
+    if impl == "pallas" and fmt not in formats.KERNEL_FORMATS:
+      raise ValueError(f"there are no Pallas kernels for fmt={fmt!r}; use impl='xla'")
+    return impl
+  if "native" in has:
+    table = NATIVE_DEFAULTS if op == "scaled_matmul" else NATIVE_GROUPED_DEFAULTS
+    if _native(table.get(fmt), fmt, None, target):
+      return "native"
+  if "pallas" not in has or fmt not in formats.KERNEL_FORMATS:
+    return "xla"
+  if op == "scaled_matmul":   # either Pallas GEMM (``pallas_gemm`` picks which)
+    picks = (default_impl("mixed_matmul", fmt, target=target), default_impl(op, fmt, target=target))
+    return "pallas" if "pallas" in picks else "xla"
+  if op == "dequantize":      # no kernel of its own: both impls lower to the reference
+    return "pallas" if _forced() == "pallas" else "xla"
+  return default_impl(op, fmt, target=target)
+
+
+def pallas_gemm(fmt: str, *, target: target_lib.Target | None = None) -> str:
+  """Which Pallas GEMM impl="pallas" runs, as the ``fp4jax_scaled_matmul`` primitive's impl param: "mixed"
+  (``kernels.mixed_matmul``, decoding as it loads) where it can run compiled and this device proved it, or
+  VERIFIED_KERNELS records it, without FP4JAX_DEFAULT_IMPL; else "pallas" (the pair,
+  ``kernels.scaled_matmul``: dequantize passes, then a bf16 GEMM)."""
+  if _forced() or not can_use_pallas(fmt, target=target):
+    return "pallas"
+  proved = _device_verdict("mixed_matmul", fmt, target)
+  return "mixed" if (("mixed_matmul", fmt) in VERIFIED_KERNELS if proved is None else proved) else "pallas"
 
 
 # ---------------------------------------------------------------- kernels outside the library
