@@ -478,7 +478,7 @@ def _flags():
                        "(kernels.quantize_rht_t.rht_amax(one_pass=True)) where fp4jax.api takes it.")
   flags.DEFINE_list("what_if_proved", [], "what-if: these kernel ops (of fp4jax.dispatch.KERNEL_OPS, "
                     "or 'all') count as proved exact and faster on --target, as the on-device proof "
-                    "(fp4jax.proof) would record them, so --impl auto picks them (on b200 beside the native "
+                    "(tools.prove) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
   flags.DEFINE_boolean("int_ops", True, INT_OPS_HELP)
   flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/cluster.py: hgx_h200, "

@@ -18,8 +18,6 @@ from fp4jax.recipes import Recipe
 
 __version__ = "0.1.0"
 
-from fp4jax import proof  # noqa: E402,F401  registers the on-device prover impl=None consults (verdicts)
-
 __all__ = ["FP4_OPERAND", "QTensor", "Recipe", "can_use_pallas", "dequantize", "fake_quantize", "hadamard", "quantize", "recipes", "rht",
            "target"]
 __all__ += ["PreQuantized", "dot", "dot_general", "flax", "prequantize", "scaled_matmul", "transpose_tiles"]

@@ -19,7 +19,7 @@ The default (impl=None):
 - the native GEMM on compute capability 10.x for the formats ``NATIVE_DEFAULTS`` (dense) and
   ``NATIVE_GROUPED_DEFAULTS`` (the experts' grouped GEMM) choose;
 - the XLA path everywhere else.
-On the user's GPU, the device's own verdict (``verdicts``, proved by ``fp4jax.proof`` the first time a
+On the user's GPU, the device's own verdict (``verdicts``, proved by ``tools.prove`` the first time a
 process meets its device key) adds to that evidence: exact and faster there turns a kernel (or an
 off-by-default native GEMM, MXFP8's) on, "differs", "error" or "slower" there turns it off (even a
 VERIFIED_KERNELS entry) and revokes a NATIVE_DEFAULTS choice; no verdict (FP4JAX_PROOF=off, no GPU, budget
@@ -76,7 +76,7 @@ _NO_DEVICE_RUN = ("no device run yet: gpu_check.py's native rows on a B200 (resu
 # formats on __cudnn$blockScaledDot (tests/test_gpu_aot_native.py), and the cost model predicts it
 # faster than the XLA path it replaces (docs/PERF.md, "Native FP4 GEMMs on Blackwell, by recipe"; still not faster than the bf16
 # recipe at the dot or step level, because of the quantize passes); a device verdict of "differs",
-# "error" or "slower" revokes it. default False: off until this device's proof (``fp4jax.proof``,
+# "error" or "slower" revokes it. default False: off until this device's proof (``tools.prove``,
 # "native_gemm/<fmt>") finds it exact and faster. sm_12x is excluded until a device run shows
 # it exact (Transformer Engine reported all-zero gradients there).
 NATIVE_DEFAULTS: dict[str, NativeChoice] = {
@@ -92,7 +92,7 @@ NATIVE_DEFAULTS: dict[str, NativeChoice] = {
                               "would remove the partials"),
     "mxfp8": NativeChoice(False, "deviceless sm_100 compiles put every MXFP8 GEMM on __cudnn$blockScaledDot "
                           "(tests/test_gpu_aot_native.py); off until a device proves it",
-                          "the on-device proof native_gemm/mxfp8 (python -m fp4jax.proof --op native_gemm "
+                          "the on-device proof native_gemm/mxfp8 (python -m tools.prove --op native_gemm "
                           "--fmt mxfp8 on a B200): exact against the XLA path and faster turns it on"),
 }
 
@@ -258,34 +258,21 @@ def pallas_gemm(fmt: str, *, target: target_lib.Target | None = None) -> str:
 
 
 # ---------------------------------------------------------------- kernels outside the library
-# Model ops with a Pallas kernel (``models.ssd_pallas``: "ssd", the Mamba-2 SSD forward and backward;
-# ``models.gated_norm``: "gated_norm", the mixer's gated RMSNorm forward and backward) follow the rule
-# of the library's kernels, with a tolerance instead of bit-exactness (their float32 sums run in another
-# order than the XLA twin's): on a GPU the kernel is impl=None's choice where this device's proof
-# (``fp4jax.proof``, the proof function the model module registers: kernel vs twin, forward and
-# gradients, each output within the stated tolerance of the twin's largest magnitude, and timed) finds
-# it within tolerance and faster; "differs", "error" or "slower" there keeps (or turns) it off, even
-# over an entry here. Without a device verdict (FP4JAX_PROOF=off, budget spent, a deviceless compile
-# for another kind of device) this table decides: fill it only from a scripts/gpu_check.py report.
-# Empty: the SSD and gated-norm kernels compile deviceless for sm_90 and sm_100 (docs/PERF.md, "The Pallas SSD kernels")
-# but have no recorded device run. FP4JAX_DEFAULT_IMPL wins over both.
-VERIFIED_MODEL_KERNELS: dict[str, Evidence] = {}
-MODEL_KERNEL_OPS = ("ssd", "gated_norm")
 
-
-def model_kernel_default(op: str, *, target: target_lib.Target | None = None) -> str:
-  """What impl=None runs for the model op ``op`` (one of MODEL_KERNEL_OPS) on the program's devices
-  (``target``, default ``fp4jax.target.current()``): "pallas" where this device proved the kernel
-  within tolerance and faster (``verdicts.decide(op, verdicts.MODEL_FMT)``), or, without a device
-  verdict, where VERIFIED_MODEL_KERNELS records a device run, or where FP4JAX_DEFAULT_IMPL=pallas forces
-  the kernels; else "xla". Whether the kernel can run there (platform, shapes) is the caller's
-  predicate: ask it first, so that no proof runs for a kernel that cannot."""
-  if op not in MODEL_KERNEL_OPS:
-    raise ValueError(f"unknown model kernel op {op!r}; one of {MODEL_KERNEL_OPS}")
+def model_kernel_default(op: str, recorded: Evidence | None, *, target: target_lib.Target | None = None) -> str:
+  """What impl=None runs for a kernel outside the library (a model's: its own ``op`` name) on the program's
+  devices (``target``, default ``fp4jax.target.current()``), by the rule of the library's kernels with a
+  tolerance instead of bit-exactness (its float32 sums run in another order than its XLA twin's):
+  "pallas" where this device proved it within its tolerance and faster (``verdicts.decide(op,
+  verdicts.MODEL_FMT)``); without a device verdict (FP4JAX_PROOF=off, budget spent, a deviceless compile
+  for another kind of device), where ``recorded`` (the caller's evidence table: a device run from a
+  scripts/gpu_check.py report) says so; "differs", "error" or "slower" here turns it off even over
+  ``recorded``. FP4JAX_DEFAULT_IMPL wins over both. Whether the kernel can run there (platform, shapes)
+  is the caller's predicate: ask it first, so that no proof runs for a kernel that cannot."""
   forced = _forced()
   if forced == "pallas":
     return "pallas"
   if forced == "xla":
     return "xla"
   proved = _device_verdict(op, verdicts.MODEL_FMT, target)   # None: no verdict; False revokes
-  return "pallas" if (op in VERIFIED_MODEL_KERNELS if proved is None else proved) else "xla"
+  return "pallas" if (recorded is not None if proved is None else proved) else "xla"

@@ -1,17 +1,18 @@
 """On-device verdicts: what ``impl=None`` learns on *this* device, kept on disk, filled by a prover.
 
 A verdict is the outcome of proving one candidate, named "<op>/<fmt>" with op one of ``KERNEL_OPS``,
-"native_gemm" (the Blackwell block-scaled GEMM) or one of ``MODEL_KERNEL_OPS`` (fmt ``MODEL_FMT``: a
-model's kernel, proved by the function its module registers), on one device key (device kind, driver,
+"native_gemm" (the Blackwell block-scaled GEMM) or a kernel outside the library (fmt ``MODEL_FMT``: a
+model's kernel, ``dispatch.model_kernel_default``), on one device key (device kind, driver,
 jax, fp4jax): "faster" (bit-exact with its XLA twin, or for a model op within its stated tolerance,
 and faster: use it), "slower" (exact, not faster),
 "differs" (never use it), "error" (it did not compile or run), "undecided" (the time budget ran out
 first). ``decide`` turns it into True (use) / False (do not) / None (no verdict: the recorded lab
 evidence decides, ``VERIFIED_KERNELS`` / ``NATIVE_DEFAULTS``).
 
-This module is plain data and one hook: it never runs a kernel. ``fp4jax.proof`` (a layer above)
-``register``s the prover on ``import fp4jax``; until then, and for processes with no device to prove
-(no GPU), ``decide`` answers None. Files: ``<dir>/<digest of the key>.json``, written atomically; a file
+This module is plain data and one hook: it never runs a kernel. The harness ``tools.prove`` (above the
+library and the models) ``register``s the prover in the processes that prove (the entry points, or a
+program's own ``tools.prove.register()``); without it, and for processes with no device to prove (no
+GPU), ``decide`` answers None. Files: ``<dir>/<digest of the key>.json``, written atomically; a file
 that does not parse, has another schema or key, or holds a malformed entry is ignored (re-proved and
 rewritten), never trusted. An "undecided" entry is retried by later processes, at most ``MAX_ATTEMPTS``.
 
@@ -46,7 +47,7 @@ _ON = ("", "on", "1", "true", "yes")
 
 
 class Prover(Protocol):
-  """What ``fp4jax.proof`` registers."""
+  """What ``tools.prove.register`` installs."""
 
   def key(self) -> dict | None:
     """This process's device key (JSON-able), or None where there is nothing to prove (no GPU)."""

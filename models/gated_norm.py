@@ -33,7 +33,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import pallas_compat as plc
-from fp4jax import proof as fp4_proof
 from fp4jax import target as fp4_target
 from fp4jax import dispatch
 from models import ssd_pallas
@@ -243,16 +242,21 @@ def can_use_pallas(*, platform: str | None = None) -> bool:
   return fp4_target.current().cuda if platform is None else platform in ("cuda", "gpu")
 
 
+# The device run that put the kernels into the default (``fp4jax.dispatch.Evidence``), from a
+# scripts/gpu_check.py report; None: compiled deviceless for sm_90 and sm_100, no device run recorded.
+VERIFIED: dispatch.Evidence | None = None
+
+
 def default_impl(*, platform: str | None = None) -> str:
   """What impl=None / "auto" runs: the SSD kernels' rule (``fp4jax.dispatch.model_kernel_default``,
   op "gated_norm"): "pallas" where the kernels can run here and this device proved them within
-  ``PROOF_TOL`` and faster (or a device run is recorded), else "xla"."""
-  if can_use_pallas(platform=platform) and dispatch.model_kernel_default("gated_norm") == "pallas":
+  ``PROOF_TOL`` and faster (or ``VERIFIED`` records a device run), else "xla"."""
+  if can_use_pallas(platform=platform) and dispatch.model_kernel_default("gated_norm", VERIFIED) == "pallas":
     return "pallas"
   return "xla"
 
 
-# The on-device proof (fp4jax.proof, op "gated_norm"; scripts/gpu_check.py's rows run the same case): out,
+# The on-device proof (tools.prove, op "gated_norm"; scripts/gpu_check.py's rows run the same case): out,
 # dy, dz, dscale, kernels vs ``gated_norm_reference``, at the 12B mixer's shape (B, L, G, R P) on a device,
 # a tiny one elsewhere: float32 y, bf16 z, bf16 out as the mixer runs it. Both compute in float32 and differ
 # in the order of the row sums (and the rsqrt), so the SSD's tolerance of the largest magnitude is far
@@ -301,8 +305,6 @@ def gated_norm(y_BxLxGxRP, z_BxLxGxRP, scale_GxRP, *, eps: float, out_dtype, imp
     core = jax.shard_map(core, in_specs=specs[0], out_specs=specs[1], check_vma=False)
   return core(y_BxLxGxRP, z_BxLxGxRP, scale_GxRP)
 
-
-fp4_proof.register_model("gated_norm", __name__, proof_case, PROOF_TOL)
 
 __all__ = ["DEFAULT_TILES", "GatedNormTiles", "IMPLS", "KERNEL_NAMES", "can_use_pallas", "default_impl",
            "gated_norm", "gated_norm_reference", "kernel_flops", "partition_specs"]

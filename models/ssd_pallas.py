@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import pallas_compat as plc
-from fp4jax import proof as fp4_proof
 from fp4jax import target as fp4_target
 from fp4jax import dispatch
 from models import ssd as ssd_xla
@@ -382,16 +381,23 @@ def can_use_pallas(x_shape, b_shape, tiles: SsdTiles = DEFAULT_TILES, *, platfor
   return fp4_target.current().cuda if platform is None else platform in ("cuda", "gpu")
 
 
+# The device run that put the kernels into the default (``fp4jax.dispatch.Evidence``), from a
+# scripts/gpu_check.py report; None: the kernels compile deviceless for sm_90 and sm_100 (docs/PERF.md)
+# but no device run is recorded.
+VERIFIED: dispatch.Evidence | None = None
+
+
 def default_impl(x_shape, b_shape, *, platform: str | None = None) -> str:
   """What impl=None runs: "pallas" where the kernel can run here and ``fp4jax.dispatch.
-  model_kernel_default("ssd")`` chooses it (this device proved it within ``PROOF_TOL`` and faster, or
-  a recorded device run; today no run is recorded), else "xla"."""
-  if can_use_pallas(x_shape, b_shape, platform=platform) and dispatch.model_kernel_default("ssd") == "pallas":
+  model_kernel_default("ssd", VERIFIED)`` chooses it (this device proved it within ``PROOF_TOL`` and
+  faster, or a recorded device run; today none), else "xla"."""
+  if (can_use_pallas(x_shape, b_shape, platform=platform)
+      and dispatch.model_kernel_default("ssd", VERIFIED) == "pallas"):
     return "pallas"
   return "xla"
 
 
-# The on-device proof of the kernel (fp4jax.proof, op "ssd"; scripts/gpu_check.py's rows run the same case):
+# The on-device proof of the kernel (tools.prove, op "ssd"; scripts/gpu_check.py's rows run the same case):
 # y = SSD + D x and dx, ddt, dA, dB, dC, dD, kernel vs ``ssd_chunked``, at the 12B mixer's shape
 # (B, L, H, P, G, N) with its chunk of 256 on a device, a tiny shape (interpreted) elsewhere. Both paths
 # run their float32 dots at TF32 on a GPU, in different orders, so each output of the kernel must be
@@ -482,5 +488,3 @@ def kernel_flops(name: str, B: int, L: int, H: int, P: int, G: int, N: int, C: i
   per_group_chunk = 2 * C * C * N if name in ("ssd_scan", "ssd_dchunk") else 0
   return B * Q * (H * per_head_chunk + G * per_group_chunk)
 
-
-fp4_proof.register_model("ssd", __name__, proof_case, PROOF_TOL)

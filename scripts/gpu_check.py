@@ -4,7 +4,7 @@
   python scripts/gpu_check.py --rehearse    # the same flow on CPU (interpreted kernels, tiny shapes)
 
 Needs only jax and numpy (plus flax and optax for the train-step rows; no pytest, grain or
-jax-triton). Its first lines are the on-device proof (``fp4jax.proof``): each
+jax-triton). Its first lines are the on-device proof (``tools.prove``): each
 candidate kernel against its XLA twin, bit for bit on NaN/inf and extreme-amax cases, and timed; on a
 GPU the verdicts are cached, so impl=None follows them. Then, for every kernel and every XLA composition it
   1. compiles it (an error is reported in its row and the check goes on),
@@ -52,10 +52,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fp4jax  # noqa: E402  (needs ROOT on the path when run as a script)
-from fp4jax import dispatch, formats, gemm as fgemm, native, primitives, proof, random_bits  # noqa: E402
+from fp4jax import dispatch, formats, gemm as fgemm, primitives, random_bits  # noqa: E402
+from tools import prove  # noqa: E402
 from fp4jax.quantizers import Quantizer  # noqa: E402
 from fp4jax.numerics.hadamard import rht  # noqa: E402
-from fp4jax.qtensor import QTensor  # noqa: E402
 from fp4jax.reference import scaled_matmul_reference  # noqa: E402
 from bench import gpu_aot, hlo_cost  # noqa: E402  (stdlib only: the cost model of the compiled HLO)
 from bench.timing import median_seconds, nbytes  # noqa: E402
@@ -109,7 +109,7 @@ class Report:
     self.out_dir, self.sizes, self.rehearse = out_dir, sizes, rehearse
     self.start = time.perf_counter()
     self.budget_s = budget_s
-    self.proof: dict = {}      # "<op>/<fmt>" -> fp4jax.proof entry (verdict, summary, evidence)
+    self.proof: dict = {}      # "<op>/<fmt>" -> tools.prove entry (verdict, summary, evidence)
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.start
@@ -193,7 +193,7 @@ def _input(shape, seed=0):
   return jnp.asarray(x.astype(np.float32), jnp.bfloat16)
 
 
-_exact_operand = proof.exact_operand   # random codes, scales 0.5 or 1: float32 sums exact in any order
+_exact_operand = prove.cases.exact_operand   # random codes, scales 0.5 or 1: float32 sums exact in any order
 
 
 # ------------------------------------------------------------------------------------------ quantize
@@ -315,8 +315,8 @@ def matmul_rows(report: Report, impl: str, bf16_tflops: float, xla_outputs: dict
 
 # ------------------------------------------------------------------------------------------ native
 
-# name -> (a quantizer, b quantizer); fmt and layout as the quantized dot uses them (fp4jax.proof's table)
-NATIVE_OPS = {f"native {v.fmt} {v.name}": v.pair for (op, _), vs in proof.VARIANTS.items() if op == "native_gemm"
+# name -> (a quantizer, b quantizer); fmt and layout as the quantized dot uses them (tools.prove's table)
+NATIVE_OPS = {f"native {v.fmt} {v.name}": v.pair for (op, _), vs in prove.VARIANTS.items() if op == "native_gemm"
               for v in vs}
 
 
@@ -325,7 +325,7 @@ def is_blackwell() -> bool:
   return dispatch.native_device()
 
 
-_exact_native_operand = proof.exact_native_operand   # the same in each NVFP4-family format
+_exact_native_operand = prove.cases.exact_native_operand   # the same in each NVFP4-family format
 
 
 def _quantized(quantizer: Quantizer, x, seed):
@@ -625,7 +625,7 @@ def verdicts(rows):
     if r and x and r.ms and x.ms:
       ok = r.status == "ok" and x.ms > r.ms
       lines.append(f"kernel {op}: {r.status} ({r.exact}), {x.ms / r.ms:.2f}x the XLA path"
-                   + (f" -> candidate: fp4jax.dispatch.VERIFIED_MODEL_KERNELS['{op}'] = Evidence(...)"
+                   + (f" -> candidate: models.{'ssd_pallas' if op == 'ssd' else op}.VERIFIED = Evidence(...)"
                       if ok else " -> stays impl='xla'"))
   r = by.get(("train step nvfp4", "default"))
   if r and r.ratio is not None:
@@ -690,8 +690,8 @@ def write_report(report: Report, env: dict):
               f"{fmt(r.ratio, '.2f')} | {r.target} |")
   md += ["", *[f"- {line}" for line in lines]]
   if report.proof:
-    md += ["", "On-device proof (fp4jax.proof, printed first):", ""]
-    md += [f"- {proof.describe(*name.split('/'), entry)}" for name, entry in report.proof.items()]
+    md += ["", "On-device proof (tools.prove, printed first):", ""]
+    md += [f"- {prove.describe(*name.split('/'), entry)}" for name, entry in report.proof.items()]
   if evidence:
     md += ["", "VERIFIED_KERNELS candidates:", "```", *evidence, "```"]
   errors = [r for r in report.rows if r.error]
@@ -723,7 +723,7 @@ def main(argv=None) -> int:
                       help="rows starting after this many seconds are skipped (default 270 on a GPU, "
                       "none in a rehearsal, which must exercise every row)")
   parser.add_argument("--proof_budget_s", type=float, default=None,
-                      help="seconds for the on-device proof printed first (fp4jax.proof; default 60 on a GPU, "
+                      help="seconds for the on-device proof printed first (tools.prove; default 60 on a GPU, "
                       "none in a rehearsal)")
   args = parser.parse_args(argv)
   gpu = jax.default_backend() == "gpu" and any(d.platform == "gpu" for d in jax.devices())
@@ -744,10 +744,10 @@ def main(argv=None) -> int:
   # The proof first: every candidate proved on this device now (cached for impl=None on a GPU).
   if not (args.rehearse or is_blackwell()):
     print("proof native_gemm: skipped: not Blackwell (compute capability 10.x)", flush=True)
-  report.proof = proof.prove_all(proof.candidates(native=args.rehearse or is_blackwell()),
+  report.proof = prove.prove_all(prove.candidates(native=args.rehearse or is_blackwell()),
                                  budget_s=args.proof_budget_s if args.proof_budget_s is not None
                                  else (float("inf") if args.rehearse else 60.0),
-                                 sizes=proof.TINY_SIZES if args.rehearse else None, save=not args.rehearse,
+                                 sizes=prove.TINY_SIZES if args.rehearse else None, save=not args.rehearse,
                                  echo=lambda line: print(line, flush=True))
   env = _environment()
   print(f"# fp4jax gpu_check{' --rehearse' if args.rehearse else ''}: {env['device']} x{env['devices']}, "

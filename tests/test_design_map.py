@@ -15,12 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "DESIGN.md"
 PACKAGES = ("tools", "training", "configs", "models", "fp4jax")
 
-# The one arrow that points up, named in the map's text: the prover reads the public API through
-# `import fp4jax`, and fp4jax/__init__ imports the prover so that it registers itself.
-KNOWN_UPWARD = {("proof", "fp4jax")}
+# Arrows that point up, named in the map's text: none (the prover is tools.prove, above the library).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 # What models may import of fp4jax besides the package itself (the map's models line names them).
 MODELS_MAY_IMPORT = {"fp4jax", "flax", "grouped", "recipes", "quantizers", "outcontrol", "osci_reset", "fused",
-                     "prequantized", "target", "formats", "pallas_compat", "proof", "dispatch"}
+                     "prequantized", "target", "formats", "pallas_compat", "dispatch"}
 
 
 def _map_block() -> list[str]:

@@ -67,7 +67,7 @@ def test_kernel_is_the_twin(shape, magnitude, recipe):
   x, scale = _inputs(shape, seed=len(shape) + shape[-1], magnitude=magnitude)
   x = x.at[..., 0, :].set(0)                                        # an all-zero row
   # eagerly: XLA CPU compiling the *interpreted* kernel body under jit rewrites its float ops (2.6% of the
-  # code bytes differed, docs/DESIGN.md); the compiled Triton kernel is held to the twin by fp4jax.proof
+  # code bytes differed, docs/DESIGN.md); the compiled Triton kernel is held to the twin by tools.prove
   run = lambda impl: fused.rmsnorm_quantize(x, scale, recipe, eps=1e-6, impl=impl)
   _assert_same(run("pallas"), run("xla"))
 
@@ -154,9 +154,9 @@ def test_relu2_kernel_lowers_for_cuda():
 # at float32 while the kernel quantizes the bf16 h it writes.
 @pytest.mark.parametrize("op", ["rmsnorm_quantize", pytest.param("relu2_quantize", marks=pytest.mark.slow)])
 def test_proof_passes_the_kernel_and_refuses_a_wrong_one(op, monkeypatch):
-  from fp4jax import proof   # pylint: disable=import-outside-toplevel
+  from tools import prove   # pylint: disable=import-outside-toplevel
   from fp4jax.kernels import relu2_quantize, rmsnorm_quantize   # pylint: disable=import-outside-toplevel
-  entry = proof.prove(op, "nvfp4", sizes=proof.TINY_SIZES)
+  entry = prove.prove(op, "nvfp4", sizes=prove.TINY_SIZES)
   assert entry["verdict"] in ("faster", "slower"), entry["summary"]
   assert all(c["mismatches"] == 0 and c["compared"] > 0 for v in entry["evidence"]["variants"] for c in v["cases"])
   module = rmsnorm_quantize if op == "rmsnorm_quantize" else relu2_quantize
@@ -166,5 +166,5 @@ def test_proof_passes_the_kernel_and_refuses_a_wrong_one(op, monkeypatch):
     q, s = real(*args, **kw)
     return q, s ^ jnp.uint8(1)
   monkeypatch.setattr(module, "encode_rows", wrong)
-  entry = proof.prove(op, "nvfp4", sizes=proof.TINY_SIZES)
+  entry = prove.prove(op, "nvfp4", sizes=prove.TINY_SIZES)
   assert entry["verdict"] == "differs" and "scale byte" in entry["summary"]

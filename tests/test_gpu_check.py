@@ -3,7 +3,7 @@
 The rehearsal runs in a subprocess in which pytest, grain, jax-triton, ml_collections, tensorboardX and
 matplotlib cannot be imported (the device image has none of them), so the first device run cannot die
 on an import or a Python error. It takes about 45 s of CPU time (2-3 minutes on a loaded 2-core VM), plus
-the on-device proof it prints first (fp4jax.proof, every candidate at tiny sizes: about 2 minutes there).
+the on-device proof it prints first (tools.prove, every candidate at tiny sizes: about 2 minutes there).
 """
 import json
 import os
@@ -13,7 +13,7 @@ import sys
 import jax
 import pytest
 
-from fp4jax import proof as proof_lib
+from tools import prove
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
@@ -90,7 +90,7 @@ def test_rehearsal_runs_every_row(tmp_path):
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
   proof = report["proof"]                  # the proof: every candidate proved (kernels interpreted)
-  assert len(proof) == len(proof_lib.candidates(native=True)), sorted(proof)   # --rehearse proves native too
+  assert len(proof) == len(prove.candidates(native=True)), sorted(proof)   # --rehearse proves native too
   assert all(e["verdict"] in ("faster", "slower") for e in proof.values()), proof
   assert "importing training.step without training/__init__" in proc.stdout   # grain was blocked
   printed = [line.split()[1:3] for line in proc.stdout.splitlines()

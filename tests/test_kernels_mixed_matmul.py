@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import api, dispatch, formats, primitives, proof
+from fp4jax import api, dispatch, formats, primitives
+from tools import prove
 from fp4jax.kernels import mixed_matmul as MM
 from fp4jax.qtensor import QTensor
 from fp4jax.reference import scaled_matmul_reference, tensor_factor_parts
@@ -29,10 +30,10 @@ def _bytes(s):
 
 
 def exact_operand(shape, fmt, tile, seed, amax=None):
-  """``fp4jax.proof.exact_operand`` (random codes, scales 0.5 or 1: every float32 partial sum of a GEMM of
+  """``tools.prove.cases.exact_operand`` (random codes, scales 0.5 or 1: every float32 partial sum of a GEMM of
   two of them is exact in any order) of ``shape``; ``tile``: the format's 2D tile, or None for 1D blocks."""
   assert tile in (None, formats.TILE.get(fmt))
-  return proof.exact_operand(*shape, fmt, tile is not None, seed, amax=amax)
+  return prove.cases.exact_operand(*shape, fmt, tile is not None, seed, amax=amax)
 
 
 class _MixedMatmulCases:

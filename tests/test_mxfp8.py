@@ -322,13 +322,13 @@ def test_off_by_default_on_until_a_device_verdict(cc, monkeypatch):
 
 
 def test_the_proof_covers_mxfp8_and_passes_on_the_cpu():
-  """fp4jax.proof proves native_gemm/mxfp8 on a native device (it is a candidate though off by default);
+  """tools.prove proves native_gemm/mxfp8 on a native device (it is a candidate though off by default);
   run here on the CPU at the tiny sizes, the native twin is exact against the XLA path on every case
   (order-free operands, scales 2^±50, NaN scale bytes) and the summation-order bound."""
-  from fp4jax import proof   # pylint: disable=import-outside-toplevel
-  assert (verdicts.NATIVE_OP, "mxfp8") in proof.candidates(native=True)
-  assert (verdicts.NATIVE_OP, "mxfp8") not in proof.candidates(native=False)
-  entry = proof.prove(verdicts.NATIVE_OP, "mxfp8", sizes=proof.TINY_SIZES)
+  from tools import prove   # pylint: disable=import-outside-toplevel
+  assert (verdicts.NATIVE_OP, "mxfp8") in prove.candidates(native=True)
+  assert (verdicts.NATIVE_OP, "mxfp8") not in prove.candidates(native=False)
+  entry = prove.prove(verdicts.NATIVE_OP, "mxfp8", sizes=prove.TINY_SIZES)
   assert entry["verdict"] in ("faster", "slower"), entry["summary"]
   cases = [c["case"] for c in entry["evidence"]["variants"][0]["cases"]]
   assert {"exact", "scales 2^-50", "scales 2^50", "nan scales"} <= set(cases)

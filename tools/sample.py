@@ -35,6 +35,7 @@ from absl import logging
 
 import fp4jax
 from models import LanguageModel, init_cache
+from tools import prove
 from tools.runs import Run, RunError, load_run
 from training import data as data_lib
 from training import sharding
@@ -246,6 +247,7 @@ def _prompts(args) -> list[str]:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   logging.set_verbosity(logging.ERROR)   # orbax reports every restore at INFO/WARNING
+  prove.register()   # impl=None proves the kernels it meets on this GPU (nothing to prove elsewhere)
   if args.compilation_cache:
     sharding.use_compilation_cache(args.compilation_cache)
   try:

@@ -330,6 +330,8 @@ def main(argv):
   import training  # pylint: disable=g-import-not-at-top  (after jax.distributed: see _initialize_distributed)
   from training import preempt  # pylint: disable=g-import-not-at-top
   from training import sharding  # pylint: disable=g-import-not-at-top
+  from tools import prove  # pylint: disable=g-import-not-at-top
+  prove.register()   # impl=None proves the kernels it meets on this GPU (nothing to prove elsewhere)
   try:
     if _COMPILATION_CACHE.value:
       sharding.use_compilation_cache(_COMPILATION_CACHE.value)

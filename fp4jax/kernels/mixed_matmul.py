@@ -14,7 +14,7 @@ Design (Hopper has no FP4 tensor cores; the products e2m1 · block scale are exa
   each operand and the output; no bf16 copy of either operand is written or read.
 The price is issue work: each element of a is decoded N/bn times and each of b M/bm times (once per
 output tile that reads it), against once in ``scaled_matmul``'s dequantize pass. Whether the saved
-bytes beat that on a device is what the on-device proof times (``fp4jax.proof``, op "mixed_matmul").
+bytes beat that on a device is what the on-device proof times (``tools.prove``, op "mixed_matmul").
 
 The pallas_call is named ``fp4jax_mixed_matmul_<fmt>_<layout>_<M>x<N>x<K>`` (padded sizes): the
 cost model (bench/hlo_cost.py) reads its GEMM shape from the name and charges it as a bf16 GEMM of
