@@ -1,5 +1,5 @@
 """Export folders hold one export, and bad checkpoint files get one line: ``fp4jax-hf`` (tools/hf.py) with
-models.hf_files."""
+models.hf.files."""
 import json
 import os
 
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import LanguageModel, ModelConfig, hf, hf_files
+from models import LanguageModel, ModelConfig, hf
+from models.hf import files as hf_files
 from tools import hf as hf_cli
 from tools import runs
 

@@ -30,7 +30,8 @@ import numpy as np
 from absl import logging
 
 import fp4jax
-from models import LanguageModel, abstract_variables, hf, hf_files
+from models import LanguageModel, abstract_variables, hf
+from models.hf import files as hf_files
 from models.lm import unscanned_params
 from tools import runs
 from training import data as data_lib
