@@ -43,7 +43,7 @@ def test_native_rows_say_not_blackwell_off_blackwell(tmp_path):
   mod["native_rows"](report, 1.0, {})
   assert len(report.rows) == len(mod["NATIVE_OPS"]) + 2
   assert all(r.status == "skipped" and r.exact == "skipped: not Blackwell" for r in report.rows)
-  lines, _ = mod["verdicts"](report.rows)
+  lines, _ = mod["gpu_check_report"].verdicts(report.rows, mod["QUANTIZE_OPS"], mod["MATMUL_OPS"], mod["NATIVE_OPS"])
   assert "GEMM native nvfp4 1x16.16x16: skipped: not Blackwell" in lines
 
 
