@@ -13,7 +13,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import _exact, derivatives, dispatch, formats, native, primitives, random_bits
-from fp4jax.numerics import e2m1, hadamard, nvfp4
+from fp4jax.numerics import hadamard, nvfp4
 from fp4jax.kernels.quantize_rht_t import rht_amax
 from fp4jax.qtensor import QTensor, validate
 from fp4jax.reference import (dequantize_reference, quantize_reference,
@@ -224,7 +224,8 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
   axis = _validate(x, fmt, axis, tile, rounding, key, bits, amax, scale_rule, scaling, sr_bits)
   x = derivatives.refuse_tangents(x, derivatives.QUANTIZE_MESSAGE.format(where="fp4jax.quantize"))
   kernel_path = fmt in formats.KERNEL_FORMATS and x.size > 0   # zero-size: no kernel launch
-  impl = dispatch.choose("quantize_2d" if tile is not None else "quantize_1d", fmt, impl)
+  op = "quantize_2d" if tile is not None else "quantize_1d"
+  impl = dispatch.choose(op, fmt, impl) if kernel_path or impl is not None else "xla"   # none to prove
   # The primitive quantizes (and packs) along the last axis: move the axis there and back. For 16x16
   # tiles packed along axis -2 that is the tile quantization of the transpose, transposed back.
   last = x.ndim - 1

@@ -24,7 +24,7 @@ The grouped GEMM (``Groups``: traced (E,) group sizes, each a multiple of A rows
 chunks of A rows, each chunk inside one group: a_U (U, A, K) with a second level per chunk (its group's),
 b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax.ragged_dot_general``
 (the contraction ragged) on the exact products with impl="xla" (on a GPU target their tiled form,
-``fp4jax.tiles``: ``tiled_here``); with impl="native" the block-scaled GEMM
+``fp4jax.tiles``: ``on_gpu_target``); with impl="native" the block-scaled GEMM
 of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
 ``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
@@ -65,13 +65,16 @@ def _xla_only(a: QTensor, b: QTensor):
     return dbq.gemm(dbq.Dbq(codes(a), a.scale, a.scale2), dbq.Dbq(codes(b), b.scale, b.scale2))
   if fmt == "mxfp8":   # on a GPU target in bf16 (the same values for every block of scale byte >= 3)
     as_mx = lambda q: mxfp8.Mxfp8(q.data, lax.bitcast_convert_type(q.scale, jnp.uint8))
-    return mxfp8.gemm(as_mx(a), as_mx(b), operand_dtype=jnp.bfloat16 if _gpu_target() else jnp.float32)
+    return mxfp8.gemm(as_mx(a), as_mx(b), operand_dtype=jnp.bfloat16 if on_gpu_target() else jnp.float32)
   raise ValueError(f"no GEMM for fmt={fmt!r}")
 
 
-def _gpu_target() -> bool:
+def on_gpu_target() -> bool:
   """Whether the program is compiled for a GPU (``fp4jax.target.current()``), where XLA:GPU lowers a
-  float32 GEMM at HIGHEST to its float32 units and a ragged dot to a dense one."""
+  float32 GEMM at HIGHEST to its float32 units and a ragged dot to a dense one (E times the FLOPs and the
+  output's bytes): there the float GEMMs with ragged rows run tiled (``fp4jax.tiles``: the work items of
+  row tiles, one batched dot); elsewhere (the CPU) as ``lax.ragged_dot``, the twin the tiles are tested
+  against. Not a switch: the target decides."""
   return target.current().platform in ("gpu", "cuda", "rocm")
 
 
@@ -174,19 +177,10 @@ def _grouped_impl(a: QTensor, b: QTensor, impl, where):
   return impl
 
 
-def tiled_here() -> bool:
-  """Whether the float GEMMs with ragged rows run tiled (``fp4jax.tiles``: the work items of row tiles, one
-  batched dot) rather than as ``lax.ragged_dot``: where the program is compiled for a GPU
-  (``fp4jax.target.current()``: XLA:GPU expands a ragged dot to a dense dot over every group, E times the
-  FLOPs and the output's bytes). Elsewhere (the CPU) the ragged dot runs: the twin the tiles are tested
-  against. Not a switch: the target decides."""
-  return _gpu_target()
-
-
 def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, out_dtype=jnp.float32):
-  """(S, N): rows of group e times b[e] (``tiles.rows`` where ``tiled_here``, else ``lax.ragged_dot``),
+  """(S, N): rows of group e times b[e] (``tiles.rows`` where ``on_gpu_target``, else ``lax.ragged_dot``),
   float32 accumulation rounded once to ``out_dtype`` (the tiled GEMM writes it: ``tiles.rows``)."""
-  if tiled_here():
+  if on_gpu_target():
     return tiles.rows(a_SxK, b_ExKxN, sizes_E, precision=precision, out_dtype=out_dtype)
   return lax.ragged_dot(a_SxK, b_ExKxN, sizes_E, precision=precision,
                         preferred_element_type=jnp.float32).astype(out_dtype)
@@ -194,8 +188,8 @@ def ragged_rows(a_SxK, b_ExKxN, sizes_E, precision=lax.Precision.HIGHEST, out_dt
 
 def ragged_tokens(a_SxK, b_SxN, sizes_E, precision=lax.Precision.HIGHEST):
   """float32 (E, K, N): per group, its rows of a contracted with its rows of b (``tiles.tokens`` where
-  ``tiled_here``, else ``lax.ragged_dot_general``)."""
-  if tiled_here():
+  ``on_gpu_target``, else ``lax.ragged_dot_general``)."""
+  if on_gpu_target():
     return tiles.tokens(a_SxK, b_SxN, sizes_E, precision=precision)
   dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                        lhs_ragged_dimensions=[0], rhs_group_dimensions=[])

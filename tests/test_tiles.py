@@ -112,10 +112,10 @@ def test_tiled_for_a_gpu_target_ragged_elsewhere():
   a, b, dy = _ints(1, (S, K)), _ints(2, (E, K, N)), _ints(3, (S, N))
   rows = lambda: lambda a, b: gemm.ragged_rows(a, b, sizes)   # a new function per trace: jax caches traces
   tokens = lambda: lambda a, dy: gemm.ragged_tokens(a, dy, sizes)
-  assert not gemm.tiled_here()   # the CPU
+  assert not gemm.on_gpu_target()   # the CPU
   assert _ragged_primitives(rows(), a, b) == {"ragged_dot_general"} == _ragged_primitives(tokens(), a, dy)
   with fp4jax.target.use(fp4jax.target.Target("gpu", "NVIDIA H200", (9, 0))):
-    assert gemm.tiled_here()
+    assert gemm.on_gpu_target()
     assert not _ragged_primitives(rows(), a, b) and not _ragged_primitives(tokens(), a, dy)
 
 
