@@ -63,29 +63,31 @@ def test_rehearsal_runs_every_row(tmp_path):
   rows = report["rows"]
   assert report["rehearse"] and not [r for r in rows if r["status"] != "ok"]
   keys = [(r["section"], r["name"], r["impl"]) for r in rows]
+  native = sum(len(vs) for (op, _), vs in prove.VARIANTS.items() if op == "native_gemm") + 2   # + the dot rows
   assert [k[0] for k in keys] == (["yardstick"] * 2 + ["quantize"] * 5 + ["matmul"] * 3
-                                  + ["quantize"] * 5 + ["matmul"] * 3 + ["native"] * 7 + ["ssd"] * 2
+                                  + ["quantize"] * 5 + ["matmul"] * 3 + ["native"] * native + ["ssd"] * 2
                                   + ["gated_norm"] * 2 + ["train"] * 3)
   assert [k[2] for k in keys[2:10]] == ["xla"] * 8 and [k[2] for k in keys[10:18]] == ["pallas"] * 8
   for r in rows[2:18]:                     # every kernel and XLA composition checked bit for bit
     assert "==" in r["exact"] and r["ms"] > 0, r
-  native_rows = rows[18:25]                # rehearsed through the native path's CPU twin
-  for r in native_rows[:5]:                # every NVFP4-family pair: bit for bit vs the XLA path
+  end = 18 + native
+  native_rows = rows[18:end]               # rehearsed through the native path's CPU twin
+  for r in native_rows[:-2]:               # every pair: bit for bit vs the XLA path
     assert r["impl"] == "native" and "== XLA" in r["exact"] and r["ms"] > 0, r
-  assert [r["name"] for r in native_rows[5:]] == ["dot nvfp4 y,dx,dw, native", "dot bf16 y,dx,dw"]
-  assert native_rows[5]["exact"].startswith("vs XLA: rel ") and native_rows[5]["ratio"] > 0
+  assert [r["name"] for r in native_rows[-2:]] == ["dot nvfp4 y,dx,dw, native", "dot bf16 y,dx,dw"]
+  assert native_rows[-2]["exact"].startswith("vs XLA: rel ") and native_rows[-2]["ratio"] > 0
   assert any(v.startswith("dot nvfp4 native: ok") for v in report["verdicts"])
-  ssd_xla, ssd_kernel = rows[25:27]        # the Mamba-2 SSD fwd+bwd: XLA, then the Pallas kernels
+  ssd_xla, ssd_kernel = rows[end:end + 2]        # the Mamba-2 SSD fwd+bwd: XLA, then the Pallas kernels
   assert (ssd_xla["impl"], ssd_kernel["impl"]) == ("xla", "pallas") and ssd_xla["exact"] == "finite"
   assert ssd_kernel["exact"].startswith("vs XLA: ") and ssd_kernel["ratio"] > 0
   assert any(v.startswith("kernel ssd: ok") for v in report["verdicts"])
-  gn_xla, gn_kernel = rows[27:29]          # the gated RMSNorm fwd+bwd: XLA, then the Pallas kernels
+  gn_xla, gn_kernel = rows[end + 2:end + 4]          # the gated RMSNorm fwd+bwd: XLA, then the Pallas kernels
   assert (gn_xla["impl"], gn_kernel["impl"]) == ("xla", "pallas") and gn_xla["exact"] == "finite"
   assert gn_kernel["exact"].startswith("vs XLA: ") and gn_kernel["ratio"] > 0
   assert any(v.startswith("kernel gated_norm: ok") for v in report["verdicts"])
-  assert [r["name"] for r in rows[29:]] == ["train step bf16", "train step nvfp4",
+  assert [r["name"] for r in rows[end + 4:]] == ["train step bf16", "train step nvfp4",
                                             "train step nvfp4, kernels forced"]
-  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[29:])
+  assert all(r["exact"].startswith("loss ") and r["ratio"] > 0 for r in rows[end + 4:])
   assert all(r["predicted_ms"] > 0 for r in rows), [r["name"] for r in rows if not r["predicted_ms"]]
   assert any(v.startswith("target small nvfp4 step") for v in report["verdicts"])
   assert "fp4jax gpu_check (CPU rehearsal)" in (tmp_path / "gpu_check.md").read_text()
