@@ -58,8 +58,15 @@ def batched_block_scaled_matmul(a, b, a_scales, b_scales):
   branches of different types: "the manual axis types do not match", the expert-parallel MoE step on sm_100):
   the result is cast to vary over every axis an operand varies over."""
   out = jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32)
-  missing = frozenset().union(*map(varying_axes, (a, b, a_scales, b_scales))) - varying_axes(out)
-  return lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+  return vary_like(out, a, b, a_scales, b_scales)
+
+
+def vary_like(x, *like):
+  """``x`` cast to vary over every ``shard_map`` mesh axis that a leaf of ``like`` varies over (``x`` itself
+  outside one): for a value made of none of them, such as a loop's zero initial carry, whose type must match
+  what the loop computes from them."""
+  missing = frozenset().union(*map(varying_axes, jax.tree.leaves(like))) - varying_axes(x)
+  return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
 
 def varying_axes(x) -> frozenset:

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax import _native_compat as nc
 from fp4jax import api, dispatch, epilogue, formats, native, reference, target, tiles
 from fp4jax._deprecation import former_argument, former_names
 from fp4jax.numerics import dbq, mxfp8
@@ -274,8 +275,9 @@ def grouped_matmul_t(a_U: QTensor, b_U: QTensor, g: Groups, *, out_dtype=jnp.flo
       return out_ExKxN.at[e].set(jnp.where(valid, new, out_ExKxN[e])), None
 
     outer_a, outer_b = a_U.scale2[..., 0], b_U.scale2[..., 0]   # (U, K), (U, N): one 128-chunk each
-    out, _ = lax.scan(step, jnp.zeros((n_g, k, n), jnp.float32),
-                      (xs_a, xs_b, outer_a, outer_b, g.group, g.offset == 0, g.valid))
+    xs = (xs_a, xs_b, outer_a, outer_b, g.group, g.offset == 0, g.valid)
+    # Inside shard_map the carry varies over the axes the chunks vary over (the scan's types must match).
+    out, _ = lax.scan(step, nc.vary_like(jnp.zeros((n_g, k, n), jnp.float32), xs), xs)
     return out.astype(out_dtype)
   if impl == "native":
     s = a_U.data.shape[0] * g.rows

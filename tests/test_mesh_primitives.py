@@ -8,7 +8,10 @@
 2. The kernels inside ``shard_map(check_vma=True)``: the quantize primitive with impl="pallas" (the interpreter
    on CPU) equals the XLA path bit for bit, and a kernel called directly lowers for CUDA (its outputs vary over
    the manual axes its operands vary over: ``fp4jax._pallas_compat.varying_like``).
-3. A kernel that does not lower for a layout runs as its XLA twin, with a warning (``fp4jax.primitives.pair``).
+3. The grouped dot inside ``shard_map`` (an expert-parallel MoE's experts): tetrajet2's wgrad, a ``lax.scan`` over
+   128-row chunks, starts from a carry that varies over the manual axes its chunks vary over
+   (``fp4jax._native_compat.vary_like``), and each device's experts equal the unsharded result.
+4. A kernel that does not lower for a layout runs as its XLA twin, with a warning (``fp4jax.primitives.pair``).
 """
 import json
 import os
@@ -26,6 +29,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import fp4jax
 from fp4jax import _pallas_compat as plc
+from fp4jax import grouped
 from fp4jax.kernels import quantize_1d
 from fp4jax.primitives.quantize import quantize_last
 
@@ -60,6 +64,18 @@ direct = jax.shard_map(lambda x: quantize_1d.quantize_1d(x, jnp.max(jnp.abs(x)))
                        out_specs=P("e"))
 spec = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(e, P("e")))
 out["shard_map kernel lowers for cuda"] = plc.TRITON_CUSTOM_CALL in plc.export_for_cuda(direct, spec)
+
+# tetrajet2's grouped wgrad scans 128-row chunks into a zero carry: inside shard_map each device's expert equals the
+# unsharded grouped_dot's (each expert its own key), forward and gradients.
+xg = jax.random.normal(jax.random.key(5), (4 * 128, 32))
+wg = jax.random.normal(jax.random.key(6), (4, 32, 32))
+keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(4))
+def experts(x, w, k):
+  f = lambda x, w: grouped.grouped_dot(x, w, jnp.full((w.shape[0],), 128), recipe="tetrajet2", key=k)
+  return f(x, w), jax.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+put = lambda a: jax.device_put(a, NamedSharding(e, P("e")))
+sharded = jax.jit(jax.shard_map(experts, mesh=e, in_specs=P("e"), out_specs=P("e")))(put(xg), put(wg), put(keys))
+out["shard_map grouped_dot tetrajet2, forward and gradients"] = close(sharded, jax.jit(experts)(xg, wg, keys))
 print("RESULT " + json.dumps(out))
 """
 
@@ -72,7 +88,7 @@ def test_sharded_one_block_axes_and_kernels_in_shard_map():
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 6
+  assert len(results) == 7
   assert all(results.values()), {k: v for k, v in results.items() if not v}
 
 
