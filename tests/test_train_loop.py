@@ -49,7 +49,7 @@ def test_tiny_trains_end_to_end_and_loss_falls(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("fp4jax.flax") is None,
                     reason="fp4jax.flax (the quantized dot) has not landed yet")
 # ~70 s with a cold compilation cache. By default an nvfp4 run trains 6 steps in
-# tests/test_train_reliability.py::test_changed_recipe_is_refused, and the loss falls (bf16) above.
+# tests/test_checkpoint_faults.py::test_changed_recipe_is_refused, and the loss falls (bf16) above.
 @pytest.mark.slow
 def test_tiny_trains_in_nvfp4(tmp_path):
   config = shrunken.shrunken_config(steps=24, recipe="nvfp4", **{"optim.lr": 1e-2, "log_every": 8})
