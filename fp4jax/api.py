@@ -382,7 +382,9 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | 
   """
   check_operands(a, b)
   out_dtype = as_float_dtype(out_dtype, "fp4jax.scaled_matmul", "out_dtype")
-  impl = dispatch.choose("scaled_matmul", a.fmt, impl)
+  # the native GEMM takes 2-D operands: a (..., M, K) lhs defaults to the primitive (an explicit "native"
+  # gets native.check's error)
+  impl = dispatch.choose("scaled_matmul", a.fmt, impl, native_ok=a.ndim == b.ndim == 2)
   if impl == "native":
     return native.matmul(a, b, out_dtype=out_dtype)
   if a.fmt not in formats.KERNEL_FORMATS:

@@ -215,10 +215,12 @@ OPS: dict[str, tuple[str, ...]] = {
 _WHAT = {"grouped_matmul": "the grouped GEMM", "scaled_matmul": "the GEMM"}
 
 
-def choose(op: str, fmt: str, impl: str | None = None, *, target: target_lib.Target | None = None) -> str:
+def choose(op: str, fmt: str, impl: str | None = None, *, target: target_lib.Target | None = None,
+           native_ok: bool = True) -> str:
   """The implementation ``op`` (one of ``OPS``) runs for ``fmt``: ``impl`` when given (validated), else the
   default for the program's devices (``target``, default ``fp4jax.target.current()``): the module
-  docstring's rule."""
+  docstring's rule. ``native_ok``: the caller's predicate, whether its operands are ones the native GEMM
+  takes (False: the default is the best of the other impls)."""
   if op not in OPS:
     raise ValueError(f"unknown op {op!r}; one of {tuple(OPS)}")
   has = OPS[op]
@@ -232,7 +234,7 @@ def choose(op: str, fmt: str, impl: str | None = None, *, target: target_lib.Tar
     if impl == "pallas" and fmt not in formats.KERNEL_FORMATS:
       raise ValueError(f"there are no Pallas kernels for fmt={fmt!r}; use impl='xla'")
     return impl
-  if "native" in has:
+  if "native" in has and native_ok:
     table = NATIVE_DEFAULTS if op == "scaled_matmul" else NATIVE_GROUPED_DEFAULTS
     if _native(table.get(fmt), fmt, None, target):
       return "native"

@@ -505,6 +505,27 @@ def test_env_overrides(monkeypatch):
     dispatch.native_default("nvfp4")
 
 
+def _impl_of_the_primitive(fn, *args):
+  traced = lambda *a: fn(*a)   # a new function per trace: jax caches traces
+  eqns = jax.make_jaxpr(traced)(*args).jaxpr.eqns
+  return [e.params["impl"] for e in eqns if str(e.primitive) == "fp4jax_scaled_matmul"]
+
+
+def test_public_scaled_matmul_defaults_to_native_only_for_two_d_operands(monkeypatch):
+  """fp4jax.scaled_matmul(impl=None) runs the native GEMM where it is the default (forced here) for 2-D
+  operands; a (..., M, K) lhs, which the native GEMM does not take, runs the primitive's default instead;
+  an explicit impl="native" with it gets native.check's error."""
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
+  a, b = _q(Quantizer("nvfp4"), _x(45, (M, K))), _q(Quantizer("nvfp4", tiled=True), _x(46, (N, K)))
+  assert _impl_of_the_primitive(fp4jax.scaled_matmul, a, b) == []            # native: no primitive
+  np.testing.assert_array_equal(fp4jax.scaled_matmul(a, b), native.matmul(a, b))
+  a3 = _q(Quantizer("nvfp4"), _x(47, (2, M, K)))
+  assert _impl_of_the_primitive(fp4jax.scaled_matmul, a3, b) == ["xla"]
+  np.testing.assert_array_equal(fp4jax.scaled_matmul(a3, b), fp4jax.scaled_matmul(a3, b, impl="xla"))
+  with pytest.raises(ValueError, match="2-D operands"):
+    fp4jax.scaled_matmul(a3, b, impl="native")
+
+
 def test_every_native_format_has_a_recorded_choice():
   assert set(dispatch.NATIVE_DEFAULTS) == set(native.FORMATS)
   for fmt, choice in dispatch.NATIVE_DEFAULTS.items():
