@@ -10,6 +10,7 @@ picks Mosaic GPU on some versions).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 
@@ -152,6 +153,27 @@ def export_for_cuda(fn, *arg_specs) -> str:
   exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
       export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)])(*arg_specs)
   return exp.mlir_module()
+
+
+@contextlib.contextmanager
+def triton_module_texts():
+  """The Triton IR (text) of every Pallas kernel lowered for CUDA inside the block, as a list filled while
+  they lower. The custom call holds the module only as bytecode, so jax's lowering function is wrapped for
+  the block's duration. For tests that read what the GPU will run (e.g. which max a kernel uses)."""
+  from jax._src.pallas.triton import lowering   # pylint: disable=import-outside-toplevel
+  texts: list[str] = []
+  original = lowering.lower_jaxpr_to_triton_module
+
+  def recording(*args, **kwargs):
+    result = original(*args, **kwargs)
+    texts.append(result.module.operation.get_asm())
+    return result
+
+  lowering.lower_jaxpr_to_triton_module = recording
+  try:
+    yield texts
+  finally:
+    lowering.lower_jaxpr_to_triton_module = original
 
 
 @functools.lru_cache(maxsize=None)

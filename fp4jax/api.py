@@ -92,7 +92,8 @@ def check_key(key, where: str):
 
 def _check_amax_arg(amax, x):
   """The user's nvfp4 tensor amax: a float scalar; when concrete, finite and > 0 (0 only for an
-  all-zero x). Under jit its value cannot be checked (see fp4jax.quantize)."""
+  all-zero x), or non-finite only where x itself holds an inf or NaN. Under jit its value cannot be
+  checked (see fp4jax.quantize)."""
   amax = as_array(amax, "fp4jax.quantize", "amax")
   if amax.size != 1 or not (jnp.issubdtype(amax.dtype, jnp.floating)
                             or jnp.issubdtype(amax.dtype, jnp.integer)):
@@ -101,6 +102,9 @@ def _check_amax_arg(amax, x):
   if isinstance(amax, jax.core.Tracer):
     return
   value = float(np.asarray(amax, np.float32).reshape(()))
+  if np.isnan(value) or np.isinf(value):
+    if not isinstance(x, jax.core.Tracer) and not bool(jnp.isfinite(x).all()):
+      return   # the input's own inf/NaN (fp4jax.dot passes the amax it took of x): non-finite out, as amax=None
   if not np.isfinite(value) or value < 0:
     raise ValueError(f"fp4jax.quantize: amax={value} must be finite and > 0 (max|x| over the tensor, "
                      "or a global amax across shards); pass amax=None to use max|x|")
@@ -216,8 +220,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     amax and the XLA path read x through it, a compiled kernel reads x from memory, stored already.
   NaN: an NVFP4 tensor with a NaN has a NaN amax, so all its scales are NaN and it dequantizes to NaN;
     an MXFP4 block with a NaN gets the NaN scale byte 0xFF; fp8 stores NaN and ±inf as E4M3's NaN.
-  amax=: checked (finite, > 0; 0 only for an all-zero x) when its value is known; under jit it is
-    not, and a traced amax below max|x| saturates the larger elements at about ±amax.
+  amax=: checked (finite, > 0; 0 only for an all-zero x; inf or NaN only for an x holding one) when its
+    value is known; under jit it is not, and a traced amax below max|x| saturates the larger elements
+    at about ±amax.
   A zero-size input gives a zero-size QTensor (nvfp4 amax 0). docs/NUMERICS.md has the arithmetic.
   """
   x = as_array(x, "fp4jax.quantize")

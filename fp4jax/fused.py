@@ -29,6 +29,7 @@ from fp4jax import dispatch, formats
 from fp4jax._exact import div
 from fp4jax.kernels import relu2_quantize as relu2_kernel
 from fp4jax.kernels import rmsnorm_quantize as kernel
+from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.prequantized import PreQuantized, _check_quantizer
 from fp4jax.qtensor import QTensor
@@ -63,7 +64,7 @@ def kernel_ok(quantizer, x_shape, x_dtype, dtype) -> bool:
 def _forward(x, scale, eps, dtype, quantizer, impl):
   d = x.shape[-1]
   h_twin = rmsnorm(x, scale, eps=eps, dtype=dtype)
-  amax = jnp.max(jnp.abs(h_twin.astype(jnp.float32)))      # pass 1 (exact in any order)
+  amax = abs_max(h_twin)      # pass 1 (exact in any order)
   if impl == "pallas":
     call = lambda interpret: lambda x, scale, amax: kernel.rmsnorm_quantize(
         x, scale, amax, eps=eps, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule,
@@ -138,7 +139,7 @@ def relu2_kernel_ok(quantizer, u_shape, u_dtype) -> bool:
 def _relu2_forward(u, quantizer, impl):
   f = u.shape[-1]
   h_twin = relu2(u)
-  amax = jnp.max(jnp.abs(h_twin.astype(jnp.float32)))      # pass 1, read-only (exact in any order)
+  amax = abs_max(h_twin)      # pass 1, read-only (exact in any order)
   if impl != "pallas":
     return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, f)), quantizer)
   call = lambda interpret: lambda u, amax: relu2_kernel.relu2_quantize(

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from fp4jax import gemm, random_bits
 from fp4jax.dot import gemm_keys, quantized_dot, values
 from fp4jax.api import transpose_tiles
+from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import Quantizer
@@ -70,7 +71,7 @@ def _segment_amax(q: Quantizer, t_Uxx, ch: gemm.Groups):
   """Each chunk's expert's amax of the transformed operand (max over the expert's chunks), or None."""
   if not q.has_tensor_amax:
     return None
-  amax_U = jnp.max(jnp.abs(t_Uxx.astype(jnp.float32)).reshape(t_Uxx.shape[0], -1), axis=-1)
+  amax_U = abs_max(t_Uxx.reshape(t_Uxx.shape[0], -1), axis=-1)
   amax_E = jax.ops.segment_max(amax_U, ch.group, num_segments=ch.sizes.shape[0])
   return amax_E[ch.group]
 

@@ -354,6 +354,19 @@ def _cases() -> list[Case]:
      "row 2 non-finite; others bit-identical")
   ok(g, "dot nvfp4 with NaN in x: whole output NaN (tensor amax NaN)",
      lambda: fp4jax.dot(_with(X, (2, 5), jnp.nan), W, recipe="nvfp4"), lambda r: np.isnan(np.asarray(r)).all(), "all NaN")
+  big = _x((64, 128), 3)     # large enough for XLA CPU's vectorized float max, which drops NaN
+  ok(g, "nvfp4 NaN in the last element of a (64, 128) x under jit: all NaN, not a finite or -inf amax",
+     lambda: jax.jit(lambda x: roundtrip(x, "nvfp4"))(_with(big, (63, 127), jnp.nan)),
+     lambda r: np.isnan(np.asarray(r)).all(), "all NaN")
+  ok(g, "mxfp4 NaN in the middle of a (64, 128) x under jit: its block non-finite",
+     lambda: jax.jit(lambda x: roundtrip(x, "mxfp4"))(_with(big, (31, 70), jnp.nan))[31, 64:96],
+     lambda r: not np.isfinite(np.asarray(r)).any(), "block (31, 2) non-finite")
+  ok(g, "dot nvfp4 eager with NaN in the last element of x: all NaN, no error about an amax",
+     lambda: fp4jax.dot(_with(big, (63, 127), jnp.nan), _x((128, 16), 4), recipe="nvfp4_no_sr"),
+     lambda r: np.isnan(np.asarray(r)).all(), "all NaN")
+  ok(g, "grad of dot nvfp4 with NaN in x: dw non-finite, as the forward",
+     lambda: _grad("nvfp4", jax.random.key(0), x=_with(X, (7, 63), jnp.nan))[1],
+     lambda r: not np.isfinite(np.asarray(r)).all(), "dw non-finite")
   ok(g, "nvfp4 amax < max|x| saturates at about ±amax: == quantizing clip(x, -amax, amax)",
      lambda: (roundtrip(jnp.arange(1, 17, dtype=jnp.float32)[None], "nvfp4", amax=8.0),
               roundtrip(jnp.clip(jnp.arange(1, 17, dtype=jnp.float32), -8, 8)[None], "nvfp4")),

@@ -33,6 +33,13 @@ def _f32_from_bits(b):
   return lax.bitcast_convert_type(b.astype(jnp.int32), jnp.float32)
 
 
+def clip(v, lo, hi):
+  """``jnp.clip(v, lo, hi)`` that keeps NaN on the GPU too: Triton lowers a float max/min to maxnum/minnum,
+  which return the number, so a clipped NaN element would become a bound (and its code differ from the
+  XLA twin's). Comparisons are false for NaN, so these selects pass it through."""
+  return jnp.where(v < lo, lo, jnp.where(v > hi, hi, v))
+
+
 # ---------------------------------------------------------------- E4M3 (NVFP4 block scales)
 
 def e4m3_byte(v):
@@ -41,7 +48,7 @@ def e4m3_byte(v):
   Equals ``bitcast(e4m3_rne_satfinite(v), uint8)`` for v >= 0. Returns int32 in [0, 127].
   """
   is_nan = v != v
-  v = jnp.minimum(v, jnp.float32(E4M3_MAX))
+  v = jnp.where(v > E4M3_MAX, jnp.float32(E4M3_MAX), v)   # a select, not Triton's NaN-dropping minnum
   # Normal range: round the float32 mantissa to 3 bits, ties to even, carrying into the exponent.
   bits = _f32_bits(v)
   rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
@@ -76,10 +83,10 @@ def nvfp4_block_encode(amax_b, s_enc6, s_dec, *, interpret):
   (exactly as ``nvfp4.block_scales`` does) and passed in.
   """
   prod = amax_b * s_enc6
-  byte = e4m3_byte(jnp.where(prod != prod, prod, jnp.minimum(prod, jnp.float32(FLT_MAX))))
+  byte = e4m3_byte(jnp.where(prod > FLT_MAX, jnp.float32(FLT_MAX), prod))   # NaN passes (comparisons are false)
   s_b = e4m3_value(byte)
   enc = precise_div(jnp.float32(1.0), s_b * s_dec, interpret=interpret)
-  enc = jnp.where(enc != enc, enc, jnp.minimum(enc, jnp.float32(FLT_MAX)))
+  enc = jnp.where(enc > FLT_MAX, jnp.float32(FLT_MAX), enc)
   return byte, enc
 
 
@@ -136,7 +143,7 @@ def mxfp4_scaled(x_f32, inv, exp):
   limit = jnp.where(exp >= 127, jnp.float32(1.5), jnp.where(exp == 126, jnp.float32(3.0),
                                                              jnp.float32(6.0)))
   limit = jnp.where(jnp.abs(x_f32) == jnp.float32(jnp.inf), jnp.float32(6.0), limit)
-  return jnp.clip((x_f32 * inv) * rest, -limit, limit)
+  return clip((x_f32 * inv) * rest, -limit, limit)
 
 
 def e8m0_value(byte):

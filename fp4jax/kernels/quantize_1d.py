@@ -25,6 +25,7 @@ from jax import lax
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats, random_bits
 from fp4jax.kernels import _common as C
+from fp4jax.numerics.amax import abs_max
 from fp4jax.reference import quantize_last_reference
 
 
@@ -57,11 +58,11 @@ def encode_rows(x_RxK, f_ref, bits_RxK, *, fmt, scale_rule, interpret):
     s_enc6_Rx1 = f_ref[:, 0][:, None]       # ref reads, not register slices (Triton has no slice)
     s_dec_Rx1 = f_ref[:, 1][:, None]
     x_RxNxB = x_RxNxB * f_ref[:, 2][:, None, None]     # p: 2^64 for a tensor amax below 2^-64
-    amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
+    amax_RxN = abs_max(x_RxNxB, axis=2)
     byte_RxN, enc_RxN = C.nvfp4_block_encode(amax_RxN, s_enc6_Rx1, s_dec_Rx1, interpret=interpret)
-    scaled = jnp.clip(x_RxNxB * enc_RxN[:, :, None], -6.0, 6.0)
+    scaled = C.clip(x_RxNxB * enc_RxN[:, :, None], -6.0, 6.0)
   else:
-    amax_RxN = jnp.max(jnp.abs(x_RxNxB), axis=2)
+    amax_RxN = abs_max(x_RxNxB, axis=2)
     byte_RxN, inv_RxN, exp_RxN = C.e8m0_block_encode(amax_RxN, scale_rule)
     scaled = C.mxfp4_scaled(x_RxNxB, inv_RxN[:, :, None], exp_RxN[:, :, None])
   bits = None if bits_RxK is None else bits_RxK.reshape(r, k // b, b)

@@ -19,6 +19,7 @@ from jax import lax
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats, random_bits
 from fp4jax.kernels import _common as C
+from fp4jax.numerics.amax import abs_max
 from fp4jax.reference import quantize_last_reference
 
 TILE = formats.NVFP4.tile[0]   # square tiles
@@ -41,11 +42,11 @@ def _quantize_2d_kernel(x_ref, f_ref, *refs, sr, interpret):
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
   x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE) * f_ref[:, 2][:, None, None, None]   # p (2^64 or 1)
-  amax_GxN = jnp.max(jnp.max(jnp.abs(x_Gx16xNx16), axis=3), axis=1)
+  amax_GxN = abs_max(abs_max(x_Gx16xNx16, axis=3), axis=1)
   s_enc6_Gx1 = f_ref[:, 0][:, None]
   s_dec_Gx1 = f_ref[:, 1][:, None]
   byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
-  scaled = jnp.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
+  scaled = C.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
   bits = C.tile_bits(sr, bits_refs)
   bits = None if bits is None else bits.reshape(g, TILE, nb, TILE)
   codes = C.encode(scaled, bits)

@@ -34,6 +34,7 @@ from jax import lax
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats, random_bits, reference
+from fp4jax.numerics import amax as amaxes
 from fp4jax.numerics import e2m1, hadamard, nvfp4
 from fp4jax.kernels import _common as C
 
@@ -107,10 +108,10 @@ def _quantize_rht_t_kernel(x_ref, f_ref, *refs, fmt, scale_rule, signs, rows_per
   # 2. Quantize each block of B rows; 3. pack 8 codes per int32 word, store.
   for j in range(L // b):
     blk = y[j * b:(j + 1) * b]
-    amax = functools.reduce(jnp.maximum, [jnp.abs(r) for r in blk])
+    amax = amaxes.abs_max_of(*blk)
     if fmt == "nvfp4":
       byte, enc = C.nvfp4_block_encode(amax, s_enc6, s_dec, interpret=interpret)
-      scaled = lambda v, enc=enc: jnp.clip(v * enc, -6.0, 6.0)
+      scaled = lambda v, enc=enc: C.clip(v * enc, -6.0, 6.0)
     else:
       byte, inv, exp = C.e8m0_block_encode(amax, scale_rule)
       scaled = lambda v, inv=inv, exp=exp: C.mxfp4_scaled(v, inv, exp)
@@ -202,9 +203,9 @@ def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
   t, _ = x_TxC.shape
   n = rht_size
   if not one_pass or n > _ONE_PASS_MAX or t % n:
-    return jnp.max(jnp.abs(hadamard.rht(x_TxC, axis=0, size=n, seed=rht_seed)))
+    return amaxes.abs_max(hadamard.rht(x_TxC, axis=0, size=n, seed=rht_seed))
   y = _rht_rows(x_TxC, n, rht_seed, n)
-  return jnp.max(functools.reduce(jnp.maximum, [jnp.abs(r) for r in y]))
+  return amaxes.abs_max(amaxes.abs_max_of(*y))
 
 
 def shares_amaxes(shape, rht_size) -> bool:
@@ -233,11 +234,12 @@ def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
   t, c = x_TxC.shape
   n = rht_size
   x_UxNxC = jnp.asarray(x_TxC).astype(jnp.float32).reshape(t // n, n, c)
-  a_UxC = functools.reduce(jnp.maximum, [jnp.abs(x_UxNxC[:, i, :]) for i in range(n)])
-  r_UxC = functools.reduce(jnp.maximum, [jnp.abs(r) for r in _rht_rows(x_TxC, n, rht_seed, n)])
-  zero = jnp.float32(0.0)
-  return lax.reduce((a_UxC, r_UxC), (zero, zero),
+  a_UxC = amaxes.abs_max_of(*[x_UxNxC[:, i, :] for i in range(n)])
+  r_UxC = amaxes.abs_max_of(*_rht_rows(x_TxC, n, rht_seed, n))
+  zero = jnp.int32(0)
+  a, r = lax.reduce((amaxes.magnitude_bits(a_UxC), amaxes.magnitude_bits(r_UxC)), (zero, zero),
                     lambda p, q: (lax.max(p[0], q[0]), lax.max(p[1], q[1])), (0, 1))
+  return amaxes.from_bits(a), amaxes.from_bits(r)
 
 
 def quantize_rht_t_rows(x, amax, bits=None, *, rht_size=16, rht_seed=None):
@@ -271,7 +273,7 @@ def quantize_rht_t_rows(x, amax, bits=None, *, rht_size=16, rht_seed=None):
     blk = range(j * b, (j + 1) * b)
     # max |y·p| = p · max |y| exactly (p is a power of two that cannot overflow here); written this way
     # the maximum is the one rht_amax forms for RHT-16, so XLA computes it once for both.
-    amax_b = functools.reduce(jnp.maximum, [jnp.abs(y[i]) for i in blk]) * p
+    amax_b = amaxes.abs_max_of(*[y[i] for i in blk]) * p
     s_b, enc_b = nvfp4.block_scales(amax_b, amax_g * p)
     codes = []
     for i in blk:

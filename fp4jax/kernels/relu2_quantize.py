@@ -25,7 +25,7 @@ from fp4jax.kernels.rmsnorm_quantize import bf16_value
 
 def _relu2_quantize_kernel(u_ref, f_ref, h_ref, q_ref, s_ref, *, fmt, scale_rule, interpret):
   u = u_ref[...].astype(jnp.float32)
-  r = jnp.maximum(u, jnp.float32(0.0))
+  r = jnp.where(u < 0, jnp.float32(0.0), u)   # relu that keeps NaN (Triton's float max is maxnum)
   h = (r * r).astype(jnp.bfloat16)
   h_ref[...] = h
   q_ref[...], s_ref[...] = encode_rows(bf16_value(h), f_ref, None, fmt=fmt, scale_rule=scale_rule,

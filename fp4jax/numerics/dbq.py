@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax.numerics import e2m1
+from fp4jax.numerics.amax import abs_max
 from fp4jax._exact import div, product
 from fp4jax.numerics.scales import e4m3_rne_satfinite
 
@@ -52,8 +53,8 @@ def quantize(x, *, bits=None) -> Dbq:
   x_f32 = x.astype(jnp.float32)
   lead, length = x.shape[:-1], x.shape[-1]
   x_blk = x_f32.reshape(*lead, length // OUTER, OUTER // BLOCK, BLOCK)
-  amax_b = jnp.max(jnp.abs(x_blk), axis=-1)
-  os = div(div(jnp.max(amax_b, axis=-1), 448.0), 6.0)
+  amax_b = abs_max(x_blk, axis=-1)
+  os = div(div(abs_max(amax_b, axis=-1), 448.0), 6.0)
   os = jnp.where(os == 0, jnp.float32(1.0), os)
   inner = div(div(amax_b, os[..., None]), 6.0)
   s_b = e4m3_rne_satfinite(jnp.where(inner == 0, jnp.float32(_ZERO_BLOCK_SCALE), inner))

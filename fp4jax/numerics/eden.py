@@ -29,6 +29,7 @@ from jax import lax
 
 from fp4jax import random_bits
 from fp4jax.numerics import e2m1
+from fp4jax.numerics.amax import abs_max
 from fp4jax._exact import div, product
 from fp4jax.numerics.hadamard import fwht_last
 from fp4jax.numerics.scales import e4m3_rne_satfinite
@@ -130,10 +131,10 @@ def quantize(y, r16, *, group: int = 128, amax=None) -> Eden:
   lead, length = y.shape[:-1], y.shape[-1]
   if tuple(r16.shape) != (*lead, length // BLOCK):
     raise ValueError(f"r16 has shape {r16.shape}; it must be {(*lead, length // BLOCK)} (one per block)")
-  amax = jnp.max(jnp.abs(y)) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
+  amax = abs_max(y) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
   s_dec = decode_scale(amax)
   y_blk = y.reshape(*lead, length // BLOCK, BLOCK)
-  rtn = e4m3_rne_satfinite(div(div(jnp.max(jnp.abs(y_blk), axis=-1), VAL_MAX), s_dec))
+  rtn = e4m3_rne_satfinite(div(div(abs_max(y_blk, axis=-1), VAL_MAX), s_dec))
   s_b = jnp.where(rtn.astype(jnp.float32) == 0, jnp.float32(1.0), rtn.astype(jnp.float32))
   xs = div(y_blk, (s_b * s_dec)[..., None])
   codes = e2m1.encode_rne(xs)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from fp4jax.numerics import e2m1
+from fp4jax.numerics.amax import abs_max
 from fp4jax._exact import div, product
 from fp4jax.numerics.scales import FLT_MAX, e4m3_rne_satfinite
 
@@ -121,7 +122,7 @@ def quantize_blocks(x_blk, amax_g, *, bound=DEFAULT_BOUND, metric=DEFAULT_METRIC
   x_blk = x_blk.astype(jnp.float32)
   amax_g = jnp.asarray(amax_g, jnp.float32)
   s_dec = div(1.0, global_encode_scale(amax_g, bound))
-  s4, s6 = candidate_scales(jnp.max(jnp.abs(x_blk), axis=-1), amax_g, bound)
+  s4, s6 = candidate_scales(abs_max(x_blk, axis=-1), amax_g, bound)
   codes4, err4 = _candidate(x_blk, s4, s_dec, amax_g, bound, metric, rows, bits)
   codes6, err6 = _candidate(x_blk, s6, s_dec, amax_g, bound, metric, rows, bits)
   map4 = err4 < err6
@@ -177,7 +178,7 @@ def quantize(x, *, tiled=False, bound=DEFAULT_BOUND, metric=DEFAULT_METRIC, amax
   x = jnp.asarray(x)
   _check_shape(x, tiled)
   x_f32 = x.astype(jnp.float32)
-  amax_g = jnp.max(jnp.abs(x_f32)) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
+  amax_g = abs_max(x_f32) if amax is None else jnp.asarray(amax, jnp.float32).reshape(())
   if tiled:
     choice = quantize_blocks(to_tiles(x_f32), amax_g, bound=bound, metric=metric, rows=16)
     return from_tiles(choice.codes, x.shape), choice.scale, amax_g

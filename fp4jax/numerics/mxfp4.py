@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fp4jax.numerics import e2m1
+from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.scales import e8m0_exponent, e8m0_from_exponent, e8m0_to_f32
 
 
@@ -24,7 +25,7 @@ def _finite_limit(exp):
 
 def quantize_blocks(x_f32, *, scale_rule="rceil", bits=None):
   """Codes (uint8, shape of x) and float8_e8m0fnu scales (..., NB) of blocked float32 values."""
-  amax_b = jnp.max(jnp.abs(x_f32), axis=-1)
+  amax_b = abs_max(x_f32, axis=-1)
   exp = e8m0_exponent(amax_b, scale_rule)
   # x / 2^exp as multiplies by exact powers of two; 2^-127 would be a float32 subnormal (flushed to
   # zero on CPU), so exponent 127 is applied as 2^-126 · 2^-1.

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax._exact import div
+from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.scales import e4m3_rne_satfinite
 
 BLOCK = 32
@@ -70,7 +71,7 @@ def quantize(x, scale_rule: str = "rceil") -> Mxfp8:
     raise ValueError(f"MXFP8 quantizes blocks of 32 along the last axis; its length {x.shape[-1]} is not a "
                      "multiple of 32; pad the input")
   x_blk = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-  byte = scale_bytes(jnp.max(jnp.abs(x_blk), axis=-1), scale_rule)
+  byte = scale_bytes(abs_max(x_blk, axis=-1), scale_rule)
   scaled = jnp.ldexp(x_blk, (127 - byte.astype(jnp.int32))[..., None])
   return Mxfp8(e4m3_rne_satfinite(scaled).reshape(x.shape), byte)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from fp4jax._exact import div, product
 from fp4jax.numerics import e2m1
+from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.scales import FLT_MAX, e4m3_rne_satfinite
 
 _ONE_SIXTH = np.float32(1.0 / 6.0)
@@ -38,7 +39,7 @@ def _in_range(amax_g):
 
 def tensor_amax(x):
   """max |x| over the whole tensor, float32 (NaN if any element is NaN; 0 for a zero-size x)."""
-  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+  return abs_max(x)
 
 
 def global_encode_scale(amax_g):
@@ -75,7 +76,7 @@ def quantize_blocks(x_f32, amax_g, *, bits=None):
   """
   p = encode_shift(amax_g)
   x_f32 = x_f32 * p          # exact; p = 1 unless the tensor amax is below 2^-64
-  amax_b = jnp.max(jnp.abs(x_f32), axis=-1)
+  amax_b = abs_max(x_f32, axis=-1)
   s_b, enc_b = block_scales(amax_b, jnp.asarray(amax_g, jnp.float32) * p)
   scaled = jnp.clip(x_f32 * enc_b[..., None], -e2m1.MAX, e2m1.MAX)
   if bits is None:

@@ -140,7 +140,12 @@ def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> 
   seen: dict[tuple, float] = {}
 
   def see(path, x):
-    seen[path] = max(seen.get(path, 0.0), float(jnp.max(jnp.abs(x.astype(jnp.float32)))))
+    amax = float(np.max(np.abs(np.asarray(x, np.float32)), initial=0.0))   # numpy's max keeps NaN
+    if not np.isfinite(amax):
+      raise ConversionError(f"calibration: the input of {'/'.join(path)} is not finite (max |x| = {amax}) on "
+                            "the calibration tokens; export a checkpoint whose loss is finite, or choose other "
+                            "calibration text (--calib_file)")
+    seen[path] = max(seen.get(path, 0.0), amax)
 
   def record(next_fun, args, kwargs, context):
     path = tuple(context.module.path)
