@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
-from fp4jax._deprecation import former_names
 from fp4jax import epilogue, reference, tiles
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.qtensor import QTensor, validate
@@ -190,9 +189,6 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   if a.fmt == "nvfp4_dbq":
     return _dbq(a, b, oa, ob).astype(out_dtype)
   return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)
-
-
-__getattr__ = former_names(__name__, {"scaled_matmul": "matmul", "as_float4": "as_native"})
 
 
 # ---------------------------------------------------------------------------------------------------
