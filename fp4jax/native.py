@@ -204,7 +204,7 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
 # tiling is ``fp4jax.tiles``'s, shared with the XLA path's tiled GEMM.
 
 Items, Tiling, items = tiles.Items, tiles.Tiling, tiles.items
-TILING = tiles.TILING   # the tiling of the native grouped GEMM (bench/moe_gpu_aot.py and the tests set it)
+TILING = tiles.TILING   # the tiling of the native grouped GEMM (bench/predict/moe_gpu_aot.py and the tests set it)
 
 
 def grouped_tile(s: int, n_groups: int, rows: int, tiling: Tiling | None = None) -> int:

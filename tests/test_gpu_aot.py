@@ -1,6 +1,6 @@
 """The GPU program compiles, for sm_90 (H200) and sm_100 (B200), on a machine without a GPU.
 
-Each compile runs ``bench/gpu_aot.py`` in a subprocess with the deviceless environment of
+Each compile runs ``bench/predict/gpu_aot.py`` in a subprocess with the deviceless environment of
 ``fp4jax._platform`` (platforms cpu,cuda, the CUDA plugin's version check skipped), so the pytest
 workers' jax stays CPU-only. A compile fails the test on an error (Triton, LLVM or ptxas included), on
 a compile longer than its time budget, on host memory past its budget, or when a kernel program's HLO
@@ -8,7 +8,7 @@ lacks its Pallas kernels. The budgets sit far above a healthy compile on a loade
 (kernels 1-25 s and 0.8 GiB each) and far below the RHT kernel's old stall (minutes, 8.6 GiB, never
 done). Skipped only where jax's CUDA plugin is not installed (the dev extra installs it).
 
-The cost model's HLO walk (bench/hlo_cost.py) is tested on a hand-written module and on a compiled
+The cost model's HLO walk (bench/predict/hlo_cost.py) is tested on a hand-written module and on a compiled
 CPU scan, without the plugin.
 """
 import json
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import hlo_cost
+from bench.predict import hlo_cost
 from fp4jax import _platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,11 +36,11 @@ GiB = 2 ** 30
 
 
 def _gpu_aot(tmp_path, *args, timeout=900):
-  """Runs bench/gpu_aot.py with ``args`` in a deviceless subprocess; returns its --json report."""
+  """Runs bench/predict/gpu_aot.py with ``args`` in a deviceless subprocess; returns its --json report."""
   out = tmp_path / "out.json"
   env = _platform.deviceless_env()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_aot.py"), *args, "--json", str(out)]
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "gpu_aot.py"), *args, "--json", str(out)]
   try:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
   except subprocess.TimeoutExpired as e:
@@ -523,7 +523,7 @@ def test_hlo_walk_charges_cudnn_attention_by_flops_and_bytes():
 
 
 def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
+  from bench.predict import gpu_aot   # pylint: disable=import-outside-toplevel
   from fp4jax import dispatch   # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(dispatch, "VERIFIED_KERNELS", {})
   monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)

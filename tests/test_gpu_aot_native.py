@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 from fp4jax import _platform
 _platform.enable_deviceless()
 import jax
-from bench import gpu_aot, hlo_cost
+from bench.predict import gpu_aot, hlo_cost
 recipes, shape = RECIPES, SHAPE
 dev = gpu_aot.gpu_devices("b200", 1)[0]
 single = jax.sharding.SingleDeviceSharding(dev)
@@ -157,7 +157,8 @@ sys.path.insert(0, ROOT)
 from fp4jax import _platform
 _platform.enable_deviceless()
 import jax, numpy as np
-from bench import gpu_aot, hlo_cost, scale
+from bench import scale
+from bench.predict import gpu_aot, hlo_cost
 from configs import CONFIG as chosen
 from training import sharding
 cfg = chosen.get_config()
@@ -250,7 +251,7 @@ ENTRY %main (a: f4e2m1fn[1,512,1024], b: f4e2m1fn[1,256,1024], sa: f8e4m3fn[1,51
 
 
 def test_cost_model_charges_block_scaled_gemms_at_the_fp4_rate():
-  from bench import gpu_aot, hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench.predict import gpu_aot, hlo_cost   # pylint: disable=import-outside-toplevel
   peaks = gpu_aot.peaks("b200", "spec")
   (op,) = [o for o in hlo_cost.analyze(BLOCK_SCALED, peaks)["ops"] if o["kind"] == "gemm"]
   flops = 2 * 512 * 256 * 1024

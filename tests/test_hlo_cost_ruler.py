@@ -1,4 +1,4 @@
-"""The ruler's charges (bench/ruler.py, bench/cluster.py, bench/gemm_rates.py, bench/calibration.py) on
+"""The ruler's charges (bench/predict/ruler.py, bench/predict/cluster.py, bench/predict/gemm_rates.py, bench/predict/calibration.py) on
 hand-written HLO modules: the per-kernel floor, a collective whose group crosses nodes, overlap read from
 the schedule, GEMM rates from the measured rows, and the calibration bias recomputed from its points.
 No compile, no plugin: seconds."""
@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from bench import calibration
-from bench import cluster
-from bench import gemm_rates
-from bench import gpu_aot
-from bench import ruler
+from bench.predict import calibration
+from bench.predict import cluster
+from bench.predict import gemm_rates
+from bench.predict import gpu_aot
+from bench.predict import ruler
 
 GiB = 2 ** 30
 
@@ -272,7 +272,7 @@ computation_schedules {
 
 
 def test_xla_estimate_is_read_from_the_dumped_schedule():
-  from bench import xla_schedule
+  from bench.predict import xla_schedule
   assert xla_schedule.estimates_us(SCHEDULE) == {"body": 125.0}
   pred = dict(leaf_bodies=["body", "other"], body_s={"body": 50e-6, "other": 1.0}, executions={"body": 10})
   out = xla_schedule.compare(pred, SCHEDULE)

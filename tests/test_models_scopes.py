@@ -1,5 +1,5 @@
 """The model's named parts (``models.scopes``): in the op_names of the compiled step, forward and backward,
-read back by bench/hlo_cost.py's ``part`` / ``by_part`` / ``columns``, and changing no operation."""
+read back by bench/predict/hlo_cost.py's ``part`` / ``by_part`` / ``columns``, and changing no operation."""
 import contextlib
 import dataclasses
 
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import hlo_cost
+from bench.predict import hlo_cost
 from models import lm, presets, scopes
 
 TRAINED_PARTS = ("embed", "residual", "rmsnorm", "linear", "mamba2_split", "mamba2_conv_silu", "mamba2_dt",
@@ -41,7 +41,7 @@ def test_scopes_change_no_operation(monkeypatch, preset, recipe):
 @pytest.mark.slow   # covered by test_profile_names.py::test_grad_of_dot_is_named
 def test_parts_name_the_compiled_gradient():
   """Every part of a trained hybrid is in the compiled CPU HLO's op_names, forward and backward, and
-  bench/hlo_cost.py charges the non-GEMM work to them rather than to "unscoped"."""
+  bench/predict/hlo_cost.py charges the non-GEMM work to them rather than to "unscoped"."""
   fn, params = _grad_fn("tiny", "bf16", rope=True, remat="full")
   text = jax.jit(fn).lower(params).compile().as_text()
   cost = hlo_cost.analyze(text, dict(flops={"f32": 1e14, "bf16": 1e15}, hbm=1e12))

@@ -1,16 +1,16 @@
 """Compile the MoE expert GEMMs (``fp4jax.grouped.grouped_dot``: y, dx, dw) for an H200 / B200 without a GPU.
 
-  python bench/moe_gpu_aot.py --target b200 --recipes nvfp4 --shape 8,2176,64,128 --plans xla,native:S,native:512
+  python bench/predict/moe_gpu_aot.py --target b200 --recipes nvfp4 --shape 8,2176,64,128 --plans xla,native:S,native:512
 
 --shape E,S,K,N: E experts, S sorted rows (group sizes traced: an even split here), K, N. --plans: the grouped
 GEMM's implementation per compile: "xla" (FP4JAX_DEFAULT_IMPL=xla: ``lax.ragged_dot`` on the bf16 products),
 "native" (the default tiling, ``fp4jax.native.TILING``), "native:S" (one tile of all S rows: each expert's
 GEMM padded to S) or "native:T" (tiles of T rows). Prints, per recipe and plan, whether it compiled, the
 compile seconds, XLA's per-device temp memory, how XLA lowered the grouped GEMMs (block-scaled cuDNN calls /
-ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/hlo_cost.py's
+ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/predict/hlo_cost.py's
 prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP, the bytes of the non-GEMM ops and the
-integer ops (charged at the int32 rate with ``--int_ops``, as in bench/gpu_aot.py). Uses
-bench/gpu_aot.py's deviceless topology and compile; one GPU.
+integer ops (charged at the int32 rate with ``--int_ops``, as in bench/predict/gpu_aot.py). Uses
+bench/predict/gpu_aot.py's deviceless topology and compile; one GPU.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _plan(plan: str):
@@ -36,7 +36,7 @@ def _plan(plan: str):
 
 
 def main() -> int:
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
+  from bench.predict import gpu_aot   # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser()
   p.add_argument("--target", default="b200")
   p.add_argument("--recipes", default="nvfp4,mxfp4,quartet2,tetrajet2")
@@ -49,7 +49,7 @@ def main() -> int:
   _platform.enable_deviceless()
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
-  from bench import hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   from fp4jax import _native_compat as nc   # pylint: disable=import-outside-toplevel
   from fp4jax import grouped, native   # pylint: disable=import-outside-toplevel
   n_e, s, k, n = (int(v) for v in args.shape.split(","))

@@ -3,19 +3,19 @@
   step = ruler.predict(compiled.as_text(), "b200", "hgx_b200")
   step["step_s"], step["exposed_comm_s"], step["kernels"]
 
-On top of bench/hlo_cost.py's per-op roofline (bytes at the derated HBM bandwidth, integer work at the
+On top of bench/predict/hlo_cost.py's per-op roofline (bytes at the derated HBM bandwidth, integer work at the
 derated integer rate, always), four charges a GPU pays:
 
 1. **A floor per kernel.** Every kernel launch adds ``KERNEL_FLOOR_S`` = 1 us, XLA's own GPU performance
    model constant (``GpuPerformanceModelBase::kKernelLaunchOverhead``,
    xla/service/gpu/model/gpu_performance_model_base.h; its NCCL kernels: ``kNcclKernelLaunchOverhead`` 5 us,
-   charged here in each collective's latency, bench/cluster.py). XLA's command buffers capture runs of
+   charged here in each collective's latency, bench/predict/cluster.py). XLA's command buffers capture runs of
    kernels into CUDA graphs, which removes the host's launch cost but not the device's per-kernel gap;
    they are formed from thunks after the HLO is final, so the compiled text does not show them, and the
    floor is charged to every kernel alike. Kernels per step are reported beside the time.
-2. **GEMMs at measured rates** by shape and dtype (bench/gemm_rates.py), not a flat 80% of peak; cuDNN
+2. **GEMMs at measured rates** by shape and dtype (bench/predict/gemm_rates.py), not a flat 80% of peak; cuDNN
    attention at the bf16 rows' largest-shape rate.
-3. **Collectives on a cluster** (bench/cluster.py): replica groups mapped onto NVLink or the network,
+3. **Collectives on a cluster** (bench/predict/cluster.py): replica groups mapped onto NVLink or the network,
    NCCL's ring traffic factors, a latency per operation.
 4. **Overlap from the schedule.** The compiled module is scheduled: each computation's instructions are
    in issue order. Walking it with one compute stream and one communication stream, an async collective
@@ -33,10 +33,10 @@ import collections
 import dataclasses
 import re
 
-from bench import cluster as cluster_lib
-from bench import gemm_rates
-from bench import peaks as peak_rates
-from bench import hlo_cost
+from bench.predict import cluster as cluster_lib
+from bench.predict import gemm_rates
+from bench.predict import peaks as peak_rates
+from bench.predict import hlo_cost
 
 KERNEL_FLOOR_S = 1e-6
 _ASYNC_DONE = ("all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "send-done",
@@ -44,7 +44,7 @@ _ASYNC_DONE = ("all-gather-done", "all-reduce-done", "collective-permute-done", 
 
 
 def peaks(target: str) -> dict:
-  """bench/gpu_aot.py's derated rates with the integer rate (integer work is always charged)."""
+  """bench/predict/gpu_aot.py's derated rates with the integer rate (integer work is always charged)."""
   return peak_rates.peaks(target, "derated", int_ops=True)
 
 
@@ -73,7 +73,7 @@ def _inner_collective(mod: hlo_cost.Module, ins: hlo_cost.Instr):
 
 
 def buffer_bytes(mod: hlo_cost.Module, ins: hlo_cost.Instr, kind: str, group_size: int) -> int:
-  """The full buffer a collective moves per GPU (bench/cluster.py's ``S``): an all-gather's gathered
+  """The full buffer a collective moves per GPU (bench/predict/cluster.py's ``S``): an all-gather's gathered
   output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a
   permute's send. An ``all-gather-start`` or ``reduce-scatter-start`` counts its results (the second half of
   its (operands, results) tuple: XLA combines small ones into one), a ``collective-permute-start`` its

@@ -1,5 +1,5 @@
 """The GPUs' peak rates the cost models read (datasheets and the derating of the default ruler): a leaf, so
-that bench/gpu_aot.py and bench/ruler.py both read it without importing each other."""
+that bench/predict/gpu_aot.py and bench/predict/ruler.py both read it without importing each other."""
 from __future__ import annotations
 
 # Peak rates, per GPU. "spec": the vendor's datasheet (dense, no sparsity). "derated": what the cost

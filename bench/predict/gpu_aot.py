@@ -1,15 +1,15 @@
 """Compile fp4jax's GPU program for an H100, H200 or B200 on a machine without a GPU, and cost it.
 
-  python bench/gpu_aot.py --target h200 --what dot --shape 8192,8192,8192 --recipe nvfp4
-  python bench/gpu_aot.py --target b200 --what quantize --shape 8192,8192 --impl pallas
-  python bench/gpu_aot.py --target h200 --what step --config configs/small.py
-  python bench/gpu_aot.py --target b200 --what dot     # the B200 default: the block-scaled FP4 GEMMs
-  python bench/gpu_aot.py --target b200 --what dot --impl xla     # the XLA path (bf16 GEMMs) instead
-  python bench/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
-  python bench/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
+  python bench/predict/gpu_aot.py --target h200 --what dot --shape 8192,8192,8192 --recipe nvfp4
+  python bench/predict/gpu_aot.py --target b200 --what quantize --shape 8192,8192 --impl pallas
+  python bench/predict/gpu_aot.py --target h200 --what step --config configs/small.py
+  python bench/predict/gpu_aot.py --target b200 --what dot     # the B200 default: the block-scaled FP4 GEMMs
+  python bench/predict/gpu_aot.py --target b200 --what dot --impl xla     # the XLA path (bf16 GEMMs) instead
+  python bench/predict/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
+  python bench/predict/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
 
 Needs jax's CUDA plugin at the installed jax's version (``pip install -e ".[gpu-compile]"``), no GPU:
-the process compiles for a ``GpuTargetConfigProto`` (bench/gpu_targets/<target>.txtpb) through
+the process compiles for a ``GpuTargetConfigProto`` (bench/predict/gpu_targets/<target>.txtpb) through
 ``jax.experimental.topologies``, so XLA's GPU pipeline, Triton and ptxas all run. ``--devices N`` makes
 a topology of N GPUs (8 per host); ``--mesh.<axis>=k`` / ``--config.<field>=v`` as in bench/scale.py,
 whose step builder (``scale.build_step``) is the one used here.
@@ -27,7 +27,7 @@ composition of every op; ``dots``: every recipe preset's dot).
 Printed, and written by ``--json``: per-device memory (XLA's memory analysis), compile seconds, the
 collectives by kind and dtype in bytes per step (loop trip counts applied), fusion / kernel / GEMM
 counts, the GEMMs with shapes and dtypes, the bytes of the other ops by what they belong to, and the
-cost model of ``bench/hlo_cost.py`` (what it ignores is said there: autotuning, overlap, launch
+cost model of ``bench/predict/hlo_cost.py`` (what it ignores is said there: autotuning, overlap, launch
 latency, caches): the predicted time and, for ``dot`` and ``step``, its ratio to the bf16 twin of the
 same program compiled in the same run (top-level ``ratio_vs_bf16``).
 """
@@ -36,8 +36,9 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS_DIR = os.path.join(ROOT, "bench", "gpu_targets")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TARGETS_DIR = os.path.join(HERE, "gpu_targets")
 TARGETS = ("h100", "h200", "b200")
 
 
@@ -55,7 +56,7 @@ import json
 import resource
 import time
 
-from bench.peaks import peaks   # the rates (a leaf that bench/ruler.py reads too); gpu_aot.peaks for its callers
+from bench.predict.peaks import peaks   # the rates (a leaf that bench/predict/ruler.py reads too); gpu_aot.peaks for its callers
 
 
 INT_OPS_HELP = ("charge integer work (hlo_cost: fusions' integer elementwise ops, e.g. jax.random.bits's "
@@ -323,14 +324,14 @@ GiB, MiB = 2 ** 30, 2 ** 20
 
 def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool = False,
               cluster: str = "") -> dict:
-  """The compile result with the cost model applied (``cost``; ``ruler``: bench/ruler.py's step, with the
+  """The compile result with the cost model applied (``cost``; ``ruler``: bench/predict/ruler.py's step, with the
   per-kernel floor, GEMM efficiencies and collectives on ``cluster``) and the HLO text dropped."""
-  from bench import hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   out = {k: v for k, v in res.items() if k != "text"}
   if res.get("error"):
     return out
   try:
-    from bench import ruler   # pylint: disable=import-outside-toplevel
+    from bench.predict import ruler   # pylint: disable=import-outside-toplevel
     out["ruler"] = ruler.summary(ruler.predict(res["text"], target, cluster or f"hgx_{target}"))
   except Exception as e:   # pylint: disable=broad-except  (the roofline below still stands)
     out["ruler"] = dict(error=f"{type(e).__name__}: {e}")
@@ -383,7 +384,7 @@ def report(s: dict, twin: dict | None = None) -> str:
   if r.get("error"):
     lines.append(f"  ruler: failed: {r['error'][:300]}")
   elif r:
-    lines.append(f"  ruler (bench/ruler.py, a prediction): step {r['step_ms']:.1f} ms = compute {r['compute_ms']:.1f} "
+    lines.append(f"  ruler (bench/predict/ruler.py, a prediction): step {r['step_ms']:.1f} ms = compute {r['compute_ms']:.1f} "
                  f"(of which the per-kernel floor {r['floor_ms']:.1f}) + exposed communication "
                  f"{r['exposed_comm_ms']:.1f} (of {r['comm_ms']:.1f} on {r['cluster']}); {r['kernels']} kernels per step")
   if twin is not None and not twin.get("error"):
@@ -452,7 +453,7 @@ def _flags():
   from absl import flags   # pylint: disable=import-outside-toplevel
   from bench import scale   # noqa: F401  (defines --config, --devices, --batch_per_device, --json, --hlo)
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
-  flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/gpu_targets/<target>.txtpb).")
+  flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/predict/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
                       "quantize_rht_t_sr | (quantize_sr | quantize_2d_sr | quantize_rht_t_sr)_packed | dequantize | "
                       "scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
@@ -481,7 +482,7 @@ def _flags():
                     "(tools.prove) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
   flags.DEFINE_boolean("int_ops", True, INT_OPS_HELP)
-  flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/cluster.py: hgx_h200, "
+  flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/predict/cluster.py: hgx_h200, "
                       "hgx_b200, gb200_nvl72; default the HGX node of --target)")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
