@@ -251,7 +251,7 @@ ENTRY %main (a: f4e2m1fn[1,512,1024], b: f4e2m1fn[1,256,1024], sa: f8e4m3fn[1,51
 
 
 def test_cost_model_charges_block_scaled_gemms_at_the_fp4_rate():
-  from bench.predict import gpu_aot, hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench.predict import gpu_aot, hlo_cost, hlo_kernels   # pylint: disable=import-outside-toplevel
   peaks = gpu_aot.peaks("b200", "spec")
   (op,) = [o for o in hlo_cost.analyze(BLOCK_SCALED, peaks)["ops"] if o["kind"] == "gemm"]
   flops = 2 * 512 * 256 * 1024
@@ -260,5 +260,5 @@ def test_cost_model_charges_block_scaled_gemms_at_the_fp4_rate():
   moved = (512 * 1024 + 256 * 1024) // 2 + (512 + 256) * 64 + 512 * 256 * 4
   assert op["bytes"] == moved
   assert op["seconds"] == pytest.approx(max(flops / 9e15, moved / 8e12))
-  assert hlo_cost.block_scaled_shape("f4e2m1fn[4,128,256]", "f4e2m1fn[4,64,256]") == (
+  assert hlo_kernels.block_scaled_shape("f4e2m1fn[4,128,256]", "f4e2m1fn[4,64,256]") == (
       2 * 4 * 128 * 64 * 256, "f4e2m1fnxf4e2m1fn", (4, 128, 64, 256))

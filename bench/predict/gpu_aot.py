@@ -327,6 +327,7 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
   """The compile result with the cost model applied (``cost``; ``ruler``: bench/predict/ruler.py's step, with the
   per-kernel floor, GEMM efficiencies and collectives on ``cluster``) and the HLO text dropped."""
   from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench.predict import hlo_parts   # pylint: disable=import-outside-toplevel
   out = {k: v for k, v in res.items() if k != "text"}
   if res.get("error"):
     return out
@@ -352,12 +353,12 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
       gemms=[dict(name=o["name"], op_name=o["op_name"], dtype=o["dtype"], mnk=list(o["mnk"]),
                   count=o["count"], ms=o["seconds"] * 1e3, bound=o["bound"], bytes=o["bytes"],
                   flops=o["flops"], highest=o["highest"]) for o in gemms],
-      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_cost.by_label(cost)],
+      by_label=[dict(label=lab, ms=s * 1e3, gib=b / GiB) for lab, s, b in hlo_parts.by_label(cost)],
       # each fp4jax primitive's passes over memory as a multiple of one copy of what they read
       passes=[dict(label=r["label"], calls=r["calls"], ms=r["ms"], gib=r["bytes"] / GiB,
-                   read_gib=r["read_bytes"] / GiB, copy_ratio=r["copy_ratio"]) for r in hlo_cost.passes(cost)],
+                   read_gib=r["read_bytes"] / GiB, copy_ratio=r["copy_ratio"]) for r in hlo_parts.passes(cost)],
       # the step by the model's named parts (models.scopes) and phase, and in the issue-29 table's columns
-      parts=hlo_cost.by_part(cost), columns=hlo_cost.columns(cost),
+      parts=hlo_parts.by_part(cost), columns=hlo_parts.columns(cost),
       # Pallas kernels that declare their FLOPs (the SSD's): charged by FLOPs and bytes
       flop_kernels=[dict(name=o["name"], op_name=o["op_name"], count=o["count"], ms=o["seconds"] * 1e3,
                          bound=o["bound"], bytes=o["bytes"], flops=o["flops"])

@@ -18,7 +18,8 @@ ROOT = report_cache.ROOT
 PERF_MD = os.path.join(ROOT, "docs", "PERF.md")
 BEGIN, END = "<!-- bench/predict/report.py: begin -->", "<!-- bench/predict/report.py: end -->"
 RULER_FILES = tuple(f"bench/predict/{name}.py" for name in (
-    "ruler", "xla_schedule", "cluster", "gemm_rates", "hlo_cost", "gpu_aot", "peaks"))
+    "ruler", "xla_schedule", "cluster", "gemm_rates", "hlo_cost", "hlo_text", "hlo_walk", "hlo_kernels",
+    "hlo_parts", "gpu_aot", "peaks"))
 GiB = 2 ** 30
 
 
