@@ -9,7 +9,7 @@ import pytest
 from bench.predict import calibration
 from bench.predict import cluster
 from bench.predict import gemm_rates
-from bench.predict import gpu_aot
+from bench.predict import peaks
 from bench.predict import ruler
 
 GiB = 2 ** 30
@@ -77,7 +77,7 @@ def test_the_floor_is_charged_once_per_kernel_launch():
   assert with_floor["step_s"] - without["step_s"] == pytest.approx(52 * ruler.KERNEL_FLOOR_S, rel=1e-9)
   assert ruler.KERNEL_FLOOR_S == 1e-6      # XLA's kKernelLaunchOverhead
   # the big fusion: its bytes at the derated HBM bandwidth, plus one floor
-  hbm = gpu_aot.peaks("h200")["hbm"]
+  hbm = peaks.peaks("h200")["hbm"]
   assert without["step_s"] == pytest.approx(2 * 4 * N / hbm, rel=1e-3)
 
 
@@ -152,7 +152,7 @@ def test_an_async_collective_hides_behind_the_work_scheduled_inside_it():
   hidden = ruler.predict(_overlap(between=True), "h200", "hgx_h200")
   exposed = ruler.predict(_overlap(between=False), "h200", "hgx_h200")
   coll = cluster.NCCL_LAUNCH_S + 8 * 4194304 * 2 * 7 / 8 / 450e9
-  work = 2 * 4 * N / gpu_aot.peaks("h200")["hbm"] + ruler.KERNEL_FLOOR_S
+  work = 2 * 4 * N / peaks.peaks("h200")["hbm"] + ruler.KERNEL_FLOOR_S
   assert hidden["comm_s"] == pytest.approx(coll) and exposed["comm_s"] == pytest.approx(coll)
   assert exposed["exposed_comm_s"] == pytest.approx(coll)
   assert hidden["exposed_comm_s"] == pytest.approx(max(0.0, coll - work))

@@ -28,6 +28,12 @@ COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
 _INT_OPS = {"h100": 132 * 64 * 1.98e9, "h200": 132 * 64 * 1.98e9, "b200": 148 * 64 * 1.98e9}
 
 
+INT_OPS_HELP = ("charge integer work (hlo_cost: fusions' integer elementwise ops, e.g. jax.random.bits's "
+                "threefry, and the ops a kernel declares, e.g. the quantize kernels that hash their SR bits) at 64 "
+                "int32 ops per SM per clock (the default); --noint_ops: bytes only, the old roofline (integer ops "
+                "counted and printed, not charged).")
+
+
 def peaks(target: str, which: str = "derated", int_ops: bool = False) -> dict:
   """The cost model's rates; ``int_ops``: also the integer rate ("int"), so that hlo_cost charges integer
   work (fusions' integer ops, kernels' declared ones) and not only bytes."""
