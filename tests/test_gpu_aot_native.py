@@ -166,7 +166,8 @@ devices = deviceless.gpu_devices("b200", 1)
 mesh = jax.sharding.Mesh(np.asarray(devices).reshape(sharding.mesh_shape(cfg.mesh, 1)), sharding.MESH_AXES,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
 built = scale.build_step(cfg, mesh, cfg.batch_size)
-res = deviceless.compile_program(deviceless.Program("step", built["step_fn"], (built["state_in"], built["tokens_in"])), mesh)
+res = deviceless.compile_program(deviceless.Program("step", built["step_fn"], (built["state_in"], built["tokens_in"])),
+                                 mesh)
 if res.get("error"):
   print(json.dumps(dict(error=res["error"]))); sys.exit(0)
 cost = hlo_cost.analyze(res["text"], peaks.peaks("b200"))

@@ -89,7 +89,8 @@ def _flags():
                     "(tools.prove) would record them, so --impl auto picks them (on b200 beside the native "
                     "GEMMs).")
   flags.DEFINE_boolean("int_ops", True, INT_OPS_HELP)
-  flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/predict/cluster.py: hgx_h200, "
+  flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/predict/cluster.py: "
+                      "hgx_h200, "
                       "hgx_b200, gb200_nvl72; default the HGX node of --target)")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")

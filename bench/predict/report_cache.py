@@ -104,7 +104,8 @@ class Cache:
     env = dict(os.environ, **DEVICELESS_ENV, **TARGET_ENV.get(target, {}))
     dump = os.path.join(self.dir, f"{key}.dump")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} {SCHEDULE_DUMP_FLAGS}").strip()
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "gpu_aot.py"), *argv, "--json", tmp_json, "--hlo", tmp_hlo]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "gpu_aot.py"), *argv, "--json", tmp_json,
+           "--hlo", tmp_hlo]
     log(f"  compiling: {' '.join(argv)}")
     t0 = time.time()
     try:

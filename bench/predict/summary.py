@@ -71,8 +71,8 @@ def report(s: dict, twin: dict | None = None) -> str:
   if r.get("error"):
     lines.append(f"  ruler: failed: {r['error'][:300]}")
   elif r:
-    lines.append(f"  ruler (bench/predict/ruler.py, a prediction): step {r['step_ms']:.1f} ms = compute {r['compute_ms']:.1f} "
-                 f"(of which the per-kernel floor {r['floor_ms']:.1f}) + exposed communication "
+    lines.append(f"  ruler (bench/predict/ruler.py, a prediction): step {r['step_ms']:.1f} ms = compute "
+                 f"{r['compute_ms']:.1f} (of which the per-kernel floor {r['floor_ms']:.1f}) + exposed communication "
                  f"{r['exposed_comm_ms']:.1f} (of {r['comm_ms']:.1f} on {r['cluster']}); {r['kernels']} kernels per step")
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
