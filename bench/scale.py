@@ -266,7 +266,7 @@ def peak_breakdown(live_range_text: str, hlo_text: str) -> list[tuple[str, int]]
 
 def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   """The trainer's jitted train step for ``config`` on ``mesh`` and abstract inputs with their shardings:
-  ``{step_fn, state_in, tokens_in, abstract, model_config, recipe}``. Shared with bench/gpu_aot.py, which
+  ``{step_fn, state_in, tokens_in, abstract, model_config, recipe}``. Shared with bench/predict/gpu_aot.py, which
   passes a mesh of GPU-topology devices."""
   model_config = config_lib.resolve_model_config(config.model)
   recipe, _, _ = config_lib.resolve_recipes(config)

@@ -16,7 +16,7 @@ arguments + temp per GPU and the predicted step:
 Compile it with:
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
-      python bench/gpu_aot.py --target h200 --what step --config configs/nemotron3_super.py --devices 64 \
+      python bench/predict/gpu_aot.py --target h200 --what step --config configs/nemotron3_super.py --devices 64 \
       --batch_per_device 1 --twin=false
 
 (for --target b200 add XLA_FLAGS=--xla_gpu_enable_triton_gemm=false: the deviceless sm_100 compile of bf16 dots.)
@@ -58,7 +58,7 @@ def get_config():
   # These slops plan for 66 GiB on either GPU, so a schedule never counts on memory the 80 GiB budget lacks.
   # At this program the budget hardly binds (the compiled HLO equals XLA's default one but for B200 bf16's,
   # 0.02 GiB apart: docs/PERF.md, "nemotron3_super on 64 GPUs"); it is the budget, kept in the config so that
-  # train.py and bench/gpu_aot.py compile the same program.
+  # train.py and bench/predict/gpu_aot.py compile the same program.
   c.xla_options = config_dict.ConfigDict({
       "h200": {"xla_gpu_memory_limit_slop_factor": 49},
       "b200": {"xla_gpu_memory_limit_slop_factor": 36},

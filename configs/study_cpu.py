@@ -1,4 +1,4 @@
-"""The recipe study at CPU size: every variant of experiments/study.py (17: the paper's recipe, its ablations
+"""The recipe study at CPU size: every variant of experiments/study_config.py (17: the paper's recipe, its ablations
 and the newer methods 4/6, Quartet II, TetraJet-v2, also with every linear layer in FP4) x the seeds below,
 a 60K-parameter hybrid on the stdlib corpus. The published table (results/study_cpu) predates the newer
 methods: it ran the first 9 variants (``--config.study.variants=bf16,fp8,mxfp4,nvfp4,...``).

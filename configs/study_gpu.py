@@ -1,4 +1,4 @@
-"""The recipe study at H200 size: every variant of experiments/study.py (17) x 3 seeds of a 0.2M-parameter
+"""The recipe study at H200 size: every variant of experiments/study_config.py (17) x 3 seeds of a 0.2M-parameter
 hybrid; the estimate below was made for the first 9 (~8 minutes of device time), so expect about twice that.
 
   python -m experiments.study --config configs/study_gpu.py        # -> results/study_gpu

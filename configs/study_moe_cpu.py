@@ -33,7 +33,7 @@ on 2026-12-02 10 of the 15 runs finished that day. The other 5 (quartet2 x 3, te
 the seeds after the first took 70-140 s to trace, lower and load the cached step. The 5 runs took 40 min in all
 (docs/PERF.md, "Why Quartet II and TetraJet-v2 are slow on the CPU"). The runs were split over processes on
 the same runs directory to use both cores' idle time; each skips what another finished or is training, and the
-output directory keeps every finished run's records (``experiments.study.KEPT_FILES``), so a summary needs no
+output directory keeps every finished run's records (``experiments.study_records.KEPT_FILES``), so a summary needs no
 runs directory.
 """
 from ml_collections import config_dict

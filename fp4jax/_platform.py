@@ -1,7 +1,7 @@
 """Which JAX platforms this process starts, decided once, before any backend does.
 
 fp4jax's dev set-up installs jax's CUDA plugin on every machine, GPU or not, so that the tests can
-compile the GPU program without a GPU (``bench/gpu_aot.py``). Two things would go wrong unattended:
+compile the GPU program without a GPU (``bench/predict/gpu_aot.py``). Two things would go wrong unattended:
 
 - On a machine without an NVIDIA driver, JAX's first backend start tries the plugin, whose version
   check fails and prints a traceback (``Unable to load cuPTI``) before JAX falls back to the CPU.
@@ -92,7 +92,7 @@ def deviceless_env(base: dict | None = None) -> dict:
 
 
 def enable_deviceless() -> None:
-  """Makes this process compile for CUDA targets without a GPU (``bench/gpu_aot.py``): platforms
+  """Makes this process compile for CUDA targets without a GPU (``bench/predict/gpu_aot.py``): platforms
   cpu,cuda and the plugin's version check skipped. Must run before any backend starts; raises
   RuntimeError after, or when no CUDA plugin is installed."""
   if _backends_started():

@@ -118,7 +118,7 @@ def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) ->
     raise ValueError(f"impl='pallas': the rmsnorm_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16/fp16 x into a bf16 h; "
                      f"got {quantizer!r} on {x.dtype} -> {jnp.dtype(dtype)}. Use impl='xla' or None")
   impl = dispatch.choose(OP, quantizer.fmt, impl) if fits else "xla"
-  with jax.named_scope(f"fp4jax/{OP}"):   # one pass in profiles and in bench/hlo_cost.py's "fp4jax passes"
+  with jax.named_scope(f"fp4jax/{OP}"):   # one pass in profiles and in bench/predict/hlo_parts.py's "fp4jax passes"
     return _rmsnorm_quantize(x, scale, float(eps), jnp.dtype(dtype), quantizer, impl)
 
 

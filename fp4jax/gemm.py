@@ -43,7 +43,6 @@ from jax import lax
 
 from fp4jax import _native_compat as nc
 from fp4jax import api, dispatch, epilogue, formats, native, reference, target, tiles
-from fp4jax._deprecation import former_argument, former_names
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.qtensor import QTensor, validate
 
@@ -109,26 +108,13 @@ def _dense(a: QTensor, b: QTensor, out_dtype, impl):
   return _xla_only(a, b).astype(out_dtype)
 
 
-def _resolve(a, b, impl, backend):
-  if backend is not None:
-    former_argument("fp4jax.gemm.matmul", "backend", "impl")
-    if impl is not None and impl != backend:
-      raise ValueError(f"impl={impl!r} and backend={backend!r}: backend= is impl='s former name; pass impl= only")
-    impl = backend
-  _check(a, b)
-  return dispatch.choose("scaled_matmul", a.fmt, impl)
-
-
-def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None,
-           backend: str | None = None):
+def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = None):
   """a (M, K) · b (N, K)ᵀ -> (M, N) in ``out_dtype`` for any pair of QTensors of one format quantized
   along K (the module docstring has the impls)."""
-  impl = _resolve(a, b, impl, backend)
+  _check(a, b)
+  impl = dispatch.choose("scaled_matmul", a.fmt, impl)
   out_dtype = api.as_float_dtype(out_dtype, "fp4jax.gemm.matmul", "out_dtype")
   return _dense(a, b, out_dtype, impl)
-
-
-__getattr__ = former_names(__name__, {"scaled_matmul": "matmul", "BACKENDS": "IMPLS"})
 
 
 # ---------------------------------------------------------------------------------------------------

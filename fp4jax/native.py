@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
-from fp4jax._deprecation import former_names
 from fp4jax import epilogue, reference, tiles
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.qtensor import QTensor, validate
@@ -192,9 +191,6 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)
 
 
-__getattr__ = former_names(__name__, {"scaled_matmul": "matmul", "as_float4": "as_native"})
-
-
 # ---------------------------------------------------------------------------------------------------
 # The grouped GEMM: S sorted rows in groups of traced sizes (fp4jax.gemm.grouped_matmul, impl="native")
 # ---------------------------------------------------------------------------------------------------
@@ -208,7 +204,7 @@ __getattr__ = former_names(__name__, {"scaled_matmul": "matmul", "as_float4": "a
 # tiling is ``fp4jax.tiles``'s, shared with the XLA path's tiled GEMM.
 
 Items, Tiling, items = tiles.Items, tiles.Tiling, tiles.items
-TILING = tiles.TILING   # the tiling of the native grouped GEMM (bench/moe_gpu_aot.py and the tests set it)
+TILING = tiles.TILING   # the tiling of the native grouped GEMM (bench/predict/moe_gpu_aot.py and the tests set it)
 
 
 def grouped_tile(s: int, n_groups: int, rows: int, tiling: Tiling | None = None) -> int:

@@ -305,7 +305,7 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 # uint32 ops ``hashed_bits`` spends per element, as written: the 64-bit counter sum (5), threefry's key
 # schedule and first injection (4), 20 rounds of add, rotate (shift, shift, or) and xor (100), 5 injections
 # (15), the output xor (1) and the byte mask of ``kernels._common.keyed_bits`` (1). A GPU rotates with one
-# funnel shift, so it issues about 40 fewer; what the cost model charges a kernel that hashes (bench/hlo_cost.py).
+# funnel shift, so it issues about 40 fewer; what the cost model charges a kernel that hashes (bench/predict/hlo_cost.py).
 HASH_OPS = 126
 # The packed layout: per group of GROUP elements the 64-bit counter sum (5) and threefry2x32 (119), both words
 # kept; per element the byte's word select, shift and mask of ``packed_bytes`` (3): 18.5 per element.

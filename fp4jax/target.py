@@ -10,12 +10,12 @@ target a trace sees (``current()``):
 3. else this process's first device, ``jax.devices()[0]``.
 
 So a deviceless GPU compile (a CPU process compiling over the GPU topology devices of
-bench/gpu_aot.py) traces what a GPU process would trace: cuDNN attention, the native GEMM on sm_100.
+bench/predict/gpu_aot.py) traces what a GPU process would trace: cuDNN attention, the native GEMM on sm_100.
 
 jit keys its trace cache on the argument shardings and on the ``jax.set_mesh`` mesh, which name the
 devices; it does not key on ``use``. A function jitted once and traced under two ``use`` targets with
 the same arguments keeps its first trace: enter ``use`` around a fresh ``jax.jit(...).lower`` (as
-bench/gpu_aot.py does) or pass ``target=`` to the decision itself (tests).
+bench/predict/gpu_aot.py does) or pass ``target=`` to the decision itself (tests).
 """
 from __future__ import annotations
 

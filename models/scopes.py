@@ -3,7 +3,7 @@ group it.
 
 ``with scopes.part("mamba2_conv_silu"):`` puts ``models/mamba2_conv_silu`` into the op_name of every HLO
 instruction traced inside: the forward pass, a remat's recomputation and the backward pass alike (the name
-stack survives jvp, transpose and checkpoint). bench/hlo_cost.py's ``part`` reads it back
+stack survives jvp, transpose and checkpoint). bench/predict/hlo_parts.py's ``part`` reads it back
 (``models/<part>``, the innermost one), so the compiled step's time splits by these parts instead of one
 "other" line. The scopes are metadata: the computation and its bits do not change.
 """

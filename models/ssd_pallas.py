@@ -196,7 +196,7 @@ def _dims(x_BxLpxHxP, b_BxLpxGxN, tiles):
 
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, dims):
   """The pallas_call, named ``models_<name>_<precision>_<flops>flop``: the HLO's op_name then carries
-  the analytic FLOP count (``kernel_flops``) and the dots' precision that bench/hlo_cost.py charges
+  the analytic FLOP count (``kernel_flops``) and the dots' precision that bench/predict/hlo_cost.py charges
   (the Triton backend drops ``pl.CostEstimate``)."""
   B, Lp, H, P, G, N, _, C, _, _ = dims
   flops = kernel_flops(name, B, Lp, H, P, G, N, C)

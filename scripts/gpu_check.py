@@ -20,7 +20,7 @@ config in bf16 and in nvfp4 (default impl, then every kernel forced); before tho
 SSD forward+backward and the gated RMSNorm forward+backward at the 12B mixer's shape, XLA path then the
 Pallas kernels (models.ssd_pallas, models.gated_norm). Beside each measured time stands the cost model's
 prediction for the same compiled
-executable (bench/hlo_cost.py on its HLO, the derated peaks of bench/gpu_aot.py for the device's
+executable (bench/predict/hlo_cost.py on its HLO, the derated peaks of bench/predict/peaks.py for the device's
 kind), so the first device run tests the model too. Each row is printed as it finishes, XLA rows first. A JSON and a Markdown report go to
 $OUT (or --out, or a new temporary directory). Targets (printed as ratios): quantize >= 0.70 of copy
 bandwidth (nvfp4 1x16 RNE, bf16 8192x8192), emulated NVFP4 GEMM >= 0.90 of bf16 at 8192^3, small nvfp4
@@ -55,7 +55,7 @@ from tools import prove  # noqa: E402
 from fp4jax.quantizers import Quantizer  # noqa: E402
 from fp4jax.numerics.hadamard import rht  # noqa: E402
 from fp4jax.reference import scaled_matmul_reference  # noqa: E402
-from bench import gpu_aot, hlo_cost  # noqa: E402  (stdlib only: the cost model of the compiled HLO)
+from bench.predict import hlo_cost, peaks  # noqa: E402  (stdlib only: the cost model of the compiled HLO)
 from bench.timing import median_seconds, nbytes  # noqa: E402
 import gpu_check_report  # noqa: E402
 from gpu_check_report import HEADER, TARGETS, Report, Row  # noqa: E402
@@ -92,7 +92,7 @@ def _model_target() -> str:
 def _predict(compiled) -> float | None:
   """Predicted ms of one call of a compiled executable (None when its HLO cannot be read)."""
   try:
-    return hlo_cost.analyze(compiled.as_text(), gpu_aot.peaks(_model_target()))["seconds"] * 1e3
+    return hlo_cost.analyze(compiled.as_text(), peaks.peaks(_model_target()))["seconds"] * 1e3
   except Exception:  # pylint: disable=broad-except  (the prediction never costs a row)
     return None
 

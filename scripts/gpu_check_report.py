@@ -32,7 +32,7 @@ class Row:
   target: str = ""
   error: str = ""
   at_s: float = 0.0        # seconds since the start when the row finished
-  predicted_ms: float | None = None   # bench/hlo_cost.py's cost model of the compiled HLO (derated peaks)
+  predicted_ms: float | None = None   # bench/predict/hlo_cost.py's cost model of the compiled HLO (derated peaks)
 
 
 class Report:

@@ -10,7 +10,7 @@ from ml_collections import config_dict
 
 from configs import shrunken
 from configs.shrunken import shrunken_config
-from experiments import study
+from experiments import study, study_balance, study_config, study_records, study_render
 from training import sharding
 
 sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)  # reruns compile once
@@ -27,30 +27,30 @@ def micro_study_config(steps: int = 4):
 def test_run_config_applies_variant_overrides():
   c = micro_study_config()
   c.study.variants = "all"
-  assert study.study_variants(c)[0] == "bf16" and len(study.study_variants(c)) == len(study.VARIANTS)
-  run = study.run_config(c, "nvfp4_all_fp4", 3)
+  assert study_config.study_variants(c)[0] == "bf16" and len(study_config.study_variants(c)) == len(study_config.VARIANTS)
+  run = study_config.run_config(c, "nvfp4_all_fp4", 3)
   assert "study" not in run and "study" in c
   assert (run.seed, run.recipe, run.model.bf16_last_blocks) == (3, "nvfp4", 0)
-  switch = study.run_config(c, "nvfp4_switch", 0)
+  switch = study_config.run_config(c, "nvfp4_switch", 0)
   assert (switch.precision_switch.fraction, switch.precision_switch.mode) == (0.25, "fwd")
   c.study.variants = "nvfp4,mxfp4"
   with pytest.raises(ValueError, match="bf16"):
-    study.study_variants(c)
+    study_config.study_variants(c)
 
 
 def test_reference_variant_defaults_to_the_paper_recipe_in_the_study():
   c = micro_study_config()
   c.study.variants = "bf16,mxfp4,nvfp4"
-  assert study.reference_variant(c) == "nvfp4"
+  assert study_config.reference_variant(c) == "nvfp4"
   c.study.variants = "bf16,quartet2_all_fp4,nvfp4_all_fp4"
-  assert study.reference_variant(c) == "nvfp4_all_fp4"
+  assert study_config.reference_variant(c) == "nvfp4_all_fp4"
   c.study.variants = "bf16,mxfp4"
-  assert study.reference_variant(c) is None
+  assert study_config.reference_variant(c) is None
   c.study.reference = "mxfp4"
-  assert study.reference_variant(c) == "mxfp4"
+  assert study_config.reference_variant(c) == "mxfp4"
   c.study.reference = "fp8"
   with pytest.raises(ValueError, match="config.study.reference='fp8' is not among"):
-    study.reference_variant(c)
+    study_config.reference_variant(c)
 
 
 @pytest.mark.slow   # ~40 s: trains the micro study's runs
@@ -71,11 +71,11 @@ def test_micro_study_writes_summary_and_skips_finished_runs(tmp_path):
   text = open(os.path.join(out, "summary.md"), encoding="utf-8").read()
   assert "| nvfp4 |" in text and "| bf16 |" in text
   # A second call finds both runs finished and trains nothing.
-  mtime = os.path.getmtime(os.path.join(runs, "nvfp4", "seed0", study.RESULT_FILE))
+  mtime = os.path.getmtime(os.path.join(runs, "nvfp4", "seed0", study_records.RESULT_FILE))
   calls = []
   study.run_study(c, out, runs_dir=runs, log=calls.append)
   assert "0 run(s) to do" in calls[0]
-  assert os.path.getmtime(os.path.join(runs, "nvfp4", "seed0", study.RESULT_FILE)) == mtime
+  assert os.path.getmtime(os.path.join(runs, "nvfp4", "seed0", study_records.RESULT_FILE)) == mtime
 
 
 def test_sqnr_of_gaussian_data_orders_the_formats():
@@ -99,13 +99,13 @@ def _moe_record(step, max_vio, entropy):
 
 def test_balance_of_records_averages_blocks_and_the_late_window():
   records = [_moe_record(4 * i, (0.1 * i, 0.3 * i), (0.9, 0.95)) for i in range(1, 6)]   # steps 4 ... 20
-  b = study.balance_of_records(records, steps=20, window=0.25)   # late: steps > 15, i.e. 16 and 20
+  b = study_balance.balance_of_records(records, steps=20, window=0.25)   # late: steps > 15, i.e. 16 and 20
   assert b["curve"][0] == pytest.approx((4, 0.2, 0.925))
   assert b["final_max_vio"] == pytest.approx(1.0) and b["final_entropy"] == pytest.approx(0.925)
   assert b["late_max_vio"] == pytest.approx((0.8 + 1.0) / 2)
   # A dense run logs no moe/ metrics: no balance. A window that holds no logged step falls back to the last.
-  assert study.balance_of_records([{"kind": "train", "step": 4, "loss": 3.0}], steps=20, window=0.25) is None
-  assert study.balance_of_records(records[:2], steps=20, window=0.25)["late_max_vio"] == pytest.approx(0.4)
+  assert study_balance.balance_of_records([{"kind": "train", "step": 4, "loss": 3.0}], steps=20, window=0.25) is None
+  assert study_balance.balance_of_records(records[:2], steps=20, window=0.25)["late_max_vio"] == pytest.approx(0.4)
 
 
 def test_balance_rows_pair_each_variant_with_bf16_by_seed():
@@ -113,14 +113,14 @@ def test_balance_rows_pair_each_variant_with_bf16_by_seed():
     return {"late_max_vio": late_vio, "final_max_vio": late_vio + 0.5, "late_entropy": 0.99, "final_entropy": 0.98}
   balance = {("bf16", 0): run(0.2), ("bf16", 1): run(0.4), ("nvfp4", 0): run(0.5), ("nvfp4", 1): run(0.6),
              ("tetrajet2", 0): run(0.1)}
-  rows = study.balance_rows(balance, ["bf16", "nvfp4", "tetrajet2"], [0, 1])
+  rows = study_balance.balance_rows(balance, ["bf16", "nvfp4", "tetrajet2"], [0, 1])
   vio = rows["nvfp4"]["late_max_vio"]
   assert vio["per_seed"] == {0: 0.5, 1: 0.6} and vio["mean"] == pytest.approx(0.55)
   assert vio["vs_bf16"] == pytest.approx({0: 0.3, 1: 0.2}) and vio["vs_bf16_mean"] == pytest.approx(0.25)
   assert vio["vs_bf16_std"] == pytest.approx(0.0707107, abs=1e-6)
   one = rows["tetrajet2"]["final_max_vio"]   # one seed: a difference, no spread
   assert one["vs_bf16"] == pytest.approx({0: -0.1}) and one["vs_bf16_std"] != one["vs_bf16_std"]
-  text = "\n".join(study.render_balance(dict(balance=rows, balance_window=0.25,
+  text = "\n".join(study_render.render_balance(dict(balance=rows, balance_window=0.25,
                                              variants=["bf16", "nvfp4", "tetrajet2"])))
   assert "| nvfp4 | 0.550 ± 0.071; vs bf16 +0.250 ± 0.071 (+0.300, +0.200) |" in text
   assert "| tetrajet2 | 0.100; vs bf16 -0.100 (-0.100) |" in text
@@ -138,9 +138,9 @@ def test_run_study_skips_runs_another_process_finished_or_holds(tmp_path, monkey
   def fake_train(run, workdir, log):
     variant = run.name.split("/")[1]
     if variant == "bf16":   # meanwhile another process finishes nvfp4 and is training mxfp4
-      other = study.run_dir(runs, "nvfp4", 0)
+      other = study_records.run_dir(runs, "nvfp4", 0)
       os.makedirs(other)
-      with open(os.path.join(other, study.RESULT_FILE), "w", encoding="utf-8") as f:
+      with open(os.path.join(other, study_records.RESULT_FILE), "w", encoding="utf-8") as f:
         json.dump({"status": "done"}, f)
     if variant == "mxfp4":
       raise training.WorkdirInUse("in use by another run")
@@ -169,7 +169,7 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
     variant, seed = run.name.split("/")[1], run.seed
     trained.append((variant, seed))
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, study.METRICS_FILE), "w", encoding="utf-8") as f:
+    with open(os.path.join(workdir, study_records.METRICS_FILE), "w", encoding="utf-8") as f:
       for step in (2, 4):
         f.write(json.dumps(dict(kind="train", step=step, loss=3.0, **{"moe/blocks_1/max_vio": 0.1 * step + seed,
                                                                      "moe/blocks_1/entropy": 0.9})) + "\n")
@@ -177,7 +177,7 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
                                 bits_per_byte=1.0)) + "\n")
     result = dict(status="done", step=4, validation_loss=loss[(variant, seed)], nonfinite_steps=0,
                   tokens_per_second=100.0 + seed, wall_seconds=10.0)
-    with open(os.path.join(workdir, study.RESULT_FILE), "w", encoding="utf-8") as f:
+    with open(os.path.join(workdir, study_records.RESULT_FILE), "w", encoding="utf-8") as f:
       json.dump(result, f)
     return result
 
@@ -185,8 +185,8 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
   first = study.run_study(c, out, runs_dir=runs, log=lambda _: None)
   assert sorted(trained) == sorted(loss) and first["runs_done"] == 4
   for v, k in loss:
-    kept = study.run_dir(os.path.join(out, study.KEPT_DIR), v, k)
-    assert sorted(os.listdir(kept)) == sorted(study.KEPT_FILES)
+    kept = study_records.run_dir(os.path.join(out, study_records.KEPT_DIR), v, k)
+    assert sorted(os.listdir(kept)) == sorted(study_records.KEPT_FILES)
   shutil.rmtree(runs)
   trained.clear()
   again = study.run_study(c, out, runs_dir=runs, log=lambda _: None)
@@ -202,7 +202,7 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
                          f"step 2: validation loss {x + 2:.4f}  1.0 bits/byte\n"
                          f"step 4: validation loss {x:.4f}  1.0 bits/byte\n" for (v, k), x in loss.items()))
   seeded = str(tmp_path / "seeded")
-  assert sorted(study.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], seeded)) == sorted(loss)
+  assert sorted(study_records.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], seeded)) == sorted(loss)
   summary = study.run_study(c, seeded, runs_dir=runs, log=lambda _: None)
   assert trained == [] and summary["runs_done"] == 4
   for v in ("bf16", "nvfp4"):
@@ -210,11 +210,11 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
     curve, kept = summary["rows"][v]["gap_curve"], first["rows"][v]["gap_curve"]   # (tokens, gap) pairs
     assert [tokens for tokens, _ in curve] == [tokens for tokens, _ in kept]
     assert [gap for _, gap in curve] == pytest.approx([gap for _, gap in kept], abs=1e-5)
-    for key in study.BALANCE_KEYS:
+    for key in study_balance.BALANCE_KEYS:
       assert summary["balance"][v][key]["per_seed"] == pytest.approx(first["balance"][v][key]["per_seed"], abs=1e-6)
   assert summary["balance_curve_seeds"] == {"bf16": 0, "nvfp4": 0}   # the summary kept no balance curve
-  with open(study.run_dir(os.path.join(seeded, study.KEPT_DIR), "nvfp4", 1) + "/" + study.RESULT_FILE) as f:
+  with open(study_records.run_dir(os.path.join(seeded, study_records.KEPT_DIR), "nvfp4", 1) + "/" + study_records.RESULT_FILE) as f:
     assert "kept_from" in json.load(f)
   log.write_text(log.read_text().replace("2.3125", "2.3000"))
   with pytest.raises(ValueError, match="nvfp4 seed 1: the logs' last evaluation"):
-    study.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], str(tmp_path / "bad"))
+    study_records.seed_kept_records(os.path.join(out, "summary.json"), [str(log)], str(tmp_path / "bad"))

@@ -1,6 +1,6 @@
 """The GPU program compiles, for sm_90 (H200) and sm_100 (B200), on a machine without a GPU.
 
-Each compile runs ``bench/gpu_aot.py`` in a subprocess with the deviceless environment of
+Each compile runs ``bench/predict/gpu_aot.py`` in a subprocess with the deviceless environment of
 ``fp4jax._platform`` (platforms cpu,cuda, the CUDA plugin's version check skipped), so the pytest
 workers' jax stays CPU-only. A compile fails the test on an error (Triton, LLVM or ptxas included), on
 a compile longer than its time budget, on host memory past its budget, or when a kernel program's HLO
@@ -8,7 +8,7 @@ lacks its Pallas kernels. The budgets sit far above a healthy compile on a loade
 (kernels 1-25 s and 0.8 GiB each) and far below the RHT kernel's old stall (minutes, 8.6 GiB, never
 done). Skipped only where jax's CUDA plugin is not installed (the dev extra installs it).
 
-The cost model's HLO walk (bench/hlo_cost.py) is tested on a hand-written module and on a compiled
+The cost model's HLO walk (bench/predict/hlo_cost.py) is tested on a hand-written module and on a compiled
 CPU scan, without the plugin.
 """
 import json
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import hlo_cost
+from bench.predict import hlo_cost, hlo_kernels, hlo_parts, hlo_text, hlo_walk
 from fp4jax import _platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,11 +36,11 @@ GiB = 2 ** 30
 
 
 def _gpu_aot(tmp_path, *args, timeout=900):
-  """Runs bench/gpu_aot.py with ``args`` in a deviceless subprocess; returns its --json report."""
+  """Runs bench/predict/gpu_aot.py with ``args`` in a deviceless subprocess; returns its --json report."""
   out = tmp_path / "out.json"
   env = _platform.deviceless_env()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_aot.py"), *args, "--json", str(out)]
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "gpu_aot.py"), *args, "--json", str(out)]
   try:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
   except subprocess.TimeoutExpired as e:
@@ -224,7 +224,7 @@ MiB = 2 ** 20
 
 
 def test_hlo_walk_charges_loop_slices_per_trip():
-  mod = hlo_cost.Module(SYNTHETIC)
+  mod = hlo_walk.Module(SYNTHETIC)
   assert mod.entry == "main"
   assert mod.multipliers()["body"] == 8                      # the condition's constant
   cost = hlo_cost.analyze(SYNTHETIC, PEAKS)
@@ -258,7 +258,7 @@ def test_hlo_walk_on_a_compiled_scan():
 
   text = jax.jit(f).lower(jax.ShapeDtypeStruct((layers, d, d), jnp.float32),
                           jax.ShapeDtypeStruct((8, d), jnp.float32)).compile().as_text()
-  mod = hlo_cost.Module(text)
+  mod = hlo_walk.Module(text)
   mult = mod.multipliers()
   assert layers in mult.values(), mult
   cost = hlo_cost.analyze(text, PEAKS)
@@ -271,10 +271,10 @@ def test_hlo_walk_on_a_compiled_scan():
 
 
 def test_label_reads_the_pass_and_the_primitive():
-  assert hlo_cost.label("jit(f)/transpose(jvp(fp4jax/dot))/wgrad/fp4jax/quantize_rht_t/x/slice") \
+  assert hlo_parts.label("jit(f)/transpose(jvp(fp4jax/dot))/wgrad/fp4jax/quantize_rht_t/x/slice") \
       == "wgrad/quantize_rht_t"
-  assert hlo_cost.label("jit(f)/jvp(fp4jax/dot)/fprop/fp4jax/quantize/nvfp4_1x16/or") == "fprop/quantize"
-  assert hlo_cost.label("jit(train_step)/LanguageModel/blocks_0/mul") == "other"
+  assert hlo_parts.label("jit(f)/jvp(fp4jax/dot)/fprop/fp4jax/quantize/nvfp4_1x16/or") == "fprop/quantize"
+  assert hlo_parts.label("jit(train_step)/LanguageModel/blocks_0/mul") == "other"
 
 
 # One quantize call as XLA writes it: an amax pass and a codes pass over the same bf16 input inside a
@@ -337,10 +337,10 @@ ENTRY %main (x: bf16[4,1024,1024]) -> f32[] {
 
 def test_passes_are_charged_as_multiples_of_a_copy_of_what_they_read():
   cost = hlo_cost.analyze(QUANTIZE, PEAKS)
-  assert hlo_cost.scope("jit(f)/a/fprop/fp4jax/quantize/nvfp4_1x16/fp4jax_quantize_xla/or") \
+  assert hlo_parts.scope("jit(f)/a/fprop/fp4jax/quantize/nvfp4_1x16/fp4jax_quantize_xla/or") \
       == "jit(f)/a/fprop/fp4jax/quantize"
-  assert hlo_cost.scope("jit(f)/blocks/in_proj/mul") is None
-  (row,) = hlo_cost.passes(cost)          # the consumer outside the call is no pass
+  assert hlo_parts.scope("jit(f)/blocks/in_proj/mul") is None
+  (row,) = hlo_parts.passes(cost)          # the consumer outside the call is no pass
   layer, trips = 1024 * 1024 * 2, 4
   assert row["label"] == "fprop/quantize" and row["calls"] == 1
   # what it reads from outside: one layer of x (each pass slices the same layer; counted once) and the
@@ -397,7 +397,7 @@ def test_hlo_walk_charges_the_mixed_gemm_by_its_flops_and_bytes():
   assert g["bytes"] == 1024 * 128 + 1024 * 16 + 512 * 128 + 32 * 16 + 16 + 1024 * 512 * 2
   flop_s = g["flops"] / PEAKS["flops"]["bf16"]
   assert cost["gemm_seconds"] == pytest.approx(max(flop_s, g["bytes"] / PEAKS["hbm"]))
-  assert hlo_cost.mixed_gemm_shape(hlo_cost.parse_instr(PALLAS.splitlines()[-3])) is None
+  assert hlo_kernels.mixed_gemm_shape(hlo_text.parse_instr(PALLAS.splitlines()[-3])) is None
 
 
 def test_hlo_walk_reads_the_kernel_name_of_a_partitioned_primitive():
@@ -491,9 +491,9 @@ ENTRY %main (q: bf16[2,512,8,128], k: bf16[2,512,2,128], v: bf16[2,512,2,128], d
 def test_visible_pairs_counts_the_mask():
   brute = lambda L, S, W: sum(1 for i in range(L) for j in range(S) if j <= i and (not W or i - j < W))
   for L, S, W in [(512, 512, 0), (7, 3, 0), (3, 7, 0), (64, 64, 16), (10, 4, 6), (10, 4, 2)]:
-    assert hlo_cost.visible_pairs(L, S, True, W) == brute(L, S, W), (L, S, W)
-  assert hlo_cost.visible_pairs(512, 384, False) == 512 * 384
-  assert hlo_cost.visible_pairs(8192, 8192, True) == 8192 * 8193 // 2   # about half of L²
+    assert hlo_kernels.visible_pairs(L, S, True, W) == brute(L, S, W), (L, S, W)
+  assert hlo_kernels.visible_pairs(512, 384, False) == 512 * 384
+  assert hlo_kernels.visible_pairs(8192, 8192, True) == 8192 * 8193 // 2   # about half of L²
 
 
 def test_hlo_walk_charges_cudnn_attention_by_flops_and_bytes():
@@ -517,13 +517,13 @@ def test_hlo_walk_charges_cudnn_attention_by_flops_and_bytes():
   assert cost["attention_seconds"] == pytest.approx(fwd["seconds"] + bwd["seconds"])
   assert cost["attention_flops"] == fwd["flops"] + bwd["flops"]
   assert cost["seconds"] == pytest.approx(cost["attention_seconds"] + cost["gemm_seconds"] + cost["other_seconds"])
-  assert cost["other_bytes"] == 0 and hlo_cost.by_label(cost) == []   # charged apart from "other"
+  assert cost["other_bytes"] == 0 and hlo_parts.by_label(cost) == []   # charged apart from "other"
   full = hlo_cost.analyze(FMHA.replace('"CAUSAL"', '"NO_MASK"'), PEAKS)
   assert full["attention_flops"] == cost["attention_flops"] * L * L // pairs   # no mask: all L² pairs
 
 
 def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
+  from bench.predict import gpu_aot   # pylint: disable=import-outside-toplevel
   from fp4jax import dispatch   # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(dispatch, "VERIFIED_KERNELS", {})
   monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)

@@ -33,21 +33,21 @@ sys.path.insert(0, ROOT)
 from fp4jax import _platform
 _platform.enable_deviceless()
 import jax
-from bench import gpu_aot, hlo_cost
+from bench.predict import deviceless, hlo_cost, peaks, programs
 recipes, shape = RECIPES, SHAPE
-dev = gpu_aot.gpu_devices("b200", 1)[0]
+dev = deviceless.gpu_devices("b200", 1)[0]
 single = jax.sharding.SingleDeviceSharding(dev)
 progs = []
 for r in recipes:
-  p = gpu_aot.dot_program(r, shape, single)
+  p = programs.dot_program(r, shape, single)
   def scoped(*args, _fn=p.fn, _r=r):
     with jax.named_scope(f"recipe_{_r}"):
       return _fn(*args)
-  progs.append(gpu_aot.Program(p.name, scoped, p.args))
-res = gpu_aot.compile_program(gpu_aot.combined("native_dots", progs))
+  progs.append(deviceless.Program(p.name, scoped, p.args))
+res = deviceless.compile_program(programs.combined("native_dots", progs))
 if res.get("error"):
   print(json.dumps(dict(error=res["error"]))); sys.exit(0)
-cost = hlo_cost.analyze(res["text"], gpu_aot.peaks("b200"))
+cost = hlo_cost.analyze(res["text"], peaks.peaks("b200"))
 out = collections.defaultdict(lambda: collections.defaultdict(int))
 for o in cost["ops"]:
   if o["kind"] == "gemm":
@@ -157,18 +157,20 @@ sys.path.insert(0, ROOT)
 from fp4jax import _platform
 _platform.enable_deviceless()
 import jax, numpy as np
-from bench import gpu_aot, hlo_cost, scale
+from bench import scale
+from bench.predict import deviceless, hlo_cost, peaks
 from configs import CONFIG as chosen
 from training import sharding
 cfg = chosen.get_config()
-devices = gpu_aot.gpu_devices("b200", 1)
+devices = deviceless.gpu_devices("b200", 1)
 mesh = jax.sharding.Mesh(np.asarray(devices).reshape(sharding.mesh_shape(cfg.mesh, 1)), sharding.MESH_AXES,
                          axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
 built = scale.build_step(cfg, mesh, cfg.batch_size)
-res = gpu_aot.compile_program(gpu_aot.Program("step", built["step_fn"], (built["state_in"], built["tokens_in"])), mesh)
+res = deviceless.compile_program(deviceless.Program("step", built["step_fn"], (built["state_in"], built["tokens_in"])),
+                                 mesh)
 if res.get("error"):
   print(json.dumps(dict(error=res["error"]))); sys.exit(0)
-cost = hlo_cost.analyze(res["text"], gpu_aot.peaks("b200"))
+cost = hlo_cost.analyze(res["text"], peaks.peaks("b200"))
 out = collections.defaultdict(lambda: collections.defaultdict(int))
 for o in cost["ops"]:
   if o["kind"] == "gemm":
@@ -250,14 +252,14 @@ ENTRY %main (a: f4e2m1fn[1,512,1024], b: f4e2m1fn[1,256,1024], sa: f8e4m3fn[1,51
 
 
 def test_cost_model_charges_block_scaled_gemms_at_the_fp4_rate():
-  from bench import gpu_aot, hlo_cost   # pylint: disable=import-outside-toplevel
-  peaks = gpu_aot.peaks("b200", "spec")
-  (op,) = [o for o in hlo_cost.analyze(BLOCK_SCALED, peaks)["ops"] if o["kind"] == "gemm"]
+  from bench.predict import hlo_cost, hlo_kernels, peaks   # pylint: disable=import-outside-toplevel
+  rates = peaks.peaks("b200", "spec")
+  (op,) = [o for o in hlo_cost.analyze(BLOCK_SCALED, rates)["ops"] if o["kind"] == "gemm"]
   flops = 2 * 512 * 256 * 1024
   assert op["mnk"] == (512, 256, 1024) and op["flops"] == flops and op["dtype"] == "f4e2m1fnxf4e2m1fn"
-  assert hlo_cost.gemm_peak(peaks, op["dtype"]) == 9e15                 # B200 dense FP4
+  assert hlo_cost.gemm_peak(rates, op["dtype"]) == 9e15                 # B200 dense FP4
   moved = (512 * 1024 + 256 * 1024) // 2 + (512 + 256) * 64 + 512 * 256 * 4
   assert op["bytes"] == moved
   assert op["seconds"] == pytest.approx(max(flops / 9e15, moved / 8e12))
-  assert hlo_cost.block_scaled_shape("f4e2m1fn[4,128,256]", "f4e2m1fn[4,64,256]") == (
+  assert hlo_kernels.block_scaled_shape("f4e2m1fn[4,128,256]", "f4e2m1fn[4,64,256]") == (
       2 * 4 * 128 * 64 * 256, "f4e2m1fnxf4e2m1fn", (4, 128, 64, 256))

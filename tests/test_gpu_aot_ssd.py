@@ -2,13 +2,13 @@
 without a GPU, forward and backward, through XLA's Triton pipeline, LLVM and ptxas; and the cost model
 charges their custom calls by the FLOPs their names declare.
 
-The compiles run ``bench/gpu_aot.py --what ssd`` in a deviceless subprocess, as tests/test_gpu_aot.py's
+The compiles run ``bench/predict/gpu_aot.py --what ssd`` in a deviceless subprocess, as tests/test_gpu_aot.py's
 (whose helpers and budgets are used): a small mixer (L 512, 16 heads, P 64, 2 groups, N 128) takes
 about 10 s.
 """
 import pytest
 
-from bench import hlo_cost
+from bench.predict import hlo_cost
 from models import gated_norm, ssd_pallas
 from test_gpu_aot import KERNEL_BUDGET_S, RSS_BUDGET_GIB, _check, _gpu_aot, needs_plugin
 

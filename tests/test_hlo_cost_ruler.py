@@ -1,4 +1,4 @@
-"""The ruler's charges (bench/ruler.py, bench/cluster.py, bench/gemm_rates.py, bench/calibration.py) on
+"""The ruler's charges (bench/predict/ruler.py, bench/predict/cluster.py, bench/predict/gemm_rates.py, bench/predict/calibration.py) on
 hand-written HLO modules: the per-kernel floor, a collective whose group crosses nodes, overlap read from
 the schedule, GEMM rates from the measured rows, and the calibration bias recomputed from its points.
 No compile, no plugin: seconds."""
@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from bench import calibration
-from bench import cluster
-from bench import gemm_rates
-from bench import gpu_aot
-from bench import ruler
+from bench.predict import calibration
+from bench.predict import cluster
+from bench.predict import gemm_rates
+from bench.predict import peaks
+from bench.predict import ruler
 
 GiB = 2 ** 30
 
@@ -77,7 +77,7 @@ def test_the_floor_is_charged_once_per_kernel_launch():
   assert with_floor["step_s"] - without["step_s"] == pytest.approx(52 * ruler.KERNEL_FLOOR_S, rel=1e-9)
   assert ruler.KERNEL_FLOOR_S == 1e-6      # XLA's kKernelLaunchOverhead
   # the big fusion: its bytes at the derated HBM bandwidth, plus one floor
-  hbm = gpu_aot.peaks("h200")["hbm"]
+  hbm = peaks.peaks("h200")["hbm"]
   assert without["step_s"] == pytest.approx(2 * 4 * N / hbm, rel=1e-3)
 
 
@@ -152,7 +152,7 @@ def test_an_async_collective_hides_behind_the_work_scheduled_inside_it():
   hidden = ruler.predict(_overlap(between=True), "h200", "hgx_h200")
   exposed = ruler.predict(_overlap(between=False), "h200", "hgx_h200")
   coll = cluster.NCCL_LAUNCH_S + 8 * 4194304 * 2 * 7 / 8 / 450e9
-  work = 2 * 4 * N / gpu_aot.peaks("h200")["hbm"] + ruler.KERNEL_FLOOR_S
+  work = 2 * 4 * N / peaks.peaks("h200")["hbm"] + ruler.KERNEL_FLOOR_S
   assert hidden["comm_s"] == pytest.approx(coll) and exposed["comm_s"] == pytest.approx(coll)
   assert exposed["exposed_comm_s"] == pytest.approx(coll)
   assert hidden["exposed_comm_s"] == pytest.approx(max(0.0, coll - work))
@@ -272,7 +272,7 @@ computation_schedules {
 
 
 def test_xla_estimate_is_read_from_the_dumped_schedule():
-  from bench import xla_schedule
+  from bench.predict import xla_schedule
   assert xla_schedule.estimates_us(SCHEDULE) == {"body": 125.0}
   pred = dict(leaf_bodies=["body", "other"], body_s={"body": 50e-6, "other": 1.0}, executions={"body": 10})
   out = xla_schedule.compare(pred, SCHEDULE)

@@ -537,19 +537,3 @@ def test_this_cpu_is_not_a_native_device():
   assert not dispatch.native_device()
   assert nc.cuda_compute_capability() is None
 
-
-def test_former_names_warn_and_still_work():
-  """The former names (gemm.scaled_matmul, gemm.BACKENDS, backend=, native.scaled_matmul, native.as_float4)
-  resolve to the new ones for one release, each with a DeprecationWarning that names its replacement."""
-  a, b = _q(Quantizer("nvfp4"), _x(43, (M, K))), _q(Quantizer("nvfp4", tiled=True), _x(44, (N, K)))
-  with pytest.warns(DeprecationWarning, match=r"matmul\(backend=...\).*pass impl="):
-    old = gemm.matmul(a, b, backend="native")
-  np.testing.assert_array_equal(old, gemm.matmul(a, b, impl="native"))
-  for module, name, new in ((gemm, "scaled_matmul", gemm.matmul), (gemm, "BACKENDS", gemm.IMPLS),
-                            (native, "scaled_matmul", native.matmul), (native, "as_float4", native.as_native)):
-    with pytest.warns(DeprecationWarning, match=f"{module.__name__}.{name} is deprecated.*use "):
-      assert getattr(module, name) is new
-  with pytest.raises(AttributeError, match="no attribute 'matmull'"):
-    gemm.matmull   # pylint: disable=pointless-statement
-  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="former name"):
-    gemm.matmul(a, b, impl="xla", backend="native")

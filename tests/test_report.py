@@ -1,12 +1,12 @@
-"""bench/report.py's table from its on-disk cache, without compiling: a row that failed to compile is
+"""bench/predict/report.py's table from its on-disk cache, without compiling: a row that failed to compile is
 printed with its reason, a missing one says how to make it, a compiled one is priced by the ruler and
 labelled a prediction, and the table replaces only its own block of docs/PERF.md."""
 import gzip
 import json
 
-from bench import report_cache
-from bench import report_rows
-from bench import report_table
+from bench.predict import report_cache
+from bench.predict import report_rows
+from bench.predict import report_table
 
 HLO = """HloModule m, is_scheduled=true, num_partitions=8
 
@@ -42,7 +42,7 @@ def test_the_table_from_the_cache(tmp_path, monkeypatch):
       memory=dict(argument_bytes=2 ** 33, temp_bytes=2 ** 34, output_bytes=0, alias_bytes=0))]), HLO)
   text = report_table.render(cache, [row])
   assert "| mxfp8 | does not compile: NotImplementedError: mxfp8 grouped GEMM |" in text
-  assert "bench/report.py --rows llama8b_b200 --variants nvfp4" in text          # not compiled yet
+  assert "bench/predict/report.py --rows llama8b_b200 --variants nvfp4" in text          # not compiled yet
   assert "Predictions, not measurements" in text and "| 24.0 |" in text           # 8 + 16 GiB per GPU
   bf16 = next(l for l in text.splitlines() if l.startswith("| Llama-3-8B shape, 8 B200 | bf16 |"))
   assert "(optimistic)" in bf16          # one fusion: far faster than torchtitan, so the bias is above 1

@@ -14,7 +14,7 @@ SCRIPT = os.path.join(ROOT, "bench", "scale.py")
 
 def _load_scale():
   """bench/scale.py as the module ``bench.scale`` (no __main__: XLA_FLAGS untouched). Imported under that one
-  name, as tests/test_train_config.py and bench/gpu_aot.py import it: it defines absl flags, and a second copy
+  name, as tests/test_train_config.py and bench/predict/gpu_aot.py import it: it defines absl flags, and a second copy
   of the module under another name would define them again (DuplicateFlagError in whichever test loads it
   second in the process)."""
   from bench import scale   # pylint: disable=import-outside-toplevel

@@ -249,7 +249,7 @@ def test_xla_options_by_device_kind_and_a_bad_option_is_one_clear_error():
 
 
 def test_xla_options_reach_the_train_steps_compile():
-  """bench.scale.build_step (the step train.py and bench/gpu_aot.py compile) passes the config's options to
+  """bench.scale.build_step (the step train.py and bench/predict/gpu_aot.py compile) passes the config's options to
   jit: an unknown option fails the step's own compile, a known one compiles."""
   from bench import scale   # pylint: disable=import-outside-toplevel
   c = _load(CONFIGS[0], "--config.model.pattern=-", "--config.data.seq_len=32", "--config.recipe=bf16")

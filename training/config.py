@@ -174,7 +174,7 @@ def xla_options(config, device_kind: str) -> dict:
   (e.g. "NVIDIA H200"): its "all" entry, then every other entry whose name the kind contains (case-insensitive:
   "h200"), in the config's order, later entries winning. Each entry maps an XLA option (a DebugOptions field:
   ``xla_gpu_memory_limit_slop_factor``, ``xla_disable_hlo_passes``, ...) to its value; the train step's jit
-  passes them as ``compiler_options``, so ``train.py`` and ``bench/gpu_aot.py`` compile the same program."""
+  passes them as ``compiler_options``, so ``train.py`` and ``bench/predict/gpu_aot.py`` compile the same program."""
   section = config.get("xla_options", None) or {}
   kind = device_kind.lower()
   out: dict = {}

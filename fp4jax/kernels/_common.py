@@ -283,7 +283,7 @@ def tile_bits(mode, refs):
 def int_ops_suffix(mode, elements: int) -> str:
   """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key" or "packed"), n =
   ``random_bits.hash_ops`` of ``elements``, else "": appended to the pallas_call name, it tells
-  bench/hlo_cost.py the integer work the kernel does beside its bytes (the Triton backend drops
+  bench/predict/hlo_kernels.py the integer work the kernel does beside its bytes (the Triton backend drops
   ``pl.CostEstimate``)."""
   if mode not in ("key", "packed"):
     return ""

@@ -17,7 +17,7 @@ output tile that reads it), against once in ``scaled_matmul``'s dequantize pass.
 bytes beat that on a device is what the on-device proof times (``tools.prove``, op "mixed_matmul").
 
 The pallas_call is named ``fp4jax_mixed_matmul_<fmt>_<layout>_<M>x<N>x<K>`` (padded sizes): the
-cost model (bench/hlo_cost.py) reads its GEMM shape from the name and charges it as a bf16 GEMM of
+cost model (bench/predict/hlo_kernels.py) reads its GEMM shape from the name and charges it as a bf16 GEMM of
 2·M·N·K FLOPs, its bytes those of its operands (packed codes and scales) and output.
 
 The XLA composition (``fp4jax.reference.scaled_matmul_reference``: dequantize to bf16, one
@@ -75,7 +75,7 @@ def layout_name(fmt: str, a_tiled: bool, b_tiled: bool) -> str:
 
 
 def kernel_name(fmt: str, a_tiled: bool, b_tiled: bool, m: int, n: int, k: int) -> str:
-  """The pallas_call's name; bench/hlo_cost.py reads the GEMM shape M x N x K from its end."""
+  """The pallas_call's name; bench/predict/hlo_kernels.py reads the GEMM shape M x N x K from its end."""
   return f"fp4jax_mixed_matmul_{fmt}_{layout_name(fmt, a_tiled, b_tiled)}_{m}x{n}x{k}"
 
 

@@ -3,7 +3,7 @@
 A collective's replica groups (read from the compiled HLO) are mapped onto the links they cross: a group
 whose GPUs sit in one node (one NVLink domain) runs at NVLink speed; a group that spans nodes is limited
 by each GPU's network link (an HGX node has one 400 Gb/s NIC per GPU). Partition ``p`` of the SPMD
-program is device ``p`` of bench/gpu_aot.py's topology, and device ``d`` sits in node ``d // gpus_per_node``
+program is device ``p`` of bench/predict/gpu_aot.py's topology, and device ``d`` sits in node ``d // gpus_per_node``
 (the topology is ``1 x nodes x 8``; jit's device assignment is the mesh's devices in order).
 
 Time of one collective over a group of ``n`` GPUs, ``S`` its full buffer per GPU (all-gather: the gathered

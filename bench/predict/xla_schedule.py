@@ -1,11 +1,11 @@
 """XLA's own estimate of a compiled step: the latency-hiding scheduler's schedule, dumped by the compile
-(``--xla_dump_latency_hiding_schedule``; bench/report_cache.py keeps it).
+(``--xla_dump_latency_hiding_schedule``; bench/predict/report_cache.py keeps it).
 
 The dump is a ``ScheduleProto`` in text form: the module, then one ``computation_schedules`` entry per
 computation the scheduler ran on, with each instruction's estimated start and end and the computation's
 ``total_cycles`` (``cycles_per_microsecond`` converts). In jax 0.10.2's XLA the GPU default is the
 analytical speed-of-light estimator (``xla_gpu_enable_analytical_sol_latency_estimator``): its NCCL
-model for collectives (sol_gpu_cost_model.cc), its matmul table for GEMMs (the one bench/gemm_rates.py
+model for collectives (sol_gpu_cost_model.cc), its matmul table for GEMMs (the one bench/predict/gemm_rates.py
 cites) and a cost per instruction for the rest. A computation's total counts each while loop in it as
 one instruction, not its trips, so XLA's estimate is compared with the ruler's over computations without
 loops: the innermost loop bodies, each times its executions per step.

@@ -1,4 +1,4 @@
-"""The headline table of bench/report.py: each cached compile priced by the ruler, the calibration points,
+"""The headline table of bench/predict/report.py: each cached compile priced by the ruler, the calibration points,
 and the block written at the top of docs/PERF.md."""
 from __future__ import annotations
 
@@ -7,18 +7,19 @@ import json
 import os
 import time
 
-from bench import calibration
-from bench import cluster as cluster_lib
-from bench import gemm_rates
-from bench import report_cache
-from bench import report_rows
-from bench import xla_schedule
+from bench.predict import calibration
+from bench.predict import cluster as cluster_lib
+from bench.predict import gemm_rates
+from bench.predict import report_cache
+from bench.predict import report_rows
+from bench.predict import xla_schedule
 
 ROOT = report_cache.ROOT
 PERF_MD = os.path.join(ROOT, "docs", "PERF.md")
-BEGIN, END = "<!-- bench/report.py: begin -->", "<!-- bench/report.py: end -->"
-RULER_FILES = ("bench/ruler.py", "bench/xla_schedule.py", "bench/cluster.py", "bench/gemm_rates.py", "bench/hlo_cost.py",
-               "bench/gpu_aot.py", "bench/peaks.py")
+BEGIN, END = "<!-- bench/predict/report.py: begin -->", "<!-- bench/predict/report.py: end -->"
+RULER_FILES = tuple(f"bench/predict/{name}.py" for name in (
+    "ruler", "xla_schedule", "cluster", "gemm_rates", "hlo_cost", "hlo_text", "hlo_walk", "hlo_kernels",
+    "hlo_parts", "gpu_aot", "peaks"))
 GiB = 2 ** 30
 
 
@@ -45,7 +46,7 @@ def priced(cache: report_cache.Cache, row: report_rows.Row, variant: str) -> dic
   if os.path.exists(priced_path):
     with open(priced_path, encoding="utf-8") as f:
       return json.load(f)
-  from bench import ruler   # pylint: disable=import-outside-toplevel
+  from bench.predict import ruler   # pylint: disable=import-outside-toplevel
   _, text = cache.load(key)
   res = meta["results"][0]
   pred = ruler.predict(text, row.target, row.cluster)
@@ -89,9 +90,9 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
         points.append(calibration.Point(ref.source, ref.hardware, v, ref.tokens_per_s_per_gpu[v],
                                         c["tokens_per_s"]))
   b = calibration.bias(points)
-  lines = [f"**Predictions, not measurements** (no GPU ran these programs): `python bench/report.py`, "
+  lines = [f"**Predictions, not measurements** (no GPU ran these programs): `python bench/predict/report.py`, "
            f"{time.strftime('%Y-%m-%d', time.gmtime())}, {_versions()}; each program compiled without a GPU "
-           f"(bench/gpu_aot.py, 1 x 8192 tokens per GPU) and priced by bench/ruler.py. Calibration bias: "
+           f"(bench/predict/gpu_aot.py, 1 x 8192 tokens per GPU) and priced by bench/predict/ruler.py. Calibration bias: "
            f"{calibration.describe(b)}.",
            "",
            "| program, GPUs | variant | step ms | tokens/s/GPU | ÷ bias | MFU | kernels/step | exposed comm ms "
@@ -99,7 +100,7 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
   for row, v, c in cells:
     if c["state"] == "missing":
-      lines.append(f"| {row.title} | {v} | not compiled yet (`bench/report.py --rows {row.name} --variants {v}`) "
+      lines.append(f"| {row.title} | {v} | not compiled yet (`bench/predict/report.py --rows {row.name} --variants {v}`) "
                    "| | | | | | | |")
     elif c["state"] == "error":
       lines.append(f"| {row.title} | {v} | does not compile: {c['reason'][:140].replace('|', '/')} | | | | | | | |")
@@ -112,7 +113,7 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
                     f"({c['comm_ms']:,.1f}) | {c['memory_gib']:.1f} | {c['roofline_ms']:,.1f} |")
   xla_rows = [(row, v, c["xla"]) for row, v, c in cells if c["state"] == "ok" and c.get("xla")
               and c["xla"].get("xla_ms")]
-  lines += ["", "XLA's own estimate beside the ruler's (bench/xla_schedule.py: the latency-hiding scheduler's "
+  lines += ["", "XLA's own estimate beside the ruler's (bench/predict/xla_schedule.py: the latency-hiding scheduler's "
             "schedule dumped by the same compile, its default analytical estimator; over the innermost loop "
             "bodies, each times its executions per step, the computations whose totals XLA does not cut "
             "short at a loop):", ""]
@@ -129,15 +130,15 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
 
 
 def _assumptions() -> str:
-  from bench import peaks as peak_rates   # pylint: disable=import-outside-toplevel
-  from bench import ruler   # pylint: disable=import-outside-toplevel
+  from bench.predict import peaks as peak_rates   # pylint: disable=import-outside-toplevel
+  from bench.predict import ruler   # pylint: disable=import-outside-toplevel
   clusters = "; ".join(c.description for c in cluster_lib.CLUSTERS.values())
   return "\n".join([
       "Assumptions (docs/PERF.md, \"The ruler's charges\"): step = the compiled schedule walked with one "
       "compute and one communication stream; each kernel its roofline (bytes at "
       f"{100 * peak_rates.HBM_DERATE:.0f}% of the datasheet HBM bandwidth, integer work at 64 int32 ops/SM/clock x "
       f"{100 * peak_rates.COMPUTE_DERATE:.0f}%, always charged) plus a {ruler.KERNEL_FLOOR_S * 1e6:.0f} us floor "
-      "(XLA's kKernelLaunchOverhead); GEMMs at measured rates by shape (bench/gemm_rates.py: XLA's matmul "
+      "(XLA's kKernelLaunchOverhead); GEMMs at measured rates by shape (bench/predict/gemm_rates.py: XLA's matmul "
       "tables for H100 and B200, TileLang's H800 FP8; block-scaled MXFP8/NVFP4 assumed at FP8's measured "
       f"fraction of their peak: {', '.join(sorted(gemm_rates.ASSUMED))}); collectives on {clusters}; ring "
       "factors (n-1)/n (all-gather, reduce-scatter on the full buffer), 2(n-1)/n (all-reduce), all-to-all split "
@@ -159,6 +160,6 @@ def write_perf(block: str, path: str = PERF_MD) -> None:
     text = head + new + tail
   else:
     title, _, rest = text.partition("\n")
-    text = f"{title}\n\n## Headline (bench/report.py)\n\n{new}\n{rest}"
+    text = f"{title}\n\n## Headline (bench/predict/report.py)\n\n{new}\n{rest}"
   with open(path, "w", encoding="utf-8") as f:
     f.write(text)

@@ -3,19 +3,19 @@
   step = ruler.predict(compiled.as_text(), "b200", "hgx_b200")
   step["step_s"], step["exposed_comm_s"], step["kernels"]
 
-On top of bench/hlo_cost.py's per-op roofline (bytes at the derated HBM bandwidth, integer work at the
+On top of bench/predict/hlo_cost.py's per-op roofline (bytes at the derated HBM bandwidth, integer work at the
 derated integer rate, always), four charges a GPU pays:
 
 1. **A floor per kernel.** Every kernel launch adds ``KERNEL_FLOOR_S`` = 1 us, XLA's own GPU performance
    model constant (``GpuPerformanceModelBase::kKernelLaunchOverhead``,
    xla/service/gpu/model/gpu_performance_model_base.h; its NCCL kernels: ``kNcclKernelLaunchOverhead`` 5 us,
-   charged here in each collective's latency, bench/cluster.py). XLA's command buffers capture runs of
+   charged here in each collective's latency, bench/predict/cluster.py). XLA's command buffers capture runs of
    kernels into CUDA graphs, which removes the host's launch cost but not the device's per-kernel gap;
    they are formed from thunks after the HLO is final, so the compiled text does not show them, and the
    floor is charged to every kernel alike. Kernels per step are reported beside the time.
-2. **GEMMs at measured rates** by shape and dtype (bench/gemm_rates.py), not a flat 80% of peak; cuDNN
+2. **GEMMs at measured rates** by shape and dtype (bench/predict/gemm_rates.py), not a flat 80% of peak; cuDNN
    attention at the bf16 rows' largest-shape rate.
-3. **Collectives on a cluster** (bench/cluster.py): replica groups mapped onto NVLink or the network,
+3. **Collectives on a cluster** (bench/predict/cluster.py): replica groups mapped onto NVLink or the network,
    NCCL's ring traffic factors, a latency per operation.
 4. **Overlap from the schedule.** The compiled module is scheduled: each computation's instructions are
    in issue order. Walking it with one compute stream and one communication stream, an async collective
@@ -33,10 +33,12 @@ import collections
 import dataclasses
 import re
 
-from bench import cluster as cluster_lib
-from bench import gemm_rates
-from bench import peaks as peak_rates
-from bench import hlo_cost
+from bench.predict import cluster as cluster_lib
+from bench.predict import gemm_rates
+from bench.predict import peaks as peak_rates
+from bench.predict import hlo_cost
+from bench.predict import hlo_text
+from bench.predict import hlo_walk
 
 KERNEL_FLOOR_S = 1e-6
 _ASYNC_DONE = ("all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "send-done",
@@ -44,7 +46,7 @@ _ASYNC_DONE = ("all-gather-done", "all-reduce-done", "collective-permute-done", 
 
 
 def peaks(target: str) -> dict:
-  """bench/gpu_aot.py's derated rates with the integer rate (integer work is always charged)."""
+  """bench/predict/gpu_aot.py's derated rates with the integer rate (integer work is always charged)."""
   return peak_rates.peaks(target, "derated", int_ops=True)
 
 
@@ -63,40 +65,40 @@ class Collective:
   count: int = 0          # executions per step
 
 
-def _inner_collective(mod: hlo_cost.Module, ins: hlo_cost.Instr):
+def _inner_collective(mod: hlo_walk.Module, ins: hlo_text.Instr):
   """The collective an ``async-start`` wraps (its called computation's), or None."""
   for i in mod.comps.get(ins.attr("calls") or "", []):
-    kind = hlo_cost._collective(i)   # pylint: disable=protected-access
+    kind = hlo_text.collective(i)
     if kind is not None:
       return i
   return None
 
 
-def buffer_bytes(mod: hlo_cost.Module, ins: hlo_cost.Instr, kind: str, group_size: int) -> int:
-  """The full buffer a collective moves per GPU (bench/cluster.py's ``S``): an all-gather's gathered
+def buffer_bytes(mod: hlo_walk.Module, ins: hlo_text.Instr, kind: str, group_size: int) -> int:
+  """The full buffer a collective moves per GPU (bench/predict/cluster.py's ``S``): an all-gather's gathered
   output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a
   permute's send. An ``all-gather-start`` or ``reduce-scatter-start`` counts its results (the second half of
   its (operands, results) tuple: XLA combines small ones into one), a ``collective-permute-start`` its
   operand, an ``all-reduce-start`` its result."""
-  shapes = hlo_cost.arrays(ins.shape)
+  shapes = hlo_text.arrays(ins.shape)
   if ins.opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start"):
     shapes = shapes[len(shapes) // 2:]          # ((operands...), (results...)): XLA combines small ones
   elif ins.opcode == "collective-permute-start":   # (operand, result, contexts...)
     shapes = shapes[:1]
-  out = sum(hlo_cost.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in shapes)
+  out = sum(hlo_text.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in shapes)
   if kind == "reduce-scatter":
     return out * group_size
   return out
 
 
-def collective_of(mod: hlo_cost.Module, ins: hlo_cost.Instr, n_devices: int, cluster: cluster_lib.Cluster):
+def collective_of(mod: hlo_walk.Module, ins: hlo_text.Instr, n_devices: int, cluster: cluster_lib.Cluster):
   """The ``Collective`` an instruction starts or runs (a ``*-start``, a synchronous collective, an
   ``async-start`` wrapping one), else None."""
   inner = ins
-  kind = hlo_cost._collective(ins)   # pylint: disable=protected-access
+  kind = hlo_text.collective(ins)
   if kind is None and ins.opcode == "async-start":
     inner = _inner_collective(mod, ins)
-    kind = hlo_cost._collective(inner) if inner is not None else None   # pylint: disable=protected-access
+    kind = hlo_text.collective(inner) if inner is not None else None
   if kind is None:
     return None
   groups = cluster_lib.replica_groups(inner.attrs, n_devices)
@@ -176,7 +178,7 @@ class _Walk:
         t += self.run(ins.attr("to_apply"), scale, depth + 1)
       elif ins.opcode == "conditional" and depth < 64:
         branches = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
-        names = hlo_cost._OPERAND.findall(branches.group(1)) if branches else [   # pylint: disable=protected-access
+        names = hlo_text.OPERAND.findall(branches.group(1)) if branches else [
             ins.attr("true_computation"), ins.attr("false_computation")]
         t += sum(self.run(b, scale, depth + 1) for b in names if b)
       elif ins.opcode == "async-start" and depth < 64:
@@ -196,7 +198,7 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
   rates = peaks(target)
   spec = spec_peaks(target)
   cost = hlo_cost.analyze(text, rates)
-  mod = hlo_cost.Module(text)
+  mod = hlo_walk.Module(text)
   attention_frac = max(r[6] / gemm_rates.ROW_PEAKS[(r[0], r[1])] for r in gemm_rates.ROWS
                        if r[0] == gemm_rates.ARCH[target] and r[1] == "bf16")
   op_s, gemm_s, kernels = {}, 0.0, 0

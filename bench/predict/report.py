@@ -1,13 +1,13 @@
-"""The headline table: every row of bench/report_rows.py compiled without a GPU and priced by the ruler.
+"""The headline table: every row of bench/predict/report_rows.py compiled without a GPU and priced by the ruler.
 
-  flock /tmp/fp4jax-heavy.lock nice -n 10 python bench/report.py                    # every row, into docs/PERF.md
-  flock /tmp/fp4jax-heavy.lock nice -n 10 python bench/report.py --rows 12b_b200 --variants bf16,nvfp4
-  python bench/report.py --no_compile             # price what is cached; a missing row says so
+  flock /tmp/fp4jax-heavy.lock nice -n 10 python bench/predict/report.py                    # every row, into docs/PERF.md
+  flock /tmp/fp4jax-heavy.lock nice -n 10 python bench/predict/report.py --rows 12b_b200 --variants bf16,nvfp4
+  python bench/predict/report.py --no_compile             # price what is cached; a missing row says so
 
-Each (row, variant) is one deviceless compile (bench/gpu_aot.py in a subprocess), cached on disk by the
-code's git tree hashes and its arguments (bench/report_cache.py): a rerun recompiles only what changed.
-The cost model is applied at every run (bench/hlo_cost.py with bench/cluster.py's cluster and
-bench/gemm_rates.py's GEMM efficiencies). A row that does not compile is printed as
+Each (row, variant) is one deviceless compile (bench/predict/gpu_aot.py in a subprocess), cached on disk by the
+code's git tree hashes and its arguments (bench/predict/report_cache.py): a rerun recompiles only what changed.
+The cost model is applied at every run (bench/predict/hlo_cost.py with bench/predict/cluster.py's cluster and
+bench/predict/gemm_rates.py's GEMM efficiencies). A row that does not compile is printed as
 "does not compile: <reason>". The table, its date, versions and assumptions, replace the block between
 the report markers at the top of docs/PERF.md (``--write``, on by default when every row is selected).
 """
@@ -17,11 +17,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # pylint: disable=wrong-import-position
-from bench import report_cache
-from bench import report_rows
+from bench.predict import report_cache
+from bench.predict import report_rows
 
 
 def compile_rows(cache: report_cache.Cache, rows, variants, timeout_s: float, recompile: bool = False) -> None:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     compile_rows(cache, rows, variants, a.timeout_s, a.recompile)
   if a.compile_only:
     return 0
-  from bench import report_table   # pylint: disable=import-outside-toplevel
+  from bench.predict import report_table   # pylint: disable=import-outside-toplevel
   text = report_table.render(cache, rows, variants)
   print(text)
   write = a.write == "yes" or (a.write is None and not a.rows and not a.variants)

@@ -1,5 +1,5 @@
 """The GPUs' peak rates the cost models read (datasheets and the derating of the default ruler): a leaf, so
-that bench/gpu_aot.py and bench/ruler.py both read it without importing each other."""
+that bench/predict/gpu_aot.py and bench/predict/ruler.py both read it without importing each other."""
 from __future__ import annotations
 
 # Peak rates, per GPU. "spec": the vendor's datasheet (dense, no sparsity). "derated": what the cost
@@ -26,6 +26,12 @@ COMPUTE_DERATE, HBM_DERATE = 790 / 989, 4.3 / 4.8
 # 32-bit integer ops (add, logic, shift, funnel shift): 64 per SM per clock on sm_90 (the CUDA guide's
 # throughput table) and assumed the same on sm_100; SMs and the 1.98 GHz clock as for f32 above.
 _INT_OPS = {"h100": 132 * 64 * 1.98e9, "h200": 132 * 64 * 1.98e9, "b200": 148 * 64 * 1.98e9}
+
+
+INT_OPS_HELP = ("charge integer work (hlo_cost: fusions' integer elementwise ops, e.g. jax.random.bits's "
+                "threefry, and the ops a kernel declares, e.g. the quantize kernels that hash their SR bits) at 64 "
+                "int32 ops per SM per clock (the default); --noint_ops: bytes only, the old roofline (integer ops "
+                "counted and printed, not charged).")
 
 
 def peaks(target: str, which: str = "derated", int_ops: bool = False) -> dict:

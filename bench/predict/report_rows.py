@@ -1,7 +1,7 @@
-"""The rows of the headline table (bench/report.py): which program, on which GPUs, in which variant.
+"""The rows of the headline table (bench/predict/report.py): which program, on which GPUs, in which variant.
 
-A row is a config on a GPU topology (``--devices``, 8 per node, as bench/gpu_aot.py builds it) and a
-cluster (``bench.cluster``) that prices its collectives; a variant is the flags that choose the recipe
+A row is a config on a GPU topology (``--devices``, 8 per node, as bench/predict/gpu_aot.py builds it) and a
+cluster (``bench.predict.cluster``) that prices its collectives; a variant is the flags that choose the recipe
 and the path:
 
 - ``bf16``: the bf16 recipe, every default as a GPU process decides it before any on-device proof;
@@ -52,16 +52,16 @@ class Reference:
 class Row:
   name: str
   title: str
-  target: str             # bench/gpu_targets/<target>.txtpb
+  target: str             # bench/predict/gpu_targets/<target>.txtpb
   devices: int
-  cluster: str            # bench.cluster.CLUSTERS key
+  cluster: str            # bench.predict.cluster.CLUSTERS key
   config: str
   flags: tuple = ()
   variants: tuple = HEADLINE_VARIANTS
   reference: Reference | None = None
 
   def argv(self, variant: str) -> list[str]:
-    """bench/gpu_aot.py's arguments for one variant of this row."""
+    """bench/predict/gpu_aot.py's arguments for one variant of this row."""
     return (["--target", self.target, "--what", "step", "--config", self.config, "--devices", str(self.devices),
              "--batch_per_device", "1", "--twin=false"] + list(self.flags) + list(VARIANTS[variant]))
 

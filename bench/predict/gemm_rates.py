@@ -4,7 +4,7 @@ A GEMM of (batch B, M, N, K) runs at the rate interpolated from measured rows of
 and dtype class: the four nearest rows in log2 (B·M, N, K), weighted by inverse squared distance, on each
 row's fraction of its datasheet peak; a shape outside the rows' range is clamped to it (a GEMM larger than
 every row runs at the largest rows' rate). The rate is that fraction times the target's datasheet peak
-(bench/peaks.py ``_SPEC``), so an H200 uses the H100 rows (the same SMs, clock and tensor cores).
+(bench/predict/peaks.py ``_SPEC``), so an H200 uses the H100 rows (the same SMs, clock and tensor cores).
 
 Sources (each row names one):
 - ``xla_tf``: XLA's default matmul performance table, the measured rates its GPU cost model

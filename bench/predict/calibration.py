@@ -2,7 +2,7 @@
 prediction of an fp4jax program of the same shape on the same GPU kind; the bias is their geometric mean
 ratio (predicted / measured tokens/s per GPU: above 1, the ruler is optimistic).
 
-The points are made by bench/report.py from its calibration rows (bench/report_rows.py ``Reference``);
+The points are made by bench/predict/report.py from its calibration rows (bench/predict/report_rows.py ``Reference``);
 this module only computes and renders, so the bias is always the rows' own.
 """
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Compile the MoE expert GEMMs (``fp4jax.grouped.grouped_dot``: y, dx, dw) for an H200 / B200 without a GPU.
 
-  python bench/moe_gpu_aot.py --target b200 --recipes nvfp4 --shape 8,2176,64,128 --plans xla,native:S,native:512
+  python bench/predict/moe_gpu_aot.py --target b200 --recipes nvfp4 --shape 8,2176,64,128 --plans xla,native:S,native:512
 
 --shape E,S,K,N: E experts, S sorted rows (group sizes traced: an even split here), K, N. --plans: the grouped
 GEMM's implementation per compile: "xla" (FP4JAX_DEFAULT_IMPL=xla: ``lax.ragged_dot`` on the bf16 products),
 "native" (the default tiling, ``fp4jax.native.TILING``), "native:S" (one tile of all S rows: each expert's
 GEMM padded to S) or "native:T" (tiles of T rows). Prints, per recipe and plan, whether it compiled, the
 compile seconds, XLA's per-device temp memory, how XLA lowered the grouped GEMMs (block-scaled cuDNN calls /
-ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/hlo_cost.py's
+ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/predict/hlo_cost.py's
 prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP, the bytes of the non-GEMM ops and the
-integer ops (charged at the int32 rate with ``--int_ops``, as in bench/gpu_aot.py). Uses
-bench/gpu_aot.py's deviceless topology and compile; one GPU.
+integer ops (charged at the int32 rate with ``--int_ops``, as in bench/predict/gpu_aot.py). Uses
+bench/predict/deviceless.py's topology and compile; one GPU.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _plan(plan: str):
@@ -36,24 +36,25 @@ def _plan(plan: str):
 
 
 def main() -> int:
-  from bench import gpu_aot   # pylint: disable=import-outside-toplevel
+  from bench.predict import deviceless   # pylint: disable=import-outside-toplevel
+  from bench.predict import peaks   # pylint: disable=import-outside-toplevel
   p = argparse.ArgumentParser()
   p.add_argument("--target", default="b200")
   p.add_argument("--recipes", default="nvfp4,mxfp4,quartet2,tetrajet2")
   p.add_argument("--shape", default="8,1024,256,512")
   p.add_argument("--plans", default="xla,native")
   p.add_argument("--json", default=None)
-  p.add_argument("--int_ops", action="store_true", help=gpu_aot.INT_OPS_HELP)
+  p.add_argument("--int_ops", action="store_true", help=peaks.INT_OPS_HELP)
   args = p.parse_args()
   from fp4jax import _platform   # pylint: disable=import-outside-toplevel
   _platform.enable_deviceless()
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
-  from bench import hlo_cost   # pylint: disable=import-outside-toplevel
+  from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   from fp4jax import _native_compat as nc   # pylint: disable=import-outside-toplevel
   from fp4jax import grouped, native   # pylint: disable=import-outside-toplevel
   n_e, s, k, n = (int(v) for v in args.shape.split(","))
-  device = gpu_aot.gpu_devices(args.target, 1)[0]
+  device = deviceless.gpu_devices(args.target, 1)[0]
   single = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=single)
   out = []
@@ -67,17 +68,17 @@ def main() -> int:
         y, vjp = jax.vjp(lambda x, w: grouped.grouped_dot(x, w, sizes, recipe=recipe, key=key), x, w)
         return (y, *vjp(dy.astype(y.dtype)))
       key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=single)
-      prog = gpu_aot.Program(f"grouped_{recipe}_{plan}", fn,
+      prog = deviceless.Program(f"grouped_{recipe}_{plan}", fn,
                              (spec((s, k), jnp.bfloat16), spec((n_e, k, n), jnp.bfloat16),
                               spec((s, n), jnp.bfloat16), spec((n_e,), jnp.int32), key))
-      res = gpu_aot.compile_program(prog)
+      res = deviceless.compile_program(prog)
       text = res.pop("text", "") or ""
       res.update(plan=plan, block_scaled_calls=text.count(nc.BLOCK_SCALED_TARGET),
                  ragged_dot_ops=text.count("ragged-dot") + text.count("ragged_dot"),
                  cublas_gemms=text.count("__cublas$gemm") + text.count("__cublas$lt$matmul"),
                  triton_fusions=text.count("__triton"), dots=text.count(" dot("))
       if text:
-        cost = hlo_cost.analyze(text, gpu_aot.peaks(args.target, int_ops=args.int_ops))
+        cost = hlo_cost.analyze(text, peaks.peaks(args.target, int_ops=args.int_ops))
         res.update(predicted_ms=round(cost["seconds"] * 1e3, 4), gemm_ms=round(cost["gemm_seconds"] * 1e3, 4),
                    gemm_tflop=round(cost["gemm_flops"] / 1e12, 4),
                    other_mb=round(cost["other_bytes"] / 2**20, 1),

@@ -2,12 +2,13 @@
 that makes the program changes.
 
 The key is the git tree hashes of everything that shapes the compiled program (fp4jax/, models/,
-training/, configs/, bench/gpu_aot.py, bench/scale.py, bench/gpu_targets/) as they are in the working
-tree (``code_hash``: uncommitted changes count, a commit of the same content does not), plus the row's bench/gpu_aot.py arguments and its environment. The cost model
-(bench/hlo_cost.py and the tables it reads) is not in the key: it is applied to the cached HLO at every
+training/, configs/, bench/predict/'s gpu_aot.py, deviceless.py, programs.py and summary.py, bench/scale.py,
+bench/predict/gpu_targets/) as they are in the working
+tree (``code_hash``: uncommitted changes count, a commit of the same content does not), plus the row's bench/predict/gpu_aot.py arguments and its environment. The cost model
+(bench/predict/hlo_cost.py and the tables it reads) is not in the key: it is applied to the cached HLO at every
 run, so a change to the ruler re-prices every row without recompiling it.
 
-Each entry is ``<key>.json`` (bench/gpu_aot.py's JSON: memory, parameters, tokens; or the failure) and
+Each entry is ``<key>.json`` (bench/predict/gpu_aot.py's JSON: memory, parameters, tokens; or the failure) and
 ``<key>.hlo.gz`` (the optimized HLO text).
 """
 from __future__ import annotations
@@ -20,15 +21,16 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAM_PATHS = ("fp4jax", "models", "training", "configs", "bench/gpu_aot.py", "bench/scale.py",
-                 "bench/gpu_targets")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROGRAM_PATHS = ("fp4jax", "models", "training", "configs", "bench/predict/gpu_aot.py",
+                 "bench/predict/deviceless.py", "bench/predict/programs.py", "bench/predict/summary.py",
+                 "bench/scale.py", "bench/predict/gpu_targets")
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "fp4jax", "report")
 DEVICELESS_ENV = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu,cuda"}
 # The deviceless sm_100 compile of bf16 dots needs XLA's Triton GEMM emitter off (docs/PERF.md, 2026-12-01:
 # "Couldn't find output tile sizes"); a GPU process would autotune instead. cuBLAS GEMMs on every B200 row.
 TARGET_ENV = {"b200": {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}}
-# XLA's own estimate (bench/xla_schedule.py): the latency-hiding scheduler's schedule, with its estimated
+# XLA's own estimate (bench/predict/xla_schedule.py): the latency-hiding scheduler's schedule, with its estimated
 # start and end of every instruction, dumped during the same compile (the dump changes no program).
 SCHEDULE_DUMP_FLAGS = ("--xla_dump_latency_hiding_schedule=true --xla_dump_hlo_module_re=.*train_step.* "
                        "--xla_dump_hlo_pass_re=^$ --xla_dump_hlo_as_text=false")
@@ -94,7 +96,7 @@ class Cache:
     return result, text
 
   def compile(self, argv: list[str], target: str, timeout_s: float, log=print) -> str:
-    """Runs bench/gpu_aot.py with ``argv`` in a subprocess and stores what it left (a failure too:
+    """Runs bench/predict/gpu_aot.py with ``argv`` in a subprocess and stores what it left (a failure too:
     its last error line). Returns the key."""
     key = self.key(argv, target)
     meta, hlo = self.paths(key)
@@ -102,7 +104,8 @@ class Cache:
     env = dict(os.environ, **DEVICELESS_ENV, **TARGET_ENV.get(target, {}))
     dump = os.path.join(self.dir, f"{key}.dump")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} {SCHEDULE_DUMP_FLAGS}").strip()
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_aot.py"), *argv, "--json", tmp_json, "--hlo", tmp_hlo]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "gpu_aot.py"), *argv, "--json", tmp_json,
+           "--hlo", tmp_hlo]
     log(f"  compiling: {' '.join(argv)}")
     t0 = time.time()
     try:
