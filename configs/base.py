@@ -14,7 +14,8 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   steps, batch_size global optimizer steps and global batch (sequences); tokens/step = batch_size * seq_len
   halt_after        stop (with a checkpoint) after this many steps of this run; 0: run to ``steps``
   data.sources      comma-separated files, globs or directories (text, .jsonl, .npy/.bin tokens); empty:
-                    the Python standard library's source files
+                    the Python standard library's source files; a text file holding a NUL byte (a binary
+                    file, UTF-16 text) is refused unless ``data.raw_bytes`` (its bytes, NULs as document ends)
   mesh              (data, fsdp, expert, tensor) sizes; -1 takes the remaining devices; expert: expert
                     parallelism (a divisor of n_routed_experts; docs/TRAINING.md)
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
@@ -109,6 +110,7 @@ def get_config() -> config_dict.ConfigDict:
   c.data.validation_fraction = 0.02
   c.data.read_threads = 1
   c.data.prefetch = 4
+  c.data.raw_bytes = False          # True: read text files holding NUL bytes (binary files) as their bytes
 
   c.optim = config_dict.ConfigDict()
   c.optim.schedule = "wsd"          # warmup-stable-decay (the paper's), "cosine" or "constant"

@@ -3,7 +3,7 @@
   python train.py --config configs/shrunken.py --workdir /tmp/shrunken
 
 The model keeps one block of each kind (Mamba-2, attention, MLP) at width 32; sequences of 32 bytes,
-batches of 4, 8 steps; recipe bf16. From Python: ``shrunken_config(steps=8, recipe="nvfp4", **overrides)``
+batches of 4, 8 steps (a warmup of 2, of steps - 1 in shorter runs); recipe bf16. From Python: ``shrunken_config(steps=8, recipe="nvfp4", **overrides)``
 (overrides are dotted paths); on the command line: ``shrunken_flags(...)`` on top of configs/tiny.py.
 Tests and subprocess runs share one persistent compilation cache, ``TEST_COMPILATION_CACHE``.
 """
@@ -23,6 +23,12 @@ _SHRUNKEN_FIELDS = {"batch_size": 4, "log_every": 1, "data.seq_len": 32, "data.r
                     "checkpoint.every_steps": 0}
 
 
+def _fields(steps: int) -> dict:
+  """The shrunken fields for a run of ``steps``: a warmup of 2 steps, shorter in runs of 2 steps or fewer (the
+  trainer refuses a warmup as long as the run)."""
+  return {**_SHRUNKEN_FIELDS, "optim.warmup_steps": min(_SHRUNKEN_FIELDS["optim.warmup_steps"], steps - 1)}
+
+
 def _set(config, path: str, value) -> None:
   *parents, leaf = path.split(".")
   node = config
@@ -37,7 +43,7 @@ def shrunken_config(*, steps: int = 8, recipe: str = "bf16", **overrides):
   c.name = "shrunken"
   c.recipe = recipe
   c.steps = steps
-  for path, value in _SHRUNKEN_FIELDS.items():
+  for path, value in _fields(steps).items():
     _set(c, path, value)
   for name, value in SHRUNKEN_MODEL.items():
     c.model[name] = value
@@ -46,12 +52,11 @@ def shrunken_config(*, steps: int = 8, recipe: str = "bf16", **overrides):
   return c
 
 
-def shrunken_flags(*, steps: int = 8, recipe: str = "bf16") -> list[str]:
-  """The same config as ``train.py`` command-line flags (on top of configs/tiny.py)."""
-  flags = [f"--config.recipe={recipe}", f"--config.steps={steps}"]
-  flags += [f"--config.{path}={value}" for path, value in _SHRUNKEN_FIELDS.items()]
-  flags += [f"--config.model.{k}={v}" for k, v in SHRUNKEN_MODEL.items()]
-  return flags
+def shrunken_flags(*, steps: int = 8, recipe: str = "bf16", **overrides) -> list[str]:
+  """The same config as ``train.py`` command-line flags (on top of configs/tiny.py), each field once (train.py
+  refuses a flag given twice); ``overrides`` are dotted paths, as for ``shrunken_config``."""
+  fields = {**_fields(steps), **{f"model.{k}": v for k, v in SHRUNKEN_MODEL.items()}, **overrides}
+  return [f"--config.recipe={recipe}", f"--config.steps={steps}"] + [f"--config.{k}={v}" for k, v in fields.items()]
 
 
 def compilation_cache_env(path: str = TEST_COMPILATION_CACHE) -> dict:

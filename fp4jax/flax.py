@@ -11,13 +11,21 @@ only when the recipe rounds gradients stochastically. Without the stream the for
 (evaluation needs no random bits); taking the gradient then raises an error that says how to add it.
 In linen each module instance (call site) derives its own key from the stream, and ``nn.scan``
 over layers needs ``split_rngs={"fp4": True}`` to give each layer its own bits.
+
+NNX keeps the key's state in the layer (an RNG count that each call advances): eagerly and under NNX
+transforms (``nnx.jit``, ``nnx.grad``, ...) the count is written back, so every step draws new bits. A plain
+JAX transform (``jax.jit`` of a function taking the model, or of ``nnx.merge``) traces the count and drops its
+update unless the function returns the model's state: each call would draw the same bits. Where a gradient is
+traced under such a transform, ``Fp4DotGeneralNNX`` warns once (``RngStateWarning``) naming the fix.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
 from fp4jax.dot import dot_general, needs_key
@@ -78,11 +86,65 @@ def dot_general_cls(recipe: Recipe | str, rng_stream: str = RNG_STREAM):
   return functools.partial(Fp4DotGeneral, recipe=as_recipe(recipe), rng_stream=rng_stream)
 
 
+class RngStateWarning(UserWarning):
+  """A stochastic-rounding key drawn from NNX RNG state that a plain JAX transform will not write back."""
+
+
+RNG_STATE_MESSAGE = (
+    "fp4jax.flax.Fp4DotGeneralNNX draws its stochastic-rounding key from the layer's RNG count, and a plain JAX "
+    "transform (jax.jit of a function taking the model, or of nnx.merge) traces that count without writing it "
+    "back: unless the function returns the model's state, every call draws the same key and stochastic rounding "
+    "repeats its bits each step. Use nnx.jit (it writes the count back), or return nnx.state(model) from the "
+    "jitted function and nnx.update(model, state) after each call; if you already do, silence this with "
+    "warnings.filterwarnings('ignore', category=fp4jax.flax.RngStateWarning)")
+_warned_rng_state = False
+
+
+def _written_back(variable) -> bool:
+  """Whether an update of ``variable`` reaches a Variable outside every JAX trace.
+
+  Eagerly, yes; under NNX transforms in graph mode (flax's default) each transform maps the Variables it
+  merged inside its trace to the outer ones, followed here to an untraced one. A Variable traced by a plain
+  JAX transform has no such map: its update is lost unless the traced function returns it. Tree-mode NNX
+  transforms (``graph=False``) write back without such a map, so they count as plain. On a flax without
+  these internals the answer is yes (no warning)."""
+  from flax.nnx import graphlib  # pylint: disable=g-import-not-at-top
+  try:
+    stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+    while isinstance(variable.get_value(), jax.core.Tracer):
+      outer = None
+      for ctx in (c for stack in stacks.values() for c in reversed(stack)):
+        inner = ctx.inner_ref_outer_index
+        if inner is not None and variable in inner:
+          outer = ctx.outer_index_outer_ref[inner[variable]]
+          break
+      if outer is None:
+        return False
+      variable = outer
+    return True
+  except (AttributeError, KeyError, TypeError):
+    return True
+
+
+def _differentiated(*arrays) -> bool:
+  """Whether a gradient is being traced through one of ``arrays`` (the key is only used by the backward pass)."""
+  return any(isinstance(a, jax.core.Tracer) and type(a).__module__.endswith("interpreters.ad") for a in arrays)
+
+
+def _warn_if_not_written_back(rngs: nnx.RngStream, lhs, rhs) -> None:
+  global _warned_rng_state
+  if not _warned_rng_state and _differentiated(lhs, rhs) and not _written_back(rngs.count):
+    _warned_rng_state = True
+    warnings.warn(RNG_STATE_MESSAGE, RngStateWarning, stacklevel=4)
+
+
 class Fp4DotGeneralNNX(nnx.Module):
   """The NNX equivalent: pass an instance as ``nnx.Linear(..., dot_general=...)``.
 
   rngs: an ``nnx.Rngs`` (its "fp4" stream, else its default stream, is forked) or an
     ``nnx.RngStream``; None gives no random bits (fine for recipes without stochastic rounding).
+  Each call draws a new key and advances the layer's RNG count: run it under NNX transforms, or return the
+  model's state from a plain ``jax.jit`` (see the module docstring; ``RngStateWarning`` otherwise).
   """
 
   def __init__(self, recipe: Recipe | str = "nvfp4", *, rngs: nnx.Rngs | nnx.RngStream | None = None,
@@ -100,6 +162,9 @@ class Fp4DotGeneralNNX(nnx.Module):
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                out_sharding=None) -> Any:
-    key = self.rngs() if needs_key(self.recipe) and self.rngs is not None else None
+    key = None
+    if needs_key(self.recipe) and self.rngs is not None:
+      _warn_if_not_written_back(self.rngs, lhs, rhs)
+      key = self.rngs()
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                        recipe=self.recipe, key=key, out_sharding=out_sharding)

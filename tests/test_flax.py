@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import flax.linen as nn
 import jax
@@ -14,6 +15,7 @@ import pytest
 from flax import nnx
 
 import fp4jax
+import fp4jax.flax
 from fp4jax import recipes
 from fp4jax.flax import Fp4DotGeneral, Fp4DotGeneralNNX, dot_general_cls
 
@@ -140,6 +142,35 @@ def test_nnx_rngs():
     nnx.grad(lambda m: jnp.sum(m(x)))(bare)
   with pytest.raises(TypeError, match="rngs must be"):
     Fp4DotGeneralNNX("nvfp4", rngs=0)
+
+
+def _kernel_grad(model, x):
+  return nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model).kernel[...]
+
+
+def test_nnx_rng_state_advances_under_nnx_jit_and_a_plain_jax_jit_that_drops_it_warns_once(monkeypatch):
+  """nnx.jit writes the layer's RNG count back: new stochastic-rounding bits each call. A plain jax.jit of a
+  function taking the model traces the count and drops it: the same bits each call, and one RngStateWarning."""
+  monkeypatch.setattr(fp4jax.flax, "_warned_rng_state", False)
+  x = jax.random.normal(jax.random.key(1), (16, D_IN))
+  make = lambda: nnx.Linear(D_IN, D_OUT, use_bias=False, rngs=nnx.Rngs(0),
+                            dot_general=Fp4DotGeneralNNX("nvfp4", rngs=nnx.Rngs(fp4=0)))
+  tracked, plain = make(), make()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fp4jax.flax.RngStateWarning)
+    step = nnx.jit(_kernel_grad)
+    g1, g2 = step(tracked, x), step(tracked, x)
+    assert int(tracked.dot_general.rngs.count[...]) == 2 and not np.array_equal(g1, g2)
+    tracked(x)                                            # eager, and jax.jit without a gradient: no warning
+    jax.jit(lambda m, x: m(x))(plain, x)
+  step = jax.jit(_kernel_grad)
+  with pytest.warns(fp4jax.flax.RngStateWarning, match=r"every call draws the same key.*Use nnx\.jit.*return "
+                    r"nnx\.state\(model\)"):
+    g1 = step(plain, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fp4jax.flax.RngStateWarning)     # once per process
+    g2 = jax.jit(lambda m, x: _kernel_grad(m, 2 * x))(plain, x)
+  assert int(plain.dot_general.rngs.count[...]) == 0 and np.array_equal(g1, step(plain, x))
 
 
 _SHARDED = textwrap.dedent("""

@@ -22,6 +22,10 @@ CASES = {
         "range (0, negative, inf, NaN, b >= 1): the field, the value, the range", CLEAR, 2),
     "test_unknown_optimizer_field_is_refused": ("config.optim.learning_rate (not a field): the fields listed", CLEAR,
                                                 2),
+    "test_a_schedule_phase_the_run_cannot_reach_is_refused": (
+        "warmup_steps >= steps, or a wsd warmup and decay longer than the run: the values and the fix", CLEAR, 2),
+    "test_a_flag_given_twice_is_refused_naming_both_values": (
+        "--config.steps=10 --config.steps=20 (a flag given twice): both values, before anything runs", CLEAR, 2),
 }
 
 
@@ -65,3 +69,37 @@ def test_train_py_refuses_a_negative_lr_in_one_line_before_any_step(tmp_path):
   assert "config.optim.lr=-1.0 must be > 0" in result.stderr
   assert "Traceback" not in result.stderr
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _validated(steps, **optim):
+  config = tiny.get_config()
+  config.steps = steps
+  for name, value in optim.items():
+    config.optim[name] = value
+  config_lib.validate(config)
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "cosine", "constant"])
+def test_a_schedule_phase_the_run_cannot_reach_is_refused(schedule):
+  with pytest.raises(ConfigError, match=r"warmup_steps=30 >= config.steps=30: the warmup would never reach the peak "
+                                        r"lr .* below 30"):
+    _validated(30, warmup_steps=30, schedule=schedule)
+  if schedule == "wsd":   # 30 warmup + round(0.2 * 35) = 7 decay steps > 35
+    with pytest.raises(ConfigError, match=r"warmup_steps=30 and the wsd decay .* 7 steps\) need 37 steps.*"
+                                          r"warmup_steps to at most 28, or --config.optim.decay_fraction to at most "
+                                          r"0.143"):
+      _validated(35, warmup_steps=30, schedule=schedule)
+    _validated(35, warmup_steps=28, schedule=schedule)
+    _validated(35, warmup_steps=30, decay_fraction=0.143, schedule=schedule)
+  else:
+    _validated(31, warmup_steps=30, schedule=schedule)
+  _validated(1, warmup_steps=0, schedule=schedule)
+
+
+def test_a_flag_given_twice_is_refused_naming_both_values(tmp_path):
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={tmp_path / 'run'}",
+                           "--config.steps=10", "--config.recipe", "bf16", "--config.steps=20"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert ("error: --config.steps is given twice, '10' and then '20'; give each flag once" in result.stderr)
+  assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "run")

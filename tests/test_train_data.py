@@ -136,3 +136,26 @@ def test_iterator_state_resumes_exactly(tmp_path):
 def test_bits_per_byte():
   assert data.bits_per_byte(np.log(2), 1.0) == pytest.approx(1.0)
   assert data.bits_per_byte(1.0, None) is None
+
+
+def test_a_nul_byte_in_a_text_file_is_refused_naming_the_file_and_raw_bytes_reads_it(tmp_path):
+  sources = _texts(tmp_path)
+  (tmp_path / "doc05.txt").write_bytes(b"half a document\0and the rest " * 20)
+  with pytest.raises(data.DataError, match=r"doc05\.txt holds 20 NUL byte\(s\), the first at byte 15.*"
+                     r"config\.data\.raw_bytes=True"):
+    data.load_splits(_data_config(sources), data.ByteTokenizer())
+  _, _, summary = data.load_splits(_data_config(sources, raw_bytes=True), data.ByteTokenizer())
+  assert summary["nul_bytes"] == 20 and "20 NUL bytes" in data.describe(summary)
+
+
+def test_a_binary_file_named_explicitly_is_refused_and_a_jsonl_nul_too(tmp_path):
+  png = tmp_path / "figure.png"
+  png.write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)) * 4)
+  with pytest.raises(data.DataError, match=r"figure\.png holds .* not UTF-8 text .*raw_bytes=True"):
+    data.load_splits(_data_config(str(png)), data.ByteTokenizer())
+  _, _, summary = data.load_splits(_data_config(str(png), raw_bytes=True, fraction=0.0), data.ByteTokenizer())
+  assert summary["nul_bytes"] == 3 + 4 and summary["train_tokens"] == png.stat().st_size + 1
+  jsonl = tmp_path / "docs.jsonl"
+  jsonl.write_text("\n".join(json.dumps({"text": f"line {i} " * 20 + ("\0" if i == 7 else "")}) for i in range(9)))
+  with pytest.raises(data.DataError, match=r"docs\.jsonl:8 holds 1 NUL byte"):
+    data.load_splits(_data_config(str(jsonl)), data.ByteTokenizer())

@@ -134,8 +134,7 @@ def _read_until(stream, pattern, deadline, sink):
 def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
   workdir = str(tmp_path / "run")
   command = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}",
-             f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}", *shrunken.shrunken_flags(steps=100_000),
-             "--config.eval.batches=0"]
+             f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}", *shrunken.shrunken_flags(steps=100_000, **{"eval.batches": 0})]
   process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines = []
   try:

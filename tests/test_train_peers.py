@@ -44,10 +44,11 @@ class Pair:
     env = dict(os.environ, **shrunken.compilation_cache_env(), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("XLA_FLAGS", None)
-    flags = shrunken.shrunken_flags(steps=steps) + [
-        f"--config.checkpoint.every_steps={EVERY}", f"--config.peer_timeout_s={PEER_TIMEOUT_S}",
-        "--config.eval.batches=0", f"--workdir={self.workdir}",
-        f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}", *extra]
+    overrides = {"checkpoint.every_steps": EVERY, "peer_timeout_s": PEER_TIMEOUT_S, "eval.batches": 0}
+    overrides.update(a[len("--config."):].split("=", 1) for a in extra if a.startswith("--config."))
+    flags = shrunken.shrunken_flags(steps=steps, **overrides) + [
+        f"--workdir={self.workdir}", f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}",
+        *(a for a in extra if not a.startswith("--config."))]
     self.logs = [open(os.path.join(os.path.dirname(self.workdir), f"{os.path.basename(self.workdir)}.{i}.{kind}"),
                       "w+", encoding="utf-8") for i in (0, 1) for kind in ("out", "err")]
     self.procs = [subprocess.Popen(

@@ -372,7 +372,8 @@ def test_entry_points_from_another_directory(tmp_path):
     assert "usage" in result.stdout.lower() or "--workdir" in result.stdout, (name, result.stdout[:500])
   # The documented commands also run from elsewhere: a relative --config resolves against the repository.
   result = subprocess.run([sys.executable, "-m", "tools.train", f"--workdir={tmp_path / 'w'}",
-                           "--config", "configs/shrunken.py", "--config.steps=1", "--config.eval.batches=0",
+                           "--config", "configs/shrunken.py", "--config.steps=1", "--config.optim.warmup_steps=0",
+                           "--config.eval.batches=0",
                            f"--compilation_cache={shrunken.TEST_COMPILATION_CACHE}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0 and "done at step 1" in result.stdout, result.stderr[-3000:]

@@ -375,11 +375,33 @@ def main(argv):
 
 def run() -> None:
   """The ``fp4jax-train`` command (``python train.py`` and ``python -m tools.train`` call it too)."""
+  repeated = _repeated_flag(_joined(sys.argv[1:]))
+  if repeated:
+    sys.exit(_fail(repeated, EXIT_USAGE))
   sys.argv = [sys.argv[0]] + [_in_repository(a) for a in _joined(sys.argv[1:])]
   if _wants_distributed(sys.argv) and not supervise.supervised() and not any(
       a in ("-h", "--help", "-help", "--helpfull", "--helpshort") for a in sys.argv[1:]):
     sys.exit(supervise.supervise(sys.argv))  # see tools/supervise.py: one line, even when JAX aborts
   app.run(main, flags_parser=_parse_flags)
+
+
+def _repeated_flag(args: list[str]) -> str | None:
+  """The error for a flag given twice (absl's parser keeps the last value without a word), else None."""
+  seen: dict[str, str] = {}
+  for i, arg in enumerate(args):
+    if arg == "--":
+      break
+    name, has_value, value = arg.lstrip("-").partition("=")
+    if not arg.startswith("-") or not name:
+      continue
+    if not has_value:
+      following = args[i + 1] if i + 1 < len(args) else ""
+      value = following if following and not following.startswith("-") else "(no value)"
+    if name in seen:
+      return (f"--{name} is given twice, {seen[name]!r} and then {value!r}; give each flag once (the last would "
+              "win without a word)")
+    seen[name] = value
+  return None
 
 
 def _joined(args: list[str]) -> list[str]:

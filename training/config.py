@@ -232,6 +232,25 @@ def check_optim(section) -> None:
       raise ConfigError(f"config.optim.{name}={value!r} must be {words}; e.g. --config.optim.{name}={usual}")
 
 
+def check_schedule(section, steps: int) -> None:
+  """ConfigError naming the values and the fix unless every phase of the learning-rate schedule fits in ``steps``:
+  the warmup ends before the last step, and a wsd warmup and decay (``round(decay_fraction * steps)`` steps)
+  do not overlap (``optim.schedule`` would otherwise cut the warmup short or leave the decay unfinished)."""
+  warmup = section.warmup_steps
+  if warmup and warmup >= steps:
+    raise ConfigError(f"config.optim.warmup_steps={warmup} >= config.steps={steps}: the warmup would never reach "
+                      f"the peak lr {section.lr:g}; set --config.optim.warmup_steps below {steps} (e.g. "
+                      f"{max(steps // 10, 0)}), or raise config.steps")
+  if section.schedule == "wsd":
+    decay = int(round(section.decay_fraction * steps))
+    if warmup + decay > steps:
+      raise ConfigError(
+          f"config.optim: warmup_steps={warmup} and the wsd decay (decay_fraction={section.decay_fraction} of "
+          f"config.steps={steps}: {decay} steps) need {warmup + decay} steps, more than the run has, so the decay "
+          f"would not reach lr * min_lr_ratio; set --config.optim.warmup_steps to at most {steps - decay}, or "
+          f"--config.optim.decay_fraction to at most {(steps - warmup) / steps:.3g}, or raise config.steps")
+
+
 def validate(config) -> None:
   """Checks that need neither data nor devices; raises ConfigError naming the field and the fix."""
   def need(ok, msg):
@@ -244,6 +263,7 @@ def validate(config) -> None:
   need(0.0 <= config.data.validation_fraction < 1.0,
        f"config.data.validation_fraction={config.data.validation_fraction} must be in [0, 1)")
   check_optim(config.optim)
+  check_schedule(config.optim, config.steps)
   need(config.health.max_nonfinite_streak > 0,
        f"config.health.max_nonfinite_streak={config.health.max_nonfinite_streak} must be > 0")
   need(config.checkpoint.keep > 0, f"config.checkpoint.keep={config.checkpoint.keep} must be > 0")

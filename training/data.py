@@ -5,7 +5,10 @@ Legend: B batch rows on this process, W = seq_len + 1 window length (inputs ``w[
 1. Sources (``config.data.sources``, comma-separated): empty means the default corpus, the Python standard
    library's own ``*.py`` files, which every Python install carries (no network). Otherwise paths, globs
    or directories of text files, JSONL files (one document per line, text under ``jsonl_field``), and
-   pre-tokenized ``.npy``/``.bin`` token files (uint16/uint32, memory-mapped).
+   pre-tokenized ``.npy``/``.bin`` token files (uint16/uint32, memory-mapped). A text or JSONL document
+   holding a NUL byte is refused, naming the file: text never holds one, a binary file (an image, an
+   archive) or UTF-16 text nearly always does, and the byte tokenizer's end-of-document token is NUL.
+   ``config.data.raw_bytes=True`` reads such files as the bytes they are (the count of NUL bytes is reported).
 2. Split into train and validation by document, with a hash of the document's name (so adding files never
    moves other documents across the split). A token file is one long document: its tail is validation.
 3. Tokenize (UTF-8 bytes by default; or a local ``tokenizers`` JSON / sentencepiece model), join the
@@ -152,8 +155,8 @@ def is_validation(name: str, fraction: float) -> bool:
   return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
 
 
-def _iter_documents(path: str, jsonl_field: str) -> Iterator[tuple[str, bytes]]:
-  """(name, UTF-8 bytes) for each document in a text or JSONL file."""
+def _iter_documents(path: str, jsonl_field: str) -> Iterator[tuple[str, bytes, str]]:
+  """(name, UTF-8 bytes, where to point a user) for each document in a text or JSONL file."""
   if path.endswith(".jsonl"):
     with open(path, "rb") as f:
       for lineno, line in enumerate(f):
@@ -166,10 +169,23 @@ def _iter_documents(path: str, jsonl_field: str) -> Iterator[tuple[str, bytes]]:
         if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
           raise DataError(f"{path}:{lineno + 1}: no string field {jsonl_field!r}; set "
                           "config.data.jsonl_field to the field that holds the text")
-        yield f"{path}:{lineno}", record[jsonl_field].encode("utf-8")
+        yield f"{path}:{lineno}", record[jsonl_field].encode("utf-8"), f"{path}:{lineno + 1}"
   else:
     with open(path, "rb") as f:
-      yield path, f.read()
+      yield path, f.read(), path
+
+
+def check_text(name: str, data: bytes, raw_bytes: bool) -> int:
+  """The number of NUL bytes in the document ``name``; a DataError when it holds any and ``raw_bytes`` is off."""
+  count = data.count(b"\0")
+  if count and not raw_bytes:
+    first = data.index(b"\0")
+    raise DataError(
+        f"config.data.sources: {name} holds {count} NUL byte(s), the first at byte {first}, so it is "
+        "not UTF-8 text (a binary file such as an image or an archive, or UTF-16 text); the byte tokenizer would "
+        "read each NUL as an end of document. Remove it from config.data.sources, convert it to UTF-8 text, or "
+        "set config.data.raw_bytes=True to train on its bytes as they are")
+  return count
 
 
 def _load_token_file(path: str, bin_dtype: str) -> np.ndarray:
@@ -240,6 +256,8 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
       np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
   docs = []             # (split, tokens, bytes) in reading order
   segments = {"train": [], "validation": []}
+  raw_bytes = bool(data_config.get("raw_bytes", False))
+  nul_bytes = 0
   for path in files:
     if path.endswith(TOKEN_SUFFIXES):
       try:
@@ -254,7 +272,8 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
       segments["validation"].append(tokens[cut:])
       continue
     try:
-      for name, data in _iter_documents(path, data_config.jsonl_field):
+      for name, data, where in _iter_documents(path, data_config.jsonl_field):
+        nul_bytes += check_text(where, data, raw_bytes)
         if data:
           split = "validation" if is_validation(name, fraction) else "train"
           docs.append((split, tokenizer.encode(data), len(data)))
@@ -290,7 +309,7 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   summary = dict(files=len(files), documents=num_docs, tokenizer=tokenizer.name,
                  vocab_size=tokenizer.vocab_size, train_tokens=train.num_tokens,
                  validation_tokens=validation.num_tokens, train_windows=train.num_windows,
-                 validation_windows=validation.num_windows)
+                 validation_windows=validation.num_windows, nul_bytes=nul_bytes)
   return train, validation, summary
 
 
@@ -337,8 +356,10 @@ def bits_per_byte(loss_nats: float, tokens_per_byte: float | None) -> float | No
 def describe(summary: dict) -> str:
   return (f"{summary['documents']} documents in {summary['files']} files; tokenizer {summary['tokenizer']} "
           f"(vocab {summary['vocab_size']}); train {summary['train_tokens']:,} tokens "
-          f"({summary['train_windows']:,} windows), validation {summary['validation_tokens']:,} tokens")
+          f"({summary['train_windows']:,} windows), validation {summary['validation_tokens']:,} tokens"
+          + (f"; config.data.raw_bytes: {summary['nul_bytes']:,} NUL bytes in the text files" if summary.get(
+              "nul_bytes") else ""))
 
 
-__all__ = ["ByteTokenizer", "Split", "batches", "bits_per_byte", "check_vocab", "eval_batches",
+__all__ = ["ByteTokenizer", "Split", "batches", "bits_per_byte", "check_text", "check_vocab", "eval_batches",
            "expand_sources", "is_validation", "load_splits", "make_tokenizer", "stdlib_files"]
