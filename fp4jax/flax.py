@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from fp4jax import _flax_compat
 from fp4jax.dot import dot_general, needs_key
 from fp4jax.prequantized import PreQuantized
 from fp4jax.recipes import Recipe, as_recipe
@@ -100,32 +101,6 @@ RNG_STATE_MESSAGE = (
 _warned_rng_state = False
 
 
-def _written_back(variable) -> bool:
-  """Whether an update of ``variable`` reaches a Variable outside every JAX trace.
-
-  Eagerly, yes; under NNX transforms in graph mode (flax's default) each transform maps the Variables it
-  merged inside its trace to the outer ones, followed here to an untraced one. A Variable traced by a plain
-  JAX transform has no such map: its update is lost unless the traced function returns it. Tree-mode NNX
-  transforms (``graph=False``) write back without such a map, so they count as plain. On a flax without
-  these internals the answer is yes (no warning)."""
-  from flax.nnx import graphlib  # pylint: disable=g-import-not-at-top
-  try:
-    stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
-    while isinstance(variable.get_value(), jax.core.Tracer):
-      outer = None
-      for ctx in (c for stack in stacks.values() for c in reversed(stack)):
-        inner = ctx.inner_ref_outer_index
-        if inner is not None and variable in inner:
-          outer = ctx.outer_index_outer_ref[inner[variable]]
-          break
-      if outer is None:
-        return False
-      variable = outer
-    return True
-  except (AttributeError, KeyError, TypeError):
-    return True
-
-
 def _differentiated(*arrays) -> bool:
   """Whether a gradient is being traced through one of ``arrays`` (the key is only used by the backward pass)."""
   return any(isinstance(a, jax.core.Tracer) and type(a).__module__.endswith("interpreters.ad") for a in arrays)
@@ -133,7 +108,7 @@ def _differentiated(*arrays) -> bool:
 
 def _warn_if_not_written_back(rngs: nnx.RngStream, lhs, rhs) -> None:
   global _warned_rng_state
-  if not _warned_rng_state and _differentiated(lhs, rhs) and not _written_back(rngs.count):
+  if not _warned_rng_state and _differentiated(lhs, rhs) and not _flax_compat.written_back(rngs.count):
     _warned_rng_state = True
     warnings.warn(RNG_STATE_MESSAGE, RngStateWarning, stacklevel=4)
 
