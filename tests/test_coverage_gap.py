@@ -1,0 +1,28 @@
+"""scripts/coverage_gap.py: the lines only the full suite reaches, and the default suite's share."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import coverage_gap  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def test_compare_lists_the_lines_only_the_full_suite_reaches():
+  default = {"fp4jax/a.py": {1, 2, 3}, "models/b.py": {10}}
+  full = {"fp4jax/a.py": {1, 2, 3, 4, 5, 9}, "models/b.py": {10}, "training/c.py": {7, 8}}
+  text, share = coverage_gap.compare(default, full)
+  assert share == pytest.approx(4 / 9)
+  assert "default suite: 4 of them (44.44%)" in text
+  assert "fp4jax/a.py (3): 4-5, 9" in text and "training/c.py (2): 7-8" in text and "models/b.py" not in text
+  assert coverage_gap.compare(full, full)[1] == 1.0
+
+
+@pytest.mark.slow
+def test_two_selections_under_coverage(tmp_path):
+  """The whole flow (coverage run with subprocesses, combine, json, compare) on two small selections."""
+  one = "tests/test_nan.py::test_abs_max_orders_every_magnitude"
+  status = coverage_gap.main(["--out", str(tmp_path), "-n", "1", "--default", one,
+                              "--full", f"{one} tests/test_nan.py::test_fused_producers_keep_nan"])
+  text = (tmp_path / "gap.txt").read_text()
+  assert status == 1 and "fp4jax/fused.py" in text and "fp4jax/numerics/amax.py" not in text
