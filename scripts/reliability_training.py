@@ -24,7 +24,7 @@ TEST_FILE = os.path.join("tests", "test_train_reliability.py")
 # files with a CASES table of their own (the run record, the optimizer's values, export folders and checkpoint
 # files, the sampler's arguments).
 TEST_FILES = (TEST_FILE, os.path.join("tests", "test_checkpoint_faults.py"), os.path.join("tests", "test_run_record.py"),
-              os.path.join("tests", "test_optim_config.py"),
+              os.path.join("tests", "test_optim_config.py"), os.path.join("tests", "test_train_data.py"),
               os.path.join("tests", "test_export_folders.py"), os.path.join("tests", "test_sample_args.py"))
 DOC = os.path.join(ROOT, "docs", "RELIABILITY.md")
 BEGIN, END = "<!-- training-matrix:begin -->", "<!-- training-matrix:end -->"

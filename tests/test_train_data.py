@@ -9,6 +9,18 @@ from training import data
 from training.config import ConfigError
 
 
+CLEAR = "clear error"
+# The fault matrix's data rows (scripts/reliability_training.py): test name -> (case, verdict, train.py's exit code).
+CASES = {
+    "test_a_nul_byte_in_a_text_file_is_refused_naming_the_file_and_raw_bytes_reads_it": (
+        "a NUL byte inside a text source (it would end a document): the file, the count, the first offset and "
+        "config.data.raw_bytes", CLEAR, 3),
+    "test_a_binary_file_named_explicitly_is_refused_and_a_jsonl_nul_too": (
+        "a PNG named explicitly as a source, a NUL in a JSONL document: refused as not UTF-8 text unless "
+        "config.data.raw_bytes", CLEAR, 3),
+}
+
+
 def _data_config(sources="", seq_len=16, fraction=0.1, **kw):
   fields = dict(sources=sources, jsonl_field="text", token_dtype="uint16", tokenizer="byte", seq_len=seq_len,
                 validation_fraction=fraction)
