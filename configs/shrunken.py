@@ -15,11 +15,6 @@ import tempfile
 from configs import tiny
 
 TEST_COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), "fp4jax_test_compilation_cache")
-# The test suite compiles many small programs and runs each for microseconds, so LLVM's optimization of the CPU
-# code is most of their compile time and none of their numerics: XLA's HLO passes are the same at every level,
-# LLVM keeps IEEE float semantics at every level, and XLA CPU contracts no multiply-add without fast math.
-# tests/conftest.py sets these flags for the suite and its subprocesses; about 40% less compile time.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 SHRUNKEN_MODEL = dict(d_model=32, pattern="M*-", mlp_dim=64, n_heads=2, n_kv_heads=1, head_dim=16, d_state=8,
                       ssm_head_dim=16, chunk_size=16, bf16_first_blocks=0, bf16_last_blocks=0)
@@ -62,11 +57,6 @@ def shrunken_flags(*, steps: int = 8, recipe: str = "bf16", **overrides) -> list
   refuses a flag given twice); ``overrides`` are dotted paths, as for ``shrunken_config``."""
   fields = {**_fields(steps), **{f"model.{k}": v for k, v in SHRUNKEN_MODEL.items()}, **overrides}
   return [f"--config.recipe={recipe}", f"--config.steps={steps}"] + [f"--config.{k}={v}" for k, v in fields.items()]
-
-
-def xla_flags(devices: int = 1) -> str:
-  """XLA_FLAGS for a test subprocess on ``devices`` simulated CPU devices (with ``TEST_XLA_FLAGS``)."""
-  return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
 
 
 def compilation_cache_env(path: str = TEST_COMPILATION_CACHE) -> dict:

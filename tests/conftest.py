@@ -1,13 +1,7 @@
 """Test-session set-up: the platform rules of ``fp4jax._platform`` before any test touches jax, so a
-machine with jax's CUDA plugin and no GPU runs the suite on the CPU without the plugin's traceback; and the
-suite's XLA flags (``configs.shrunken.TEST_XLA_FLAGS``: less LLVM optimization, the same numerics) for its
-processes and their subprocesses, set before any backend starts."""
-import os
-
-from configs import shrunken
+machine with jax's CUDA plugin and no GPU runs the suite on the CPU without the plugin's traceback."""
 from fp4jax import _platform
 
-os.environ["XLA_FLAGS"] = f"{shrunken.TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 _platform.configure()
 
 

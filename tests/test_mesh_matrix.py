@@ -95,7 +95,7 @@ def run_cells(cells) -> dict:
 
 def _run(devices, cells) -> dict:
   env = dict(os.environ, **shrunken.compilation_cache_env(),
-             XLA_FLAGS=shrunken.xla_flags(devices), JAX_PLATFORMS="cpu")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
   code = _DRIVER.format(root=ROOT, cells=cells, meshes=MESHES, models=MODELS)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=TIMEOUT_S)

@@ -73,7 +73,7 @@ print("RESULT " + json.dumps(out))
 
 def _env(devices):
   return dict(os.environ, **shrunken.compilation_cache_env(),
-              XLA_FLAGS=shrunken.xla_flags(devices), JAX_PLATFORMS="cpu")
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
 
 
 def _run(code, devices=8):

@@ -11,11 +11,10 @@ import sys
 import textwrap
 
 import pytest
-from configs import shrunken
 
 _SCRIPT = textwrap.dedent(r"""
     import json, os
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     import fp4jax
@@ -93,7 +92,7 @@ _SCRIPT = textwrap.dedent(r"""
 
 
 def _run_script():
-  env = dict(os.environ, XLA_FLAGS=shrunken.xla_flags(8), JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -145,7 +144,7 @@ def test_scaled_matmul_follows_dot_sharding(mesh_results, name, psum):
 
 _RHT_KEYED_SCRIPT = textwrap.dedent(r"""
     import json, os
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from fp4jax.api import quantize_rht_transposed
@@ -169,7 +168,7 @@ def test_keyed_rht_t_stays_sharded():
   """The RHT-transposed quantize with its SR bits hashed in the kernel, x sharded over (tokens, channels):
   KeyedBits' rows (C, 4) and cols (T, 2) shard with the output's axes, so the global counters match the
   single-device XLA path, without gathering x."""
-  env = dict(os.environ, XLA_FLAGS=shrunken.xla_flags(8), JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _RHT_KEYED_SCRIPT], capture_output=True, text=True, env=env,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]

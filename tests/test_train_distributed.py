@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 def _start(workdir, *, overrides, devices=1, coordinator="", process_id=0):
   env = dict(os.environ, **shrunken.compilation_cache_env(),
-             XLA_FLAGS=shrunken.xla_flags(devices), JAX_PLATFORMS="cpu")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
   code = _DRIVER.format(root=ROOT, coordinator=coordinator, process_id=process_id, steps=STEPS,
                         overrides=overrides, workdir=workdir)
   return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
