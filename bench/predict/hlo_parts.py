@@ -1,25 +1,16 @@
 """What each op of a priced module belongs to, from its op_name: fp4jax's primitives and the dot's passes
 (``label``, ``scope``), the model's named parts (``part``, ``models.scopes``) and the phase (forward,
-remat, backward), and the tables built on them from ``hlo_cost.analyze``'s result: ``by_label``,
-``passes`` (each primitive call against one copy of what it reads), ``by_part`` and ``columns``."""
+remat, backward), which tools.op_names reads (fp4jax-profile shares it), and the tables built on them from
+``hlo_cost.analyze``'s result: ``by_label``, ``passes`` (each primitive call against one copy of what it
+reads), ``by_part`` and ``columns``."""
 from __future__ import annotations
 
 import collections
 import re
 
-_PASS = re.compile(r"\b(fprop|dgrad|wgrad)\b")
-_PRIM = re.compile(r"fp4jax/(quantize_rht_t|quantize|dequantize|scaled_matmul|rht|random_bits|rmsnorm_quantize|relu2_quantize)\b")
-
-
-def label(op_name: str) -> str:
-  """What an op belongs to, from its op_name: ``<pass>/<primitive>`` inside fp4jax.dot (pass =
-  fprop/dgrad/wgrad), ``<primitive>`` elsewhere, else ``other``."""
-  prims = _PRIM.findall(op_name)
-  passes = _PASS.findall(op_name)
-  prim = prims[-1] if prims else None
-  if prim is None:
-    return f"{passes[-1]}/other" if passes else "other"
-  return f"{passes[-1]}/{prim}" if passes else prim
+from tools.op_names import MODEL_PART as _MODEL_PART
+from tools.op_names import QUANTIZE as _QUANTIZE
+from tools.op_names import label, part, phase, scope  # noqa: F401  (this module's names for them)
 
 
 def by_label(cost: dict) -> list[tuple[str, float, int]]:
@@ -33,15 +24,6 @@ def by_label(cost: dict) -> list[tuple[str, float, int]]:
     row[0] += o["seconds"]
     row[1] += o["bytes"] * o["count"]
   return sorted(((k, s, b) for k, (s, b) in acc.items()), key=lambda r: -r[1])
-
-
-def scope(op_name: str) -> str | None:
-  """The call of an fp4jax primitive an op belongs to: its op_name up to the last
-  ``fp4jax/<primitive>`` (``.../blocks_0/mixer/in_proj/fprop/fp4jax/quantize``), or None."""
-  last = None
-  for last in _PRIM.finditer(op_name):
-    pass
-  return op_name[:last.end()] if last else None
 
 
 def passes(cost: dict) -> list[dict]:
@@ -82,35 +64,7 @@ def passes(cost: dict) -> list[dict]:
   return sorted(rows, key=lambda r: -r["bytes"])
 
 
-_MODEL_PART = re.compile(r"\bmodels/([a-z0-9_]+)")
-_STEP_PART = re.compile(r"(?:^|/)(optimizer|grad_norm|nonfinite_guard|moe_balance|osci_reset)(?:/|$)")
 LINEAR_PARTS = ("linear", "moe_experts")   # the model parts whose GEMMs are linear layers'
-# fp4jax labels of quantize passes (``label``'s names; a dequantize is not one)
-_QUANTIZE = re.compile(r"(?:^|/)(?:quantize|quantize_rht_t|rht|random_bits|rmsnorm_quantize|relu2_quantize)$")
-
-
-def part(op_name: str) -> str:
-  """Where an op belongs: fp4jax's ``label`` inside fp4jax.dot or a primitive (``fprop/quantize``,
-  ``wgrad/other``, ...), else the innermost ``models/<part>`` scope (``models.scopes``:
-  ``mamba2_conv_silu``, ``rmsnorm``, ...), else a train-step scope (``optimizer``, ``grad_norm``, ...),
-  else "unscoped" (an op_name outside every named part) or "" (no op_name)."""
-  lab = label(op_name)
-  if lab != "other":
-    return lab
-  parts = _MODEL_PART.findall(op_name)
-  if parts:
-    return parts[-1]
-  step = _STEP_PART.findall(op_name)
-  if step:
-    return step[-1]
-  return "unscoped" if op_name else ""
-
-
-def phase(op_name: str) -> str:
-  """"fwd", "remat" (a rematerialized forward, inside the backward pass) or "bwd" (jvp's transpose)."""
-  if "rematted_computation" in op_name:
-    return "remat"
-  return "bwd" if "transpose(" in op_name else "fwd"
 
 
 def by_part(cost: dict) -> list[dict]:
