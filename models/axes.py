@@ -5,7 +5,17 @@ weights for FSDP (e.g. ``embed`` -> ``fsdp``) without also sharding the activati
 Fused projection widths (``qkv``, ``ssm_in``, ``ssm_conv``) are laid out group-major (KV groups,
 SSM groups), so sharding them evenly over ``tensor`` (a divisor of the group count) splits whole
 groups, as sharding ``kv_heads`` / ``ssm_inner`` would.
+
+``fit`` is the one rule for how far a dimension is split: the trainer places every parameter by it
+(``training.sharding``), and a model that must lay an activation out like a parameter reads it too.
 """
+import math
+
+from fp4jax import formats
+
+# A matrix's last two dimensions are split only into whole multiples of this (an NVFP4 tile, 16), so its
+# 1x16 blocks and 16x16 weight tiles never straddle a shard boundary and each shard quantizes locally.
+MATRIX_UNIT = formats.TILE["nvfp4"][0]
 
 PARAM_AXIS_NAMES = (
     "vocab",        # embedding rows, LM head columns
@@ -38,3 +48,16 @@ ACTIVATION_AXIS_NAMES = (
 )
 
 LOGICAL_AXIS_NAMES = PARAM_AXIS_NAMES + ACTIVATION_AXIS_NAMES
+
+
+def fit(axes, dim: int, mesh_shape, unit: int = 1):
+  """The mesh axes (a name, a tuple of names, or None) of ``axes`` that cut a dimension of ``dim`` elements
+  into whole ``unit``s. One name stays or goes; of several, those of size 1 are dropped (the same split)
+  and then the longest leading run that cuts whole units is kept (``("fsdp", "expert")`` falls back to
+  ``"fsdp"``)."""
+  if isinstance(axes, str):
+    return axes if dim % (mesh_shape[axes] * unit) == 0 else None
+  names = tuple(n for n in axes or () if mesh_shape[n] > 1)
+  while names and dim % (math.prod(mesh_shape[n] for n in names) * unit):
+    names = names[:-1]
+  return names[0] if len(names) == 1 else names or None

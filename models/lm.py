@@ -17,24 +17,63 @@ Axis legend: B batch, L sequence, D model width, V vocabulary.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
+from jax.sharding import PartitionSpec as P
 
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
 from models.mamba2 import Mamba2
 from models.mlp import MLP
-from models import mtp, policy, remat, scopes
+from models import axes as axes_lib, mtp, policy, remat, scopes
 from models.moe import STATS as MOE_STATS, MoE
 from models.policy import layer_precision
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP, "moe": MoE}
 _RESIDUAL = ("activation_batch", "activation_seq", "activation_embed")
+
+
+def _lookup_split(batch: int, d_model: int):
+  """``(batch axes, d_model axes)`` of the embedding lookup under the mesh being traced for, or None when the
+  table's d_model is not split (no mesh, or too narrow for its axes: ``models.axes.fit``, as the trainer
+  places the table): d_model over the table's own axes, the batch over the batch axes that leaves free."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  _, d_axes = nn.logical_to_mesh_axes(("vocab", "embed"))
+  d_axes = axes_lib.fit(d_axes, d_model, mesh.shape, axes_lib.MATRIX_UNIT)
+  d_names = (d_axes,) if isinstance(d_axes, str) else tuple(d_axes or ())
+  if math.prod(mesh.shape[a] for a in d_names) == 1:
+    return None
+  (batch_axes,) = nn.logical_to_mesh_axes(("activation_batch",))
+  batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+  return axes_lib.fit(tuple(a for a in batch_axes if a not in d_names), batch, mesh.shape), d_axes
+
+
+def _lookup(embed: nn.Embed, tokens_BxL: jax.Array, dtype) -> jax.Array:
+  """``embed(tokens_BxL)`` in the residual's layout (batch over the batch axes, d_model whole).
+
+  FSDP splits the table along d_model, the tokens arrive split along the batch over the same mesh axes.
+  XLA's SPMD partitioner has no partition of that gather's transpose (the scatter-add of the cotangent into
+  the table) and falls back to replicating the whole float32 (B, L, D) cotangent on every device
+  ("Involuntary full rematerialization"). So the lookup runs in the table's layout: the tokens (int32)
+  gathered over the table's d_model axes, each device reads its batch rows' slice of d_model, and an
+  all-to-all brings the result to the residual's layout; the backward is the transpose: an all-to-all of
+  the cotangent, a local scatter-add, a sum over the remaining batch axes (the same sums as before)."""
+  split = _lookup_split(tokens_BxL.shape[0], embed.features)
+  if split is None:
+    x_BxLxD = embed(tokens_BxL)
+  else:
+    batch_axes, d_axes = split
+    tokens_BxL = jax.lax.with_sharding_constraint(tokens_BxL, P(batch_axes, None))
+    x_BxLxD = jax.lax.with_sharding_constraint(embed(tokens_BxL), P(batch_axes, None, d_axes))
+  return nn.with_logical_constraint(x_BxLxD.astype(dtype), _RESIDUAL)
 
 
 class Block(nn.Module):
@@ -173,7 +212,7 @@ class LanguageModel(nn.Module):
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.init_std), ("vocab", "embed")), name="embed")
     with scopes.part("embed"):
-      x_BxLxD = nn.with_logical_constraint(embed(tokens_BxL).astype(cfg.dtype), _RESIDUAL)
+      x_BxLxD = _lookup(embed, tokens_BxL, cfg.dtype)
     if mtp_logits and (targets_BxL is not None or decode or not cfg.mtp_depths):
       raise ValueError("mtp_logits=True takes no targets_BxL and decode=False, on a model with mtp_depths > 0")
     block_cls = remat.block_class(Block, cfg.remat)
@@ -214,7 +253,7 @@ class LanguageModel(nn.Module):
       else:
         tokens_d, targets_d, weights_d = mtp.depth_inputs(targets_BxL, depth)
       with scopes.part("embed"):
-        e_BxLxD = nn.with_logical_constraint(embed(tokens_d).astype(cfg.dtype), _RESIDUAL)
+        e_BxLxD = _lookup(embed, tokens_d, cfg.dtype)
       h_BxLxD = modules[min(depth, cfg.mtp_modules) - 1](h_BxLxD, e_BxLxD)
       if targets_BxL is None:
         out.append(head(h_BxLxD))

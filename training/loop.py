@@ -79,11 +79,11 @@ class Loop:
       reporter = self.run.reporter
       what = "the train step" + (f" ({name}, {phase})" if len(self._train) > 1 else "")
       with self.watch.paused():  # a peer that compiles slower is not a hung peer
-        with reporter.phase(f"compiling {what}", hint=_cache_hint):
+        with reporter.phase(f"compiling {what}", hint=_cache_hint, xla=True):
           self.state, metrics = fn(self.state, tokens)
         self.stop.phase = preempt.TRAINING
         with reporter.phase(f"step {self.step + 1} (the first of this start)" if self.step == self.start_step
-                            else f"step {self.step + 1} (the first with {what})"):
+                            else f"step {self.step + 1} (the first with {what})", xla=True):
           jax.block_until_ready(metrics)
       reporter.mark_start(self.step + 1)
     self.step += 1
@@ -128,7 +128,7 @@ class Loop:
     batches = [sharding.host_batch_to_global(b, run.mesh) for b in run.val_batches]
     if key not in self._compiled:
       self._compiled.add(key)
-      with self.watch.paused(), run.reporter.phase("compiling the evaluation step", hint=_cache_hint):
+      with self.watch.paused(), run.reporter.phase("compiling the evaluation step", hint=_cache_hint, xla=True):
         losses = [jax.block_until_ready(fn(batches[0]))]
       losses += [fn(b) for b in batches[1:]]
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import math
 import os
@@ -52,6 +53,15 @@ def _fmt_duration(seconds: float) -> str:
   return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
+def _same_file(stream, fd: int) -> bool:
+  """Whether ``stream`` writes where file descriptor ``fd`` does (one terminal, one pipe, one file)."""
+  try:
+    a, b = os.fstat(stream.fileno()), os.fstat(fd)
+  except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+    return False
+  return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 class Reporter:
   """Progress (a line every ``log_every`` steps; on a terminal also a ``\\r`` line redrawn every step) and files."""
 
@@ -65,6 +75,7 @@ class Reporter:
     self.tty = self.primary and hasattr(self.stream, "isatty") and self.stream.isatty()
     self._line_open = False
     self._phase_open = False       # a "doing X ..." line waiting for its time
+    self._shares_stderr = self.primary and _same_file(self.stream, 2)
     self.started = time.monotonic()
     self._interval = []            # train losses since the last record
     self._last_time = None
@@ -123,30 +134,41 @@ class Reporter:
     return time.monotonic() - self.started
 
   @contextlib.contextmanager
-  def phase(self, text: str, *, hint: str = ""):
+  def phase(self, text: str, *, hint: str = "", xla: bool = False):
     """``text ... 41.2 s`` around a start-up phase (``... failed after 3.1 s`` when it raises); ``hint``
-    (a callable's result or a string) follows the time."""
+    (a callable's result or a string) follows the time.
+
+    ``xla``: the phase compiles or runs XLA programs, whose C++ warnings go straight to file descriptor 2.
+    Where that is where this output goes too (a terminal, ``2>&1``), the line ``text ...`` ends at once
+    and the time comes on a line of its own, ``text ... 41.2 s``, so a warning never lands inside a line."""
     self._end_phase()
+    if self.tty and getattr(self, "_last_len", 0):   # the progress line redrawn in place: it ends here
+      self.stream.write("\n")
+      self._last_len = 0
+    own_line = xla and self._shares_stderr
     if self.primary:
-      self.stream.write(f"{text} ...")
+      self.stream.write(f"{text} ..." + ("\n" if own_line else ""))
       self.stream.flush()
-      self._phase_open = True
+      self._phase_open = not own_line
     start = time.monotonic()
+    lead = f"{text} ..." if own_line and self.primary else ""
     try:
       yield
     except BaseException:
-      self._end_phase(f" failed after {time.monotonic() - start:.1f} s")
+      self._end_phase(f" failed after {time.monotonic() - start:.1f} s", lead)
       raise
     after = hint() if callable(hint) else hint
-    self._end_phase(f" {time.monotonic() - start:.1f} s" + (f"  ({after})" if after else ""))
+    self._end_phase(f" {time.monotonic() - start:.1f} s" + (f"  ({after})" if after else ""), lead)
 
   def end_line(self) -> None:
     """Ends an open phase line (another thread is about to print)."""
     self._end_phase()
 
-  def _end_phase(self, text: str = "") -> None:
-    if self.primary and self._phase_open:
-      self.stream.write(text + "\n")
+  def _end_phase(self, text: str = "", lead: str = "") -> None:
+    """Ends an open phase line with ``text``; or, with ``lead`` (a phase whose line ended at once), writes
+    ``lead + text`` as a line of its own."""
+    if self.primary and (self._phase_open or lead):
+      self.stream.write(lead + text + "\n")
       self.stream.flush()
     self._phase_open = False
 

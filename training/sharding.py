@@ -18,12 +18,11 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fp4jax import formats
+from models import axes as axes_lib
 from training.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
-_TILE = formats.TILE["nvfp4"][0]   # 16: a shard of a matrix holds whole NVFP4 tiles
 
 # The one rules table: each logical axis name the model uses -> mesh axes (None: replicated).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -131,26 +130,16 @@ def batch_sharding(mesh) -> NamedSharding:
 
 
 def _fit(spec: P, shape, mesh) -> P:
-  """Drops mesh axes from dimensions they do not cut into whole 16-element units.
+  """Drops mesh axes from dimensions they do not cut into whole 16-element units (``models.axes.fit``).
 
   Matrices (rank >= 2) are sharded only where every shard holds whole multiples of 16 along the
   dimension, so NVFP4's 1x16 blocks and 16x16 weight tiles never straddle a shard boundary and each
   shard quantizes locally; vectors, and the leading axes of stacked matrices (the experts' (E, in, out)),
   only need divisibility. Tiny models on big meshes stay valid (the axes that do not fit are replicated).
   """
-  fitted = []
-  for i, (dim, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
-    unit = _TILE if len(shape) >= 2 and i >= len(shape) - 2 else 1
-    if isinstance(axes, str):
-      fitted.append(axes if dim % (mesh.shape[axes] * unit) == 0 else None)
-      continue
-    # Several mesh axes: those of size 1 dropped (the same split, the spec of a mesh without them), then
-    # the longest leading run that cuts whole units (("fsdp", "expert") falls back to "fsdp").
-    names = tuple(n for n in axes or () if mesh.shape[n] > 1)
-    while names and dim % (math.prod(mesh.shape[n] for n in names) * unit):
-      names = names[:-1]
-    fitted.append(names[0] if len(names) == 1 else names or None)
-  return P(*fitted)
+  padded = tuple(spec) + (None,) * (len(shape) - len(spec))
+  units = [axes_lib.MATRIX_UNIT if len(shape) >= 2 and i >= len(shape) - 2 else 1 for i in range(len(shape))]
+  return P(*(axes_lib.fit(axes, dim, mesh.shape, unit) for dim, axes, unit in zip(shape, padded, units)))
 
 
 def logical_shardings(abstract_boxed, mesh):

@@ -45,7 +45,7 @@ def train_and_evaluate(config, workdir: str, *, model_fn: Callable[[Any, Any], n
         try:
           stop.detail = "restoring or initializing the state"
           with run.reporter.phase("restoring the latest checkpoint" if run.checkpoints.steps()
-                                  else "initializing the state"):
+                                  else "initializing the state", xla=True):
             state, step = init_or_restore(run)
           active = ""
           if "E" in run.model.config.pattern:   # MoE: the routed experts a token skips are not active
