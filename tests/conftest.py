@@ -1,8 +1,23 @@
 """Test-session set-up: the platform rules of ``fp4jax._platform`` before any test touches jax, so a
-machine with jax's CUDA plugin and no GPU runs the suite on the CPU without the plugin's traceback."""
+machine with jax's CUDA plugin and no GPU runs the suite on the CPU without the plugin's traceback; and one
+persistent compilation cache (``configs.shrunken.TEST_COMPILATION_CACHE``) for every process of the suite,
+both xdist workers and the runs they start: a program compiled once is read back wherever a later test
+compiles the same HLO (the key is the program, the compile options and the jax version), and a rerun of
+the suite skips most compiles."""
+import os
+
+import jax
+
 from fp4jax import _platform
 
 _platform.configure()
+
+from configs import shrunken  # noqa: E402  (imports the models, so after the platform rules)
+
+os.environ.update(shrunken.compilation_cache_env())   # the subprocesses
+jax.config.update("jax_compilation_cache_dir", shrunken.TEST_COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 import pytest  # noqa: E402  (after the platform rules)
