@@ -4,11 +4,10 @@
 ``fp4jax.api`` now takes for both impls) runs the butterfly on strided row slices instead of
 ``max |hadamard.rht(x, axis=0)|`` (a transpose and a materialized float32 tensor per butterfly stage on
 the GPU); ``quantize_rht_t_rows`` (the XLA composition of the nvfp4 wgrad operand) does the same for
-the transposed quantize. Both must equal the reference bit for bit, ±inf included. A NaN input is the
-one difference, and it is a fix: on XLA CPU the reference's reductions lose a NaN for some shapes (a
-(128, 33) float32 tensor with one NaN: ``jnp.max(jnp.abs(x))`` is finite), so its amax and block scales
-come out finite; the row form's elementwise maxima keep it, so the scales are NaN as the NaN policy
-(docs/DESIGN.md) says.
+the transposed quantize. Both must equal the reference bit for bit, ±inf included. With a NaN input
+only NaN is asserted: ``_old_rht_amax`` below is the former float form, and on XLA CPU a float max
+reduction loses a NaN for some shapes (a (128, 33) float32 tensor with one NaN: ``jnp.max(jnp.abs(x))`` is
+finite), which is why fp4jax takes every amax on the magnitudes' bits (``fp4jax.numerics.amax``).
 """
 import jax
 import jax.numpy as jnp

@@ -193,10 +193,9 @@ def rht_amax(x_TxC, *, rht_size=16, rht_seed=None, one_pass=False):
   ``one_pass=True`` (what ``fp4jax.api`` uses, for both impls): the n token rows of each chunk are
   strided slices of x viewed as (T/n, n, C), the butterfly runs on them as a list (``_rht_rows``), the
   n magnitudes are combined by an elementwise maximum and one max reduces the (T/n, C) result. The
-  same values, and max is exact, so the same amax bit for bit, except with a NaN in RHT(x) (a NaN
-  input, or inf - inf in the butterfly): the elementwise maxima keep it (NaN, as the NaN policy says),
-  where XLA CPU's vectorized reduction of the materialized transform can drop it and return a finite
-  amax (tests/test_gpu_aot_cuts.py). On the GPU it is one reduction fusion that reads x once (the
+  same values, and max is exact, so the same amax bit for bit, NaN included (a NaN input, or inf - inf
+  in the butterfly): both forms take the maximum on the magnitudes' bits (``fp4jax.numerics.amax``),
+  which keeps NaN (tests/test_gpu_aot_cuts.py). On the GPU it is one reduction fusion that reads x once (the
   kernel path's wgrad RHT: 1.19 -> 0.19 ms at 8192², docs/PERF.md). Sizes above 32 keep
   ``hadamard.rht`` (n slices unrolled compile slowly).
   """
@@ -224,9 +223,8 @@ def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
   operands: the elementwise maximum of |x| over the n token rows of each chunk, and ``rht_amax``'s
   maximum of |y| over the n rows of the transform (``_rht_rows``, the same float32 ops). Max is exact
   in any order, so each amax is ``nvfp4.tensor_amax(x)`` and ``rht_amax(x, one_pass=True)`` bit for bit,
-  with one difference, in favour of the NaN policy: a NaN in x makes both NaN, where
-  XLA CPU's vectorized ``jnp.max(|x|)`` can lose it for some shapes (tests/test_gpu_aot_cuts.py). T must
-  be a multiple of n <= 32 (``shares_amaxes``)."""
+  a NaN in x making both NaN (the maxima are taken on the magnitudes' bits, ``fp4jax.numerics.amax``). T
+  must be a multiple of n <= 32 (``shares_amaxes``)."""
   if not shares_amaxes(x_TxC.shape, rht_size):
     raise ValueError(f"rht_amaxes takes a non-empty x (T, C) with T a multiple of rht_size <= "
                      f"{_ONE_PASS_MAX}; got shape {x_TxC.shape}, rht_size={rht_size}: use "
