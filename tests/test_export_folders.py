@@ -31,6 +31,9 @@ CASES = {
         "fp4jax-hf import of a truncated or padded model.safetensors: the file, expected and actual size", CLEAR, 2),
     "test_import_of_a_flipped_byte": ("fp4jax-hf import of an export with a flipped byte: checksums.sha256 names "
                                       "the file", CLEAR, 2),
+    "test_calibration_text_past_the_vocabulary_is_refused": (
+        "fp4jax-hf export --format nvfp4 with calibration tokens past vocab_size: the token id and the vocabulary, "
+        "not a NaN input_scale", CLEAR, 2),
 }
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, pattern="M*-", mlp_dim=64, n_heads=2, n_kv_heads=1, head_dim=16,
@@ -91,7 +94,7 @@ def test_float32_export_over_an_nvfp4_export(two_runs, tmp_path, capsys):
   """An NVFP4 export, then a float32 one: no hf_quant_config.json left for vLLM to read."""
   (run_a, _), (run_b, params_b) = two_runs
   calib = tmp_path / "calib.txt"
-  calib.write_text("def f(x):\n    return x * 2\n" * 40)
+  calib.write_text("12 + 34 = 46;\n" * 40)   # bytes below the model's vocab_size of 64
   nvfp4 = tmp_path / "nvfp4"
   assert hf_cli.main(["export", "--workdir", run_a, "--out", str(nvfp4), "--format", "nvfp4",
                       "--calib_file", str(calib)]) == 0
@@ -156,3 +159,13 @@ def test_import_of_a_flipped_byte(two_runs, tmp_path, capsys):
   assert hf_cli.main(["import", "--hf", str(out), "--out", str(tmp_path / "back")]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and f"{shard} does not match its SHA-256 in {out / 'checksums.sha256'}" in err
+
+
+def test_calibration_text_past_the_vocabulary_is_refused(two_runs, tmp_path, capsys):
+  """Bytes past vocab_size 64 would make the embedding read past its table (NaN activations, NaN input_scale)."""
+  (run_a, _), _ = two_runs
+  calib = tmp_path / "calib.txt"
+  calib.write_text("def f(x):\n    return x * 2\n" * 40)
+  assert hf_cli.main(["export", "--workdir", run_a, "--out", str(tmp_path / "nvfp4"), "--format", "nvfp4",
+                      "--calib_file", str(calib)]) == 2
+  assert "token id 120, past the model's vocab_size 64" in capsys.readouterr().err

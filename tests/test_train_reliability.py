@@ -359,7 +359,7 @@ def test_entry_points_from_another_directory(tmp_path):
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
     project = tomllib.load(f)
   scripts = project["project"]["scripts"]
-  assert set(scripts) == {"fp4jax-train", "fp4jax-sample", "fp4jax-hf"}
+  assert set(scripts) == {"fp4jax-train", "fp4jax-sample", "fp4jax-hf", "fp4jax-profile"}
   packages = project["tool"]["setuptools"]["packages"]["find"]["include"]
   env = dict(os.environ, PYTHONPATH=ROOT)  # what the editable install puts on the path
   for name, target in scripts.items():

@@ -104,6 +104,11 @@ def _calibration_tokens(run: runs.Run, calib_file: str | None, n_tokens: int) ->
   tokens = tokens[:n_tokens]
   if len(tokens) < 2:
     raise hf.ConversionError("the calibration text has fewer than 2 tokens; pass a longer --calib_file")
+  vocab = run.model_config.vocab_size
+  if tokens.max() >= vocab:   # the embedding would read past its table: NaN activations
+    raise hf.ConversionError(f"the calibration text has token id {int(tokens.max())}, past the model's vocab_size "
+                             f"{vocab} (tokenizer {run.config.data.tokenizer!r}); pass a --calib_file whose "
+                             "tokens the model has")
   length = min(int(run.config.data.seq_len), len(tokens))
   rows = len(tokens) // length
   return tokens[:rows * length].reshape(rows, length)
