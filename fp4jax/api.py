@@ -102,9 +102,8 @@ def _check_amax_arg(amax, x):
   if isinstance(amax, jax.core.Tracer):
     return
   value = float(np.asarray(amax, np.float32).reshape(()))
-  if np.isnan(value) or np.isinf(value):
-    if not isinstance(x, jax.core.Tracer) and not bool(jnp.isfinite(x).all()):
-      return   # the input's own inf/NaN (fp4jax.dot passes the amax it took of x): non-finite out, as amax=None
+  if not np.isfinite(value) and not isinstance(x, jax.core.Tracer) and not bool(jnp.isfinite(x).all()):
+    return   # the input's own inf/NaN (fp4jax.dot passes the amax it took of x): non-finite out, as amax=None
   if not np.isfinite(value) or value < 0:
     raise ValueError(f"fp4jax.quantize: amax={value} must be finite and > 0 (max|x| over the tensor, "
                      "or a global amax across shards); pass amax=None to use max|x|")

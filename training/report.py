@@ -75,6 +75,7 @@ class Reporter:
     self.tty = self.primary and hasattr(self.stream, "isatty") and self.stream.isatty()
     self._line_open = False
     self._phase_open = False       # a "doing X ..." line waiting for its time
+    self._last_len = 0             # length of the progress line redrawn in place on a terminal (0: none open)
     self._shares_stderr = self.primary and _same_file(self.stream, 2)
     self.started = time.monotonic()
     self._interval = []            # train losses since the last record
@@ -142,7 +143,7 @@ class Reporter:
     Where that is where this output goes too (a terminal, ``2>&1``), the line ``text ...`` ends at once
     and the time comes on a line of its own, ``text ... 41.2 s``, so a warning never lands inside a line."""
     self._end_phase()
-    if self.tty and getattr(self, "_last_len", 0):   # the progress line redrawn in place: it ends here
+    if self.tty and self._last_len:   # the progress line redrawn in place: it ends here
       self.stream.write("\n")
       self._last_len = 0
     own_line = xla and self._shares_stderr
@@ -177,7 +178,7 @@ class Reporter:
       return
     self._end_phase()
     if self.tty:
-      pad = " " * max(0, getattr(self, "_last_len", 0) - len(text))
+      pad = " " * max(0, self._last_len - len(text))
       self.stream.write("\r" + text + pad + ("" if transient else "\n"))
       self._last_len = len(text) if transient else 0
     elif not transient:
