@@ -13,9 +13,13 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
                     precision per layer"), e.g. [("blocks_*/mixer/out_proj", "mxfp8"), ("*", "recipe")]
   steps, batch_size global optimizer steps and global batch (sequences); tokens/step = batch_size * seq_len
   halt_after        stop (with a checkpoint) after this many steps of this run; 0: run to ``steps``
-  data.sources      comma-separated files, globs or directories (text, .jsonl, .npy/.bin tokens); empty:
+  data.sources      comma-separated files, globs or directories (text, .jsonl, .parquet/.arrow tables and
+                    datasets' save_to_disk directories (text in data.text_column), .npy/.bin tokens); empty:
                     the Python standard library's source files; a text file holding a NUL byte (a binary
                     file, UTF-16 text) is refused unless ``data.raw_bytes`` (its bytes, NULs as document ends)
+  report.trackers   where the metrics go, comma-separated: "jsonl" (metrics.jsonl, always), "tensorboard",
+                    "mlflow" (pip install 'fp4jax[mlflow]'), "wandb" (pip install 'fp4jax[wandb]', offline by
+                    default); their settings: report.mlflow_uri, mlflow_experiment, wandb_project, wandb_mode
   mesh              (data, fsdp, expert, tensor) sizes; -1 takes the remaining devices; expert: expert
                     parallelism (a divisor of n_routed_experts; docs/TRAINING.md)
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
@@ -104,6 +108,7 @@ def get_config() -> config_dict.ConfigDict:
   c.data = config_dict.ConfigDict()
   c.data.sources = ""               # empty: the standard library's *.py files (no download)
   c.data.jsonl_field = "text"
+  c.data.text_column = "text"       # the column of Parquet/Arrow files and saved datasets that holds the text
   c.data.token_dtype = "uint16"     # dtype of raw .bin token files
   c.data.tokenizer = "byte"         # or a tokenizers .json / sentencepiece .model file
   c.data.seq_len = 256
@@ -157,6 +162,14 @@ def get_config() -> config_dict.ConfigDict:
 
   c.health = config_dict.ConfigDict()
   c.health.max_nonfinite_streak = 10
+
+  # Where the metrics go (training.trackers): metrics.jsonl always, plus tensorboard, mlflow, wandb.
+  c.report = config_dict.ConfigDict()
+  c.report.trackers = "jsonl,tensorboard"
+  c.report.mlflow_uri = ""          # empty: the local file store <workdir>/mlruns; or a path, file:, sqlite:, http:
+  c.report.mlflow_experiment = ""   # empty: config.name
+  c.report.wandb_project = ""       # empty: config.name
+  c.report.wandb_mode = "offline"   # "offline": <workdir>/wandb, no network (wandb sync uploads it); "online"
 
   # XLA compiler options of the train step (training.config.xla_options): {"all" or a device-kind name such
   # as "h200": {option: value}}; empty: XLA's defaults.

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import fp4jax
 from fp4jax import osci_reset
 from models import presets, rules
-from training import optim, sharding
+from training import optim, sharding, trackers
 from training.errors import ConfigError
 
 
@@ -55,6 +55,33 @@ def keep_recorded_sr_bits(config, recorded: dict | None) -> None:
     config.sr_bits = fp4jax.random_bits.DEFAULT
   else:
     config.sr_bits = recorded.get("sr_bits") or fp4jax.random_bits.JAX
+
+
+# The model's vocabulary is the tokenizer's rounded up to a multiple of this: the LM head's and the embedding
+# gradient's GEMMs then run whole 128-wide tensor-core tiles and whole NVFP4 (16) / MXFP4-MXFP8 (32) scale
+# blocks along the vocabulary without padding, and the vocabulary splits evenly over a tensor axis of any
+# power of two up to 128 (docs/TRAINING.md, "The vocabulary").
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(tokens: int) -> int:
+  """``tokens`` rounded up to a multiple of ``VOCAB_MULTIPLE``."""
+  return -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def keep_recorded_vocab_size(config, recorded: dict | None, tokens: int) -> None:
+  """Sets ``config.model.vocab_size`` where it is None (not chosen) and ``config.data.tokenizer`` names a
+  tokenizer file of ``tokens`` tokens: a new run takes ``padded_vocab_size(tokens)``, a resumed run the number
+  its record names, and a run recorded with None (made before this default) keeps None, the preset's value,
+  as it was made. With the byte tokenizer (which also reads pre-tokenized files) the preset's value stays:
+  the small presets' 256 is the byte vocabulary, the large ones' 131072 their pre-tokenized corpora's. The
+  run's record then names the number, so the tools that read it (fp4jax-sample, fp4jax-hf) build the same model."""
+  if config.model.get("vocab_size") is not None or config.data.tokenizer == "byte":
+    return
+  if recorded is not None:
+    config.model.vocab_size = (recorded.get("model") or {}).get("vocab_size")
+  else:
+    config.model.vocab_size = padded_vocab_size(tokens)
 
 
 def resolve_recipes(config) -> tuple[fp4jax.Recipe, fp4jax.Recipe | None, int]:
@@ -267,6 +294,7 @@ def validate(config) -> None:
   need(config.health.max_nonfinite_streak > 0,
        f"config.health.max_nonfinite_streak={config.health.max_nonfinite_streak} must be > 0")
   need(config.checkpoint.keep > 0, f"config.checkpoint.keep={config.checkpoint.keep} must be > 0")
+  trackers.check(config.report)
   axes = ("data", "fsdp", "expert", "tensor")
   for axis in axes:
     size = config.mesh.get(axis, 1)

@@ -4,8 +4,10 @@ Legend: B batch rows on this process, W = seq_len + 1 window length (inputs ``w[
 
 1. Sources (``config.data.sources``, comma-separated): empty means the default corpus, the Python standard
    library's own ``*.py`` files, which every Python install carries (no network). Otherwise paths, globs
-   or directories of text files, JSONL files (one document per line, text under ``jsonl_field``), and
-   pre-tokenized ``.npy``/``.bin`` token files (uint16/uint32, memory-mapped). A text or JSONL document
+   or directories of text files, JSONL files (one document per line, text under ``jsonl_field``), Parquet
+   and Arrow files and ``datasets`` ``save_to_disk`` directories (one document per row, text in the column
+   ``text_column``; ``training.tables``), and pre-tokenized ``.npy``/``.bin`` token files (uint16/uint32,
+   memory-mapped). A text or JSONL document
    holding a NUL byte is refused, naming the file: text never holds one, a binary file (an image, an
    archive) or UTF-16 text nearly always does, and the byte tokenizer's end-of-document token is NUL.
    ``config.data.raw_bytes=True`` reads such files as the bytes they are (the count of NUL bytes is reported).
@@ -30,6 +32,7 @@ from typing import Iterator
 import grain
 import numpy as np
 
+from training import tables
 from training.errors import ConfigError, DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text", ".tex", ".html", ".c", ".h")
@@ -127,19 +130,23 @@ def expand_sources(sources: str) -> list[str]:
       continue
     item = os.path.expanduser(item)
     if any(c in item for c in "*?["):
-      matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+      matched = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p) or tables.is_saved_dataset(p))
       if not matched:
         raise DataError(f"config.data.sources: the pattern {item!r} matches no files")
       files.extend(matched)
     elif os.path.isdir(item):
       matched = []
       for folder, dirs, names in os.walk(item):
+        if tables.is_saved_dataset(folder):   # one source, read whole by datasets
+          matched.append(folder)
+          dirs[:] = []
+          continue
         dirs.sort()
         matched.extend(os.path.join(folder, n) for n in sorted(names)
-                       if n.endswith(TEXT_SUFFIXES + TOKEN_SUFFIXES + (".jsonl",)))
+                       if n.endswith(TEXT_SUFFIXES + TOKEN_SUFFIXES + tables.TABLE_SUFFIXES + (".jsonl",)))
       if not matched:
-        raise DataError(f"config.data.sources: the directory {item!r} holds no text, .jsonl, .npy or .bin "
-                        "files")
+        raise DataError(f"config.data.sources: the directory {item!r} holds no text, .jsonl, .parquet, .arrow, "
+                        ".npy or .bin files, nor a saved dataset")
       files.extend(matched)
     elif os.path.isfile(item):
       files.append(item)
@@ -155,9 +162,11 @@ def is_validation(name: str, fraction: float) -> bool:
   return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
 
 
-def _iter_documents(path: str, jsonl_field: str) -> Iterator[tuple[str, bytes, str]]:
-  """(name, UTF-8 bytes, where to point a user) for each document in a text or JSONL file."""
-  if path.endswith(".jsonl"):
+def _iter_documents(path: str, jsonl_field: str, text_column: str) -> Iterator[tuple[str, bytes, str]]:
+  """(name, UTF-8 bytes, where to point a user) for each document in a text, JSONL or table source."""
+  if path.endswith(tables.TABLE_SUFFIXES) or os.path.isdir(path):
+    yield from tables.iter_documents(path, text_column)
+  elif path.endswith(".jsonl"):
     with open(path, "rb") as f:
       for lineno, line in enumerate(f):
         if not line.strip():
@@ -272,7 +281,8 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
       segments["validation"].append(tokens[cut:])
       continue
     try:
-      for name, data, where in _iter_documents(path, data_config.jsonl_field):
+      for name, data, where in _iter_documents(path, data_config.jsonl_field,
+                                               data_config.get("text_column", "text")):
         nul_bytes += check_text(where, data, raw_bytes)
         if data:
           split = "validation" if is_validation(name, fraction) else "train"

@@ -5,8 +5,10 @@
                      ``elapsed_s`` (seconds since this start began)
   ``tensorboard/``   the same scalars for TensorBoard (tensorboardX)
   ``loss.png``       train and validation loss curves of the whole run (every start), drawn at the end
-Only process 0 writes; every process keeps the numbers. A step recorded twice (a resume repeats the steps
-after the last checkpoint, bit for bit) counts once, by its latest record.
+The same records go to every writer ``config.report.trackers`` names (``training.trackers``: metrics.jsonl,
+TensorBoard, MLflow, Weights & Biases). Only process 0 writes; every process keeps the numbers. A step
+recorded twice (a resume repeats the steps after the last checkpoint, bit for bit) counts once in
+metrics.jsonl, by its latest record.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import math
 import os
 import sys
 import time
+
+from training import trackers
 
 
 def read_records(path: str) -> dict[str, dict[int, dict]]:
@@ -66,7 +70,9 @@ class Reporter:
   """Progress (a line every ``log_every`` steps; on a terminal also a ``\\r`` line redrawn every step) and files."""
 
   def __init__(self, workdir: str, *, total_steps: int, tokens_per_step: int, log_every: int,
-               primary: bool = True, stream=None):
+               primary: bool = True, stream=None, open_writers=None):
+    """``open_writers()``: the ``training.trackers`` writers of the run, opened on process 0 only (default:
+    metrics.jsonl and TensorBoard in ``workdir``)."""
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.log_every = max(log_every, 1)
@@ -84,7 +90,7 @@ class Reporter:
     self._skip_interval = True
     self._rate_steps = 0           # steps and seconds after the first (compiling) step, for tokens/s
     self._rate_seconds = 0.0
-    self._jsonl = self._tb = None
+    self.writers = []
     self._closed = False
     # Earlier starts of this run (every process reads them, so that all agree on what is left to do).
     path = os.path.join(workdir, "metrics.jsonl")
@@ -94,13 +100,9 @@ class Reporter:
     self._last_train_record = max(earlier.get("train", {}).items(), default=(None, None))[1]
     if primary:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(path, "a", encoding="utf-8")
       self._png = os.path.join(workdir, "loss.png")
-      try:
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-      except ImportError:
-        self._tb = None
+      self.writers = (open_writers or (lambda: [trackers.JsonlWriter(path), trackers.TensorBoardWriter(
+          os.path.join(workdir, "tensorboard"))]))()
 
   # Rates ----------------------------------------------------------------------------------------------
 
@@ -195,12 +197,8 @@ class Reporter:
     record = dict(time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   elapsed_s=round(self.elapsed(), 3), **record)
     record = {k: _finite_or_none(v) for k, v in record.items()}
-    self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-    self._jsonl.flush()
-    if self._tb is not None:
-      for key, value in record.items():
-        if key not in ("step", "kind", "time") and isinstance(value, (int, float)) and value is not None:
-          self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+    for writer in self.writers:
+      writer.write(record)
 
   def train_step(self, step: int, metrics: dict, *, recipe: str, nonfinite_note: str = "") -> None:
     """``metrics`` of the step that ended at ``step`` (1-based count of steps done), on the host."""
@@ -281,7 +279,12 @@ class Reporter:
       fig.savefig(self._png, dpi=100)
       plt.close(fig)
       path = self._png
-    self._jsonl.close()
-    if self._tb is not None:
-      self._tb.close()
+    errors = []
+    for writer in self.writers:   # every one closed; the first failure raised after
+      try:
+        writer.close()
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(e)
+    if errors:
+      raise errors[0]
     return path

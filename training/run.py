@@ -43,6 +43,7 @@ from training import optim
 from training import preempt
 from training import report as report_lib
 from training import sharding
+from training import trackers
 from training import workdir as workdir_lib
 from training.errors import CheckpointError, ConfigChangedError, ConfigError
 from training.step import init_state
@@ -114,7 +115,10 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   stop = stop or preempt.Preemption(config.get("preemption_grace_s", 30.0))
   # 1. Checks, mesh, the work directory.
   config_lib.validate(config)
-  config_lib.keep_recorded_sr_bits(config, workdir_lib.last_config(workdir).config)
+  recorded = workdir_lib.last_config(workdir).config
+  config_lib.keep_recorded_sr_bits(config, recorded)
+  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+  config_lib.keep_recorded_vocab_size(config, recorded, tokenizer.vocab_size)
   model_config = config_lib.resolve_model_config(config.model)
   recipe, late_recipe, switch_step = config_lib.resolve_recipes(config)
   outcontrol = config_lib.resolve_outcontrol(config, recipe)
@@ -132,7 +136,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   try:
     return _build(config, workdir, model_fn, stop, model_config=model_config, recipe=recipe,
                   late_recipe=late_recipe, switch_step=switch_step, outcontrol=outcontrol, mesh=mesh,
-                  checkpoints=checkpoints, reporter=reporter, lock=lock, resume=resume)
+                  checkpoints=checkpoints, reporter=reporter, lock=lock, resume=resume, tokenizer=tokenizer)
   except BaseException:
     checkpoints.close()
     reporter.close()
@@ -142,7 +146,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
 
 
 def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe, switch_step, outcontrol, mesh,
-           checkpoints, reporter, lock, resume) -> Run:
+           checkpoints, reporter, lock, resume, tokenizer) -> Run:
   """Steps 2 and 3 of ``setup``, in the work directory it opened."""
   nproc, pindex, seq_len = jax.process_count(), jax.process_index(), config.data.seq_len
   say = reporter.message
@@ -159,8 +163,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
   # 2. The data.
   stop.detail = "reading the data"
   with reporter.phase("reading and tokenizing the data"):
-    train_split, val_split, data_summary, evaluate = _load_data(config, model_config)
-  say(f"data: {data_lib.describe(data_summary)}")
+    train_split, val_split, data_summary, evaluate = _load_data(config, model_config, tokenizer)
+  say(f"data: {data_lib.describe(data_summary)}"
+      + (f"; model vocab_size {model_config.vocab_size}" if model_config.vocab_size != tokenizer.vocab_size else ""))
 
   # 3. Models, optimizer, shardings.
   stop.detail = "building the model"
@@ -177,6 +182,8 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
         f"{outcontrol.on_step}")
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
       f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
+  if reporter.writers:
+    say("metrics: " + ", ".join(writer.where for writer in reporter.writers))
   # The run record changes only when the run does: a resume at or past config.steps trains nothing and writes
   # nothing (a later start is then checked against the config the checkpoints were made with).
   if pindex == 0 and (resume.step is None or resume.step < config.steps):
@@ -242,13 +249,15 @@ def _outcontrol_summary(abstract_outcontrol, ratio: float) -> str:
   return ", ".join(f"{n} layer(s) {key}" for key, n in sorted(counts.items())) + " input channels"
 
 
-def _load_data(config, model_config):
+def _load_data(config, model_config, tokenizer):
   """(train split, validation split, summary, whether to evaluate); DataError/ConfigError when they do not fit."""
-  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
-  train_split, val_split, summary = data_lib.load_splits(config.data, tokenizer)
   if tokenizer.vocab_size > model_config.vocab_size:
+    padded = config_lib.padded_vocab_size(tokenizer.vocab_size)
     raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but config.model.vocab_size is "
-                      f"{model_config.vocab_size}; set --config.model.vocab_size={tokenizer.vocab_size} or more")
+                      f"{model_config.vocab_size}, so the embedding has no row for the tokens past it; set "
+                      f"--config.model.vocab_size={padded} (the tokenizer's size rounded up to a multiple of "
+                      f"{config_lib.VOCAB_MULTIPLE}) or more, or leave it unset for a new run to take that")
+  train_split, val_split, summary = data_lib.load_splits(config.data, tokenizer)
   data_lib.check_vocab(train_split, model_config.vocab_size)
   evaluate = config.eval.batches > 0 and config.data.validation_fraction > 0
   if evaluate and val_split.num_windows == 0:
@@ -277,9 +286,11 @@ def _open_workdir(config, workdir: str, process_index: int, stop: preempt.Preemp
   try:
     latest = checkpoints.latest_step()
     resume = workdir_lib.check_resume(workdir, config, latest)
+    writers = functools.partial(trackers.open_writers, config.report, workdir, name=config.name,
+                                config=config_lib.to_plain(config))
     reporter = report_lib.Reporter(workdir, total_steps=config.steps,
                                    tokens_per_step=config.batch_size * config.data.seq_len,
-                                   log_every=config.log_every, primary=process_index == 0)
+                                   log_every=config.log_every, primary=process_index == 0, open_writers=writers)
     removed = checkpoints.remove_leftovers() if lock is not None else []   # this run holds the directory
     if removed:
       resume = dataclasses.replace(resume, messages=resume.messages + (
