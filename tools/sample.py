@@ -60,9 +60,12 @@ def sample_logits(logits_BxV, key, *, temperature: float, top_p: float):
 
 
 class Generator:
-  """Jitted prefill and decode steps of ``model`` over a cache of ``max_len`` positions."""
+  """Jitted prefill and decode steps of ``model`` over a cache of ``max_len`` positions. ``vocab``: draw only
+  the ids below it (the tokenizer's size: the rows of a vocabulary padded past it are never a text's token);
+  None: every id of the model."""
 
-  def __init__(self, model: LanguageModel, params, *, temperature: float = 0.8, top_p: float = 0.95):
+  def __init__(self, model: LanguageModel, params, *, temperature: float = 0.8, top_p: float = 0.95,
+               vocab: int | None = None):
     if temperature < 0:
       raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy)")
     if not 0.0 < top_p <= 1.0:
@@ -73,12 +76,12 @@ class Generator:
     def prefill(params, cache, tokens_BxT, key):
       logits_BxTxV, mut = model.apply({"params": params, "cache": cache}, tokens_BxT, decode=True,
                                       mutable=["cache"])
-      return pick(logits_BxTxV[:, -1], key), mut["cache"]
+      return pick(logits_BxTxV[:, -1, :vocab], key), mut["cache"]
 
     def step(params, cache, token_B, key):
       logits_Bx1xV, mut = model.apply({"params": params, "cache": cache}, token_B[:, None], decode=True,
                                       mutable=["cache"])
-      return pick(logits_Bx1xV[:, 0], key), mut["cache"]
+      return pick(logits_Bx1xV[:, 0, :vocab], key), mut["cache"]
 
     self._prefill = jax.jit(prefill, donate_argnums=(1,))
     self._step = jax.jit(step, donate_argnums=(1,))
@@ -169,6 +172,7 @@ class Codec:
     self.spec = spec
     self._encoder = data_lib.make_tokenizer(spec)
     self.eos_id = self._encoder.eos_id
+    self.vocab_size = self._encoder.vocab_size
     if spec == "byte":
       self._decode = lambda ids: bytes(int(i) for i in ids).decode("utf-8", errors="replace")
     elif spec.endswith(".json"):
@@ -287,7 +291,8 @@ def main(argv=None) -> int:
     print("error: a prompt encodes to no tokens", file=sys.stderr)
     return 2
   try:
-    generator = Generator(model, run.params, temperature=args.temperature, top_p=args.top_p)
+    generator = Generator(model, run.params, temperature=args.temperature, top_p=args.top_p,
+                          vocab=codec.vocab_size)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
