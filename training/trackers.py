@@ -107,24 +107,23 @@ def metrics(record: dict) -> dict[str, float]:
 
 
 class _RunIds:
-  """``<workdir>/trackers.json``: the MLflow and W&B run ids of this work directory, so a resume continues them."""
+  """``<workdir>/trackers.json``: the MLflow and W&B run ids of this work directory, so a resume continues them
+  (a missing or unreadable file: new runs, whose ids it then holds)."""
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, IDS_FILE)
     try:
       with open(self.path, encoding="utf-8") as f:
-        self.ids = json.load(f)
-    except FileNotFoundError:
-      self.ids = {}
-    except (OSError, ValueError):   # unreadable: new runs, and the file is written anew
-      self.ids = {}
+        ids = json.load(f)
+    except (OSError, ValueError):
+      ids = {}
+    self.ids = {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
 
   def get(self, key: str) -> str | None:
-    value = self.ids.get(key) if isinstance(self.ids, dict) else None
-    return value if isinstance(value, str) else None
+    return self.ids.get(key)
 
   def put(self, key: str, value: str) -> None:
-    self.ids = dict(self.ids if isinstance(self.ids, dict) else {}, **{key: value})
+    self.ids[key] = value
     tmp = self.path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(self.ids, f, indent=2)
@@ -178,11 +177,11 @@ class MlflowWriter:
   def __init__(self, uri: str, experiment: str, *, run_name: str, config: dict, ids: _RunIds):
     if uri.startswith("file:"):
       os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    from mlflow.tracking import MlflowClient  # pylint: disable=g-import-not-at-top
     from mlflow.entities import Metric  # pylint: disable=g-import-not-at-top
-    self._metric = Metric
+    from mlflow.exceptions import MlflowException  # pylint: disable=g-import-not-at-top
+    from mlflow.tracking import MlflowClient  # pylint: disable=g-import-not-at-top
+    self._metric, self._missing = Metric, MlflowException
     self._client = MlflowClient(tracking_uri=uri)
-    self.uri = uri
     self.run_id = self._continued(ids.get("mlflow_run_id"))
     if self.run_id is None:
       found = self._client.get_experiment_by_name(experiment)
@@ -198,7 +197,7 @@ class MlflowWriter:
       return None
     try:
       self._client.get_run(run_id)
-    except Exception:  # pylint: disable=broad-except  (MlflowException: not in this store, e.g. a new URI)
+    except self._missing:   # not in this store (report.mlflow_uri changed): a new run
       return None
     self._client.update_run(run_id, status="RUNNING")
     return run_id
