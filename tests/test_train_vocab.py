@@ -9,6 +9,7 @@ from ml_collections import config_dict
 
 import train_runs
 from training import config as config_lib
+from training import run as run_lib
 from training import trainer
 from training.errors import ConfigError
 
@@ -51,6 +52,17 @@ def test_a_tokenizer_file_sets_the_vocabulary_and_a_resume_keeps_the_recorded_on
   for (c, recorded, tokens), expected in cases:
     config_lib.keep_recorded_vocab_size(c, recorded, tokens)
     assert c.model.vocab_size == expected, (c, recorded, tokens)
+
+
+def test_a_run_started_from_another_takes_its_vocabulary(tmp_path):
+  (tmp_path / "source").mkdir()
+  (tmp_path / "source" / "config.json").write_text(json.dumps({"model": {"vocab_size": 512}}))
+  config = config_dict.ConfigDict(dict(model=dict(preset="tiny", vocab_size=None), data=dict(tokenizer="tok.json"),
+                                       init_from=str(tmp_path / "source" / "checkpoints")))
+  config_lib.keep_recorded_vocab_size(config, run_lib.vocab_record(config, None), 300)
+  assert config.model.vocab_size == 512
+  own = {"model": {"vocab_size": 640}}   # a resume keeps its own record, not init_from's
+  assert run_lib.vocab_record(config, own) is own
 
 
 def test_a_custom_tokenizer_trains_without_setting_vocab_size(tmp_path):

@@ -72,8 +72,8 @@ def padded_vocab_size(tokens: int) -> int:
 def keep_recorded_vocab_size(config, recorded: dict | None, tokens: int) -> None:
   """Sets ``config.model.vocab_size`` where it is None (not chosen) and ``config.data.tokenizer`` names a
   tokenizer file of ``tokens`` tokens: a new run takes ``padded_vocab_size(tokens)``, a resumed run the number
-  its record names, and a run recorded with None (made before this default) keeps None, the preset's value,
-  as it was made. With the byte tokenizer (which also reads pre-tokenized files) the preset's value stays:
+  its record names (``training.run.vocab_record``: a new run started from another run's params, that run's
+  record), and a record of None (made before this default) keeps None, the preset's value, as it was made. With the byte tokenizer (which also reads pre-tokenized files) the preset's value stays:
   the small presets' 256 is the byte vocabulary, the large ones' 131072 their pre-tokenized corpora's. The
   run's record then names the number, so the tools that read it (fp4jax-sample, fp4jax-hf) build the same model."""
   if config.model.get("vocab_size") is not None or config.data.tokenizer == "byte":

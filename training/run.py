@@ -118,7 +118,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   recorded = workdir_lib.last_config(workdir).config
   config_lib.keep_recorded_sr_bits(config, recorded)
   tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
-  config_lib.keep_recorded_vocab_size(config, recorded, tokenizer.vocab_size)
+  config_lib.keep_recorded_vocab_size(config, vocab_record(config, recorded), tokenizer.vocab_size)
   model_config = config_lib.resolve_model_config(config.model)
   recipe, late_recipe, switch_step = config_lib.resolve_recipes(config)
   outcontrol = config_lib.resolve_outcontrol(config, recipe)
@@ -201,6 +201,17 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
              abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
              tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
              process_count=nproc, lock=lock)
+
+
+def vocab_record(config, recorded: dict | None) -> dict | None:
+  """The record whose ``model.vocab_size`` a run keeps (``config.keep_recorded_vocab_size``): the run's own,
+  else, for a new run with ``config.init_from``, that of the run whose params it starts from."""
+  if recorded is not None or not config.get("init_from"):
+    return recorded
+  source = os.path.abspath(os.path.expanduser(config.init_from))
+  if os.path.basename(source) == "checkpoints":
+    source = os.path.dirname(source)
+  return workdir_lib.last_config(source).config
 
 
 def _layout(config, model_fn, model_config, recipe, late_recipe, outcontrol, mesh):
