@@ -7,9 +7,9 @@ Legend: B batch rows on this process, W = seq_len + 1 window length (inputs ``w[
    or directories of text files, JSONL files (one document per line, text under ``jsonl_field``), Parquet
    and Arrow files and ``datasets`` ``save_to_disk`` directories (one document per row, text in the column
    ``text_column``; ``training.tables``), and pre-tokenized ``.npy``/``.bin`` token files (uint16/uint32,
-   memory-mapped). A text or JSONL document
-   holding a NUL byte is refused, naming the file: text never holds one, a binary file (an image, an
-   archive) or UTF-16 text nearly always does, and the byte tokenizer's end-of-document token is NUL.
+   memory-mapped). A document holding a NUL byte is refused, naming the file: text never holds one, a
+   binary file (an image, an archive) or UTF-16 text nearly always does, and the byte tokenizer's
+   end-of-document token is NUL.
    ``config.data.raw_bytes=True`` reads such files as the bytes they are (the count of NUL bytes is reported).
 2. Split into train and validation by document, with a hash of the document's name (so adding files never
    moves other documents across the split). A token file is one long document: its tail is validation.
