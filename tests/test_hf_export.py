@@ -386,8 +386,8 @@ def _decoded(tensors):
     if name.endswith(".weight_scale"):
       module = name[:-len(".weight_scale")]
       blocks = np.repeat(_decode_e4m3(tensors[name].view(np.uint8)), 16, axis=1)
-      value = _decode_e2m1_packed(tensors[module + ".weight"]) * blocks * np.float64(tensors[module + ".weight_scale_2"])
-      out[module + ".weight"] = value.astype(np.float32)
+      scale_2 = np.float64(tensors[module + ".weight_scale_2"])
+      out[module + ".weight"] = (_decode_e2m1_packed(tensors[module + ".weight"]) * blocks * scale_2).astype(np.float32)
   return out
 
 
@@ -407,22 +407,32 @@ def test_nvfp4_decode_is_the_rounded_exact_value_for_every_code_and_scale():
   np.testing.assert_array_equal(got["m.weight"], _decoded(module)["m.weight"])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_nvfp4_export_import_export_is_bit_identical(nvfp4_export, dtype):
+def test_nvfp4_export_import_export_is_bit_identical(nvfp4_export):
   """Our NVFP4 export, decoded into parameters and quantized again as training does, gives every byte back:
-  codes, block scales, weight_scale_2 and the bf16 tensors; with a float32 compute dtype too, where the amax is
-  fl(2688 * weight_scale_2), not always the training amax (docs/EXPORT.md)."""
-  config = CONFIG.replace(dtype=dtype)
-  params, tensors, _ = nvfp4_export if dtype == jnp.float32 else (None, *hf.to_hf_nvfp4(_params()[1], config))
-  decoded = hf.dequantize_nvfp4(tensors)
-  imported = hf.from_hf(decoded, config)
-  for name, value in _decoded(tensors).items():   # exact: the independent decoder's values
-    np.testing.assert_array_equal(decoded[name], value)
-  again, _ = hf.to_hf_nvfp4(imported, config, "nvfp4")
-  assert sorted(again) == sorted(tensors)
-  for name, value in tensors.items():
-    assert again[name].dtype == value.dtype and again[name].tobytes() == value.tobytes(), name
-  assert hf.requantization_mismatches(imported, config, "nvfp4", tensors) == {"bf16": [], "nvfp4": [], "different": []}
+  codes, block scales, weight_scale_2 and the bf16 tensors, with a bf16 and a float32 compute dtype."""
+  for dtype in (jnp.float32, jnp.bfloat16):
+    config = CONFIG.replace(dtype=dtype)
+    params, tensors, _ = nvfp4_export if dtype == jnp.float32 else (None, *hf.to_hf_nvfp4(_params()[1], config))
+    decoded = hf.dequantize_nvfp4(tensors)
+    imported = hf.from_hf(decoded, config)
+    for name, value in _decoded(tensors).items():   # exact: the independent decoder's values
+      np.testing.assert_array_equal(decoded[name], value)
+    again, _ = hf.to_hf_nvfp4(imported, config, "nvfp4")
+    assert sorted(again) == sorted(tensors)
+    for name, value in tensors.items():
+      assert again[name].dtype == value.dtype and again[name].tobytes() == value.tobytes(), name
+    assert hf.requantization_mismatches(imported, config, "nvfp4", tensors) == {"bf16": [], "nvfp4": [],
+                                                                                "different": []}
+  # Why weight_scale_2 comes back with a float32 compute dtype: the decoded amax is fl(2688 s2), not always the
+  # training amax a, but fl(fl(2688 s2) / 2688) == s2 for s2 = fl(a / 2688), for every float32 mantissa of a
+  # (powers of two scale exactly). With bf16 the amax itself always comes back.
+  a = (np.arange(1 << 23, dtype=np.uint32) | np.uint32(127 << 23)).view(np.float32)   # [1, 2)
+  s2 = a / np.float32(2688.0)
+  amax = np.float32(2688.0) * s2
+  assert np.all(amax / np.float32(2688.0) == s2) and 0.8 < np.mean(amax == a) < 0.9
+  bf16 = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  b = bf16(a)
+  assert np.all(bf16(np.float32(2688.0) * (b / np.float32(2688.0))) == b)
 
 
 def _write_nvfp4(directory, tensors, config_json, hf_quant):
@@ -436,7 +446,8 @@ def test_nvfp4_import_of_our_export(nvfp4_export, tmp_path, capsys):
   params, tensors, excluded = nvfp4_export
   amax = {path: 1.5 for path in hf.quantized_paths(CONFIG, "nvfp4")}
   with_input_scales, _ = hf.to_hf_nvfp4(params, CONFIG, "nvfp4", input_amax=amax)
-  config_json = hf.to_hf_config(CONFIG, dtype="bfloat16", eos_token_id=0, extra={"recipe": "nvfp4", "tokenizer": "byte"})
+  config_json = hf.to_hf_config(CONFIG, dtype="bfloat16", eos_token_id=0,
+                                extra={"recipe": "nvfp4", "tokenizer": "byte"})
   hf_quant, config_json["quantization_config"] = hf.nvfp4_quant_configs(excluded, producer_version="0")
   _write_nvfp4(tmp_path / "hf", with_input_scales, config_json, hf_quant)
   assert hf_cli.main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
@@ -545,7 +556,8 @@ def test_nvfp4_round_trip_at_the_bottom_of_e4m3(tmp_path):
 def test_nvfp4_import_refuses_what_it_cannot_read(nvfp4_export, tmp_path, capsys):
   config = hf.to_hf_config(CONFIG)
   nvfp4 = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": []}
-  refused = [({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, None, "quant_method='compressed-tensors'"),
+  refused = [({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}, None,
+              "quant_method='compressed-tensors'"),
              ({"quant_method": "modelopt", "quant_algo": "FP8"}, None, "quant_algo='FP8'"),
              (None, dict(nvfp4, quant_algo="NVFP4_AWQ"), "quant_algo='NVFP4_AWQ'"),
              (None, dict(nvfp4, quant_algo="MIXED_PRECISION", quantized_layers={"a": {"quant_algo": "FP8"}, "b": {

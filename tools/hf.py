@@ -12,8 +12,8 @@ Export writes ``config.json`` (model_type nemotron_h), ``model.safetensors`` (or
 files there are removed first (and named); ``--out`` naming a file, or a folder with another checkpoint's weight
 files, is refused. Import writes ``<out>/config.json`` and checkpoint 0 of ``<out>/checkpoints`` in the
 trainer's layout (an NVFP4 checkpoint, ours or ModelOpt's, decoded to float32); ``sample.py --workdir <out>``
-reads it, and a training run starts from its parameters. The conversion itself is ``models.hf`` (no torch); this command line
-sits above ``training`` because it reads and writes runs.
+reads it, and a training run starts from its parameters. The conversion itself is ``models.hf`` (no torch);
+this command line sits above ``training`` because it reads and writes runs.
 """
 from __future__ import annotations
 
@@ -238,7 +238,8 @@ def _nvfp4_note(params, c, recipe: str, tensors) -> str:
     parts.append(f"{len(found['nvfp4'])} of its bf16 weights run in NVFP4 under the precision policy "
                  f"({names(found['nvfp4'])})")
   if found["bf16"] or found["nvfp4"]:
-    parts[-1] += "; match the policy to the checkpoint with --bf16_first_blocks / --bf16_last_blocks"
+    parts[-1] += ("; match the policy to the checkpoint with --bf16_first_blocks / --bf16_last_blocks here, or "
+                  "with the training config's model.precision rules")
   print(f"note: the run starts from the checkpoint's decoded weights exactly, but recipe {recipe!r} does not "
         f"quantize them as the checkpoint did: {'; '.join(parts)}. There the run's forward pass differs from the "
         "checkpoint's, and an export of the run writes other codes", file=sys.stderr)

@@ -9,8 +9,9 @@ and, for a W4A4 checkpoint, ``m.input_scale`` (float32 []). Decoded, left to rig
   w = (e2m1(code) · f32(weight_scale)) · weight_scale_2
 
 The first product is exact: an E2M1 value has at most 2 significant bits and an E4M3 value at most 4, so the
-product has at most 6, within [2^-10, 2688] or zero. The one multiply by ``weight_scale_2`` rounds once: ``w`` is
-the float32 nearest the real value the checkpoint stands for. ``input_scale`` (a serving engine's static
+product has at most 6, within [2^-10, 2688] or zero; fp4jax's own decoder computes it (``block_products``). The
+one multiply by ``weight_scale_2`` rounds once: ``w`` is the float32 nearest the real value the checkpoint stands
+for. ``input_scale`` (a serving engine's static
 activation scale) is not a parameter: training measures each activation's amax as it goes, and an export
 calibrates the input scales again.
 
@@ -63,15 +64,16 @@ def nvfp4_checkpoint(config_json: dict, hf_quant: dict | None = None) -> bool:
 def _check_nvfp4(where: str, quantization: dict) -> None:
   algo = quantization.get("quant_algo")
   if algo == "MIXED_PRECISION":
-    per_layer = sorted({str(layer.get("quant_algo")) for layer in (quantization.get("quantized_layers") or {}).values()})
+    layers = (quantization.get("quantized_layers") or {}).values()
+    per_layer = sorted({str(layer.get("quant_algo")) for layer in layers})
     raise ConversionError(f"{where} has quant_algo='MIXED_PRECISION' (per layer: {', '.join(per_layer)}); only a "
                           f"checkpoint in NVFP4 throughout imports: {_ORIGINAL}")
   if algo != "NVFP4":
     raise ConversionError(f"{where} has quant_algo={algo!r}; only NVFP4 (E2M1 weights, one E4M3 scale per {GROUP} "
                           f"elements, a float32 tensor scale) imports: {_ORIGINAL}")
-  groups = (quantization.get("config_groups") or {}).values()
-  sizes = {quantization.get("group_size")} | {fmt.get("group_size") for group in groups
-                                               for fmt in (group.get("weights") or {}, group.get("input_activations") or {})}
+  formats = [group.get(role) or {} for group in (quantization.get("config_groups") or {}).values()
+             for role in ("weights", "input_activations")]
+  sizes = {quantization.get("group_size")} | {fmt.get("group_size") for fmt in formats}
   other = sorted(str(size) for size in sizes - {None, GROUP})
   if other:
     raise ConversionError(f"{where} has group_size {', '.join(other)}; NVFP4 has one E4M3 scale per {GROUP} "
@@ -128,12 +130,13 @@ def _decode(module: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
   return block_products(packed, scale) * factor   # the one rounding (numpy: nothing reassociates it)
 
 
-def block_products(packed_NxK2, scale_NxKb) -> np.ndarray:
-  """e2m1(code) · f32(scale) of every element, float32 [N, K], exact, decoded by fp4jax: ``fp4jax.dequantize``
-  with the tensor amax 6 · 448, whose tensor factor (f32(s) · 2688) · f32(1/2688) is s itself for every E4M3
-  value s (tests/test_hf_export.py checks all of them), so only the exact product e2m1 · s remains."""
-  q = fp4jax.QTensor(jnp.asarray(packed_NxK2), jnp.asarray(scale_NxKb), jnp.float32(E4M3_X_E2M1_MAX), "nvfp4",
-                     -1, GROUP, None, jnp.float32)
+def block_products(packed, scale) -> np.ndarray:
+  """e2m1(code) · f32(scale) of every element (packed: uint8 [N, K/2]; scale: float8_e4m3fn [N, K/16]) as float32
+  [N, K], exact, decoded by fp4jax: ``fp4jax.dequantize`` with the tensor amax 6 · 448, whose tensor factor
+  (f32(s) · 2688) · f32(1/2688) is s itself for every E4M3 value s (tests/test_hf_export.py checks all of them),
+  so only the exact product e2m1 · s remains."""
+  q = fp4jax.QTensor(data=jnp.asarray(packed), scale=jnp.asarray(scale), amax=jnp.float32(E4M3_X_E2M1_MAX),
+                     fmt="nvfp4", axis=-1, block=GROUP, tile=None, dtype=jnp.float32)
   return np.asarray(fp4jax.dequantize(q, jnp.float32))
 
 
