@@ -585,7 +585,8 @@ def test_nvfp4_import_refuses_what_it_cannot_read(nvfp4_export, tmp_path, capsys
             ({"backbone.layers.1.mixer.k_proj.k_scale": np.float32(1)}, "KV-cache scale"),
             ({q + ".weight_scale": np.full((168, 2), np.nan, np.float32).astype(ml_dtypes.float8_e4m3fn)},
              "non-finite"),
-            ({"lm_head.weight_scale_2": np.float32(1)}, "no lm_head.weight_scale beside it")]
+            ({"lm_head.weight_scale_2": np.float32(1)}, "no lm_head.weight_scale beside it"),
+            ({n: None for n in tensors if n.endswith("weight_scale")}, "no tensor of the checkpoint has a weight_scale")]
   for change, match in broken:
     damaged = {n: v for n, v in dict(tensors, **change).items() if v is not None}
     with pytest.raises(hf.ConversionError, match=match):

@@ -90,6 +90,10 @@ def dequantize_nvfp4(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """The checkpoint with every NVFP4 module's ``weight`` decoded to float32 (module docstring) and its scales
   removed; every other tensor as it is."""
   modules = sorted(name[:-len(".weight_scale")] for name in tensors if name.endswith(".weight_scale"))
+  if not modules:
+    raise ConversionError("the quantization config declares NVFP4, but no tensor of the checkpoint has a "
+                          f"weight_scale: if it is not quantized, remove {QUANT_CONFIG} and config.json's "
+                          "quantization_config; else its NVFP4 tensors are missing, export or download it again")
   for name in tensors:
     suffix = name.rsplit(".", 1)[-1]
     if suffix in _FOREIGN:
