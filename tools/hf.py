@@ -220,7 +220,7 @@ def _nvfp4_note(params, c, recipe: str, tensors) -> str:
   it gives the checkpoint's codes and scales back, else a note on stderr naming the layers where it does not."""
   n = sum(name.endswith(".weight_scale") for name in tensors)
   if fp4jax.recipes.get(recipe).fprop != "nvfp4":
-    return f"; {n} NVFP4 weights decoded, which recipe {recipe!r} trains unquantized"
+    return f"; {n} NVFP4 weights decoded, for recipe {recipe!r}, whose forward pass is not NVFP4"
   found = hf.requantization_mismatches(params, c, recipe, tensors)
   if not any(found.values()):
     return f"; {n} NVFP4 weights decoded, each re-quantized by recipe {recipe!r} to the checkpoint's codes and scales"
