@@ -4,15 +4,16 @@
   python -m tools.hf export --workdir runs/tiny --out hf/tiny-bf16 --format bfloat16
   python -m tools.hf export --workdir runs/tiny --out hf/tiny-nvfp4 --format nvfp4  # ModelOpt NVFP4
   python -m tools.hf import --hf hf/tiny --out runs/from_hf [--config configs/tiny.py]
+  python -m tools.hf import --hf hf/tiny-nvfp4 --out runs/from_nvfp4                 # NVFP4, decoded exactly
 
 Export writes ``config.json`` (model_type nemotron_h), ``model.safetensors`` (or shards and their index),
 ``checksums.sha256`` and the tokenizer (``tokenizer.json``; the byte tokenizer becomes an equivalent byte-level
 ``tokenizers`` file), plus ``hf_quant_config.json`` for NVFP4. A folder holds one export: a previous export's
 files there are removed first (and named); ``--out`` naming a file, or a folder with another checkpoint's weight
-files, is refused. Import writes ``<out>/config.json`` and checkpoint 0 of
-``<out>/checkpoints`` in the trainer's layout; ``sample.py --workdir <out>`` reads it, and a training
-run starts from its parameters. The conversion itself is ``models.hf`` (no torch); this command line
-sits above ``training`` because it reads and writes runs.
+files, is refused. Import writes ``<out>/config.json`` and checkpoint 0 of ``<out>/checkpoints`` in the
+trainer's layout (an NVFP4 checkpoint, ours or ModelOpt's, decoded to float32); ``sample.py --workdir <out>``
+reads it, and a training run starts from its parameters. The conversion itself is ``models.hf`` (no torch);
+this command line sits above ``training`` because it reads and writes runs.
 """
 from __future__ import annotations
 
@@ -179,9 +180,11 @@ def import_(args) -> int:
     raise hf.ConversionError(f"{config_path} is missing: --hf must be a Hugging Face checkpoint directory")
   with open(config_path, encoding="utf-8") as f:
     hf_config = json.load(f)
+  nvfp4 = hf.nvfp4_checkpoint(hf_config, hf.load_quant_config(args.hf))
   c = hf.from_hf_config(hf_config, dtype=jnp.dtype(args.dtype), bf16_first_blocks=args.bf16_first_blocks,
                         bf16_last_blocks=args.bf16_last_blocks)
-  params = hf.from_hf(hf.load_hf_tensors(args.hf), c)
+  tensors = hf.load_hf_tensors(args.hf)
+  params = hf.from_hf(hf.dequantize_nvfp4(tensors) if nvfp4 else tensors, c)
   dt_floor = hf_config.get("time_step_min", hf_config.get("mamba_dt_min", 0.001))   # transformers' default
   if "M" in c.pattern and dt_floor > 0.0:
     print(f"note: transformers clamps softplus(dt + dt_bias) at time_step_min={dt_floor}; this model does not "
@@ -205,10 +208,42 @@ def import_(args) -> int:
     config.data.tokenizer = os.path.abspath(os.path.join(args.out, "tokenizer.model"))
   elif c.vocab_size > 256:
     print(f"warning: {args.hf} has no tokenizer file; set --config.data.tokenizer when training", file=sys.stderr)
+  how = _nvfp4_note(params, c, config.recipe, tensors) if nvfp4 else ""
   directory = runs.write_run(args.out, config, params, note=f"imported from {os.path.abspath(args.hf)}")
-  print(f"imported {args.hf} ('{c.pattern}', d_model {c.d_model}) to {directory}/0 with {args.out}/config.json; "
+  print(f"imported {args.hf} ('{c.pattern}', d_model {c.d_model}{how}) to {directory}/0 with {args.out}/config.json; "
         f"continue with train.py --config ... --config.init_from={args.out}, or sample.py --workdir {args.out}")
   return 0
+
+
+def _nvfp4_note(params, c, recipe: str, tensors) -> str:
+  """How the run's training forward pass quantizes the decoded NVFP4 weights: a phrase for the summary line when
+  it gives the checkpoint's codes and scales back, else a note on stderr naming the layers where it does not."""
+  n = sum(name.endswith(".weight_scale") for name in tensors)
+  if fp4jax.recipes.get(recipe).fprop != "nvfp4":
+    return f"; {n} NVFP4 weights decoded, for recipe {recipe!r}, whose forward pass is not NVFP4"
+  found = hf.requantization_mismatches(params, c, recipe, tensors)
+  if not any(found.values()):
+    return f"; {n} NVFP4 weights decoded, each re-quantized by recipe {recipe!r} to the checkpoint's codes and scales"
+  names = lambda modules: ", ".join(modules[:3]) + (", ..." if len(modules) > 3 else "")
+  parts = []
+  if found["different"]:
+    parts.append(f"{len(found['different'])} of its {n} NVFP4 weights re-quantize to other codes or scales "
+                 f"({names(found['different'])}): block scales that differ within the 16x16 tiles training "
+                 "quantizes weights in (ModelOpt writes one per 1x16 block), or block scales at the bottom of E4M3's "
+                 "range (docs/EXPORT.md)")
+  if found["bf16"]:
+    parts.append(f"{len(found['bf16'])} of its NVFP4 weights run in bf16 under the precision policy "
+                 f"({names(found['bf16'])})")
+  if found["nvfp4"]:
+    parts.append(f"{len(found['nvfp4'])} of its bf16 weights run in NVFP4 under the precision policy "
+                 f"({names(found['nvfp4'])})")
+  if found["bf16"] or found["nvfp4"]:
+    parts[-1] += ("; match the policy to the checkpoint with --bf16_first_blocks / --bf16_last_blocks here, or "
+                  "with the training config's model.precision rules")
+  print(f"note: the run starts from the checkpoint's decoded weights exactly, but recipe {recipe!r} does not "
+        f"quantize them as the checkpoint did: {'; '.join(parts)}. There the run's forward pass differs from the "
+        "checkpoint's, and an export of the run writes other codes", file=sys.stderr)
+  return f"; {n} NVFP4 weights decoded"
 
 
 # ----------------------------------------------------------------------------------------------- the CLI

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from models import ModelConfig
 from models.config import BLOCK_KINDS
+from models.hf.dequantize import nvfp4_checkpoint
 from models.hf.files import ConversionError
 from models.hf.layout import HF_LAYER_TYPES, check_exportable
 
@@ -113,9 +114,7 @@ def from_hf_config(hf: dict, *, dtype: Any = jnp.bfloat16, bf16_first_blocks: in
   if kind != "nemotron_h":
     raise ConversionError(f"config.json has model_type={kind!r}; only Nemotron-H checkpoints "
                           "(model_type 'nemotron_h') import")
-  if hf.get("quantization_config"):
-    raise ConversionError("the checkpoint is quantized (quantization_config in config.json); import its "
-                          "bf16/fp32 original instead")
+  nvfp4_checkpoint(hf)   # a quantization other than ModelOpt NVFP4 is refused here, before anything is read
   pattern = hf.get("hybrid_override_pattern")
   if not pattern and hf.get("layers_block_type"):
     reverse = {v: k for k, v in HF_LAYER_TYPES.items()}

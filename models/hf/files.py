@@ -197,6 +197,21 @@ def load_hf_tensors(directory: str) -> dict[str, np.ndarray]:
   raise ConversionError(f"{directory} has no {SINGLE} or {INDEX}")
 
 
+def load_quant_config(directory: str) -> dict | None:
+  """``hf_quant_config.json`` of a checkpoint directory (ModelOpt's quantization config), None when absent."""
+  path = os.path.join(directory, QUANT_CONFIG)
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except ValueError as e:
+    raise _corrupt(path, f"not JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise _corrupt(path, "not a JSON object")
+  return config
+
+
 # ------------------------------------------------------------------------------------- the export folder
 
 # What an export writes; all of it goes before the next export into the same folder writes anything.

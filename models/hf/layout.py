@@ -17,6 +17,12 @@ HF_LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E
 MTP_BLOCKS = "*E"     # the MTP layer kinds vLLM's NemotronH MTP loader builds (attention, MoE)
 GROUP = 16                                 # NVFP4 block: elements per E4M3 scale
 E4M3_X_E2M1_MAX = 6.0 * 448.0
+QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale")   # ModelOpt's tensors beside a weight
+
+
+def canonical_name(name: str) -> str:
+  """A checkpoint tensor's name as the export writes it: transformers 5's ``model.`` prefix is ``backbone.``."""
+  return PREFIX + name[len("model."):] if name.startswith("model.") else name
 
 
 def _in_proj_rows(c: ModelConfig) -> np.ndarray:
@@ -116,7 +122,8 @@ def _block_layout(c: ModelConfig, char: str, layer: str, block: tuple[str, ...],
 # final_layernorm; the embedding and lm_head are the main model's. Routed experts are written one tensor per
 # expert, mixer.experts.<e>.up_proj.weight [out, in], the names its expert mapping looks for.
 MTP_ROUTED = re.compile(r"(mtp\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)")
-_MTP_EXPERT = re.compile(r"(mtp\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
+# One routed expert's weight, in any layer: the MTP layers (above), and every layer of an NVFP4 export.
+_EXPERT = re.compile(r"((?:backbone|mtp)\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
 
 
 def _mtp_layout(c: ModelConfig, linears: list[Linear], tensors: list[Tensor]) -> None:
@@ -146,11 +153,13 @@ def split_mtp_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   return out
 
 
-def join_mtp_experts(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """The inverse of ``split_mtp_experts``: per-expert MTP tensors stacked back in expert order."""
+def join_experts(named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Per-expert weights ``...experts.<e>.up_proj.weight`` stacked in expert order as ``...experts.up_proj``
+  (E, out, in): the inverse of ``split_mtp_experts``, and of the per-expert layers of an NVFP4 export once
+  dequantized."""
   out, groups = {}, {}
   for name, value in named.items():
-    match = _MTP_EXPERT.fullmatch(name)
+    match = _EXPERT.fullmatch(name)
     if match is None:
       out[name] = value
     else:

@@ -6,7 +6,8 @@ import numpy as np
 
 from models import ModelConfig
 from models.hf.files import ConversionError
-from models.hf.layout import PREFIX, ROUTER_TENSORS, Linear, join_mtp_experts, layout, split_mtp_experts
+from models.hf.layout import (QUANTIZED_SUFFIXES, ROUTER_TENSORS, Linear, canonical_name, join_experts, layout,
+                              split_mtp_experts)
 
 
 def param_at(params, path):
@@ -34,18 +35,15 @@ def to_hf(params, c: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
 
 def from_hf(tensors: dict[str, np.ndarray], c: ModelConfig) -> dict:
   """Our parameter tree (float32 numpy) from Nemotron-H tensors (``backbone.`` or ``model.`` prefix)."""
-  named = {}
-  for name, value in tensors.items():
-    if name.startswith("mtp.") and not c.mtp_depths:
-      continue                       # multi-token-prediction heads: not part of this model
-    if name.startswith("model."):
-      name = PREFIX + name[len("model."):]
-    named[name] = value
-  named = join_mtp_experts(named)
-  quantized = sorted(n for n in named if n.endswith(("weight_scale", "weight_scale_2", "input_scale")))
+  named = {canonical_name(name): value for name, value in tensors.items()
+           if c.mtp_depths or not name.startswith("mtp.")}   # MTP heads of a model without them: skipped
+  quantized = sorted(n for n in named if n.endswith(QUANTIZED_SUFFIXES))
   if quantized:
-    raise ConversionError(f"the checkpoint holds quantized tensors ({quantized[0]}, ...); import the bf16/fp32 "
-                          "checkpoint it was made from")
+    raise ConversionError(f"the checkpoint holds quantized tensors ({quantized[0]}, ...) that neither "
+                          "hf_quant_config.json nor config.json's quantization_config describes as NVFP4; "
+                          "import an NVFP4 (ModelOpt) checkpoint with the hf_quant_config.json it was exported "
+                          "with (dequantize_nvfp4 reads it first), or the bf16/fp32 checkpoint it was made from")
+  named = join_experts(named)
   linears, others = layout(c)
   used, params = set(), {}
 
