@@ -299,6 +299,14 @@ def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
 
 def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
   derivatives.check_not_forward_mode(roles.name, x_MxK, w_KxN)
+  return _dot_2d_compiled(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _dot_2d_compiled(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x):
+  """The dot after its checks, jitted as jax.numpy's functions are: an eager call (or an eager
+  ``jax.grad``) compiles its forward and its backward once each instead of op by op; a traced call inlines
+  it."""
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   align_m, align_k, align_n = roles.alignment()

@@ -27,6 +27,7 @@ None runs its GEMM unquantized (a recipe's "bf16").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -85,6 +86,7 @@ class Quantizer:
     spec = formats.TABLE[self.fmt]
     return math.lcm(spec.tile[0] if self.tiled else spec.block, spec.outer or 1)
 
+  @functools.partial(jax.jit, static_argnums=0)   # one program per eager call; inlined under a trace
   def __call__(self, t_RxC, key=None, signs=None, amax=None) -> QTensor:
     """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first. ``amax``: the
     tensor amax of the transformed t to use instead of its own (nvfp4, nvfp4_eden; fp4jax.grouped passes
@@ -125,6 +127,7 @@ class Quantizer:
     """Whether ``quantize_t`` is the fused RHT-and-transpose primitive (the paper's wgrad)."""
     return signs is None and bool(self.rht_size) and self.four_over_six is None and self.fmt in formats.FP4
 
+  @functools.partial(jax.jit, static_argnums=0)   # as __call__
   def quantize_t(self, t_TxC, key=None, signs=None, amax=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens). ``amax``: the tensor amax
     of the transformed tᵀ to use instead of its own (``shared_amaxes``)."""
