@@ -8,6 +8,7 @@
 - ``named_or_replicated``: a custom_partitioning callback's operand sharding as a NamedSharding.
 - ``vma_checked`` / ``per_shard_lowering``: shard_map's check of varying manual axes.
 - ``forward_tangent``: whether a value is being differentiated in forward mode (``fp4jax.derivatives``).
+- ``under_jit``: whether the caller is being staged into a jaxpr (``fp4jax.eager``).
 """
 from __future__ import annotations
 
@@ -123,3 +124,11 @@ def per_shard_lowering(ctx):
     return
   with _check_vma_state(False):
     yield ctx
+
+
+def under_jit() -> bool:
+  """Whether the current trace stack stages into a jaxpr (jit, scan, shard_map, ...), as opposed to eager
+  execution, possibly under an eager ``jax.grad`` or ``jax.vmap``: ``jax._src.core.unsafe_am_i_under_a_jit``
+  (jax 0.10.2 and 0.11.2). Where it is missing, True (the caller then never adds a jit of its own)."""
+  check = getattr(_core, "unsafe_am_i_under_a_jit", None) if _core is not None else None
+  return True if check is None else bool(check())

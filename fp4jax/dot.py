@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import api, derivatives, gemm, prequantized
+from fp4jax import api, derivatives, eager, gemm, prequantized
 from fp4jax.numerics import eden
 from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
@@ -299,6 +299,11 @@ def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
 
 def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
   derivatives.check_not_forward_mode(roles.name, x_MxK, w_KxN)
+  return _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x)
+
+
+@eager.compiled_when_eager(static_argnums=(0, 1, 2))
+def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   align_m, align_k, align_n = roles.alignment()

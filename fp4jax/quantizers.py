@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import _exact, formats, random_bits
+from fp4jax import _exact, eager, formats, random_bits
 from fp4jax.numerics import dbq, e2m1, eden, four_over_six as fos, hadamard, mxfp8
 from fp4jax.api import quantize, quantize_rht_transposed
 from fp4jax.kernels import quantize_rht_t as rht_t
@@ -85,6 +85,7 @@ class Quantizer:
     spec = formats.TABLE[self.fmt]
     return math.lcm(spec.tile[0] if self.tiled else spec.block, spec.outer or 1)
 
+  @eager.compiled_when_eager(static_argnums=0)
   def __call__(self, t_RxC, key=None, signs=None, amax=None) -> QTensor:
     """t (R, C) quantized along C; ``signs``: a random Hadamard transform along C first. ``amax``: the
     tensor amax of the transformed t to use instead of its own (nvfp4, nvfp4_eden; fp4jax.grouped passes
@@ -125,6 +126,7 @@ class Quantizer:
     """Whether ``quantize_t`` is the fused RHT-and-transpose primitive (the paper's wgrad)."""
     return signs is None and bool(self.rht_size) and self.four_over_six is None and self.fmt in formats.FP4
 
+  @eager.compiled_when_eager(static_argnums=0)
   def quantize_t(self, t_TxC, key=None, signs=None, amax=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens). ``amax``: the tensor amax
     of the transformed tᵀ to use instead of its own (``shared_amaxes``)."""

@@ -5,13 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
 def test_float64_without_x64_is_float32_with_a_warning(fmt):
   assert not jax.config.jax_enable_x64
-  x = jax.random.normal(jax.random.key(0), (4, 128), jnp.float32)
+  x = inputs.normal(jax.random.key(0), (4, 128), jnp.float32)
   q = fp4jax.quantize(x, fmt)
   with pytest.warns(UserWarning, match="dtype float64 is not available with jax_enable_x64 off, so the result "
                                        "is float32"):

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 
 KEY = jax.random.key(0)
-X = jax.random.normal(jax.random.key(1), (16, 32))
-W = jax.random.normal(jax.random.key(2), (32, 16))
+X = inputs.normal(jax.random.key(1), (16, 32))
+W = inputs.normal(jax.random.key(2), (32, 16))
 
 
 def _loss(recipe):
@@ -54,7 +55,7 @@ def test_first_order_still_works_and_bf16_keeps_every_derivative():
 
 @pytest.mark.parametrize("fmt,shape", [("nvfp4", (16, 32)), ("mxfp4", (16, 32)), ("fp8", (2, 128))])
 def test_grad_through_quantize_is_refused_not_zero(fmt, shape):
-  x = jax.random.normal(jax.random.key(3), shape)
+  x = inputs.normal(jax.random.key(3), shape)
   with pytest.raises(TypeError, match=r"fp4jax.quantize has no derivative.*fp4jax.fake_quantize"):
     jax.grad(lambda x: fp4jax.dequantize(fp4jax.quantize(x, fmt), jnp.float32).sum())(x)
   # A quantization nobody differentiates is fine.
@@ -64,12 +65,12 @@ def test_grad_through_quantize_is_refused_not_zero(fmt, shape):
 @pytest.mark.parametrize("fmt,shape,dtype", [("nvfp4", (16, 32), jnp.float32), ("nvfp4", (16, 32), jnp.bfloat16),
                                              ("mxfp4", (4, 64), jnp.float32), ("fp8", (2, 128), jnp.float32)])
 def test_fake_quantize_is_the_round_trip_with_the_straight_through_gradient(fmt, shape, dtype):
-  x = jax.random.normal(jax.random.key(4), shape).astype(dtype)
+  x = inputs.normal(jax.random.key(4), shape).astype(dtype)
   y, vjp = jax.vjp(lambda x: fp4jax.fake_quantize(x, fmt), x)
   np.testing.assert_array_equal(np.asarray(y, np.float32),
                                 np.asarray(fp4jax.dequantize(fp4jax.quantize(x, fmt), dtype), np.float32))
   assert y.dtype == dtype
-  dy = jax.random.normal(jax.random.key(5), shape).astype(dtype)
+  dy = inputs.normal(jax.random.key(5), shape).astype(dtype)
   (dx,) = vjp(dy)
   assert dx.dtype == dtype
   np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dy, np.float32))   # dx = dy
@@ -78,7 +79,7 @@ def test_fake_quantize_is_the_round_trip_with_the_straight_through_gradient(fmt,
 
 
 def test_fake_quantize_stochastic_and_its_second_derivative():
-  x = jax.random.normal(jax.random.key(6), (4, 32))
+  x = inputs.normal(jax.random.key(6), (4, 32))
   f = lambda x: fp4jax.fake_quantize(x, "nvfp4", rounding="stochastic", key=KEY, dtype=jnp.float32)
   np.testing.assert_array_equal(
       f(x), fp4jax.dequantize(fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=KEY)))

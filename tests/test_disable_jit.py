@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax.api import quantize_rht_transposed
 
@@ -23,8 +24,8 @@ SLOW = ("nvfp4", "fp8", "nvfp4_4over6", "quartet2", "tetrajet2")
 
 def _inputs():
   k1, k2 = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(k1, (32, 64)) * jnp.exp2(jnp.arange(32.0)[:, None] - 16)
-  w = jax.random.normal(k2, (64, 48))
+  x = inputs.normal(k1, (32, 64)) * jnp.exp2(jnp.arange(32.0)[:, None] - 16)
+  w = inputs.normal(k2, (64, 48))
   return x, w
 
 
@@ -85,7 +86,7 @@ def test_stochastic_and_rht_transposed(fmt):
                                     for r in RECIPES])
 def test_dot_value_and_grad(recipe):
   x, w = _inputs()
-  c = jax.random.normal(jax.random.key(8), (32, 48))
+  c = inputs.normal(jax.random.key(8), (32, 48))
   key = jax.random.key(7)
 
   def loss(x, w, c):   # dy = c exactly, and c is an argument: a constant would let XLA fold it

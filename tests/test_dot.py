@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import inputs
 import fp4jax
 from fp4jax import recipes
 from fp4jax.numerics import hadamard, nvfp4
@@ -18,7 +19,7 @@ DENSE = (((1,), (0,)), ((), ()))
 
 
 def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
-  return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+  return (scale * inputs.normal(jax.random.key(seed), shape)).astype(dtype)
 
 
 def _rel(a, b):

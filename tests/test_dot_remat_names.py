@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 
 KEY = jax.random.key(3)
@@ -22,8 +23,8 @@ def _loss(recipe):
 
 @pytest.mark.parametrize("recipe", ["nvfp4", *[pytest.param(r, marks=pytest.mark.slow) for r in ("nvfp4_no_rht", "mxfp4")]])
 def test_saved_fp4_operands_give_the_gradients(recipe):
-  x = jax.random.normal(jax.random.key(0), (48, 64))
-  w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
+  x = inputs.normal(jax.random.key(0), (48, 64))
+  w = inputs.normal(jax.random.key(1), (64, 32)) * 0.1
   plain = jax.jit(jax.grad(_loss(recipe), (0, 1)))(x, w)
   kept = jax.jit(jax.grad(jax.checkpoint(_loss(recipe), policy=POLICY), (0, 1)))(x, w)
   for a, b in zip(plain, kept):
@@ -33,8 +34,8 @@ def test_saved_fp4_operands_give_the_gradients(recipe):
 
 
 def test_no_quantize_pass_is_re_run():
-  x = jax.random.normal(jax.random.key(0), (48, 64))
-  w = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1
+  x = inputs.normal(jax.random.key(0), (48, 64))
+  w = inputs.normal(jax.random.key(1), (64, 32)) * 0.1
   count = lambda f: str(jax.make_jaxpr(jax.grad(f, (0, 1)))(x, w)).count("fp4jax_quantize")
   plain, kept = _loss("nvfp4"), jax.checkpoint(_loss("nvfp4"), policy=POLICY)
   full = jax.checkpoint(_loss("nvfp4"))

@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+import inputs
 import fp4jax
 import fp4jax.flax
 from fp4jax import recipes
@@ -24,8 +25,8 @@ D_IN, D_OUT, N = 32, 8, 128
 
 def _regression():
   kx, kw = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (N, D_IN))
-  return x, x @ jax.random.normal(kw, (D_IN, D_OUT))
+  x = inputs.normal(kx, (N, D_IN))
+  return x, x @ inputs.normal(kw, (D_IN, D_OUT))
 
 
 def test_linen_dense_trains():
@@ -50,7 +51,7 @@ def test_linen_dense_trains():
 
 def test_linen_dense_general_is_fp4jax_dot_general():
   """DenseGeneral with two contracting axes and a batch axis calls dot_general with them."""
-  x = jax.random.normal(jax.random.key(0), (3, 10, 4, 8))
+  x = inputs.normal(jax.random.key(0), (3, 10, 4, 8))
   model = nn.DenseGeneral((5, 2), axis=(-2, -1), batch_dims=(0,), use_bias=False,
                           dot_general_cls=functools.partial(Fp4DotGeneral, recipe="nvfp4"))
   params = jax.jit(model.init)(jax.random.key(1), x)
@@ -102,7 +103,7 @@ def test_linen_scan_over_remat_layers():
 
   stack = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True, "fp4": True},
                   length=layers)
-  x = jax.random.normal(jax.random.key(0), (4, 16, D_IN))
+  x = inputs.normal(jax.random.key(0), (4, 16, D_IN))
   params = jax.jit(stack().init)(jax.random.key(1), x, None)
   assert params["params"]["Dense_0"]["kernel"].shape == (layers, D_IN, D_IN)
   loss = lambda p, key: jnp.mean(stack().apply(p, x, None, rngs={"fp4": key})[0] ** 2)
@@ -152,7 +153,7 @@ def test_nnx_rng_state_advances_under_nnx_jit_and_a_plain_jax_jit_that_drops_it_
   """nnx.jit writes the layer's RNG count back: new stochastic-rounding bits each call. A plain jax.jit of a
   function taking the model traces the count and drops it: the same bits each call, and one RngStateWarning."""
   monkeypatch.setattr(fp4jax.flax, "_warned_rng_state", False)
-  x = jax.random.normal(jax.random.key(1), (16, D_IN))
+  x = inputs.normal(jax.random.key(1), (16, D_IN))
   make = lambda: nnx.Linear(D_IN, D_OUT, use_bias=False, rngs=nnx.Rngs(0),
                             dot_general=Fp4DotGeneralNNX("nvfp4", rngs=nnx.Rngs(fp4=0)))
   tracked, plain = make(), make()

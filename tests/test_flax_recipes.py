@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import inputs
 import fp4jax
 from fp4jax import recipes
 from fp4jax.flax import Fp4DotGeneral, Fp4DotGeneralNNX, dot_general_cls
@@ -36,7 +37,7 @@ class _Recording:
 
 def _data():
   kx, kw = jax.random.split(jax.random.key(0))
-  return jax.random.normal(kx, (M, K)), jax.random.normal(kw, (K, N)) * 0.1
+  return inputs.normal(kx, (M, K)), inputs.normal(kw, (K, N)) * 0.1
 
 
 def assert_bit_equal(a, b):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import _pallas_compat as plc
 from fp4jax import fused
@@ -27,8 +28,8 @@ def _assert_same(a, b):
 
 def _inputs(shape, seed=0, magnitude=3.0):
   kx, ks = jax.random.split(jax.random.key(seed))
-  x = (jax.random.normal(kx, shape) * magnitude).astype(jnp.bfloat16)
-  scale = 1 + 0.1 * jax.random.normal(ks, shape[-1:])
+  x = (inputs.normal(kx, shape) * magnitude).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * inputs.normal(ks, shape[-1:])
   return x, scale
 
 
@@ -37,9 +38,9 @@ def _inputs(shape, seed=0, magnitude=3.0):
                                     pytest.param("quartet2", marks=pytest.mark.slow)])
 def test_twin_is_the_unfused_path(recipe):
   x, scale = _inputs((2, 24, 128))
-  w = (jax.random.normal(jax.random.key(2), (128, 64)) * 0.1).astype(jnp.bfloat16)
+  w = (inputs.normal(jax.random.key(2), (128, 64)) * 0.1).astype(jnp.bfloat16)
   key = jax.random.key(3)
-  g = jax.random.normal(jax.random.key(4), (2, 24, 64)).astype(jnp.bfloat16)
+  g = inputs.normal(jax.random.key(4), (2, 24, 64)).astype(jnp.bfloat16)
 
   def unfused(x, scale, w):
     h = fused.rmsnorm(x, scale, eps=1e-5, dtype=jnp.bfloat16)
@@ -118,10 +119,10 @@ def test_kernel_lowers_for_cuda(fmt, d):
 @pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "pallas"])
 def test_relu2_is_the_unfused_path(recipe, impl):
   """Either impl gives the unfused MLP's bits: relu(u)² of bf16 is exact in float32."""
-  u = (jax.random.normal(jax.random.key(6), (2, 24, 256)) * 2).astype(jnp.bfloat16)
-  w = (jax.random.normal(jax.random.key(7), (256, 64)) * 0.1).astype(jnp.bfloat16)
+  u = (inputs.normal(jax.random.key(6), (2, 24, 256)) * 2).astype(jnp.bfloat16)
+  w = (inputs.normal(jax.random.key(7), (256, 64)) * 0.1).astype(jnp.bfloat16)
   key = jax.random.key(8)
-  g = jax.random.normal(jax.random.key(9), (2, 24, 64)).astype(jnp.bfloat16)
+  g = inputs.normal(jax.random.key(9), (2, 24, 64)).astype(jnp.bfloat16)
 
   def unfused(u, w):
     return jnp.sum(fp4jax.dot(jnp.square(jax.nn.relu(u)), w, recipe=recipe, key=key).astype(jnp.float32) * g)
@@ -136,8 +137,8 @@ def test_relu2_is_the_unfused_path(recipe, impl):
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_relu2_kernel_is_the_twin(recipe):
-  magnitudes = jnp.exp(jax.random.uniform(jax.random.key(11), (40, 320), minval=-6, maxval=6))
-  u = (jax.random.normal(jax.random.key(10), (40, 320)) * magnitudes).astype(jnp.bfloat16)
+  magnitudes = jnp.exp(inputs.uniform(jax.random.key(11), (40, 320), minval=-6, maxval=6))
+  u = (inputs.normal(jax.random.key(10), (40, 320)) * magnitudes).astype(jnp.bfloat16)
   run = lambda impl: fused.relu2_quantize(u, recipe, impl=impl)   # eagerly (see test_kernel_is_the_twin)
   _assert_same(run("pallas"), run("xla"))
 

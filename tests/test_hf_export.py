@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 import sample
 from models import LanguageModel, ModelConfig, hf
@@ -33,7 +34,7 @@ def _params(config=CONFIG, seed=0):
   # Weights larger than the init and non-trivial A_log/D/dt_bias/norms, so every tensor matters.
   leaves, tree = jax.tree_util.tree_flatten(params)
   keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-  leaves = [p * 4.0 if p.ndim == 2 else p + 0.3 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]
+  leaves = [p * 4.0 if p.ndim == 2 else p + 0.3 * inputs.normal(k, p.shape) for p, k in zip(leaves, keys)]
   return model, jax.tree_util.tree_unflatten(tree, leaves)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 
+import inputs
 from configs.shrunken import SHRUNKEN_MODEL
 from models import LanguageModel, get_model_config
 from models.layers import chunked_cross_entropy
@@ -18,8 +19,8 @@ def _plain(x_BxLxD, w_DxV, targets_BxL):
 
 def _inputs(B=2, L=24, D=16, V=100, dtype=jnp.float32, seed=0):
   kx, kw, kt = jax.random.split(jax.random.key(seed), 3)
-  x = jax.random.normal(kx, (B, L, D), jnp.float32).astype(dtype)
-  w = jax.random.normal(kw, (D, V), jnp.float32) * 0.5
+  x = inputs.normal(kx, (B, L, D), jnp.float32).astype(dtype)
+  w = inputs.normal(kw, (D, V), jnp.float32) * 0.5
   targets = jax.random.randint(kt, (B, L), 0, V)
   return x, w, targets
 

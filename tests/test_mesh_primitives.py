@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+import inputs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _DRIVER = r"""
@@ -105,7 +107,7 @@ def test_a_kernel_that_does_not_lower_falls_back_to_its_twin_with_a_warning(monk
     raise NotImplementedError("no tiling for this shape")
 
   monkeypatch.setattr(quantize_1d, "quantize_1d", broken)
-  x = jax.random.normal(jax.random.key(0), (48, 80))
+  x = inputs.normal(jax.random.key(0), (48, 80))
   run = lambda impl: jax.jit(lambda x: quantize_last(x, jnp.max(jnp.abs(x)), fmt="nvfp4", impl=impl))(x)
   with pytest.warns(RuntimeWarning, match=r"the quantize kernel \(impl='pallas', fmt='nvfp4'\) did not lower on "
                                           r"one device \(NotImplementedError: no tiling"):

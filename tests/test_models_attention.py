@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 from models import LanguageModel, get_model_config
 from models.attention import attend, chunked_attention, resolve_attention_impl
 
@@ -22,9 +23,9 @@ def _reference(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L):
 
 def _qkv(B, L, S, H, K, P, dtype=jnp.float32, seed=0):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(kq, (B, L, H, P), jnp.float32).astype(dtype),
-          jax.random.normal(kk, (B, S, K, P), jnp.float32).astype(dtype),
-          jax.random.normal(kv, (B, S, K, P), jnp.float32).astype(dtype))
+  return (inputs.normal(kq, (B, L, H, P), jnp.float32).astype(dtype),
+          inputs.normal(kk, (B, S, K, P), jnp.float32).astype(dtype),
+          inputs.normal(kv, (B, S, K, P), jnp.float32).astype(dtype))
 
 
 CASES = [  # (B, L, S, H, K, P, block, first query position)
@@ -44,7 +45,7 @@ def test_matches_reference_values_and_gradients(B, L, S, H, K, P, block, start):
   fn = jax.jit(lambda q, k, v: chunked_attention(q, k, v, positions, block=block))   # jitted: op by op is slow
   ref = jax.jit(lambda q, k, v: _reference(q, k, v, positions))
   np.testing.assert_allclose(fn(q, k, v), ref(q, k, v), rtol=1e-5, atol=1e-6)
-  do = jax.random.normal(jax.random.key(1), (B, L, H, P))
+  do = inputs.normal(jax.random.key(1), (B, L, H, P))
   grads = jax.vjp(fn, q, k, v)[1](do)
   grads_ref = jax.vjp(ref, q, k, v)[1](do)
   for g, g_ref in zip(grads, grads_ref):

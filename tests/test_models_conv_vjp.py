@@ -8,15 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 from models import lm, mamba2, presets
 from models.config import ModelConfig
 
 def _inputs(shape, width, dtype, seed=0):
   k = jax.random.split(jax.random.key(seed), 4)
-  x = jax.random.normal(k[0], shape, jnp.float32).astype(dtype)
-  w = jax.random.normal(k[1], (width, shape[-1])) * 0.5
-  b = jax.random.normal(k[2], (shape[-1],)) * 0.1
-  dy = jax.random.normal(k[3], shape)
+  x = inputs.normal(k[0], shape, jnp.float32).astype(dtype)
+  w = inputs.normal(k[1], (width, shape[-1])) * 0.5
+  b = inputs.normal(k[2], (shape[-1],)) * 0.1
+  dy = inputs.normal(k[3], shape)
   return x, w, b, dy
 
 

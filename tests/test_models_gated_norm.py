@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 from fp4jax import pallas_compat as plc
 from fp4jax import dispatch
 from models import gated_norm
@@ -31,10 +32,10 @@ TILES = gated_norm.GatedNormTiles(elements=256, bwd_blocks=2)
 
 def _inputs(seed, B, L, G, RP, dtype):
   k = jax.random.split(jax.random.key(seed), 4)
-  y = (2.0 * jax.random.normal(k[0], (B, L, G, RP))).astype(dtype)
-  z = (2.0 * jax.random.normal(k[1], (B, L, G, RP))).astype(jnp.bfloat16 if dtype == jnp.float32 else dtype)
-  w = 1.0 + 0.2 * jax.random.normal(k[2], (G, RP))
-  dout = jax.random.normal(k[3], (B, L, G, RP))
+  y = (2.0 * inputs.normal(k[0], (B, L, G, RP))).astype(dtype)
+  z = (2.0 * inputs.normal(k[1], (B, L, G, RP))).astype(jnp.bfloat16 if dtype == jnp.float32 else dtype)
+  w = 1.0 + 0.2 * inputs.normal(k[2], (G, RP))
+  dout = inputs.normal(k[3], (B, L, G, RP))
   return y, z, w, dout
 
 
@@ -142,7 +143,7 @@ def test_the_mixer_with_the_kernels_matches_the_twin():
   from models import presets   # pylint: disable=import-outside-toplevel
   from models.mamba2 import Mamba2   # pylint: disable=import-outside-toplevel
   cfg = presets.get_model_config("tiny", n_groups=2)
-  u = jax.random.normal(jax.random.key(0), (2, 21, cfg.d_model))
+  u = inputs.normal(jax.random.key(0), (2, 21, cfg.d_model))
   params = Mamba2(cfg).init(jax.random.key(1), u)
   outs = {}
   for impl in ("xla", "pallas"):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 from models import ssd
 from models.mamba2 import causal_conv1d
 
@@ -19,12 +20,12 @@ TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, at
 
 def _inputs(seed, B=2, L=29, H=4, P=8, G=2, N=5, with_state=True):
   k = jax.random.split(jax.random.key(seed), 6)
-  x = jax.random.normal(k[0], (B, L, H, P))
-  dt = jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 1.0)
-  a = -jnp.exp(jax.random.uniform(k[2], (H,), minval=-1.0, maxval=1.5))
-  b = jax.random.normal(k[3], (B, L, G, N))
-  c = jax.random.normal(k[4], (B, L, G, N))
-  s0 = jax.random.normal(k[5], (B, H, P, N)) if with_state else None
+  x = inputs.normal(k[0], (B, L, H, P))
+  dt = jax.nn.softplus(inputs.normal(k[1], (B, L, H)) - 1.0)
+  a = -jnp.exp(inputs.uniform(k[2], (H,), minval=-1.0, maxval=1.5))
+  b = inputs.normal(k[3], (B, L, G, N))
+  c = inputs.normal(k[4], (B, L, G, N))
+  s0 = inputs.normal(k[5], (B, H, P, N)) if with_state else None
   return (x, dt, a, b, c), s0
 
 
@@ -32,8 +33,8 @@ def _inputs(seed, B=2, L=29, H=4, P=8, G=2, N=5, with_state=True):
 def _gradients(form, chunk_size):
   """VJP of (y, final_state) with fixed random cotangents, w.r.t. x, dt, a, B, C and the initial state."""
   args, s0 = _inputs(2, L=13)
-  cotangents = (jax.random.normal(jax.random.key(9), args[0].shape),
-                jax.random.normal(jax.random.key(10), s0.shape))
+  cotangents = (inputs.normal(jax.random.key(9), args[0].shape),
+                inputs.normal(jax.random.key(10), s0.shape))
   fn = {"chunked": functools.partial(ssd.ssd_chunked, chunk_size=chunk_size),
         "scan": ssd.ssd_scan_reference, "naive": ssd.ssd_naive_reference}[form]
 
@@ -48,7 +49,7 @@ def _gradients(form, chunk_size):
 class TestSegsum:
 
   def test_matches_definition(self):
-    a = jax.random.normal(jax.random.key(0), (3, 6))
+    a = inputs.normal(jax.random.key(0), (3, 6))
     out = np.asarray(ssd.segsum(a))
     a = np.asarray(a)
     for i in range(6):
@@ -176,9 +177,9 @@ class TestCausalConv:
 
   def test_matches_direct_sum_and_carries_state(self):
     k = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(k[0], (2, 11, 5))
-    w = jax.random.normal(k[1], (4, 5))
-    bias = jax.random.normal(k[2], (5,))
+    x = inputs.normal(k[0], (2, 11, 5))
+    w = inputs.normal(k[1], (4, 5))
+    bias = inputs.normal(k[2], (5,))
     out, state = causal_conv1d(x, w, bias)
     xp = np.pad(np.asarray(x), ((0, 0), (3, 0), (0, 0)))
     want = sum(np.asarray(w)[j] * xp[:, j:j + 11] for j in range(4)) + np.asarray(bias)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 from fp4jax import pallas_compat as plc
 from fp4jax import dispatch
 from models import ssd, ssd_pallas
@@ -27,13 +28,13 @@ NAMES = ("x", "dt", "a", "b", "c", "d", "s0")
 
 def _inputs(seed, B=2, L=40, H=4, P=16, G=2, N=16, with_state=True, dtype=jnp.float32):
   k = jax.random.split(jax.random.key(seed), 7)
-  x = jax.random.normal(k[0], (B, L, H, P)).astype(dtype)
-  dt = jax.nn.softplus(jax.random.normal(k[1], (B, L, H)) - 1.0)
-  a = -jnp.exp(jax.random.uniform(k[2], (H,), minval=-1.0, maxval=1.5))
-  b = jax.random.normal(k[3], (B, L, G, N)).astype(dtype)
-  c = jax.random.normal(k[4], (B, L, G, N)).astype(dtype)
-  d = jax.random.normal(k[5], (H,))
-  s0 = jax.random.normal(k[6], (B, H, P, N)) if with_state else None
+  x = inputs.normal(k[0], (B, L, H, P)).astype(dtype)
+  dt = jax.nn.softplus(inputs.normal(k[1], (B, L, H)) - 1.0)
+  a = -jnp.exp(inputs.uniform(k[2], (H,), minval=-1.0, maxval=1.5))
+  b = inputs.normal(k[3], (B, L, G, N)).astype(dtype)
+  c = inputs.normal(k[4], (B, L, G, N)).astype(dtype)
+  d = inputs.normal(k[5], (H,))
+  s0 = inputs.normal(k[6], (B, H, P, N)) if with_state else None
   return x, dt, a, b, c, d, s0
 
 
@@ -69,7 +70,7 @@ def _vjp(fn_, args, seed=11):
     fn, args = (lambda *a: fn_(*a, None)), args[:-1]   # pylint: disable=unnecessary-lambda-assignment
   (y, final), pullback = jax.vjp(fn, *args)
   k1, k2 = jax.random.split(jax.random.key(seed))
-  cot = (jax.random.normal(k1, y.shape).astype(y.dtype), jax.random.normal(k2, final.shape))
+  cot = (inputs.normal(k1, y.shape).astype(y.dtype), inputs.normal(k2, final.shape))
   return y, final, pullback(cot)
 
 
@@ -249,7 +250,7 @@ class TestInTheMixer:
     from models import presets   # pylint: disable=import-outside-toplevel
     from models.mamba2 import Mamba2   # pylint: disable=import-outside-toplevel
     cfg = presets.get_model_config("tiny", n_groups=2)
-    u = jax.random.normal(jax.random.key(0), (2, 21, cfg.d_model))
+    u = inputs.normal(jax.random.key(0), (2, 21, cfg.d_model))
     params = Mamba2(cfg).init(jax.random.key(1), u)
     outs = {}
     for impl in ("xla", "pallas"):

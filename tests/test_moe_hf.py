@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from models import LanguageModel, ModelConfig, hf, moe
 
@@ -31,11 +32,11 @@ def _params(config, seed=0):
   for (path, p), k in zip(leaves, keys):
     name = jax.tree_util.keystr(path)
     if "e_score_correction_bias" in name:    # a trained bias: it changes the choice, not the weights
-      p = 0.05 * jax.random.normal(k, p.shape)
+      p = 0.05 * inputs.normal(k, p.shape)
     elif "router" in name:
       p = p * 40.0
     else:
-      p = p * 4.0 if p.ndim >= 2 else p + 0.3 * jax.random.normal(k, p.shape)
+      p = p * 4.0 if p.ndim >= 2 else p + 0.3 * inputs.normal(k, p.shape)
     out.append(p)
   return model, jax.tree_util.tree_unflatten(tree, out)
 

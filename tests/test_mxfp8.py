@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import gemm, grouped, native
 from fp4jax import dispatch
@@ -116,7 +117,7 @@ def test_quantize_equals_the_transcription(rule):
   """Random blocks over many binades, a zero block, a tiny (1e-30) and a huge (1e30) block, a block with
   +inf and one with -inf: elements and scale bytes bit for bit."""
   k1, k2 = jax.random.split(jax.random.key(11))
-  x = jax.random.normal(k1, (24, 128)) * jnp.exp2(jax.random.randint(k2, (24, 1), -20, 20).astype(jnp.float32))
+  x = inputs.normal(k1, (24, 128)) * jnp.exp2(jax.random.randint(k2, (24, 1), -20, 20).astype(jnp.float32))
   x = x.at[1, :32].set(0.0).at[2, 32:64].multiply(1e-30).at[3, 64:96].multiply(1e30)
   x = x.at[4, 5].set(jnp.inf).at[5, 100].set(-jnp.inf)
   q = jax.jit(mxfp8.quantize, static_argnums=1)(x, rule)
@@ -162,10 +163,10 @@ def test_native_operands_are_the_emulated_bytes(monkeypatch):
 
   monkeypatch.setattr(native, "block_scaled_matmul", record)
   monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
-  x = jax.random.normal(jax.random.key(0), (M, K)) * 3
+  x = inputs.normal(jax.random.key(0), (M, K)) * 3
   x = x.at[3, :32].set(0.0).at[5, 40].set(1e4).at[7, 64:].multiply(1e-30)
-  w = jax.random.normal(jax.random.key(1), (K, N))
-  dy = jax.random.normal(jax.random.key(2), (M, N)) * 1e-3
+  w = inputs.normal(jax.random.key(1), (K, N))
+  dy = inputs.normal(jax.random.key(2), (M, N)) * 1e-3
 
   @jax.jit
   def step(x, w, dy):
@@ -189,8 +190,8 @@ def test_native_gemm_equals_the_xla_path_bit_for_bit():
   """The native GEMM (its twin on the CPU: the dequantized values in one float32 GEMM) is the XLA path's
   mxfp8.gemm, bit for bit, eagerly and under jit, for float32 and bfloat16 outputs."""
   q = Quantizer("mxfp8")
-  a = q(jax.random.normal(jax.random.key(3), (48, 256)) * 7)
-  b = q(jax.random.normal(jax.random.key(4), (40, 256)) * 1e-3)
+  a = q(inputs.normal(jax.random.key(3), (48, 256)) * 7)
+  b = q(inputs.normal(jax.random.key(4), (40, 256)) * 1e-3)
   for out_dtype in (jnp.float32, jnp.bfloat16):
     want = gemm.matmul(a, b, out_dtype=out_dtype, impl="xla")
     for fn in (gemm.matmul, jax.jit(gemm.matmul, static_argnames=("out_dtype", "impl"))):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import _native_compat as nc
 from fp4jax import gemm, grouped, native
@@ -32,9 +33,9 @@ M, N, K = 48, 32, 256
 
 def _x(seed, shape, scale=1.0):
   k1, k2 = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(k1, shape, jnp.float32) * scale
+  x = inputs.normal(k1, shape, jnp.float32) * scale
   # a few large values so that blocks differ in scale and some scales are subnormal/large
-  return x * jnp.where(jax.random.uniform(k2, shape) < 0.02, 30.0, 1.0)
+  return x * jnp.where(inputs.uniform(k2, shape) < 0.02, 30.0, 1.0)
 
 
 def _q(quantizer, x, seed=7):

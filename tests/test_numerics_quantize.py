@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import random_bits
 from fp4jax.numerics import nvfp4
@@ -27,7 +28,7 @@ def assert_q_equal(a, b):
 
 
 def normal(shape, seed=0, dtype=jnp.float32, scale=1.0):
-  return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+  return (scale * inputs.normal(jax.random.key(seed), shape)).astype(dtype)
 
 
 @pytest.mark.parametrize("fmt, kw, data_shape, scale_shape", [

@@ -12,6 +12,7 @@ import pytest
 from flax import traverse_util
 import flax.linen as nn
 
+import inputs
 import fp4jax
 from fp4jax import recipes
 from models import get_model_config, policy, rules
@@ -195,8 +196,8 @@ class TestRuleErrors:
 def _dot_and_grads(recipe, x_shape, w_shape):
   """(y, dx, dw) of fp4jax.dot_general(x, w) with ``recipe`` (a Recipe, a name or a Roles table), fixed inputs,
   key and cotangent of ones."""
-  x = jax.random.normal(jax.random.key(0), x_shape)
-  w = jax.random.normal(jax.random.key(1), w_shape)
+  x = inputs.normal(jax.random.key(0), x_shape)
+  w = inputs.normal(jax.random.key(1), w_shape)
   y, vjp = jax.vjp(lambda a, b: fp4jax.dot_general(a, b, (((1,), (0,)), ((), ())), recipe=recipe,
                                                      key=jax.random.key(3)), x, w)
   return (y, *vjp(jnp.ones_like(y)))

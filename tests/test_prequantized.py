@@ -6,14 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import prequantized
 
 
 def _operands(m=40, k=96, n=48, seed=0):
   kx, kw = jax.random.split(jax.random.key(seed))
-  x = (jax.random.normal(kx, (2, m // 2, k)) * 3).astype(jnp.bfloat16)
-  w = (jax.random.normal(kw, (k, n)) * 0.1).astype(jnp.bfloat16)
+  x = (inputs.normal(kx, (2, m // 2, k)) * 3).astype(jnp.bfloat16)
+  w = (inputs.normal(kw, (k, n)) * 0.1).astype(jnp.bfloat16)
   return x, w
 
 
@@ -28,7 +29,7 @@ def _bits(a):
 def test_values_and_gradients_are_bit_identical(recipe):
   x, w = _operands()
   key = jax.random.key(3)
-  g = jax.random.normal(jax.random.key(4), (2, 20, 48), jnp.float32).astype(jnp.bfloat16)
+  g = inputs.normal(jax.random.key(4), (2, 20, 48), jnp.float32).astype(jnp.bfloat16)
 
   def loss_plain(x, w):
     return jnp.sum(fp4jax.dot(x, w, recipe=recipe, key=key).astype(jnp.float32) * g)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 from fp4jax import dispatch, native, verdicts
 from fp4jax import target as target_lib
 from fp4jax.kernels import quantize_1d as k1d
@@ -90,7 +91,7 @@ def test_no_gpu_no_proof(monkeypatch, tmp_path):
 
 def test_exact_kernel_is_proved_cached_and_used(fake_gpu, kernel_faster, monkeypatch, capsys):
   calls = _count_proofs(monkeypatch)
-  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
+  x = inputs.normal(jax.random.key(0), (32, 64), jnp.bfloat16)
   # impl=None asks while the program is traced: the proof runs then (on its own thread) ...
   jaxpr = jax.make_jaxpr(lambda x: quantize_last(x, jnp.max(jnp.abs(x)).astype(jnp.float32), fmt=FMT))(x)
   assert calls == [(OP, FMT)]

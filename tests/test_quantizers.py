@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import formats, gemm, recipes
 from fp4jax.numerics import dbq, eden, four_over_six as fos, mxfp8
 from fp4jax.qtensor import validate
 from fp4jax.quantizers import TRANSPOSED, Quantizer, Roles
 
-X = jax.random.normal(jax.random.key(0), (32, 256)) * jnp.exp2(jnp.arange(256.0) % 5 - 2)
-W = jax.random.normal(jax.random.key(1), (48, 256)) * 0.1
+X = inputs.normal(jax.random.key(0), (32, 256)) * jnp.exp2(jnp.arange(256.0) % 5 - 2)
+W = inputs.normal(jax.random.key(1), (48, 256)) * 0.1
 
 QUANTIZERS = {
     "nvfp4": Quantizer("nvfp4"), "nvfp4 tiles": Quantizer("nvfp4", tiled=True),
@@ -112,8 +113,8 @@ def test_grouped_gemm_is_one_gemm_per_group(name):
   dense GEMM of that group's rows, bit for bit on the CPU; zeros past the groups."""
   q = QUANTIZERS[name]
   sizes = (16, 0, 48, 16)
-  xs = jnp.split(jax.random.normal(jax.random.key(6), (80, 256)), np.cumsum(sizes)[:-1])
-  ws = jax.random.normal(jax.random.key(7), (4, 48, 256)) * 0.1
+  xs = jnp.split(inputs.normal(jax.random.key(6), (80, 256)), np.cumsum(sizes)[:-1])
+  ws = inputs.normal(jax.random.key(7), (4, 48, 256)) * 0.1
   parts = [q(x, jax.random.key(8)) for x in xs if x.shape[0]]
   past = _chunked(q(jnp.zeros((16, 256)), jax.random.key(8)), 16)   # one chunk past the last group
   a = jax.tree.map(lambda *l: jnp.concatenate(l), *[_chunked(p, 16) for p in parts], past)
@@ -192,8 +193,8 @@ def test_mxfp8_recipe_is_a_table_of_six_mxfp8_quantizers():
       Quantizer("mxfp8")}
   assert not roles.needs_key
   x = X[:, :96]                                                        # (M, K) = (32, 96)
-  w = jax.random.normal(jax.random.key(4), (96, 64)) * 0.1              # (K, N)
-  dy = jax.random.normal(jax.random.key(5), (32, 64))
+  w = inputs.normal(jax.random.key(4), (96, 64)) * 0.1              # (K, N)
+  dy = inputs.normal(jax.random.key(5), (32, 64))
   y, vjp = jax.vjp(lambda x, w: fp4jax.dot(x, w, recipe=recipes.mxfp8()), x, w)
   dx, dw = vjp(dy)
   mm = lambda a, b: mxfp8.gemm(mxfp8.quantize(a), mxfp8.quantize(b))

@@ -2,6 +2,7 @@
 import jax.numpy as jnp
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import random_bits, recipes
 from fp4jax.dot import needs_key
@@ -89,9 +90,9 @@ def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
   """With the kernels, the dot's two SR quantizes (dgrad dy 1x16, wgrad dy RHT-16 transposed) get the packed
   KeyedBits; on the XLA path its gradients differ from the "jax" layout's (the bits are really used)."""
   import jax   # pylint: disable=import-outside-toplevel
-  x = jax.random.normal(jax.random.key(0), (32, 64), jnp.float32)
-  w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
-  dy = jax.random.normal(jax.random.key(3), (32, 32), jnp.float32)
+  x = inputs.normal(jax.random.key(0), (32, 64), jnp.float32)
+  w = inputs.normal(jax.random.key(1), (64, 32), jnp.float32)
+  dy = inputs.normal(jax.random.key(3), (32, 32), jnp.float32)
   key = jax.random.key(2)
 
   def grads(recipe):

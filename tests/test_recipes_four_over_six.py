@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import gemm, random_bits, recipes
 from fp4jax.numerics import e2m1, four_over_six as fos, hadamard, nvfp4
@@ -194,7 +195,7 @@ def test_naive_jit_arithmetic_would_fail_the_check():
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("bound", fos.BOUNDS)
 def test_dequantize_and_idempotence(tiled, bound):
-  x = jax.random.normal(jax.random.key(0), (32, 64)) * 3
+  x = inputs.normal(jax.random.key(0), (32, 64)) * 3
   codes, scale, amax = fos.quantize(x, tiled=tiled, bound=bound)
   x_hat = fos.dequantize(codes, scale, amax, tiled=tiled, bound=bound)
   factor = fos.decode_factor(scale, amax, bound)
@@ -208,7 +209,7 @@ def test_dequantize_and_idempotence(tiled, bound):
 
 
 def test_mse_not_worse_than_either_candidate():
-  x = jax.random.normal(jax.random.key(1), (256, 16)) * jnp.exp(jax.random.normal(jax.random.key(2), (256, 1)))
+  x = inputs.normal(jax.random.key(1), (256, 16)) * jnp.exp(inputs.normal(jax.random.key(2), (256, 1)))
   c = fos.quantize_blocks(x, jnp.max(jnp.abs(x)))
   picked = jnp.where(c.map4, c.err4, c.err6)
   assert bool(jnp.all(picked <= jnp.minimum(c.err4, c.err6)))
@@ -290,9 +291,9 @@ def _paper_dot_from_numerics(recipe, precision, out_dtype, x, w, key):
 def test_the_paper_recipe_equals_its_numerics_bit_for_bit():
   """fp4jax.dot's paper recipe equals its transcription from the numerics modules (forward, dgrad and
   wgrad, with the same random bits): an independent check of the quantizers and the one custom_vjp."""
-  x = jax.random.normal(jax.random.key(0), (64, 48))
-  w = jax.random.normal(jax.random.key(1), (48, 32)) * 0.2
-  dy = jax.random.normal(jax.random.key(2), (64, 32))
+  x = inputs.normal(jax.random.key(0), (64, 48))
+  w = inputs.normal(jax.random.key(1), (48, 32)) * 0.2
+  dy = inputs.normal(jax.random.key(2), (64, 32))
   for recipe in (recipes.nvfp4(), recipes.nvfp4(weight_2d=False), recipes.nvfp4(rht=False)):
     want = jax.jit(lambda *a: _dot_and_grads(recipe, *a))(x, w, dy, jax.random.key(3))
     got = jax.jit(lambda *a: _dot_and_grads(recipe, *a, qdot=_paper_dot_from_numerics))(x, w, dy,
@@ -305,8 +306,8 @@ def test_the_paper_recipe_equals_its_numerics_bit_for_bit():
                                   pytest.param("activations", marks=pytest.mark.slow), "all"])
 def test_dot_with_four_over_six_forward(role):
   recipe = recipes.nvfp4(four_over_six=role)
-  x = jax.random.normal(jax.random.key(0), (32, 64)) * 2
-  w = jax.random.normal(jax.random.key(1), (64, 48))
+  x = inputs.normal(jax.random.key(0), (32, 64)) * 2
+  w = inputs.normal(jax.random.key(1), (64, 48))
   y = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe=recipe))(x, w)
   qx = Quantizer("nvfp4", four_over_six=FOS if role != "weights" else None)(x)
   qw = Quantizer("nvfp4", tiled=True, four_over_six=FOS if role != "activations" else None)(w.T)
@@ -320,7 +321,7 @@ def test_dot_with_four_over_six_forward(role):
 
 
 def test_four_over_six_lowers_operand_error_on_gaussian_data():
-  x = jax.random.normal(jax.random.key(4), (256, 256))
+  x = inputs.normal(jax.random.key(4), (256, 256))
   plain = float(jnp.mean((fp4jax.dequantize(Quantizer("nvfp4")(x)) - x) ** 2))
   for metric in fos.METRICS:
     err = float(jnp.mean((fp4jax.dequantize(Quantizer("nvfp4", four_over_six=(256, metric))(x)) - x) ** 2))
@@ -352,7 +353,7 @@ def test_bad_four_over_six_recipes_fail_at_construction(make, match):
 def test_stochastic_candidates_share_bits_and_are_biased():
   """The optional SR variant (spec §9.5): both candidates rounded with the same bits; the choice on the
   rounded errors makes the mean over draws differ from x (documented bias), unlike plain SR."""
-  x = jax.random.normal(jax.random.key(0), (64, 16))
+  x = inputs.normal(jax.random.key(0), (64, 16))
   amax = jnp.max(jnp.abs(x))
   bits = jax.random.bits(jax.random.key(1), x.shape, jnp.uint8)
   c = fos.quantize_blocks(x, amax, bits=bits)
@@ -377,9 +378,9 @@ def test_stochastic_candidates_share_bits_and_are_biased():
 @pytest.mark.slow   # the paper recipe's bit-for-bit test is the default representative
 def test_bf16_backward_gemms_with_four_over_six_are_exact():
   recipe = recipes.nvfp4(four_over_six="all", dgrad="bf16", wgrad="bf16")
-  x = jax.random.normal(jax.random.key(0), (32, 48))
-  w = jax.random.normal(jax.random.key(1), (48, 16))
-  dy = jax.random.normal(jax.random.key(2), (32, 16))
+  x = inputs.normal(jax.random.key(0), (32, 48))
+  w = inputs.normal(jax.random.key(1), (48, 16))
+  dy = inputs.normal(jax.random.key(2), (32, 16))
   hi = jax.lax.Precision.HIGHEST
   f = lambda x, w: fp4jax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=hi, recipe=recipe)
   dx, dw = jax.vjp(f, x, w)[1](dy)

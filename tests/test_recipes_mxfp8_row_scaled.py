@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import gemm, recipes, reference
 from fp4jax.dot import residuals
@@ -109,9 +110,9 @@ class TestMxfp8Recipe:
     assert not r.needs_key
 
   def test_each_role_quantizes_in_its_gemms_orientation(self):
-    x = jax.random.normal(jax.random.key(0), (64, 96)) * 3
+    x = inputs.normal(jax.random.key(0), (64, 96)) * 3
     x = x.at[3, :32].set(0.0).at[5, 40].set(1e4).at[7, 64:].multiply(1e-30)   # a zero, a huge, a tiny block
-    w = jax.random.normal(jax.random.key(1), (96, 64))
+    w = inputs.normal(jax.random.key(1), (96, 64))
     roles = recipes.mxfp8().roles
     res = residuals("mxfp8", x, w)
     cases = [(roles.fprop_x(x), x), (roles.fprop_w(w.T), w.T),            # fprop: along K
@@ -172,7 +173,7 @@ class TestMxfp8Recipe:
 # ------------------------------------------------------------------------------------ row-scaled NVFP4
 
 def _row_scaled_vectors():
-  x = np.array(jax.random.normal(jax.random.key(5), (6, 64)), F32)
+  x = np.array(inputs.normal(jax.random.key(5), (6, 64)), F32)
   x[0] = 0.0                      # a row of zeros: amax 0, S_enc = 1, every scale 0
   x[1, 17] = 40.0                 # the row holding the tensor's max
   x[2] *= 1e-3                    # a row far below the tensor max: its own amax keeps its precision
@@ -233,13 +234,13 @@ class TestRowScaledNvfp4:
   def test_dot_forward_equals_the_transcription_and_backward_equals_nvfp4(self):
     x = _row_scaled_vectors()
     x[3, 5] = 7.0                                  # the Inf row's output is checked separately
-    w = np.array(jax.random.normal(jax.random.key(6), (64, 48)), F32)
+    w = np.array(inputs.normal(jax.random.key(6), (64, 48)), F32)
     key = jax.random.key(7)
     row = recipes.nvfp4(row_scaled_activation=True)
     f = lambda r: jax.vjp(lambda a, b: fp4jax.dot(a, b, recipe=r, key=key), jnp.asarray(x), jnp.asarray(w))
     y_row, vjp_row = f(row)
     y_nv, vjp_nv = f(recipes.nvfp4())
-    dy = jnp.asarray(jax.random.normal(jax.random.key(8), y_nv.shape))
+    dy = jnp.asarray(inputs.normal(jax.random.key(8), y_nv.shape))
     for a, b in zip(vjp_row(dy), vjp_nv(dy)):     # backward as the recipe: same roles, same key
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Forward: the same GEMM as a per-row loop of per-tensor NVFP4 GEMMs (one "tensor" per row).
@@ -252,7 +253,7 @@ class TestRowScaledNvfp4:
 
   def test_an_inf_row_poisons_only_its_own_outputs(self):
     x = _row_scaled_vectors()
-    w = np.array(jax.random.normal(jax.random.key(6), (64, 48)), F32)
+    w = np.array(inputs.normal(jax.random.key(6), (64, 48)), F32)
     y_row = np.asarray(fp4jax.dot(jnp.asarray(x), jnp.asarray(w), recipe="nvfp4_row_scaled"))
     y_nv = np.asarray(fp4jax.dot(jnp.asarray(x), jnp.asarray(w), recipe="nvfp4"))
     assert not np.all(np.isfinite(y_row[3])) and np.all(np.isfinite(np.delete(y_row, 3, axis=0)))

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import gemm, recipes
 from fp4jax.numerics import e2m1, eden
@@ -96,8 +97,8 @@ def test_b5_group_16():
 
 
 def test_rht128_is_orthogonal_and_cancels_in_a_product():
-  x = jax.random.normal(jax.random.key(0), (4, 256))
-  w = jax.random.normal(jax.random.key(1), (3, 256))
+  x = inputs.normal(jax.random.key(0), (4, 256))
+  w = inputs.normal(jax.random.key(1), (3, 256))
   s = eden.random_signs(jax.random.key(2))
   assert sorted(set(np.asarray(s).tolist())) == [-1.0, 1.0]
   got = eden.rht(x, s) @ eden.rht(w, s).T
@@ -138,7 +139,7 @@ def test_b6_projection_identity():
 def test_ms_eden_unbiased_on_random_tensors():
   """Over keys (signs and scale bits), the mean dequantized RHT-domain value of a gradient-like tensor
   is the tensor (within 5 standard errors per element, with a Bonferroni-free max over 4 rows)."""
-  y = jax.random.normal(jax.random.key(3), (4, 256)) * jnp.exp(jax.random.normal(jax.random.key(4), (4, 1)))
+  y = inputs.normal(jax.random.key(3), (4, 256)) * jnp.exp(inputs.normal(jax.random.key(4), (4, 1)))
 
   def one(key):
     k1, k2 = jax.random.split(key)
@@ -173,9 +174,9 @@ M, KIN, N = 128, 128, 128
 
 
 def _problem():
-  x = jax.random.normal(jax.random.key(0), (M, KIN))
-  w = jax.random.normal(jax.random.key(1), (KIN, N)) * 0.1
-  dy = jax.random.normal(jax.random.key(2), (M, N)) * jnp.exp(jax.random.normal(jax.random.key(5), (M, 1)))
+  x = inputs.normal(jax.random.key(0), (M, KIN))
+  w = inputs.normal(jax.random.key(1), (KIN, N)) * 0.1
+  dy = inputs.normal(jax.random.key(2), (M, N)) * jnp.exp(inputs.normal(jax.random.key(5), (M, 1)))
   return x, w, dy
 
 
@@ -245,14 +246,14 @@ def test_quartet2_residuals_are_fp4():
 
 
 def test_quartet2_pads_unaligned_shapes_and_batches():
-  x = jax.random.normal(jax.random.key(0), (3, 50, 40))
-  w = jax.random.normal(jax.random.key(1), (40, 70))
+  x = inputs.normal(jax.random.key(0), (3, 50, 40))
+  w = inputs.normal(jax.random.key(1), (40, 70))
   f = jax.jit(lambda x, w: fp4jax.dot(x, w, recipe="quartet2", key=jax.random.key(3)))
   y = f(x, w)
   assert y.shape == (3, 50, 70)
   rel = lambda a, b: float(jnp.sqrt(jnp.mean((a - b) ** 2) / jnp.mean(b ** 2)))
   assert rel(y, x @ w) < 0.15            # FP4 forward error, relative RMS
-  dy = jax.random.normal(jax.random.key(4), y.shape)
+  dy = inputs.normal(jax.random.key(4), y.shape)
   dx, dw = jax.jit(lambda x, w, dy: jax.vjp(f, x, w)[1](dy))(x, w, dy)
   dx_ex, dw_ex = jax.vjp(lambda x, w: x @ w, x, w)[1](dy)
   assert rel(dx, dx_ex) < 0.3 and rel(dw, dw_ex) < 0.3   # quantized forward + MS-EDEN noise
@@ -270,7 +271,7 @@ def test_quartet2_needs_a_key_for_the_gradient():
 def test_quartet2_in_a_flax_module():
   import flax.linen as nn
   dense = nn.Dense(128, dot_general_cls=fp4jax.flax.dot_general_cls("quartet2"))
-  x = jax.random.normal(jax.random.key(0), (8, 128))
+  x = inputs.normal(jax.random.key(0), (8, 128))
   params = dense.init(jax.random.key(1), x)
   loss = lambda p: jnp.sum(dense.apply(p, x, rngs={"fp4": jax.random.key(2)}) ** 2)
   grads = jax.grad(loss)(params)

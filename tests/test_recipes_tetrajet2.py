@@ -7,6 +7,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+import inputs
 import fp4jax
 from fp4jax import _exact, osci_reset, outcontrol, recipes
 from fp4jax.numerics import dbq, eden, mxfp8
@@ -73,8 +74,8 @@ def test_c4_lcg_noise_and_rounding():
 # ---------------------------------------------------------------------------------------------------
 
 def test_dbq_dequantize_idempotent_and_gemm():
-  x = jax.random.normal(jax.random.key(0), (8, 256)) * 3
-  w = jax.random.normal(jax.random.key(1), (16, 256))
+  x = inputs.normal(jax.random.key(0), (8, 256)) * 3
+  w = inputs.normal(jax.random.key(1), (16, 256))
   qx, qw = dbq.quantize(x), dbq.quantize(w)
   x_hat = dbq.dequantize(qx)
   again = dbq.quantize(x_hat)
@@ -89,7 +90,7 @@ def test_dbq_dequantize_idempotent_and_gemm():
 def test_dbq_stochastic_rounding_unbiased_inside_the_range():
   """Mean over keys of SR-DBQ equals x within 5σ wherever |x·inv| <= 6; the values the E4M3 scale pushes
   above 6 (up to 6·(1 + 1/16)) are clipped, the bias the spec documents (TJ applies no margin)."""
-  x = jax.random.normal(jax.random.key(2), (2, 128)) * 2
+  x = inputs.normal(jax.random.key(2), (2, 128)) * 2
   q0 = dbq.quantize(x)
   inv = 1.0 / np.repeat(np.asarray(dbq.decode_factor(q0.scale, q0.outer)), 16, axis=-1)
   scaled = np.abs(np.asarray(x)) * inv
@@ -132,12 +133,12 @@ def test_outcontrol_picks_the_outlier_channels_and_cuts_the_error():
   scale = jnp.ones(k_in).at[7].set(40.0).at[130].set(25.0)
   acc = outcontrol.calibration_init(k_in)
   for step in range(3):
-    acc = outcontrol.calibration_accumulate(acc, jax.random.normal(jax.random.key(step), (64, k_in)) * scale)
+    acc = outcontrol.calibration_accumulate(acc, inputs.normal(jax.random.key(step), (64, k_in)) * scale)
   perm = outcontrol.calibration_finalize(acc)
   assert np.asarray(perm[:2]).tolist() == [7, 130]
   assert sorted(np.asarray(perm).tolist()) == list(range(k_in))
-  x = jax.random.normal(jax.random.key(9), (128, k_in)) * scale
-  w = jax.random.normal(jax.random.key(10), (k_in, n_out))
+  x = inputs.normal(jax.random.key(9), (128, k_in)) * scale
+  w = inputs.normal(jax.random.key(10), (k_in, n_out))
   exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   n8 = outcontrol.k8(k_in, 0.1)
   err_mixed = np.abs(np.asarray(outcontrol.split_fprop(x, w, perm, n8)) - exact).mean()
@@ -198,7 +199,7 @@ def test_c5_tracked_distances():
 
 def _toy_weights(k):
   """A drifting, partly oscillating (2, 256) weight 'after step k'."""
-  base = jax.random.normal(jax.random.key(0), (2, 256)) * 2
+  base = inputs.normal(jax.random.key(0), (2, 256)) * 2
   wobble = jnp.where(jnp.arange(256) % 3 == 0, 0.3 * (-1.0) ** k, 0.001 * k)
   return base + wobble
 
@@ -277,8 +278,8 @@ def test_bad_config_says_what_to_do():
 # ---------------------------------------------------------------------------------------------------
 
 def test_tetrajet2_forward_is_dbq_nearest():
-  x = jax.random.normal(jax.random.key(0), (64, 256))
-  w = jax.random.normal(jax.random.key(1), (256, 128)) * 0.1
+  x = inputs.normal(jax.random.key(0), (64, 256))
+  w = inputs.normal(jax.random.key(1), (256, 128)) * 0.1
   y = fp4jax.dot(x, w, recipe="tetrajet2")
   np.testing.assert_array_equal(np.asarray(y), np.asarray(dbq.gemm(dbq.quantize(x), dbq.quantize(w.T))))
 
@@ -289,9 +290,9 @@ def test_tetrajet2_gradient_bias_is_small_and_reported():
   mean z² ≈ 2 (dx 2.12, dw 1.94; 1 for an unbiased estimator), relative bias ≈ 0.7% of the gradient's
   norm. The test pins both orders of magnitude."""
   m = k_in = n = 128
-  x = jax.random.normal(jax.random.key(0), (m, k_in))
-  w = jax.random.normal(jax.random.key(1), (k_in, n)) * 0.1
-  dy = jax.random.normal(jax.random.key(2), (m, n)) * jnp.exp(jax.random.normal(jax.random.key(5), (m, 1)))
+  x = inputs.normal(jax.random.key(0), (m, k_in))
+  w = inputs.normal(jax.random.key(1), (k_in, n)) * 0.1
+  dy = inputs.normal(jax.random.key(2), (m, n)) * jnp.exp(inputs.normal(jax.random.key(5), (m, 1)))
   recipe = recipes.tetrajet2()
 
   def grads(key):
@@ -334,9 +335,9 @@ def test_outcontrol_dot_forward_backward():
   gradients scatter back to the original channel order and beat all-FP4 on planted outlier channels."""
   k_in, n_out, m = 256, 128, 128
   scale = jnp.ones(k_in).at[7].set(40.0).at[130].set(25.0)
-  x = jax.random.normal(jax.random.key(0), (m, k_in)) * scale
-  w = jax.random.normal(jax.random.key(1), (k_in, n_out)) * 0.1
-  dy = jax.random.normal(jax.random.key(2), (m, n_out))
+  x = inputs.normal(jax.random.key(0), (m, k_in)) * scale
+  w = inputs.normal(jax.random.key(1), (k_in, n_out)) * 0.1
+  dy = inputs.normal(jax.random.key(2), (m, n_out))
   perm = outcontrol.calibration_finalize(outcontrol.calibration_accumulate(outcontrol.calibration_init(k_in), x))
   n8 = outcontrol.k8(k_in, 0.1)
   f = jax.jit(lambda x, w, p, key: outcontrol.dot(x, w, p, n8, key=key))

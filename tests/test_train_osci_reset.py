@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import traverse_util
 
+import inputs
 import fp4jax
 from configs import shrunken
 from fp4jax import osci_reset
@@ -158,7 +159,7 @@ def test_scanned_blocks_track_the_stacked_kernels_along_their_input_axis():
       trainer.build_model(model_config, recipe), optax.identity(), 0, 8, osci))["params"])
   tracked = osci.tracked(params)
   assert len(tracked) == 6 and all(len(params_at(params, p).shape) == 3 for p in tracked)
-  w = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 8))
+  w = inputs.normal(jax.random.PRNGKey(0), (2, 40, 8))
   q = jax.jit(osci_reset.quantized_weight, static_argnums=1)
   np.testing.assert_array_equal(np.asarray(q(w, -2))[1], np.asarray(q(w[1], 0)))
 

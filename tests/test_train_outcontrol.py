@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
+import inputs
 import fp4jax
 from configs import shrunken
 from fp4jax import osci_reset, outcontrol
@@ -55,7 +56,7 @@ def _toy_inputs(seed, loud):
   """x (64, K): unit normal, channels ``loud`` 20x larger."""
   scale_K = np.ones(K, np.float32)
   scale_K[loud] = 20.0
-  return jax.random.normal(jax.random.PRNGKey(seed), (64, K)) * scale_K
+  return inputs.normal(jax.random.PRNGKey(seed), (64, K)) * scale_K
 
 
 # ------------------------------------------------------------------------------------------- the layer
@@ -260,8 +261,8 @@ def test_osci_reset_tracks_the_fp4_rows_in_their_gathered_order():
   osci = optim.OsciReset(osci_reset.OsciResetConfig(period=4, detect_steps=2, start=0, threshold=1.0, axis=-2),
                          cfg, recipe)
   keys = jax.random.split(jax.random.PRNGKey(0), 8)
-  w = {"blocks_0": {"mixer": {"up": {"kernel": jax.random.normal(keys[0], (K, K))},
-                              "down": {"kernel": jax.random.normal(keys[1], (K, K))}}}}
+  w = {"blocks_0": {"mixer": {"up": {"kernel": inputs.normal(keys[0], (K, K))},
+                              "down": {"kernel": inputs.normal(keys[1], (K, K))}}}}
   perm = {"blocks_0": {"mixer": {"up": {"perm": jax.random.permutation(keys[2], K).astype(jnp.int32),
                                         "acc": jnp.zeros(K)}}}}     # "down" stays plain
   state = osci.init(w)
@@ -272,7 +273,7 @@ def test_osci_reset_tracks_the_fp4_rows_in_their_gathered_order():
   up = ("blocks_0", "mixer", "up", "kernel")
   ref_state = osci_reset.init(jnp.zeros((K - 128, K)), None)
   for k in range(4):    # snapshot, two tracking steps, the reset
-    w = jax.tree.map(lambda x, i=k: x + 0.3 * jax.random.normal(keys[3 + i], x.shape), w)
+    w = jax.tree.map(lambda x, i=k: x + 0.3 * inputs.normal(keys[3 + i], x.shape), w)
     ref_w = gathered(np.asarray(traverse_util.flatten_dict(w)[up]))[128:]
     new_w, state = apply(w, state, k)
     ref_w_new, ref_state = plain(ref_w, ref_state, k)
