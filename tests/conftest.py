@@ -23,6 +23,13 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 import pytest  # noqa: E402  (after the platform rules)
 
 
+def pytest_configure(config):
+  """``FP4JAX_COMPILE_REPORT=<dir>``: record where each test's compile time goes (tests/compile_report.py)."""
+  if os.environ.get("FP4JAX_COMPILE_REPORT"):
+    import compile_report  # pylint: disable=import-outside-toplevel
+    compile_report.install(config, os.environ["FP4JAX_COMPILE_REPORT"])
+
+
 @pytest.fixture(scope="session")
 def finished(tmp_path_factory):
   """A 4-step run with checkpoints 2 and 4, and a 6-step run straight through (``train_runs.make_finished``),
