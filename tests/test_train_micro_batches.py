@@ -57,7 +57,8 @@ def test_bf16_micro_batches_give_the_gradient_of_the_whole_batch():
   those of the batch of 8 up to float32 summation order. Each is a float32 sum over the B x L = 256 token
   positions, which the micro-batches add in another order (4 partial sums, then their sum); reordering a sum
   of m terms moves it by at most about m u times its terms' magnitude, so each leaf is compared to m u of its
-  largest gradient (measured: 1e-6 of it; a micro-batch lost or counted twice moves the gradient by ~1/4)."""
+  largest gradient (measured: 1e-6 of it). The update is built from these by the same optimizer code; the
+  NVFP4 test below compares a whole step's update bit for bit."""
   config = shrunken.shrunken_config(**{"model.pattern": "-"})
   model = step_lib.build_model(config_lib.resolve_model_config(config.model), fp4jax.recipes.get("bf16"))
   tx, _ = optim.make_optimizer(config.optim, 10)
