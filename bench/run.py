@@ -86,7 +86,8 @@ def measure_train_step(config_name: str, recipe: str, steps: int) -> dict:
   B, L = int(config.batch_size), int(config.data.seq_len)
   tx, lr_fn = optim.make_optimizer(config.optim, int(config.steps))
   state = jax.jit(lambda: trainer._unboxed(trainer.init_state(model, tx, 0, L)))()  # pylint: disable=protected-access
-  step_fn = jax.jit(functools.partial(trainer.train_step, model=model, tx=tx, lr_fn=lr_fn), donate_argnums=(0,))
+  step_fn = jax.jit(functools.partial(trainer.train_step, model=model, tx=tx, lr_fn=lr_fn,
+                                      micro_batches=config.micro_batches), donate_argnums=(0,))
   tokens = jax.random.randint(jax.random.key(1), (B, L + 1), 0, model_config.vocab_size, jnp.int32)
   t0 = time.perf_counter()
   compiled = step_fn.lower(state, tokens).compile()

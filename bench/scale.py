@@ -8,7 +8,8 @@
 ``--devices N`` runs on N CPU devices (``--xla_force_host_platform_device_count``, set before JAX is imported).
 The step is ``training.step.jit_train_step`` with the shardings of ``training.sharding.train_state_shardings``:
 the trainer's own function and placement. The state and the batch are ``jax.ShapeDtypeStruct``s, so any model
-size compiles. The global batch is ``--batch_per_device`` x (data x fsdp) sequences of ``config.data.seq_len``.
+size compiles. The global batch is ``config.micro_batches`` x ``--batch_per_device`` x (data x fsdp x expert)
+sequences of ``config.data.seq_len``: ``--batch_per_device`` sequences per rank in each micro-batch.
 ``--mesh.<axis>=k`` is short for ``--config.mesh.<axis>=k``; any ``--config.<field>=<value>`` override works.
 
 Printed (and written by ``--json``): per-device argument / output / alias / temp bytes from XLA's memory
@@ -89,7 +90,8 @@ from training import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (read before JAX starts).")
-_BATCH = flags.DEFINE_integer("batch_per_device", 1, "Sequences per data-parallel rank (data x fsdp).")
+_BATCH = flags.DEFINE_integer("batch_per_device", 1, "Sequences per data-parallel rank (data x fsdp x expert) in "
+                               "each of the step's config.micro_batches micro-batches.")
 _CPU_PASSES = flags.DEFINE_boolean(
     "cpu_passes", False, "Keep the CPU backend's barrier expansion (undoes remat) and concurrency-optimized "
     "scheduler (read before JAX starts); by default both are off, closer to a GPU compile.")
@@ -266,8 +268,9 @@ def peak_breakdown(live_range_text: str, hlo_text: str) -> list[tuple[str, int]]
 
 def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   """The trainer's jitted train step for ``config`` on ``mesh`` and abstract inputs with their shardings:
-  ``{step_fn, state_in, tokens_in, abstract, model_config, recipe}``. Shared with bench/predict/gpu_aot.py, which
-  passes a mesh of GPU-topology devices."""
+  ``{step_fn, state_in, tokens_in, abstract, model_config, recipe}``: the step's batch is ``config.micro_batches``
+  micro-batches of ``batch_per_device`` sequences per rank. Shared with bench/predict/gpu_aot.py, which passes a
+  mesh of GPU-topology devices."""
   model_config = config_lib.resolve_model_config(config.model)
   recipe, _, _ = config_lib.resolve_recipes(config)
   ranks = sharding.batch_ways(mesh)
@@ -278,10 +281,11 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
     abstract_boxed = jax.eval_shape(lambda: step_lib.init_state(model, tx, config.seed, seq_len))
   abstract, state_sh = sharding.train_state_shardings(abstract_boxed, tx, mesh)
   state_in = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
-  tokens_in = jax.ShapeDtypeStruct((batch_per_device * ranks, seq_len + 1), jnp.int32,
+  micro = config.micro_batches
+  tokens_in = jax.ShapeDtypeStruct((micro * batch_per_device * ranks, seq_len + 1), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
   options = config_lib.xla_options(config, fp4jax.target.Target.of(mesh).device_kind)
-  step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh, compiler_options=options)
+  step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh, compiler_options=options, micro_batches=micro)
   return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, abstract=abstract,
               model_config=model_config, recipe=recipe, compiler_options=options)
 

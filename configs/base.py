@@ -12,6 +12,9 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
                     default; "nemotron3_super"; "all_fp4") or ordered rules (docs/TRAINING.md, "Choosing
                     precision per layer"), e.g. [("blocks_*/mixer/out_proj", "mxfp8"), ("*", "recipe")]
   steps, batch_size global optimizer steps and global batch (sequences); tokens/step = batch_size * seq_len
+  micro_batches     the micro-batches each step's batch is split into (gradient accumulation): one optimizer
+                    step over batch_size sequences, computed batch_size / micro_batches at a time; batch_size
+                    must be a multiple of micro_batches x data x fsdp x expert (docs/TRAINING.md, "Micro-batches")
   halt_after        stop (with a checkpoint) after this many steps of this run; 0: run to ``steps``
   data.sources      comma-separated files, globs or directories (text, .jsonl, .parquet/.arrow tables and
                     datasets' save_to_disk directories (text in data.text_column), .npy/.bin tokens); empty:
@@ -96,6 +99,7 @@ def get_config() -> config_dict.ConfigDict:
   c.model = model_section("tiny")
   c.steps = 1000
   c.batch_size = 16
+  c.micro_batches = 1
   c.halt_after = 0
   c.log_every = 10
   c.profile_steps = ()

@@ -5,15 +5,19 @@ projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
 
 The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
 by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
-one sequence of 8192 tokens per GPU (batch_size 64), blocks rematerialized (remat "full", set here: the 12B's
-save_linear_fp4 would keep every E block's expert hidden) and the repeated block groups scanned. The state is
+Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batch_size 512) in 8 micro-batches
+of one sequence per GPU (micro_batches 8: the gradients accumulate in float32, docs/TRAINING.md, "Micro-batches"),
+blocks rematerialized (remat "full", set here: the 12B's save_linear_fp4 would keep every E block's expert
+hidden) and the repeated block groups scanned. The state is
 21.61 GiB per GPU (the dense layers' too split over fsdp x expert: training.sharding). The experts' receive
 buffer is 1.5x each GPU's average traffic (model.moe_receive_factor; dropless it is 8x and the temp is
 terabytes). XLA's scheduler is told a budget (xla_options below: the slop factor per GPU kind). Compiled without a GPU (docs/PERF.md, "nemotron3_super on 64 GPUs"),
-arguments + temp per GPU and the predicted step:
+arguments + temp per GPU and the predicted step, measured before micro-batches for a step of 64 sequences (one
+micro-batch; a step of 8 runs its forward and backward 8 times, and the float32 gradient sum carried between them
+adds about 7 GiB per GPU, 4 bytes per parameter over 64 GPUs; not yet compiled at 8):
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
-Compile it with:
+Compile it with (--batch_per_device: sequences per GPU in each micro-batch):
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
       python bench/predict/gpu_aot.py --target h200 --what step --config configs/nemotron3_super.py --devices 64 \
@@ -28,8 +32,8 @@ Train (point the data at a pre-tokenized corpus of the 131072-token vocabulary):
 
 Sourced: the architecture (the preset's docstring), NVFP4 pretraining with MTP (the Nemotron 3 Super report's
 abstract: 25T tokens). Not sourced (the report's schedule was not reachable from here): the learning rate,
-warmup, decay and the 64-sequence batch are this repository's 12B choices scaled to 64 GPUs; `steps` is 25T
-tokens at that batch. Raise batch_size (and data-parallel replicas: mesh.data) for a production run.
+warmup and decay are this repository's 12B choices; the 512-sequence batch is Megatron-Bridge's (its Super
+performance rows); `steps` is 25T tokens at that batch.
 """
 from ml_collections import config_dict
 
@@ -41,8 +45,9 @@ def get_config():
   c = nemotron_h_12b.get_config()
   c.name = "nemotron3_super"
   c.model.preset = "nemotron3_super"
-  c.batch_size = 64
-  c.steps = 25_000_000_000_000 // (64 * 8192)
+  c.batch_size = 512
+  c.micro_batches = 8   # 64 sequences at a time: one per GPU, as the memory above allows
+  c.steps = 25_000_000_000_000 // (512 * 8192)
   c.mesh.expert = 8
   # Each block keeps its input only (remat "full"), not the 12B's save_linear_fp4: that policy keeps every
   # linear output, and an E block's expert hidden (S x 2688 bf16, 1.36 GiB per GPU at f = 1.5) alone would

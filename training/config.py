@@ -286,6 +286,13 @@ def validate(config) -> None:
 
   need(config.steps > 0, f"config.steps={config.steps} must be > 0")
   need(config.batch_size > 0, f"config.batch_size={config.batch_size} must be > 0")
+  n = config.micro_batches
+  need(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+       f"config.micro_batches={n!r} must be an integer >= 1 (1: no gradient accumulation)")
+  need(config.batch_size % n == 0,
+       f"config.batch_size={config.batch_size} is the batch of one optimizer step, split into "
+       f"config.micro_batches={n}; it must be a multiple of {n}: set --config.batch_size="
+       f"{-(-config.batch_size // n) * n} or a config.micro_batches that divides {config.batch_size}")
   need(config.data.seq_len > 0, f"config.data.seq_len={config.data.seq_len} must be > 0")
   need(0.0 <= config.data.validation_fraction < 1.0,
        f"config.data.validation_fraction={config.data.validation_fraction} must be in [0, 1)")

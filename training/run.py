@@ -127,10 +127,7 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   nproc, pindex = jax.process_count(), jax.process_index()
   batch_ways = sharding.batch_ways(mesh)
   sharding.check_experts(dict(mesh.shape), model_config)
-  if config.batch_size % batch_ways or config.batch_size % nproc:
-    raise ConfigError(f"config.batch_size={config.batch_size} must be a multiple of data * fsdp * expert = "
-                      f"{batch_ways} "
-                      f"and of the {nproc} processes")
+  check_batch(config.batch_size, config.micro_batches, batch_ways, nproc)
   seq_len = config.data.seq_len
   workdir, checkpoints, reporter, lock, resume = _open_workdir(config, workdir, pindex, stop)
   try:
@@ -143,6 +140,19 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
     if lock is not None:
       lock.release()
     raise
+
+
+def check_batch(batch_size: int, micro_batches: int, batch_ways: int, nproc: int) -> None:
+  """A ConfigError naming the fix unless each of the step's micro-batches (batch_size / micro_batches rows)
+  splits evenly over the batch's devices (data x fsdp x expert) and over the processes."""
+  unit = micro_batches * math.lcm(batch_ways, nproc)
+  if batch_size % unit:
+    fix = f"set --config.batch_size={-(-batch_size // unit) * unit}" + (
+        f" or lower config.micro_batches={micro_batches}" if micro_batches > 1 else "")
+    raise ConfigError(f"config.batch_size={batch_size} must be a multiple of micro_batches x data x fsdp x expert "
+                      f"= {micro_batches} x {batch_ways}" + (f" and of {micro_batches} x the {nproc} processes"
+                                                            if nproc > 1 else "")
+                      + f", so that every micro-batch splits evenly over the devices; {fix}")
 
 
 def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe, switch_step, outcontrol, mesh,
@@ -181,7 +191,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
         f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
         f"{outcontrol.on_step}")
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
-      f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens; workdir {workdir}")
+      f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens"
+      + (f" in {config.micro_batches} micro-batches of {config.batch_size // config.micro_batches}"
+         if config.micro_batches > 1 else "") + f"; workdir {workdir}")
   if reporter.writers:
     say("metrics: " + ", ".join(writer.where for writer in reporter.writers))
   # The run record changes only when the run does: a resume at or past config.steps trains nothing and writes
@@ -192,8 +204,11 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
   train_iter = data_lib.batches(train_split, global_batch=config.batch_size, seed=config.seed,
                                 process_index=pindex, process_count=nproc,
                                 read_threads=config.data.read_threads, prefetch=config.data.prefetch)
-  val_batches = (data_lib.eval_batches(val_split, global_batch=config.batch_size, num_batches=config.eval.batches,
-                                       seed=config.seed, process_index=pindex, process_count=nproc)
+  # Validation runs in micro-batches too (N times as many, N times smaller: the same windows, the same mean).
+  micro = config.micro_batches
+  val_batches = (data_lib.eval_batches(val_split, global_batch=config.batch_size // micro,
+                                       num_batches=config.eval.batches * micro, seed=config.seed,
+                                       process_index=pindex, process_count=nproc)
                  if evaluate else [])
   return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
              late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol=outcontrol,

@@ -1,6 +1,7 @@
 """The model and the pure, jitted step functions of the pretraining loop.
 
-Legend: B global batch, L sequence length, W = L + 1 window, V vocabulary.
+Legend: B global batch (the optimizer step's), N micro-batches, b = B / N rows of one, L sequence length,
+W = L + 1 window, V vocabulary.
 """
 from __future__ import annotations
 
@@ -158,29 +159,74 @@ def cross_entropy(logits_BxLxV, targets_BxL):
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
+def micro_batches_of(tokens_BxW, micro_batches: int):
+  """``tokens_NxbxW``: micro-batch i holds rows i, i + N, i + 2N, ... of the step's batch. The batch's rows are
+  split over the devices in contiguous blocks of B / devices (``sharding.batch_sharding``), each a multiple of
+  N, so every device already holds its b / devices rows of every micro-batch: the split moves no data."""
+  b = tokens_BxW.shape[0] // micro_batches
+  tokens_NxbxW = tokens_BxW.reshape(b, micro_batches, -1).swapaxes(0, 1)
+  return nn.with_logical_constraint(tokens_NxbxW, (None, "activation_batch", None))
+
+
+_COUNTS = ("load", "dropped")   # the MoE blocks' per-step counts (models.moe); every other stat is a loss
+
+
+def combine_micro_batch_stats(stats_N):
+  """The step's stats from its micro-batches' (every leaf with a leading axis of N): the MoE counts summed (the
+  whole batch's loads and dropped pairs), the losses (MTP's, the balance loss) averaged as the loss is."""
+  def combine(path, x_N):
+    counts = any(getattr(k, "key", None) in _COUNTS for k in path)
+    return jnp.sum(x_N, axis=0) if counts else jnp.mean(x_N, axis=0)
+  return jax.tree_util.tree_map_with_path(combine, stats_N)
+
+
+def accumulate_gradients(grad_fn, params, outcontrol, tokens_BxW, key, micro_batches: int):
+  """``((loss, (outcontrol, stats)), grads)`` of the step's batch, where ``grad_fn(params, outcontrol,
+  tokens, key)`` gives them for one batch. With one micro-batch, ``grad_fn`` of the batch and ``key`` (the
+  step without micro-batches, unchanged). With N, a ``lax.scan`` over ``micro_batches_of(tokens_BxW, N)``:
+  micro-batch i draws its stochastic rounding from ``fold_in(key, i)``, OutControl's state is carried from
+  one micro-batch to the next, the gradients are summed in float32 and divided by N once, the loss is the
+  mean of the micro-batches' (each a mean over b x L tokens: the batch's mean), the stats
+  ``combine_micro_batch_stats``."""
+  if micro_batches == 1:
+    return grad_fn(params, outcontrol, tokens_BxW, key)
+
+  def one(carry, xs):
+    sum_grads, outcontrol = carry
+    index, tokens_bxW = xs
+    (loss, (outcontrol, stats)), grads = grad_fn(params, outcontrol, tokens_bxW, jax.random.fold_in(key, index))
+    sum_grads = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), sum_grads, grads)
+    return (sum_grads, outcontrol), (loss, stats)
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  xs = (jnp.arange(micro_batches), micro_batches_of(tokens_BxW, micro_batches))
+  (sum_grads, outcontrol), (loss_N, stats_N) = jax.lax.scan(one, (zeros, outcontrol), xs)
+  grads = jax.tree.map(lambda s: s / micro_batches, sum_grads)
+  return (jnp.mean(loss_N), (outcontrol, combine_micro_batch_stats(stats_N))), grads
+
+
 def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
-               outcontrol_phase: str = optim.PLAIN):
+               outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1):
   """One AdamW step, then OsciReset (with ``osci``) on the updated params, as the step of index "steps
   applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
   and OutControl's state untouched. ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain"
   runs the recipe's forward (the OutControl state, if any, passes through), "record" also accumulates the
-  channel norms, "on" runs the calibrated channel split."""
-  inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
+  channel norms, "on" runs the calibrated channel split. ``micro_batches`` (static): the gradient of the
+  batch is accumulated over that many micro-batches (``accumulate_gradients``) and applied once."""
   key = jax.random.fold_in(state["rng"], state["step"])
 
-  def loss_fn(params):
-    return model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)
-
-  def outcontrol_loss_fn(params):
-    return model_loss_outcontrol(model, params, state["outcontrol"], inputs_BxL, targets_BxL, key,
+  def loss_fn(params, outcontrol, tokens_BxW, key):
+    inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
+    if outcontrol_phase == optim.PLAIN:
+      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)
+      return loss, (outcontrol, stats)
+    return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
                                  record=outcontrol_phase == optim.RECORD)
 
   with jax.named_scope("forward_backward"):
-    if outcontrol_phase == optim.PLAIN:
-      (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-      outcontrol = state.get("outcontrol")
-    else:
-      (loss, (outcontrol, stats)), grads = jax.value_and_grad(outcontrol_loss_fn, has_aux=True)(state["params"])
+    (loss, (outcontrol, stats)), grads = accumulate_gradients(
+        jax.value_and_grad(loss_fn, has_aux=True), state["params"], state.get("outcontrol"), tokens_BxW, key,
+        micro_batches)
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -228,14 +274,17 @@ def eval_step_outcontrol(params, outcontrol, tokens_BxW, *, model):
 
 
 def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,
-                   outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None):
+                   outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None,
+                   micro_batches: int = 1):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve. ``compiler_options``: XLA
   options for its compile (``training.config.xla_options``: the config's, for the mesh's device kind).
+  ``micro_batches``: ``config.micro_batches``.
   """
-  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase)
+  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase,
+                         micro_batches=micro_batches)
   return jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,),
                  compiler_options=dict(compiler_options) if compiler_options else None)

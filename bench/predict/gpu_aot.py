@@ -199,7 +199,8 @@ def _step(F, devices):
   mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
   ranks = sharding.batch_ways(mesh)
-  bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // ranks)
+  micro = config.micro_batches
+  bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // (micro * ranks))
   _force_impl(F.impl)
 
   def one(cfg, name):
@@ -217,7 +218,7 @@ def _step(F, devices):
     return out
 
   res = one(config, f"step {config.name} recipe {config.recipe} mesh {dict(mesh.shape)} "
-            f"{bpd}x{config.data.seq_len} tokens/rank")
+            f"{bpd}x{config.data.seq_len} tokens/rank" + (f" in each of {micro} micro-batches" if micro > 1 else ""))
   twin = None
   if F.twin and config.recipe != "bf16":
     cfg = config.copy_and_resolve_references()
