@@ -5,8 +5,8 @@
 default), element i of a draw depends only on the key and i, so a draw of n elements is the first n of any
 longer draw from the same key. ``normal`` and ``uniform`` therefore draw a power-of-two size class, compiled
 once per process (and kept in the suite's compilation cache), take the first n elements on the host and
-reshape: the same values as jax's draw of that shape, bit for bit (tests/test_inputs.py). Under a trace
-(a key that is a tracer) they are jax's own functions.
+reshape: the same values (and dtype: float is jax's default float, float64 under x64) as jax's draw of that
+shape, bit for bit (tests/test_inputs.py). Under a trace (a key that is a tracer) they are jax's own functions.
 """
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,11 @@ def _prefix(draw, key, shape, dtype, **kw):
   return jnp.asarray(flat[:n].reshape(shape))
 
 
-def normal(key, shape=(), dtype=jnp.float32):
+def normal(key, shape=(), dtype=float):
   """``jax.random.normal(key, shape, dtype)``, bit for bit."""
   return _prefix(jax.random.normal, key, shape, dtype)
 
 
-def uniform(key, shape=(), dtype=jnp.float32, minval=0.0, maxval=1.0):
+def uniform(key, shape=(), dtype=float, minval=0.0, maxval=1.0):
   """``jax.random.uniform(key, shape, dtype, minval, maxval)``, bit for bit."""
   return _prefix(jax.random.uniform, key, shape, dtype, minval=minval, maxval=maxval)

@@ -28,3 +28,9 @@ def test_uniform_and_raw_keys_are_jax_random():
 def test_a_traced_key_draws_with_jax():
   f = jax.jit(lambda k: inputs.normal(k, (5, 3)))
   np.testing.assert_array_equal(f(jax.random.key(2)), jax.random.normal(jax.random.key(2), (5, 3)))
+
+
+def test_the_default_dtype_is_jax_random_s():
+  with jax.enable_x64(True):
+    assert inputs.normal(jax.random.key(1), (3,)).dtype == jax.random.normal(jax.random.key(1), (3,)).dtype
+    assert inputs.uniform(jax.random.key(1), (3,)).dtype == jnp.float64
