@@ -1,5 +1,10 @@
 """The model and the pure, jitted step functions of the pretraining loop.
 
+A batch is ``tokens_BxW``, or with document masking (``config.data.document_masking``) the packer's
+``{"tokens": tokens_BxW, "segment_ids": segment_ids_BxW}`` (``training.data``): the model then keeps each
+document of a window to itself, and the loss leaves out every target that starts a document (nothing
+before it in its document predicts it).
+
 Legend: B global batch, L sequence length, W = L + 1 window, V vocabulary.
 """
 from __future__ import annotations
@@ -26,19 +31,39 @@ def build_model(model_config, recipe) -> nn.Module:
   return LanguageModel(config=model_config, recipe=recipe)
 
 
-def model_loss(model, params, inputs_BxL, targets_BxL, key):
+def batch_parts(batch) -> tuple[jax.Array, jax.Array | None]:
+  """(tokens_BxW, segment_ids_BxW or None) of a batch: ``tokens_BxW`` or ``{"tokens", "segment_ids"}``."""
+  if isinstance(batch, dict):
+    return batch["tokens"], batch["segment_ids"]
+  return batch, None
+
+
+def window(batch) -> tuple[jax.Array, jax.Array, dict]:
+  """(inputs_BxL, targets_BxL, documents) of a batch: ``documents`` the ``LanguageModel``'s document-masking
+  arguments, ``segment_ids_BxL`` of the inputs and ``target_weights_BxL`` (0 where target t starts another
+  document than input t's), or {} without segment ids."""
+  tokens_BxW, segment_ids_BxW = batch_parts(batch)
+  inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
+  if segment_ids_BxW is None:
+    return inputs_BxL, targets_BxL, {}
+  same_BxL = segment_ids_BxW[:, :-1] == segment_ids_BxW[:, 1:]
+  return inputs_BxL, targets_BxL, dict(segment_ids_BxL=segment_ids_BxW[:, :-1], target_weights_BxL=same_BxL)
+
+
+def model_loss(model, params, inputs_BxL, targets_BxL, key, documents=None):
   """Mean next-token cross entropy of ``model`` (the evaluation loss: MTP depths do not run). A
   ``LanguageModel`` computes it inside (vocabulary-chunked, no B x L x V float32 logits) from
   ``compute_params`` (bf16 weights gathered in bf16); any other module returns logits for ``cross_entropy``.
-  With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added."""
-  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, with_mtp=False)[0]
+  With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added. ``documents``: ``window``'s."""
+  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, with_mtp=False,
+                     documents=documents)[0]
 
 
-def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key):
+def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=None):
   """(the training objective, stats): the MoE blocks' routing statistics ``moe_stats`` ({} without MoE
   blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
   the objective is ``mtp.objective`` of them (plus the MoE balance loss)."""
-  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False)
+  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, documents=documents)
   return loss, stats
 
 
@@ -51,22 +76,27 @@ def _has_mtp(model) -> bool:
 
 
 def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool,
-                          with_mtp: bool = True):
+                          with_mtp: bool = True, documents=None):
   """(loss, (OutControl state after the call, stats)) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
   the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came). ``with_mtp``:
   the training objective (else the next-token loss alone, as ``model_loss``)."""
   loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
-                                     mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp)
+                                     mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp,
+                                     documents=documents)
   return loss, ((updated[OUTCONTROL] if record else outcontrol), stats)
 
 
-def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable, with_mtp: bool = True):
+def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable, with_mtp: bool = True,
+                documents=None):
   """(loss, the mutable collections after the call, or None, stats) of ``model`` with ``params`` and the
   other variable ``collections``; see ``model_loss`` and ``model_loss_and_stats``."""
   is_lm = isinstance(model, LanguageModel)
+  if documents and not is_lm:
+    raise ValueError(f"document masking (segment ids in the batch) needs a models.LanguageModel, not a "
+                     f"{type(model).__name__}")
   variables = {"params": compute_params(model, params) if is_lm else params, **collections}
-  kwargs = dict(targets_BxL=targets_BxL) if is_lm else {}
+  kwargs = dict(targets_BxL=targets_BxL, **(documents or {})) if is_lm else {}
   with_moe = _has_moe(model)
   with_mtp = with_mtp and _has_mtp(model)
   collect = (list(mutable) if mutable else []) + ([moe.STATS] if with_moe else []) + ([mtp.LOSSES] if with_mtp else [])
@@ -158,22 +188,23 @@ def cross_entropy(logits_BxLxV, targets_BxL):
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
-def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
+def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
                outcontrol_phase: str = optim.PLAIN):
-  """One AdamW step, then OsciReset (with ``osci``) on the updated params, as the step of index "steps
+  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring), then OsciReset
+  (with ``osci``) on the updated params, as the step of index "steps
   applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
   and OutControl's state untouched. ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain"
   runs the recipe's forward (the OutControl state, if any, passes through), "record" also accumulates the
   channel norms, "on" runs the calibrated channel split."""
-  inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
+  inputs_BxL, targets_BxL, documents = window(batch)
   key = jax.random.fold_in(state["rng"], state["step"])
 
   def loss_fn(params):
-    return model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)
+    return model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents)
 
   def outcontrol_loss_fn(params):
     return model_loss_outcontrol(model, params, state["outcontrol"], inputs_BxL, targets_BxL, key,
-                                 record=outcontrol_phase == optim.RECORD)
+                                 record=outcontrol_phase == optim.RECORD, documents=documents)
 
   with jax.named_scope("forward_backward"):
     if outcontrol_phase == optim.PLAIN:
@@ -216,15 +247,18 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   return new_state, metrics
 
 
-def eval_step(params, tokens_BxW, *, model):
-  """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key)."""
-  return model_loss(model, params, tokens_BxW[:, :-1], tokens_BxW[:, 1:], jax.random.PRNGKey(0))
+def eval_step(params, batch, *, model):
+  """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key); with
+  segment ids, over the targets that do not start a document."""
+  inputs_BxL, targets_BxL, documents = window(batch)
+  return model_loss(model, params, inputs_BxL, targets_BxL, jax.random.PRNGKey(0), documents)
 
 
-def eval_step_outcontrol(params, outcontrol, tokens_BxW, *, model):
+def eval_step_outcontrol(params, outcontrol, batch, *, model):
   """``eval_step`` with OutControl's calibrated channel split (after the window)."""
-  return model_loss_outcontrol(model, params, outcontrol, tokens_BxW[:, :-1], tokens_BxW[:, 1:],
-                               jax.random.PRNGKey(0), record=False, with_mtp=False)[0]
+  inputs_BxL, targets_BxL, documents = window(batch)
+  return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, jax.random.PRNGKey(0),
+                               record=False, with_mtp=False, documents=documents)[0]
 
 
 def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,

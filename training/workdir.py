@@ -27,7 +27,8 @@ CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.jsonl"
 ERROR_LOG = "error.log"
 # Fields added to the config after runs were made, with the value that reproduces those runs.
-ADDED_FIELDS = {"sr_bits": "jax", "data.raw_bytes": False, "data.text_column": "text"}
+ADDED_FIELDS = {"sr_bits": "jax", "data.raw_bytes": False, "data.text_column": "text",
+                "data.document_masking": False}
 # Prefixes of the fields a resume may change without --allow_config_change.
 FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "eval.", "checkpoint.", "health.", "mesh.",
                "report.", "xla_options.", "data.read_threads", "data.prefetch", "init_from", "allow_config_change",
