@@ -130,8 +130,8 @@ def attend(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, *, impl: str, block: 
   ids (document masking, both or neither) only those of its own document.
 
   ``"cudnn"`` and ``"xla"`` need L == S (training, prefill from an empty cache) or take an explicit mask;
-  with segment ids they take the mask, causal and within documents (cuDNN adds it as a bias, B x L x S
-  in the inputs' dtype, and writes its gradient in the backward pass).
+  with segment ids they also take the mask of each query's document (cuDNN adds it as a bias, B x L x S
+  in the inputs' dtype, and writes that bias's gradient in its backward pass).
   """
   L, S = q_BxLxHxP.shape[1], k_BxSxKxP.shape[1]
   if (q_segment_ids_BxL is None) != (k_segment_ids_BxS is None):
@@ -141,11 +141,14 @@ def attend(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, q_positions_L, *, impl: str, block: 
                              q_segment_ids_BxL=q_segment_ids_BxL, k_segment_ids_BxS=k_segment_ids_BxS)
   if impl not in ("cudnn", "xla"):
     raise ValueError(f"attention_impl={impl!r}; use 'auto', 'chunked', 'cudnn' or 'xla'")
-  if L == S and q_segment_ids_BxL is None:
-    return jax.nn.dot_product_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, is_causal=True, implementation=impl)
+  same_BxLxS = (None if q_segment_ids_BxL is None
+                else q_segment_ids_BxL[:, :, None] == k_segment_ids_BxS[:, None, :])
+  if L == S:   # causal by the kernel's own mask (cuDNN skips the blocks above the diagonal)
+    return jax.nn.dot_product_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, is_causal=True, implementation=impl,
+                                        mask=None if same_BxLxS is None else same_BxLxS[:, None])
   visible_BxLxS = (jnp.arange(S)[None, :] <= q_positions_L[:, None])[None]
-  if q_segment_ids_BxL is not None:
-    visible_BxLxS = visible_BxLxS & (q_segment_ids_BxL[:, :, None] == k_segment_ids_BxS[:, None, :])
+  if same_BxLxS is not None:
+    visible_BxLxS = visible_BxLxS & same_BxLxS
   return jax.nn.dot_product_attention(q_BxLxHxP, k_BxSxKxP, v_BxSxKxP, mask=visible_BxLxS[:, None],
                                       implementation=impl)
 
