@@ -289,9 +289,6 @@ def validate(config) -> None:
   need(config.data.seq_len > 0, f"config.data.seq_len={config.data.seq_len} must be > 0")
   need(0.0 <= config.data.validation_fraction < 1.0,
        f"config.data.validation_fraction={config.data.validation_fraction} must be in [0, 1)")
-  masking = config.data.get("document_masking", False)
-  need(isinstance(masking, bool),
-       f"config.data.document_masking={masking!r} must be True or False")
   check_optim(config.optim)
   check_schedule(config.optim, config.steps)
   need(config.health.max_nonfinite_streak > 0,
