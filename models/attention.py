@@ -7,7 +7,8 @@ flash-style online softmax over key blocks, memory O(L x block) instead of O(L x
 scores), ``"auto"`` (cuDNN for training on an sm_80+ CUDA GPU in bf16/fp16 with head_dim <= 128, else chunked),
 decided for the devices the program is compiled for (``fp4jax.target.current()``), not the process's.
 The fused QKV weight is KV-group-major, ``D x (K, R + 2, P)``: each KV head's R query heads, its key
-and its value are contiguous, so query head h = k R + r uses KV head k, as GQA expects.
+and its value are contiguous, so query head h = k R + r uses KV head k, as GQA expects. With segment ids
+(document masking, ``models.segments``) every implementation masks each query to its own document.
 
 Axis legend: B batch, L sequence (queries), S keys (the cache when decoding), D model width, H query heads,
 K KV heads, R query heads per KV head (H = K R), P head dim, Q key blocks, C key block length.

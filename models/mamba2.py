@@ -6,8 +6,9 @@
   y = SSD(x, dt, A, B, C) + D x               ``models.ssd``; float32
   out = out_proj(rmsnorm_per_group(y * silu(z)))
 Only in_proj and out_proj follow the precision policy; the conv, the scan and A_log, D, dt_bias and
-the norm stay in high precision. With ``decode=True`` the last W-1 conv inputs and the SSM state live
-in the "cache" collection; one token uses ``ssd_step``, several (a prompt) the chunked scan.
+the norm stay in high precision. With ``decode=True`` the last W-1 conv inputs (and their documents) and
+the SSM state live in the "cache" collection; one token uses ``ssd_step``, several (a prompt) the chunked
+scan. With segment ids (document masking, ``models.segments``) nothing crosses a document's start.
 
 Axis legend: B batch, L sequence, D model width, G groups, R SSM heads per group, H SSM heads (G R),
 P SSM head dim, N state size, E conv channels (G (R P + 2 N)), W conv width, I inner width (H P).

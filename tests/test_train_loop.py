@@ -184,7 +184,7 @@ def test_document_masking_leaves_each_documents_first_token_out_of_the_loss():
 # ~30 s loaded (two compiles). By default: the masked loss (above), the packer's batches
 # (tests/test_train_data.py) and their placement on the mesh (tests/test_train_sharding.py).
 @pytest.mark.slow
-def test_tiny_trains_with_document_masking(tmp_path):
+def test_tiny_trains_with_document_masking(tmp_path, capfd):
   """config.data.document_masking=True end to end: the packer's segment ids reach the step and the evaluation,
   and the loss falls."""
   workdir = str(tmp_path / "run")
@@ -192,6 +192,7 @@ def test_tiny_trains_with_document_masking(tmp_path):
                                                 "eval.every_steps": 12})
   summary = trainer.train_and_evaluate(config, workdir)
   assert summary["status"] == "done" and np.isfinite(summary["validation_loss"])
+  assert "document masking: documents end at token 0" in capfd.readouterr().out
   train = _records(workdir, "train")
   assert train[-1]["loss"] < train[0]["loss"] - 0.5, train
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
