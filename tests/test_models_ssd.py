@@ -237,7 +237,7 @@ class TestDocuments:
 
   def test_gradients_match_the_references(self):
     args, seg = self._packed()
-    cot = jax.random.normal(jax.random.key(3), args[0].shape)
+    cot = inputs.normal(jax.random.key(3), args[0].shape)
 
     def grads(fn):
       return jax.jit(jax.grad(lambda *p: jnp.sum(cot * fn(*p, segment_ids_BxL=seg)[0]), argnums=range(5)))(*args)

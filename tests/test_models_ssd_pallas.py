@@ -74,7 +74,7 @@ def _vjp(fn_, args, seed=11):
     fn, args = (lambda *a: fn_(*a, None)), args[:-1]   # pylint: disable=unnecessary-lambda-assignment
   (y, final), pullback = jax.vjp(fn, *args)
   k1, k2 = jax.random.split(jax.random.key(seed))
-  cot = (inputs.normal(k1, y.shape).astype(y.dtype), inputs.normal(k2, final.shape))
+  cot = (inputs.normal(k1, y.shape).astype(y.dtype), inputs.normal(k2, final.shape).astype(final.dtype))
   return y, final, pullback(cot)
 
 
