@@ -20,7 +20,9 @@ dt a, computed in XLA, which also differentiates it back to dt and a):
 The kernel's chunk is a tile (``SsdTiles.chunk``), not the model's ``chunk_size``: every chunk length
 gives the same function, and the chunk-by-chunk matrices (C x C float32) must fit in registers.
 Everything computes in float32 (the dots' inputs at TF32 by default, as XLA's float32 dots on a GPU,
-or IEEE float32: ``SsdTiles.precision``); x, B and C may be bfloat16.
+or IEEE float32: ``SsdTiles.precision``); x, B and C may be bfloat16. With segment ids (document masking)
+cs restarts at each document's first step and every kernel also takes each step's document within its
+chunk, zeroing each decay across a document start (``_doc_masks``).
 
 Axis legend: B batch, L sequence (Lp padded to a multiple of C), H SSM heads, P head dim, G groups,
 R heads per group (H = G R), N state size, Q chunks, C chunk length, Pb a block of P.
@@ -90,12 +92,15 @@ def _masked_exp(log_decay, same_doc):
   return jnp.exp(log_decay) if same_doc is None else jnp.where(same_doc, jnp.exp(log_decay), 0.0)
 
 
-def _docs(doc_refs, rows, end_row):
-  """(the steps' documents ``doc_Cx1``, the last step's ``doc_end_1x1``) of a chunk, or (None, None)
-  without document masking. A chunk's documents count from 0, the one the entering state belongs to."""
+def _doc_masks(doc_refs, rows, end_row):
+  """Of one chunk, from its steps' documents (counted from 0, the document the entering state belongs to):
+  ``(doc_Cx1, from_start_Cx1, to_end_Cx1, whole_1x1)``, the documents, whether the entering state reaches
+  each step, whether each step reaches the chunk's end, whether the state crosses the whole chunk; all None
+  without document masking (no ``doc_refs``)."""
   if not doc_refs:
-    return None, None
-  return doc_refs[0][rows, :], doc_refs[0][end_row, :]
+    return None, None, None, None
+  doc_Cx1, doc_end_1x1 = doc_refs[0][rows, :], doc_refs[0][end_row, :]
+  return doc_Cx1, doc_Cx1 == 0, doc_Cx1 == doc_end_1x1, doc_end_1x1 == 0
 
 
 # ---------------------------------------------------------------------------------------- kernels
@@ -108,13 +113,12 @@ def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, *refs, C, Q, precision)
   def chunk(q, s_PbxN):
     st_ref[pl_ds(q, 1)] = s_PbxN[None]
     rows, end_row = pl_ds(q * C, C), pl_ds(q * C + C - 1, 1)
-    doc_Cx1, doc_end_1x1 = _docs(doc_refs, rows, end_row)
+    _, _, to_end_Cx1, whole_1x1 = _doc_masks(doc_refs, rows, end_row)
     cs_Cx1 = cs_ref[rows, :]
     cs_end_1x1 = cs_ref[end_row, :]
-    w_Cx1 = _masked_exp(cs_end_1x1 - cs_Cx1, None if doc_Cx1 is None else doc_Cx1 == doc_end_1x1) * dt_ref[rows, :]
+    w_Cx1 = _masked_exp(cs_end_1x1 - cs_Cx1, to_end_Cx1) * dt_ref[rows, :]
     xw_CxPb = x_ref[rows, :].astype(_f32) * w_Cx1
-    decay_1x1 = _masked_exp(cs_end_1x1, None if doc_end_1x1 is None else doc_end_1x1 == 0)
-    return decay_1x1 * s_PbxN + _dot_tn(xw_CxPb, b_ref[rows, :].astype(_f32))
+    return _masked_exp(cs_end_1x1, whole_1x1) * s_PbxN + _dot_tn(xw_CxPb, b_ref[rows, :].astype(_f32))
   final_ref[...] = lax.fori_loop(0, Q, chunk, s0_ref[...])
 
 
@@ -125,14 +129,14 @@ def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, *refs, R, P
   c_CxN = c_ref[...].astype(_f32)
   cb_CxC = _dot_nt(c_CxN, b_ref[...].astype(_f32))
   c = cb_CxC.shape[0]
-  doc_Cx1, _ = _docs(doc_refs, slice(None), pl_ds(c - 1, 1))
+  doc_Cx1, from_start_Cx1, _, _ = _doc_masks(doc_refs, slice(None), pl_ds(c - 1, 1))
 
   def head(r, carry):
     cols, col = pl_ds(plc.multiple_of(r * P, P), P), pl_ds(r, 1)
     cs_Cx1, dt_Cx1 = cs_ref[:, col], dt_ref[:, col]
     x_CxP = x_ref[:, cols].astype(_f32)
     scores_CxC = cb_CxC * _causal_decay(cs_Cx1, doc_Cx1) * dt_Cx1.reshape(1, c)
-    in_Cx1 = _masked_exp(cs_Cx1, None if doc_Cx1 is None else doc_Cx1 == 0)
+    in_Cx1 = _masked_exp(cs_Cx1, from_start_Cx1)
     y_CxP = (_dot(scores_CxC, x_CxP) + in_Cx1 * _dot_nt(c_CxN, st_ref[cols, :])
              + d_ref[:, cols] * x_CxP)
     y_ref[:, cols] = y_CxP.astype(y_ref.dtype)
@@ -149,11 +153,9 @@ def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, *refs, C, Q, precision):
     q = Q - 1 - i
     dso_ref[pl_ds(q, 1)] = ds_PbxN[None]
     rows, end_row = pl_ds(q * C, C), pl_ds(q * C + C - 1, 1)
-    doc_Cx1, doc_end_1x1 = _docs(doc_refs, rows, end_row)
-    in_Cx1 = _masked_exp(cs_ref[rows, :], None if doc_Cx1 is None else doc_Cx1 == 0)
-    dyw_CxPb = dy_ref[rows, :].astype(_f32) * in_Cx1
-    decay_1x1 = _masked_exp(cs_ref[end_row, :], None if doc_end_1x1 is None else doc_end_1x1 == 0)
-    return decay_1x1 * ds_PbxN + _dot_tn(dyw_CxPb, c_ref[rows, :].astype(_f32))
+    _, from_start_Cx1, _, whole_1x1 = _doc_masks(doc_refs, rows, end_row)
+    dyw_CxPb = dy_ref[rows, :].astype(_f32) * _masked_exp(cs_ref[rows, :], from_start_Cx1)
+    return _masked_exp(cs_ref[end_row, :], whole_1x1) * ds_PbxN + _dot_tn(dyw_CxPb, c_ref[rows, :].astype(_f32))
   ds0_ref[...] = lax.fori_loop(0, Q, chunk, dfinal_ref[...])
 
 
@@ -176,10 +178,7 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
   cb_CxC = _dot_nt(c_CxN, b_CxN)
   c, n = cb_CxC.shape[0], b_CxN.shape[1]
   last_Cx1 = lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-  doc_Cx1, doc_end_1x1 = _docs(doc_refs, slice(None), pl_ds(c - 1, 1))
-  to_end = None if doc_Cx1 is None else doc_Cx1 == doc_end_1x1
-  from_start = None if doc_Cx1 is None else doc_Cx1 == 0
-  whole = None if doc_Cx1 is None else doc_end_1x1 == 0
+  doc_Cx1, from_start_Cx1, to_end_Cx1, whole_1x1 = _doc_masks(doc_refs, slice(None), pl_ds(c - 1, 1))
 
   def head(r, acc):
     db_CxN, dc_CxN = acc
@@ -191,8 +190,8 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
     u_CxP = x_CxP * dt_Cx1
     decay_CxC = _causal_decay(cs_Cx1, doc_Cx1)
     m_CxC = cb_CxC * decay_CxC
-    w_Cx1 = _masked_exp(cs_end_1x1 - cs_Cx1, to_end)
-    in_Cx1 = _masked_exp(cs_Cx1, from_start)
+    w_Cx1 = _masked_exp(cs_end_1x1 - cs_Cx1, to_end_Cx1)
+    in_Cx1 = _masked_exp(cs_Cx1, from_start_Cx1)
     bds_CxP = w_Cx1 * _dot_nt(b_CxN, dso_PxN)
     du_CxP = _dot_tn(m_CxC, dy_CxP) + bds_CxP
     dx_ref[:, cols] = (dt_Cx1 * du_CxP + d_ref[:, cols] * dy_CxP).astype(dx_ref.dtype)
@@ -207,7 +206,7 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
     g_Cx1 = jnp.sum(u_CxP * bds_CxP, axis=1, keepdims=True)
     dcs_Cx1 = (jnp.sum(t_CxC, axis=1, keepdims=True) - jnp.sum(t_CxC, axis=0).reshape(c, 1)
                + jnp.sum(dy_CxP * yoff_CxP, axis=1, keepdims=True) - g_Cx1)
-    end_1x1 = (_masked_exp(cs_end_1x1, whole) * jnp.sum(s_PxN * dso_PxN, keepdims=True)
+    end_1x1 = (_masked_exp(cs_end_1x1, whole_1x1) * jnp.sum(s_PxN * dso_PxN, keepdims=True)
                + jnp.sum(g_Cx1, keepdims=True))
     dcs_ref[:, col] = dcs_Cx1 + jnp.where(last_Cx1, end_1x1, 0.0)
     return db_CxN, dc_CxN

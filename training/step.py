@@ -191,11 +191,11 @@ def cross_entropy(logits_BxLxV, targets_BxL):
 def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
                outcontrol_phase: str = optim.PLAIN):
   """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring), then OsciReset
-  (with ``osci``) on the updated params, as the step of index "steps
-  applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
-  and OutControl's state untouched. ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain"
-  runs the recipe's forward (the OutControl state, if any, passes through), "record" also accumulates the
-  channel norms, "on" runs the calibrated channel split."""
+  (with ``osci``) on the updated params, as the step of index "steps applied so far"; a step whose loss or
+  gradient norm is non-finite leaves params, moments and OsciReset's and OutControl's state untouched.
+  ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
+  OutControl state, if any, passes through), "record" also accumulates the channel norms, "on" runs the
+  calibrated channel split."""
   inputs_BxL, targets_BxL, documents = window(batch)
   key = jax.random.fold_in(state["rng"], state["step"])
 
