@@ -268,9 +268,10 @@ def peak_breakdown(live_range_text: str, hlo_text: str) -> list[tuple[str, int]]
 
 def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   """The trainer's jitted train step for ``config`` on ``mesh`` and abstract inputs with their shardings:
-  ``{step_fn, state_in, tokens_in, abstract, model_config, recipe}``: the step's batch is ``config.micro_batches``
-  micro-batches of ``batch_per_device`` sequences per rank. Shared with bench/predict/gpu_aot.py, which passes a
-  mesh of GPU-topology devices."""
+  ``{step_fn, state_in, tokens_in, batch_in, abstract, model_config, recipe}``: the step's batch is
+  ``config.micro_batches`` micro-batches of ``batch_per_device`` sequences per rank; ``batch_in`` is what the step
+  takes: ``tokens_in``, or with ``config.data.document_masking`` the tokens and their segment ids. Shared with
+  bench/predict/gpu_aot.py, which passes a mesh of GPU-topology devices."""
   model_config = config_lib.resolve_model_config(config.model)
   recipe, _, _ = config_lib.resolve_recipes(config)
   ranks = sharding.batch_ways(mesh)
@@ -284,9 +285,11 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   micro = config.micro_batches
   tokens_in = jax.ShapeDtypeStruct((micro * batch_per_device * ranks, seq_len + 1), jnp.int32,
                                    sharding=sharding.batch_sharding(mesh))
+  batch_in = ({"tokens": tokens_in, "segment_ids": tokens_in} if config.data.get("document_masking", False)
+              else tokens_in)
   options = config_lib.xla_options(config, fp4jax.target.Target.of(mesh).device_kind)
   step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh, compiler_options=options, micro_batches=micro)
-  return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, abstract=abstract,
+  return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, batch_in=batch_in, abstract=abstract,
               model_config=model_config, recipe=recipe, compiler_options=options)
 
 
@@ -295,12 +298,12 @@ def measure(config, batch_per_device: int = 1, hlo_path: str | None = None,
   """Lowers and compiles the train step of ``config`` on the current devices; returns the numbers."""
   mesh = sharding.make_mesh(config.mesh)
   built = build_step(config, mesh, batch_per_device)
-  step_fn, state_in, tokens_in = built["step_fn"], built["state_in"], built["tokens_in"]
+  step_fn, state_in, batch_in = built["step_fn"], built["state_in"], built["batch_in"]
   model_config, recipe, abstract = built["model_config"], built["recipe"], built["abstract"]
   seq_len = config.data.seq_len
   with sharding.mesh_context(mesh):
     t0, c0 = time.perf_counter(), time.process_time()
-    lowered = step_fn.lower(state_in, tokens_in)
+    lowered = step_fn.lower(state_in, batch_in)
     t1, c1 = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
     t2, c2 = time.perf_counter(), time.process_time()

@@ -20,6 +20,9 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
                     datasets' save_to_disk directories (text in data.text_column), .npy/.bin tokens); empty:
                     the Python standard library's source files; a text file holding a NUL byte (a binary
                     file, UTF-16 text) is refused unless ``data.raw_bytes`` (its bytes, NULs as document ends)
+  data.document_masking  off (the paper's setup): packed windows run across document ends. On: attention sees
+                    only its own document, the Mamba-2 conv and state restart at each document, and the loss
+                    skips each document's first token (docs/TRAINING.md, "Document masking")
   report.trackers   where the metrics go, comma-separated: "jsonl" (metrics.jsonl, always), "tensorboard",
                     "mlflow" (pip install 'fp4jax[mlflow]'), "wandb" (pip install 'fp4jax[wandb]', offline by
                     default); their settings: report.mlflow_uri, mlflow_experiment, wandb_project, wandb_mode
@@ -120,6 +123,7 @@ def get_config() -> config_dict.ConfigDict:
   c.data.read_threads = 1
   c.data.prefetch = 4
   c.data.raw_bytes = False          # True: read text files holding NUL bytes (binary files) as their bytes
+  c.data.document_masking = False   # True: each document of a packed window to itself (docstring)
 
   c.optim = config_dict.ConfigDict()
   c.optim.schedule = "wsd"          # warmup-stable-decay (the paper's), "cosine" or "constant"

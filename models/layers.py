@@ -198,7 +198,7 @@ def _chunk_logits(x_BxLxD, w_DxVc, q, n_chunks, vocab):
 
 def _ce_forward(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks):
   """(mean loss, logsumexp_BxL): an online logsumexp over the chunks, never more than one chunk of logits.
-  With ``weights_BxL`` the mean is weighted: ``sum(weights * loss) / sum(weights)``."""
+  With ``weights_BxL`` the mean is weighted: ``sum(weights * loss) / _weight_total(weights)``."""
   B, L, _ = x_BxLxD.shape
   V = w_DxV.shape[1]
   w_QxDxVc = _vocab_chunks(w_DxV, n_chunks)
@@ -220,7 +220,12 @@ def _ce_forward(x_BxLxD, w_DxV, targets_BxL, weights_BxL, n_chunks):
   lse_BxL = max_BxL + jnp.log(sum_BxL)
   if weights_BxL is None:
     return jnp.mean(lse_BxL - target_BxL), lse_BxL
-  return jnp.sum(weights_BxL * (lse_BxL - target_BxL)) / jnp.sum(weights_BxL), lse_BxL
+  return jnp.sum(weights_BxL * (lse_BxL - target_BxL)) / _weight_total(weights_BxL), lse_BxL
+
+
+def _weight_total(weights_BxL):
+  """The weighted mean's divisor: the sum of the 0/1 weights, at least 1 (no target: a loss of 0, not NaN)."""
+  return jnp.maximum(jnp.sum(weights_BxL), 1.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -244,7 +249,7 @@ def _chunked_ce_bwd(n_chunks, res, g):
   if weights_BxL is None:
     scale = g.astype(jnp.float32) / (B * L)
   else:
-    scale = (g.astype(jnp.float32) * weights_BxL / jnp.sum(weights_BxL))[..., None]
+    scale = (g.astype(jnp.float32) * weights_BxL / _weight_total(weights_BxL))[..., None]
   chunk_of_target_BxL, column_of_target_BxL = targets_BxL % n_chunks, targets_BxL // n_chunks
 
   def body(dx_BxLxD, inputs):
@@ -277,9 +282,9 @@ def chunked_cross_entropy(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax
   without ever holding more than ``B x L x chunk`` logits: the vocabulary is split into
   ``ceil(V / chunk)`` strided chunks, the forward pass keeps an online logsumexp, and the backward pass
   recomputes each chunk's logits. The GEMMs run in ``x.dtype`` (w is cast per chunk); the gradient of w
-  comes back in w's dtype (float32 for the master weights), chunk by chunk. ``weights_BxL`` (e.g. a 0/1
-  mask of the positions that have a target, ``models.mtp``) makes it the weighted mean; they get no
-  gradient."""
+  comes back in w's dtype (float32 for the master weights), chunk by chunk. ``weights_BxL`` (a 0/1
+  mask of the positions that have a target: ``models.mtp``, document masking) makes it the mean over those
+  positions (0 when there are none); they get no gradient."""
   V = w_DxV.shape[1]
   if chunk <= 0:
     raise ValueError(f"{chunk=} must be > 0 (vocabulary columns per chunk)")

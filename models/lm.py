@@ -36,6 +36,7 @@ from models.moe import STATS as MOE_STATS, MoE
 from models.policy import layer_precision
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP, "moe": MoE}
+_SEQUENCE_MIXERS = ("mamba", "attention")   # the mixers that read other tokens, so take segment ids
 _RESIDUAL = ("activation_batch", "activation_seq", "activation_embed")
 
 
@@ -85,21 +86,23 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     pre = None
     if self.kind == "mlp":   # the norm's only readers are the MLP's input layers
       mixer = (*self.path, "mixer")
       pre = fused_norm_recipe(cfg, self.recipe, [(*mixer, "up")] + ([(*mixer, "gate")] if cfg.mlp_kind == "swiglu" else []))
     h_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_BxLxD, pre)
-    h_BxLxD = _MIXERS[self.kind](cfg, self.recipe, self.decode, name="mixer")(h_BxLxD)
+    mixer = _MIXERS[self.kind](cfg, self.recipe, self.decode, name="mixer")
+    h_BxLxD = mixer(h_BxLxD, segment_ids_BxL) if self.kind in _SEQUENCE_MIXERS else mixer(h_BxLxD)
     with scopes.part("residual"):
       return nn.with_logical_constraint(x_BxLxD + h_BxLxD.astype(x_BxLxD.dtype), _RESIDUAL)
 
 
 class BlockGroup(nn.Module):
-  """Blocks ``start .. start + unit - 1`` as one scan step: ``__call__(x, _) -> (x, None)``. The blocks keep
-  the names (hence the precision policy) of the group's first repetition."""
+  """Blocks ``start .. start + unit - 1`` as one scan step: ``__call__(x, segment_ids) -> (x, None)``, the
+  segment ids (or None) broadcast to every step. The blocks keep the names (hence the precision policy) of
+  the group's first repetition."""
 
   config: ModelConfig
   start: int
@@ -108,11 +111,12 @@ class BlockGroup(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, _) -> tuple[jax.Array, None]:
+  def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None) -> tuple[jax.Array, None]:
     cfg = self.config
     block_cls = remat.block_class(Block, cfg.remat)
     for i in range(self.start, self.start + self.unit):
-      x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, self.decode, name=f"blocks_{i}")(x_BxLxD)
+      x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, self.decode, name=f"blocks_{i}")(
+          x_BxLxD, segment_ids_BxL)
     return x_BxLxD, None
 
 
@@ -199,14 +203,20 @@ class LanguageModel(nn.Module):
   mean next-token cross entropy instead (float32, nats), without materializing the logits, and with MTP
   depths each depth's loss sown into ``models.mtp.LOSSES`` (``models.mtp.objective`` combines them).
   ``mtp_logits=True`` (no targets; tests, analysis) returns ``(logits, (depth 1 logits, ...))``, depth d
-  embedding token t+d from ``tokens_BxL`` itself (zeros past the end)."""
+  embedding token t+d from ``tokens_BxL`` itself (zeros past the end).
+
+  Document masking: ``segment_ids_BxL`` (``models.segments``) keeps every document of a packed window to
+  itself in the attention and Mamba-2 blocks (the MTP depths' included), and ``target_weights_BxL`` (0/1:
+  0 where a target starts another document than its input's) leaves those targets out of the mean loss,
+  and out of every MTP depth's whose target lies past a document's end."""
 
   config: ModelConfig
   recipe: Any = "bf16"   # an fp4jax.Recipe or a name for fp4jax.recipes.get
 
   @nn.compact
-  def __call__(self, tokens_BxL: jax.Array, *, decode: bool = False,
-               targets_BxL: jax.Array | None = None, mtp_logits: bool = False) -> jax.Array:
+  def __call__(self, tokens_BxL: jax.Array, *, decode: bool = False, targets_BxL: jax.Array | None = None,
+               mtp_logits: bool = False, segment_ids_BxL: jax.Array | None = None,
+               target_weights_BxL: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                      embedding_init=nn.with_logical_partitioning(
@@ -215,33 +225,37 @@ class LanguageModel(nn.Module):
       x_BxLxD = _lookup(embed, tokens_BxL, cfg.dtype)
     if mtp_logits and (targets_BxL is not None or decode or not cfg.mtp_depths):
       raise ValueError("mtp_logits=True takes no targets_BxL and decode=False, on a model with mtp_depths > 0")
+    if target_weights_BxL is not None and targets_BxL is None:
+      raise ValueError("target_weights_BxL weights the loss's targets: give targets_BxL too")
     block_cls = remat.block_class(Block, cfg.remat)
     if not cfg.scan_blocks:
       for i, kind in enumerate(cfg.block_kinds):
-        x_BxLxD = block_cls(cfg, kind, self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
+        x_BxLxD = block_cls(cfg, kind, self.recipe, decode, name=f"blocks_{i}")(x_BxLxD, segment_ids_BxL)
     else:
       for start, unit, repeats in block_groups(cfg):
         if repeats == 1:
           for i in range(start, start + unit):
-            x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, decode, name=f"blocks_{i}")(x_BxLxD)
+            x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, decode, name=f"blocks_{i}")(
+                x_BxLxD, segment_ids_BxL)
           continue
         group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0, "outcontrol": 0, MOE_STATS: 0},
-                            split_rngs={"params": True, "fp4": True}, length=repeats,
+                            split_rngs={"params": True, "fp4": True}, length=repeats, in_axes=nn.broadcast,
                             metadata_params={nn.PARTITION_NAME: None})
         x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
-                               name=f"blocks_{start}_{repeats}x{unit}")(x_BxLxD, None)
+                               name=f"blocks_{start}_{repeats}x{unit}")(x_BxLxD, segment_ids_BxL)
     x_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x_BxLxD)
     head = LMHead(cfg, name="lm_head")
-    out = head(x_BxLxD, targets_BxL)
+    out = head(x_BxLxD, targets_BxL, target_weights_BxL)
     if cfg.mtp_depths and not decode and (targets_BxL is not None or mtp_logits or self.is_initializing()):
-      depth_out = self._mtp(embed, head, x_BxLxD, tokens_BxL, targets_BxL, block_cls)
+      depth_out = self._mtp(embed, head, x_BxLxD, tokens_BxL, targets_BxL, block_cls, segment_ids_BxL,
+                            target_weights_BxL)
       if mtp_logits:
         out = (out, depth_out)
     if self.is_initializing():   # every layer exists now: a precision rule that matches none is a typo
       policy.check_rules(cfg, traverse_util.flatten_dict(nn.unbox(self.variables.get("params", {}))))
     return out
 
-  def _mtp(self, embed, head, h_BxLxD, tokens_BxL, targets_BxL, block_cls):
+  def _mtp(self, embed, head, h_BxLxD, tokens_BxL, targets_BxL, block_cls, segment_ids_BxL, target_weights_BxL):
     """The MTP depths (``models.mtp``) on the main model's final hidden state: each depth's loss sown into
     ``mtp.LOSSES`` (with targets), or the depths' logits (without; init builds the modules this way)."""
     cfg = self.config
@@ -251,10 +265,10 @@ class LanguageModel(nn.Module):
       if targets_BxL is None:
         tokens_d = mtp.shift_left(tokens_BxL, depth)
       else:
-        tokens_d, targets_d, weights_d = mtp.depth_inputs(targets_BxL, depth)
+        tokens_d, targets_d, weights_d = mtp.depth_inputs(targets_BxL, depth, target_weights_BxL)
       with scopes.part("embed"):
         e_BxLxD = _lookup(embed, tokens_d, cfg.dtype)
-      h_BxLxD = modules[min(depth, cfg.mtp_modules) - 1](h_BxLxD, e_BxLxD)
+      h_BxLxD = modules[min(depth, cfg.mtp_modules) - 1](h_BxLxD, e_BxLxD, segment_ids_BxL)
       if targets_BxL is None:
         out.append(head(h_BxLxD))
       else:

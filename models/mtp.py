@@ -40,12 +40,18 @@ def shift_left(x_BxL: jax.Array, n: int, fill: int = 0) -> jax.Array:
   return jnp.concatenate([x_BxL[:, n:], jnp.full((x_BxL.shape[0], n), fill, x_BxL.dtype)], axis=1)
 
 
-def depth_inputs(targets_BxL: jax.Array, depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def depth_inputs(targets_BxL: jax.Array, depth: int, target_weights_BxL: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(tokens to embed, targets, 0/1 weights) of MTP depth ``depth`` >= 1 for a window whose next-token
   targets are ``targets_BxL`` (token t+1 at position t): position t embeds token t+depth (``targets[t+depth-1]``)
-  and predicts token t+depth+1 (``targets[t+depth]``), which exists for t < L - depth."""
+  and predicts token t+depth+1 (``targets[t+depth]``), which exists for t < L - depth. With the next-token
+  targets' 0/1 weights (document masking: 0 where token t+1 starts a document), token t+depth+1 counts
+  only where no document starts between t and it: every next-token weight from t to t+depth is 1."""
   L = targets_BxL.shape[1]
   weights_BxL = jnp.broadcast_to(jnp.arange(L) < L - depth, targets_BxL.shape).astype(jnp.float32)
+  if target_weights_BxL is not None:
+    for j in range(depth + 1):
+      weights_BxL = weights_BxL * shift_left(target_weights_BxL.astype(jnp.float32), j)
   return shift_left(targets_BxL, depth - 1), shift_left(targets_BxL, depth), weights_BxL
 
 
@@ -62,19 +68,21 @@ def sown_losses(collections) -> tuple[jax.Array, ...]:
 
 
 class MTPDepth(nn.Module):
-  """One MTP module: ``__call__(h_BxLxD, e_BxLxD) -> h'_BxLxD`` (the embedding ``e`` of token t+d)."""
+  """One MTP module: ``__call__(h_BxLxD, e_BxLxD, segment_ids_BxL=None) -> h'_BxLxD`` (the embedding ``e``
+  of token t+d; the segment ids of positions t, document masking)."""
 
   config: ModelConfig
   block: Any             # the block class (models.lm.Block, wrapped by the remat policy)
   recipe: Any = "bf16"
 
   @nn.compact
-  def __call__(self, h_BxLxD: jax.Array, e_BxLxD: jax.Array) -> jax.Array:
+  def __call__(self, h_BxLxD: jax.Array, e_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None
+               ) -> jax.Array:
     cfg = self.config
     norm = lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name=name)
     eh_BxLx2D = jnp.concatenate([norm("enorm")(e_BxLxD), norm("hnorm")(h_BxLxD)], axis=-1)
     x_BxLxD = linear(self, "eh_proj", cfg.d_model, (None, "embed"), config=cfg, recipe=self.recipe)(eh_BxLx2D)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("activation_batch", "activation_seq", "activation_embed"))
     for j, char in enumerate(cfg.mtp_pattern):
-      x_BxLxD = self.block(cfg, BLOCK_KINDS[char], self.recipe, False, name=f"layers_{j}")(x_BxLxD)
+      x_BxLxD = self.block(cfg, BLOCK_KINDS[char], self.recipe, False, name=f"layers_{j}")(x_BxLxD, segment_ids_BxL)
     return norm("final_norm")(x_BxLxD)

@@ -20,7 +20,9 @@ dt a, computed in XLA, which also differentiates it back to dt and a):
 The kernel's chunk is a tile (``SsdTiles.chunk``), not the model's ``chunk_size``: every chunk length
 gives the same function, and the chunk-by-chunk matrices (C x C float32) must fit in registers.
 Everything computes in float32 (the dots' inputs at TF32 by default, as XLA's float32 dots on a GPU,
-or IEEE float32: ``SsdTiles.precision``); x, B and C may be bfloat16.
+or IEEE float32: ``SsdTiles.precision``); x, B and C may be bfloat16. With segment ids (document masking)
+cs restarts at each document's first step and every kernel also takes each step's document within its
+chunk, zeroing each decay across a document start (``_doc_masks``).
 
 Axis legend: B batch, L sequence (Lp padded to a multiple of C), H SSM heads, P head dim, G groups,
 R heads per group (H = G R), N state size, Q chunks, C chunk length, Pb a block of P.
@@ -39,6 +41,7 @@ from jax import lax
 from fp4jax import pallas_compat as plc
 from fp4jax import target as fp4_target
 from fp4jax import dispatch
+from models import segments
 from models import ssd as ssd_xla
 
 IMPLS = ("xla", "pallas")
@@ -73,66 +76,92 @@ def _dots(precision: str):
           lambda a, b: dot(a, b, ((0,), (0,))))
 
 
-def _causal_decay(cs_Cx1):
-  """exp(cs_l - cs_s) for s <= l, else 0: the decay from step s to step l of one chunk (C x C)."""
+def _causal_decay(cs_Cx1, doc_Cx1=None):
+  """exp(cs_l - cs_s) for s <= l, else 0: the decay from step s to step l of one chunk (C x C); with the
+  steps' documents within the chunk (``doc_Cx1``), also 0 between two documents."""
   c = cs_Cx1.shape[0]
   seg_CxC = cs_Cx1 - cs_Cx1.reshape(1, c)
   causal = lax.broadcasted_iota(jnp.int32, (c, c), 0) >= lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  if doc_Cx1 is not None:
+    causal = causal & (doc_Cx1 == doc_Cx1.reshape(1, c))
   return jnp.where(causal, jnp.exp(jnp.minimum(seg_CxC, 0.0)), 0.0)
+
+
+def _masked_exp(log_decay, same_doc):
+  """exp(log_decay) where ``same_doc`` (None: everywhere), else 0: a decay across no document start."""
+  return jnp.exp(log_decay) if same_doc is None else jnp.where(same_doc, jnp.exp(log_decay), 0.0)
+
+
+def _doc_masks(doc_refs, rows, end_row):
+  """Of one chunk, from its steps' documents (counted from 0, the document the entering state belongs to):
+  ``(doc_Cx1, from_start_Cx1, to_end_Cx1, whole_1x1)``, the documents, whether the entering state reaches
+  each step, whether each step reaches the chunk's end, whether the state crosses the whole chunk; all None
+  without document masking (no ``doc_refs``)."""
+  if not doc_refs:
+    return None, None, None, None
+  doc_Cx1, doc_end_1x1 = doc_refs[0][rows, :], doc_refs[0][end_row, :]
+  return doc_Cx1, doc_Cx1 == 0, doc_Cx1 == doc_end_1x1, doc_end_1x1 == 0
 
 
 # ---------------------------------------------------------------------------------------- kernels
 
-def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, st_ref, final_ref, *, C, Q, precision):
-  """Refs: x (Lp, Pb), dt/cs (Lp, 1), b (Lp, N), s0 (Pb, N) -> st (Q, Pb, N) entering, final (Pb, N)."""
+def _states_kernel(x_ref, dt_ref, cs_ref, b_ref, s0_ref, *refs, C, Q, precision):
+  """Refs: x (Lp, Pb), dt/cs (Lp, 1), b (Lp, N), s0 (Pb, N)[, doc (Lp, 1)] -> st (Q, Pb, N) entering,
+  final (Pb, N)."""
+  *doc_refs, st_ref, final_ref = refs
   _, _, _dot_tn = _dots(precision)
   def chunk(q, s_PbxN):
     st_ref[pl_ds(q, 1)] = s_PbxN[None]
-    rows = pl_ds(q * C, C)
+    rows, end_row = pl_ds(q * C, C), pl_ds(q * C + C - 1, 1)
+    _, _, to_end_Cx1, whole_1x1 = _doc_masks(doc_refs, rows, end_row)
     cs_Cx1 = cs_ref[rows, :]
-    cs_end_1x1 = cs_ref[pl_ds(q * C + C - 1, 1), :]
-    w_Cx1 = jnp.exp(cs_end_1x1 - cs_Cx1) * dt_ref[rows, :]
+    cs_end_1x1 = cs_ref[end_row, :]
+    w_Cx1 = _masked_exp(cs_end_1x1 - cs_Cx1, to_end_Cx1) * dt_ref[rows, :]
     xw_CxPb = x_ref[rows, :].astype(_f32) * w_Cx1
-    return jnp.exp(cs_end_1x1) * s_PbxN + _dot_tn(xw_CxPb, b_ref[rows, :].astype(_f32))
+    return _masked_exp(cs_end_1x1, whole_1x1) * s_PbxN + _dot_tn(xw_CxPb, b_ref[rows, :].astype(_f32))
   final_ref[...] = lax.fori_loop(0, Q, chunk, s0_ref[...])
 
 
-def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, y_ref, *, R, P, precision):
-  """Refs: x (C, R P), dt/cs (C, R), b/c (C, N), st (R P, N), d (1, R P) -> y (C, R P)."""
+def _scan_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, d_ref, *refs, R, P, precision):
+  """Refs: x (C, R P), dt/cs (C, R), b/c (C, N), st (R P, N), d (1, R P)[, doc (C, 1)] -> y (C, R P)."""
+  *doc_refs, y_ref = refs
   _dot, _dot_nt, _ = _dots(precision)
   c_CxN = c_ref[...].astype(_f32)
   cb_CxC = _dot_nt(c_CxN, b_ref[...].astype(_f32))
   c = cb_CxC.shape[0]
+  doc_Cx1, from_start_Cx1, _, _ = _doc_masks(doc_refs, slice(None), pl_ds(c - 1, 1))
 
   def head(r, carry):
     cols, col = pl_ds(plc.multiple_of(r * P, P), P), pl_ds(r, 1)
     cs_Cx1, dt_Cx1 = cs_ref[:, col], dt_ref[:, col]
     x_CxP = x_ref[:, cols].astype(_f32)
-    scores_CxC = cb_CxC * _causal_decay(cs_Cx1) * dt_Cx1.reshape(1, c)
-    y_CxP = (_dot(scores_CxC, x_CxP) + jnp.exp(cs_Cx1) * _dot_nt(c_CxN, st_ref[cols, :])
+    scores_CxC = cb_CxC * _causal_decay(cs_Cx1, doc_Cx1) * dt_Cx1.reshape(1, c)
+    in_Cx1 = _masked_exp(cs_Cx1, from_start_Cx1)
+    y_CxP = (_dot(scores_CxC, x_CxP) + in_Cx1 * _dot_nt(c_CxN, st_ref[cols, :])
              + d_ref[:, cols] * x_CxP)
     y_ref[:, cols] = y_CxP.astype(y_ref.dtype)
     return carry
   lax.fori_loop(0, R, head, 0)
 
 
-def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, dso_ref, ds0_ref, *, C, Q, precision):
-  """Refs: dy (Lp, Pb), c (Lp, N), cs (Lp, 1), dfinal (Pb, N) -> dso (Q, Pb, N), the gradient of the
-  state leaving each chunk, and ds0 (Pb, N), that of the initial state."""
+def _dstates_kernel(dy_ref, c_ref, cs_ref, dfinal_ref, *refs, C, Q, precision):
+  """Refs: dy (Lp, Pb), c (Lp, N), cs (Lp, 1), dfinal (Pb, N)[, doc (Lp, 1)] -> dso (Q, Pb, N), the
+  gradient of the state leaving each chunk, and ds0 (Pb, N), that of the initial state."""
+  *doc_refs, dso_ref, ds0_ref = refs
   _, _, _dot_tn = _dots(precision)
   def chunk(i, ds_PbxN):
     q = Q - 1 - i
     dso_ref[pl_ds(q, 1)] = ds_PbxN[None]
-    rows = pl_ds(q * C, C)
-    dyw_CxPb = dy_ref[rows, :].astype(_f32) * jnp.exp(cs_ref[rows, :])
-    cs_end_1x1 = cs_ref[pl_ds(q * C + C - 1, 1), :]
-    return jnp.exp(cs_end_1x1) * ds_PbxN + _dot_tn(dyw_CxPb, c_ref[rows, :].astype(_f32))
+    rows, end_row = pl_ds(q * C, C), pl_ds(q * C + C - 1, 1)
+    _, from_start_Cx1, _, whole_1x1 = _doc_masks(doc_refs, rows, end_row)
+    dyw_CxPb = dy_ref[rows, :].astype(_f32) * _masked_exp(cs_ref[rows, :], from_start_Cx1)
+    return _masked_exp(cs_ref[end_row, :], whole_1x1) * ds_PbxN + _dot_tn(dyw_CxPb, c_ref[rows, :].astype(_f32))
   ds0_ref[...] = lax.fori_loop(0, Q, chunk, dfinal_ref[...])
 
 
-def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref, d_ref,
-                   dx_ref, ddt_ref, dcs_ref, ddot_ref, db_ref, dc_ref, *, R, P, precision):
-  """Refs: x/dy (C, R P), dt/cs (C, R), b/c (C, N), st/dso (R P, N), d (1, R P) ->
+def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref, d_ref, *refs, R, P,
+                   precision):
+  """Refs: x/dy (C, R P), dt/cs (C, R), b/c (C, N), st/dso (R P, N), d (1, R P)[, doc (C, 1)] ->
   dx (C, R P), ddt/dcs/ddot (C, R), db/dc (C, N) summed over the group's R heads.
 
   Per head, with u = x dt, M = C·Bᵀ ∘ decay, w = exp(cs_end - cs):
@@ -140,12 +169,16 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
     dC = dM B + exp(cs) dy S;  dB = dMᵀ C + w (u dSo)
     dcs_l = Σ_s T_ls - Σ_s T_sl + Σ_p dy (exp(cs) C Sᵀ) - g,  T = dy uᵀ ∘ M,  g = Σ_p u w (B dSoᵀ);
     the last position also takes exp(cs_end) <S, dSo> + Σ g (cs_end's share).
+  With documents, each decay across a document start (in decay, w, exp(cs), exp(cs_end)) is the constant
+  0: the same formulas with those factors zeroed.
   """
+  *doc_refs, dx_ref, ddt_ref, dcs_ref, ddot_ref, db_ref, dc_ref = refs
   _dot, _dot_nt, _dot_tn = _dots(precision)
   c_CxN, b_CxN = c_ref[...].astype(_f32), b_ref[...].astype(_f32)
   cb_CxC = _dot_nt(c_CxN, b_CxN)
   c, n = cb_CxC.shape[0], b_CxN.shape[1]
   last_Cx1 = lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+  doc_Cx1, from_start_Cx1, to_end_Cx1, whole_1x1 = _doc_masks(doc_refs, slice(None), pl_ds(c - 1, 1))
 
   def head(r, acc):
     db_CxN, dc_CxN = acc
@@ -155,10 +188,10 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
     x_CxP, dy_CxP = x_ref[:, cols].astype(_f32), dy_ref[:, cols].astype(_f32)
     s_PxN, dso_PxN = st_ref[cols, :], dso_ref[cols, :]
     u_CxP = x_CxP * dt_Cx1
-    decay_CxC = _causal_decay(cs_Cx1)
+    decay_CxC = _causal_decay(cs_Cx1, doc_Cx1)
     m_CxC = cb_CxC * decay_CxC
-    w_Cx1 = jnp.exp(cs_end_1x1 - cs_Cx1)
-    in_Cx1 = jnp.exp(cs_Cx1)
+    w_Cx1 = _masked_exp(cs_end_1x1 - cs_Cx1, to_end_Cx1)
+    in_Cx1 = _masked_exp(cs_Cx1, from_start_Cx1)
     bds_CxP = w_Cx1 * _dot_nt(b_CxN, dso_PxN)
     du_CxP = _dot_tn(m_CxC, dy_CxP) + bds_CxP
     dx_ref[:, cols] = (dt_Cx1 * du_CxP + d_ref[:, cols] * dy_CxP).astype(dx_ref.dtype)
@@ -173,7 +206,7 @@ def _dchunk_kernel(x_ref, dt_ref, cs_ref, b_ref, c_ref, st_ref, dso_ref, dy_ref,
     g_Cx1 = jnp.sum(u_CxP * bds_CxP, axis=1, keepdims=True)
     dcs_Cx1 = (jnp.sum(t_CxC, axis=1, keepdims=True) - jnp.sum(t_CxC, axis=0).reshape(c, 1)
                + jnp.sum(dy_CxP * yoff_CxP, axis=1, keepdims=True) - g_Cx1)
-    end_1x1 = (jnp.exp(cs_end_1x1) * jnp.sum(s_PxN * dso_PxN, keepdims=True)
+    end_1x1 = (_masked_exp(cs_end_1x1, whole_1x1) * jnp.sum(s_PxN * dso_PxN, keepdims=True)
                + jnp.sum(g_Cx1, keepdims=True))
     dcs_ref[:, col] = dcs_Cx1 + jnp.where(last_Cx1, end_1x1, 0.0)
     return db_CxN, dc_CxN
@@ -209,105 +242,118 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, tiles, interpret, 
 
 def _sequential_specs(B, Lp, H, P, N, R, Q, Pb):
   """Block specs, outputs and grid of one (batch, head, block of P) program walking all chunks (states,
-  dstates): x-like, dt-like, b-like and state-like inputs; per-chunk states (B, Q, H P, N) and one
-  state (B, H P, N) out, float32."""
+  dstates): x-like, dt-like, b-like, state-like and document inputs; per-chunk states (B, Q, H P, N) and
+  one state (B, H P, N) out, float32."""
   nb = P // Pb
   spec = plc.BlockSpec
   state = spec((None, Pb, N), lambda i, h, p: (i, h * nb + p, 0))
   in_specs = (spec((None, Lp, Pb), lambda i, h, p: (i, 0, h * nb + p)),
               spec((None, Lp, 1), lambda i, h, p: (i, 0, h)),
               spec((None, Lp, N), lambda i, h, p: (i, 0, h // R)),
-              state)
+              state,
+              spec((None, Lp, 1), lambda i, h, p: (i, 0, 0)))
   out_specs = (spec((None, Q, Pb, N), lambda i, h, p: (i, 0, h * nb + p, 0)), state)
   out_shape = (jax.ShapeDtypeStruct((B, Q, H * P, N), _f32), jax.ShapeDtypeStruct((B, H * P, N), _f32))
   return (*in_specs, out_specs, out_shape, (B, H, nb))
 
 
-def _states_call(x, dt, cs, b, s0, tiles, interpret):
+def _with_doc(specs, args, doc_spec, doc):
+  """The kernel's inputs and their specs, with the documents (B, Lp, 1) last when given."""
+  if doc is None:
+    return list(specs), args
+  return [*specs, doc_spec], (*args, doc)
+
+
+def _states_call(x, dt, cs, b, s0, doc, tiles, interpret):
   """Entering states (B, Q, H P, N) and the final state (B, H P, N), float32."""
   dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(x, b, tiles)
-  xs, ts, bs, ss, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  xs, ts, bs, ss, docs, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  in_specs, args = _with_doc([xs, ts, ts, bs, ss], (x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
+                                                    s0.reshape(B, H * P, N)), docs, doc)
   return _call(functools.partial(_states_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_states", grid,
-               [xs, ts, ts, bs, ss], out_specs, out_shape, tiles, interpret, dims)(
-                   x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), s0.reshape(B, H * P, N))
+               in_specs, out_specs, out_shape, tiles, interpret, dims)(*args)
 
 
 def _group_specs(B, Lp, H, P, G, N, R, C):
-  """Block specs of one (batch, group, chunk) program: x-like, dt-like, b-like, state-like, d."""
+  """Block specs of one (batch, group, chunk) program: x-like, dt-like, b-like, state-like, d, documents."""
   spec = plc.BlockSpec
   return (spec((None, C, R * P), lambda i, g, q: (i, q, g)),
           spec((None, C, R), lambda i, g, q: (i, q, g)),
           spec((None, C, N), lambda i, g, q: (i, q, g)),
           spec((None, None, R * P, N), lambda i, g, q: (i, q, g, 0)),
-          spec((1, R * P), lambda i, g, q: (0, g)))
+          spec((1, R * P), lambda i, g, q: (0, g)),
+          spec((None, C, 1), lambda i, g, q: (i, q, 0)))
 
 
-def _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret):
+def _scan_call(x, dt, cs, b, c, st, d_HxP, doc, tiles, interpret):
   """y (B, Lp, H P) in x's dtype."""
   dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
-  xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
+  xs, ts, bs, ss, ds, docs = _group_specs(B, Lp, H, P, G, N, R, C)
+  in_specs, args = _with_doc([xs, ts, ts, bs, bs, ss, ds], (
+      x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), c.reshape(B, Lp, G * N), st,
+      d_HxP.reshape(1, H * P)), docs, doc)
   return _call(functools.partial(_scan_kernel, R=R, P=P, precision=tiles.precision), "ssd_scan", (B, G, Q),
-               [xs, ts, ts, bs, bs, ss, ds], xs, jax.ShapeDtypeStruct((B, Lp, H * P), x.dtype),
-               tiles, interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
-                                 c.reshape(B, Lp, G * N), st, d_HxP.reshape(1, H * P))
+               in_specs, xs, jax.ShapeDtypeStruct((B, Lp, H * P), x.dtype), tiles, interpret, dims)(*args)
 
 
-def _dstates_call(dy, c, cs, dfinal, tiles, interpret):
+def _dstates_call(dy, c, cs, dfinal, doc, tiles, interpret):
   """Gradients of the states leaving each chunk (B, Q, H P, N) and of the initial state (B, H P, N)."""
   dims = B, Lp, H, P, G, N, R, C, Q, Pb = _dims(dy, c, tiles)
-  xs, ts, bs, ss, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  xs, ts, bs, ss, docs, out_specs, out_shape, grid = _sequential_specs(B, Lp, H, P, N, R, Q, Pb)
+  in_specs, args = _with_doc([xs, bs, ts, ss], (dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs,
+                                                dfinal.reshape(B, H * P, N)), docs, doc)
   return _call(functools.partial(_dstates_kernel, C=C, Q=Q, precision=tiles.precision), "ssd_dstates", grid,
-               [xs, bs, ts, ss], out_specs, out_shape, tiles, interpret, dims)(
-                   dy.reshape(B, Lp, H * P), c.reshape(B, Lp, G * N), cs, dfinal.reshape(B, H * P, N))
+               in_specs, out_specs, out_shape, tiles, interpret, dims)(*args)
 
 
-def _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret):
+def _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, doc, tiles, interpret):
   """dx (B, Lp, H P) in x's dtype; ddt, dcs, ddot (B, Lp, H); db, dc (B, Lp, G N), float32."""
   dims = B, Lp, H, P, G, N, R, C, Q, _ = _dims(x, b, tiles)
-  xs, ts, bs, ss, ds = _group_specs(B, Lp, H, P, G, N, R, C)
+  xs, ts, bs, ss, ds, docs = _group_specs(B, Lp, H, P, G, N, R, C)
   S = jax.ShapeDtypeStruct
   out_shape = (S((B, Lp, H * P), x.dtype), S((B, Lp, H), _f32), S((B, Lp, H), _f32),
                S((B, Lp, H), _f32), S((B, Lp, G * N), _f32), S((B, Lp, G * N), _f32))
+  in_specs, args = _with_doc([xs, ts, ts, bs, bs, ss, ss, xs, ds], (
+      x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N), c.reshape(B, Lp, G * N), st, dso,
+      dy.reshape(B, Lp, H * P), d_HxP.reshape(1, H * P)), docs, doc)
   return _call(functools.partial(_dchunk_kernel, R=R, P=P, precision=tiles.precision), "ssd_dchunk", (B, G, Q),
-               [xs, ts, ts, bs, bs, ss, ss, xs, ds], (xs, ts, ts, ts, bs, bs), out_shape, tiles,
-               interpret, dims)(x.reshape(B, Lp, H * P), dt, cs, b.reshape(B, Lp, G * N),
-                          c.reshape(B, Lp, G * N), st, dso, dy.reshape(B, Lp, H * P),
-                          d_HxP.reshape(1, H * P))
+               in_specs, (xs, ts, ts, ts, bs, bs), out_shape, tiles, interpret, dims)(*args)
 
 
 # ------------------------------------------------------------------------------ the custom_vjp
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _ssd_core(x, dt, cs, b, c, d_H, s0, tiles, interpret):
-  """Padded inputs (Lp a multiple of tiles.chunk; dt, cs float32) -> y (B, Lp, H, P), final (B, H, P, N)."""
-  return _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _ssd_core(x, dt, cs, b, c, d_H, s0, doc, tiles, interpret):
+  """Padded inputs (Lp a multiple of tiles.chunk; dt, cs float32; ``doc`` None or the int32 documents
+  (B, Lp, 1) within each chunk, ``cs`` then restarting at each) -> y (B, Lp, H, P), final (B, H, P, N)."""
+  return _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, doc, tiles, interpret)
 
 
-def _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret):
+def _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, doc, tiles, interpret):
   B, Lp, H, P = x.shape
-  st, final = _states_call(x, dt, cs, b, s0, tiles, interpret)
+  st, final = _states_call(x, dt, cs, b, s0, doc, tiles, interpret)
   d_HxP = jnp.broadcast_to(d_H[:, None], (H, P))
-  y = _scan_call(x, dt, cs, b, c, st, d_HxP, tiles, interpret)
+  y = _scan_call(x, dt, cs, b, c, st, d_HxP, doc, tiles, interpret)
   return y.reshape(B, Lp, H, P), final.reshape(s0.shape)
 
 
-def _ssd_fwd(x, dt, cs, b, c, d_H, s0, tiles, interpret):
-  out = _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, tiles, interpret)
-  return out, (x, dt, cs, b, c, d_H, s0)   # the states are recomputed in the backward
+def _ssd_fwd(x, dt, cs, b, c, d_H, s0, doc, tiles, interpret):
+  out = _ssd_fwd_impl(x, dt, cs, b, c, d_H, s0, doc, tiles, interpret)
+  return out, (x, dt, cs, b, c, d_H, s0, doc)   # the states are recomputed in the backward
 
 
 def _ssd_bwd(tiles, interpret, residuals, cotangents):
-  x, dt, cs, b, c, d_H, s0 = residuals
+  x, dt, cs, b, c, d_H, s0, doc = residuals
   dy, dfinal = cotangents
   B, Lp, H, P = x.shape
   G, N = b.shape[2:]
-  st, _ = _states_call(x, dt, cs, b, s0, tiles, interpret)
-  dso, ds0 = _dstates_call(dy, c, cs, dfinal.astype(_f32), tiles, interpret)   # dy: x's dtype
+  st, _ = _states_call(x, dt, cs, b, s0, doc, tiles, interpret)
+  dso, ds0 = _dstates_call(dy, c, cs, dfinal.astype(_f32), doc, tiles, interpret)   # dy: x's dtype
   d_HxP = jnp.broadcast_to(d_H[:, None], (H, P))
-  dx, ddt, dcs, ddot, db, dc = _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, tiles, interpret)
+  dx, ddt, dcs, ddot, db, dc = _dchunk_call(x, dt, cs, b, c, st, dso, dy, d_HxP, doc, tiles, interpret)
   return (dx.reshape(x.shape), ddt, dcs, db.reshape(b.shape).astype(b.dtype),
           dc.reshape(c.shape).astype(c.dtype), jnp.sum(ddot, axis=(0, 1)).astype(d_H.dtype),
-          ds0.reshape(s0.shape).astype(s0.dtype))
+          ds0.reshape(s0.shape).astype(s0.dtype), None)
 
 
 _ssd_core.defvjp(_ssd_fwd, _ssd_bwd)
@@ -339,16 +385,18 @@ def mesh_split(B: int, H: int, G: int):
   return None if bat is None and hd is None else (bat, hd)
 
 
-def partition_specs(B: int, H: int, G: int):
+def partition_specs(B: int, H: int, G: int, documents: bool = False):
   """(in_specs, out_specs) of the SSD kernels' ``shard_map``, split by ``mesh_split``, or None. The
-  sequence is never split (every chunk needs the state of the one before)."""
+  sequence is never split (every chunk needs the state of the one before); the documents (B, Lp, 1),
+  when given, are split with the batch."""
   split = mesh_split(B, H, G)
   if split is None:
     return None
   bat, hd = split
   spec = jax.sharding.PartitionSpec
   x, t, st = spec(bat, None, hd, None), spec(bat, None, hd), spec(bat, hd, None, None)
-  return (x, t, t, x, x, spec(hd), st), (x, st)
+  doc = (spec(bat, None, None),) if documents else ()
+  return (x, t, t, x, x, spec(hd), st, *doc), (x, st)
 
 
 # ------------------------------------------------------------------------------------- public
@@ -426,12 +474,24 @@ def proof_case(tiny: bool):
   return fn_of, args, PROOF_OUTPUTS, "x".join(map(str, (L, H, P, G, N)))
 
 
+def _segmented_cumsum(a_BxQxCxH, start_BxQxC):
+  """The cumulative sum along each chunk that restarts at every document start (``start``): the sum
+  of a over the steps of the step's own document up to it, no other document's steps taking part."""
+  def combine(left, right):
+    (sum_l, start_l), (sum_r, start_r) = left, right
+    return jnp.where(start_r[..., None], sum_r, sum_l + sum_r), start_l | start_r
+  return lax.associative_scan(combine, (a_BxQxCxH, start_BxQxC), axis=2)[0]
+
+
 def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, initial_state_BxHxPxN=None,
-               tiles: SsdTiles = DEFAULT_TILES, interpret: bool | None = None):
+               tiles: SsdTiles = DEFAULT_TILES, interpret: bool | None = None, segment_ids_BxL=None):
   """``ssd_chunked(...)`` + D x with the Pallas kernels. Returns ``(y_BxLxHxP, final_state_BxHxPxN)``:
   y in x's dtype, the state float32. L need not be a multiple of the chunk (padded with dt = 0, an
   identity step). ``interpret``: True the Pallas interpreter, False the compiled kernels, None the
-  kernels where the program is lowered for CUDA and the interpreter elsewhere (``lax.platform_dependent``)."""
+  kernels where the program is lowered for CUDA and the interpreter elsewhere (``lax.platform_dependent``).
+  ``segment_ids_BxL`` (document masking): the state restarts at each document's first step, as in
+  ``ssd_chunked``; the kernels take each step's document within its chunk (0 for the steps the entering
+  state reaches) and zero every decay across a document start, and cs restarts at each start."""
   B, L, H, P, G, N = ssd_xla._check(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN)
   why = unsupported(x_BxLxHxP.shape, b_BxLxGxN.shape, tiles)
   if why:
@@ -441,33 +501,47 @@ def ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, d_H=None, init
   Q = (L + pad) // C
   padded = lambda t: t if not pad else jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
   dt = padded(dt_BxLxH.astype(_f32))
-  cs = jnp.cumsum((dt * a_H.astype(_f32)).reshape(B, Q, C, H), axis=2).reshape(B, Q * C, H)
+  a_BxQxCxH = (dt * a_H.astype(_f32)).reshape(B, Q, C, H)
+  if segment_ids_BxL is None:
+    doc = None
+    cs = jnp.cumsum(a_BxQxCxH, axis=2).reshape(B, Q * C, H)
+  else:
+    start_BxQxC = padded(segments.starts(segments.check(segment_ids_BxL, (B, L)))).reshape(B, Q, C)
+    cs = _segmented_cumsum(a_BxQxCxH, start_BxQxC).reshape(B, Q * C, H)
+    doc = jnp.cumsum(start_BxQxC, axis=2, dtype=jnp.int32).reshape(B, Q * C, 1)
   d_H = jnp.zeros((H,), _f32) if d_H is None else jnp.asarray(d_H, _f32)
   s0 = (jnp.zeros((B, H, P, N), _f32) if initial_state_BxHxPxN is None
         else initial_state_BxHxPxN.astype(_f32))
   core = lambda *args: _ssd_core(*args, tiles, interpret)   # pylint: disable=unnecessary-lambda-assignment
-  specs = partition_specs(B, H, G)
+  if doc is None:
+    core = lambda *args, core=core: core(*args, None)   # pylint: disable=unnecessary-lambda-assignment
+  args = (padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0) + (
+      () if doc is None else (doc,))
+  specs = partition_specs(B, H, G, documents=doc is not None)
   if specs is not None:
     core = jax.shard_map(core, in_specs=specs[0], out_specs=specs[1], check_vma=False)
-  y, final = core(padded(x_BxLxHxP), dt, cs, padded(b_BxLxGxN), padded(c_BxLxGxN), d_H, s0)
+  y, final = core(*args)
   return y[:, :L], final
 
 
 def ssd(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, *, chunk_size: int, d_H=None,
         initial_state_BxHxPxN=None, impl: str | None = None, tiles: SsdTiles = DEFAULT_TILES,
-        interpret: bool | None = None, remat_chunks: bool = True):
+        interpret: bool | None = None, remat_chunks: bool = True, segment_ids_BxL=None):
   """y = SSD(x, dt, a, B, C) + D x and the final state, by ``impl``: "xla" (``ssd_chunked`` at
   ``chunk_size``; ``remat_chunks``: its own per-chunk checkpoint), "pallas" (the kernels, at
-  ``tiles.chunk``, whose backward recomputes the states anyway) or None / "auto" (``default_impl``)."""
+  ``tiles.chunk``, whose backward recomputes the states anyway) or None / "auto" (``default_impl``).
+  ``segment_ids_BxL``: document masking, the state restarting at each document (``models.segments``)."""
   if impl is None or impl == "auto":
     impl = default_impl(x_BxLxHxP.shape, b_BxLxGxN.shape)
   if impl == "pallas":
     return ssd_pallas(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, d_H=d_H,
-                      initial_state_BxHxPxN=initial_state_BxHxPxN, tiles=tiles, interpret=interpret)
+                      initial_state_BxHxPxN=initial_state_BxHxPxN, tiles=tiles, interpret=interpret,
+                      segment_ids_BxL=segment_ids_BxL)
   if impl != "xla":
     raise ValueError(f"ssd impl={impl!r}; use 'xla', 'pallas', 'auto' or None (the recorded default)")
   y, final = ssd_xla.ssd_chunked(x_BxLxHxP, dt_BxLxH, a_H, b_BxLxGxN, c_BxLxGxN, chunk_size=chunk_size,
-                                 initial_state_BxHxPxN=initial_state_BxHxPxN, remat_chunks=remat_chunks)
+                                 initial_state_BxHxPxN=initial_state_BxHxPxN, remat_chunks=remat_chunks,
+                                 segment_ids_BxL=segment_ids_BxL)
   if d_H is not None:
     y = y + d_H[:, None] * x_BxLxHxP
   return y, final

@@ -1,10 +1,12 @@
-"""Chunked (online-softmax) attention against a plain softmax reference: GQA, ragged blocks, decode offsets."""
+"""Chunked (online-softmax) attention against a plain softmax reference: GQA, ragged blocks, decode offsets;
+document masking in every implementation."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import inputs
+import packed
 from models import LanguageModel, get_model_config
 from models.attention import attend, chunked_attention, resolve_attention_impl
 
@@ -96,3 +98,75 @@ def test_auto_is_chunked_off_gpu_and_model_impls_agree():
 def test_config_rejects_unknown_impl():
   with pytest.raises(ValueError, match="attention_impl"):
     get_model_config("tiny", attention_impl="flash")
+
+
+class TestDocuments:
+  """Document masking: a query sees only the earlier keys of its own document (tests/packed.py's rows)."""
+
+  @staticmethod
+  def _case():
+    seg = jnp.asarray(packed.segment_ids())
+    L = seg.shape[1]
+    return _qkv(2, L, L, 4, 2, 8, seed=3), seg, jnp.arange(L)
+
+  @pytest.mark.parametrize("impl", ["chunked", "xla"])
+  def test_each_document_equals_it_alone(self, impl):
+    """Every document's outputs equal the document attended alone, within float32 rounding: its keys fall
+    into other key blocks (chunked) or rows of another length (XLA's softmax), so only the summation order
+    differs."""
+    (q, k, v), seg, index = self._case()
+    out = jax.jit(lambda q, k, v: attend(q, k, v, index, impl=impl, block=8, q_segment_ids_BxL=seg,
+                                         k_segment_ids_BxS=seg))(q, k, v)
+    alone_fn = jax.jit(lambda q, k, v: attend(q, k, v, jnp.arange(q.shape[1]), impl=impl, block=8))
+    for doc in packed.documents():
+      alone = alone_fn(*(packed.alone(t, doc) for t in (q, k, v)))
+      np.testing.assert_allclose(packed.alone(out, doc), alone, rtol=1e-5, atol=1e-6, err_msg=str(doc))
+
+  @pytest.mark.parametrize("impl", ["chunked", "xla"])
+  def test_other_documents_change_no_bit(self, impl):
+    (q, k, v), seg, index = self._case()
+    fn = jax.jit(lambda q, k, v: attend(q, k, v, index, impl=impl, block=8, q_segment_ids_BxL=seg,
+                                        k_segment_ids_BxS=seg))
+    n = packed.LENGTHS[0][0]
+    out, out2 = fn(q, k, v), fn(q.at[0, :n].set(30.0), k.at[0, :n].set(-20.0), v.at[0, :n].set(1e4))
+    np.testing.assert_array_equal(out2[0, n:], out[0, n:])
+    np.testing.assert_array_equal(out2[1], out[1])
+
+  def test_gradients_of_chunked_and_xla_agree(self):
+    (q, k, v), seg, index = self._case()
+    do = inputs.normal(jax.random.key(4), q.shape)
+
+    def grads(impl):
+      f = lambda q, k, v: attend(q, k, v, index, impl=impl, block=8, q_segment_ids_BxL=seg, k_segment_ids_BxS=seg)
+      return jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))(q, k, v)
+
+    for name, g, g_xla in zip("qkv", grads("chunked"), grads("xla")):
+      np.testing.assert_allclose(g, g_xla, rtol=1e-4, atol=1e-5, err_msg=name)
+
+  def test_segment_ids_come_in_pairs(self):
+    (q, k, v), seg, index = self._case()
+    with pytest.raises(ValueError, match="both"):
+      attend(q, k, v, index, impl="chunked", block=8, q_segment_ids_BxL=seg)
+
+  def test_cudnn_takes_the_document_mask_as_a_bias_and_stays_causal(self):
+    """cuDNN's fused attention, lowered for CUDA on any machine: the document mask enters as a B x 1 x L x L
+    bias of the inputs' dtype (its gradient written by the backward), the causal mask stays cuDNN's own."""
+    from jax import export   # pylint: disable=import-outside-toplevel
+    B, L, H, K, P = 2, 256, 8, 2, 64
+    S = jax.ShapeDtypeStruct
+
+    def fn(q, k, v, seg):
+      f = lambda q, k, v: attend(q, k, v, jnp.arange(L), impl="cudnn", block=128, q_segment_ids_BxL=seg,
+                                 k_segment_ids_BxS=seg)
+      out, vjp = jax.vjp(f, q, k, v)
+      return out, vjp(out)
+
+    names = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+    text = export.export(jax.jit(fn), platforms=["cuda"],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call(n) for n in names])(
+        S((B, L, H, P), jnp.bfloat16), S((B, L, K, P), jnp.bfloat16), S((B, L, K, P), jnp.bfloat16),
+        S((B, L), jnp.int32)).mlir_module()
+    for name in names:
+      calls = [line for line in text.splitlines() if f"@{name}(" in line]
+      assert len(calls) == 1, name
+      assert f"tensor<{B}x1x{L}x{L}xbf16>" in calls[0] and "CAUSAL" in calls[0], calls[0][:300]

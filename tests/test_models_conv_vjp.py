@@ -1,6 +1,6 @@
 """The Mamba-2 conv + SiLU's recompute gradient (``models.mamba2.conv1d_silu(vjp="recompute")``) against jax's
 gradient of the same ops (``conv1d_silu_reference``): the forward bit for bit, the gradients within float32
-rounding (they sum the same products in another order)."""
+rounding (they sum the same products in another order); document masking, each document as if alone."""
 import dataclasses
 
 import jax
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import inputs
+import packed
 from models import lm, mamba2, presets
 from models.config import ModelConfig
 
@@ -72,3 +73,30 @@ def test_model_gradients_with_the_recompute_vjp():
   for a, r in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     a, r = np.asarray(a), np.asarray(r)
     assert np.abs(a - r).max() <= 1e-5 * max(np.abs(r).max(), 1e-30)
+
+
+@pytest.mark.parametrize("vjp", mamba2.CONV_VJPS)
+def test_documents_equal_each_document_alone(vjp):
+  """Document masking (tests/packed.py's rows): no tap reads an input of another document, so each document's
+  output is the same ops on the same values as the document alone (zero inputs before its start), bit for
+  bit, with either gradient. Its x gradient too, within one float32 rounding (XLA may fuse a multiply-add of
+  the recomputed backward into one FMA for one length and not another); w's and b's gradients sum over the
+  documents."""
+  seg = jnp.asarray(packed.segment_ids())
+  x, w, b, dy = _inputs((2, seg.shape[1], 8), 4, jnp.float32, seed=5)
+
+  def run(x, dy, seg):
+    y, f = jax.vjp(lambda x, w, b: mamba2.conv1d_silu(x, w, b, vjp=vjp, segment_ids_BxL=seg), x, w, b)
+    return y, f(dy)
+
+  y, (dx, dw, db) = jax.jit(run)(x, dy, seg)
+  alone = jax.jit(lambda x, dy: run(x, dy, None))
+  sums = [jnp.zeros_like(dw), jnp.zeros_like(db)]
+  for doc in packed.documents():
+    y_doc, (dx_doc, dw_doc, db_doc) = alone(packed.alone(x, doc), packed.alone(dy, doc))
+    np.testing.assert_array_equal(packed.alone(y, doc), y_doc, err_msg=str(doc))
+    np.testing.assert_allclose(packed.alone(dx, doc), dx_doc, rtol=2e-7, atol=2e-7 * float(jnp.abs(dx).max()),
+                               err_msg=str(doc))
+    sums = [sums[0] + dw_doc, sums[1] + db_doc]
+  np.testing.assert_allclose(dw, sums[0], rtol=1e-5, atol=1e-5 * float(jnp.abs(dw).max()))
+  np.testing.assert_allclose(db, sums[1], rtol=1e-5, atol=1e-5 * float(jnp.abs(db).max()))

@@ -1,4 +1,5 @@
-"""The whole language model: shapes, causality, decoding vs the parallel forward, axis names, speed."""
+"""The whole language model: shapes, causality, decoding vs the parallel forward, axis names, speed; document
+masking."""
 import functools
 import time
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import models
+import packed
 from models import LanguageModel, get_model_config, init_cache
 
 # Tiny config with several SSD chunks per sequence.
@@ -150,6 +152,71 @@ class TestDecode:
     assert attention["cached_key"].shape == (3, 10, TINY.n_kv_heads, TINY.head_dim)
     assert attention["cache_index"] == 0
     assert "blocks_1" not in cache   # MLP blocks keep no state
+    # document masking's: the documents of the conv's cached inputs and of every cached key
+    assert mamba["conv_segment_ids"].shape == (3, TINY.conv_width - 1)
+    assert attention["cached_segment_ids"].shape == (3, 10)
+
+
+class TestDocuments:
+  """Document masking in the whole hybrid (tests/packed.py's rows; rotary positions on, several SSD chunks
+  and key blocks per row): each document computes as if alone, in the parallel forward and decoding."""
+
+  CONFIGS = {"hybrid": TINY.replace(rope=True, attention_block=8, pattern="M*-"),
+             "scanned_remat": TINY.replace(rope=True, attention_block=8, pattern="M*M*", scan_blocks=True,
+                                           remat="full")}
+
+  @staticmethod
+  def _case(config):
+    seg = jnp.asarray(packed.segment_ids())
+    model, params, tokens = _setup(config, length=seg.shape[1], seed=4)
+    return model, params, tokens, seg
+
+  @pytest.mark.parametrize("name", ["hybrid", pytest.param("scanned_remat", marks=pytest.mark.slow)])
+  def test_each_document_equals_it_alone(self, name):
+    """Logits of every document equal its logits alone within float32 rounding (attention's and the SSD's
+    sums fall into other blocks and chunks); the first document's other tokens change no bit of the rest.
+    Alone: each document at the start of a row of its own, without segment ids, in one batch (what follows
+    it reaches none of its logits: the model is causal)."""
+    model, params, tokens, seg = self._case(self.CONFIGS[name])
+    packed_apply = jax.jit(lambda p, t: model.apply({"params": p}, t, segment_ids_BxL=seg))
+    logits = packed_apply(params, tokens)
+    docs = packed.documents()
+    rows = jnp.stack([jnp.pad(packed.alone(tokens, d)[0], (0, seg.shape[1] - (d[2] - d[1]))) for d in docs])
+    alone = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, rows)
+    for i, doc in enumerate(docs):
+      np.testing.assert_allclose(packed.alone(logits, doc)[0], alone[i, :doc[2] - doc[1]], rtol=2e-5, atol=2e-5,
+                                 err_msg=str(doc))
+    n = packed.LENGTHS[0][0]
+    other = packed_apply(params, tokens.at[0, :n].set((tokens[0, :n] + 101) % TINY.vocab_size))
+    np.testing.assert_array_equal(other[0, n:], logits[0, n:])
+    np.testing.assert_array_equal(other[1], logits[1])
+
+  def test_decoding_restarts_at_each_document(self):
+    """A 5-token prompt, then one token per call, each with its segment ids: the packed parallel forward's
+    logits (the Mamba-2 state and conv inputs and the attention keys of a finished document left behind).
+    A call without segment ids continues the cache's last document."""
+    model, params, tokens, seg = self._case(self.CONFIGS["hybrid"])
+    logits = jax.jit(lambda p, t: model.apply({"params": p}, t, segment_ids_BxL=seg))(params, tokens)
+    apply = jax.jit(lambda p, cache, tok, s: model.apply({"params": p, "cache": cache}, tok, decode=True,
+                                                         segment_ids_BxL=s, mutable=["cache"]))
+    out, mutated = apply(params, init_cache(model, batch_size=2, max_len=seg.shape[1]), tokens[:, :5], seg[:, :5])
+    outs = [out]
+    for t in range(5, seg.shape[1]):
+      out, mutated = apply(params, mutated["cache"], tokens[:, t:t + 1], seg[:, t:t + 1])
+      outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), logits, rtol=2e-5, atol=2e-5)
+    last = seg.shape[1] - 1
+    without = jax.jit(lambda p, cache, tok: model.apply({"params": p, "cache": cache}, tok, decode=True,
+                                                        mutable=["cache"]))
+    cache = init_cache(model, batch_size=2, max_len=seg.shape[1])
+    _, mutated = apply(params, cache, tokens[:, :last], seg[:, :last])
+    out, _ = without(params, mutated["cache"], tokens[:, last:])
+    np.testing.assert_allclose(out[:, 0], logits[:, last], rtol=2e-5, atol=2e-5)
+
+  def test_segment_ids_of_another_shape_are_refused(self):
+    model, params, tokens, seg = self._case(self.CONFIGS["hybrid"])
+    with pytest.raises(ValueError, match="segment_ids_BxL"):
+      model.apply({"params": params}, tokens, segment_ids_BxL=seg[:, :-1])
 
 
 class TestLogicalAxes:

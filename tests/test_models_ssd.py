@@ -1,4 +1,5 @@
-"""The chunked SSD scan against the lax.scan recurrence and a naive Python loop; the conv cache."""
+"""The chunked SSD scan against the lax.scan recurrence and a naive Python loop; the conv cache; document
+masking (the state restarting at each document of a packed window)."""
 import functools
 
 import jax
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import inputs
+import packed
 from models import ssd
 from models.mamba2 import causal_conv1d
 
@@ -189,3 +191,60 @@ class TestCausalConv:
     out2, s2 = causal_conv1d(x[:, 6:], w, bias, s1)
     np.testing.assert_allclose(jnp.concatenate([out1, out2], 1), out, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(s2, state)
+
+
+class TestDocuments:
+  """Document masking (segment ids): the state restarts at each document's first step."""
+
+  @staticmethod
+  def _packed():
+    seg = jnp.asarray(packed.segment_ids())
+    (x, dt, a, b, c), _ = _inputs(11, L=seg.shape[1])
+    return (x, dt, a, b, c), seg
+
+  # chunk 16 (~6 s loaded) puts a start on a chunk's first step; chunk 8 covers a chunk with two starts
+  @pytest.mark.parametrize("chunk_size", [8, pytest.param(16, marks=pytest.mark.slow)])
+  def test_each_document_equals_it_alone_and_the_references(self, chunk_size):
+    """Every document's outputs equal the document run alone (float32: the chunks fall elsewhere, so only the
+    summation order differs), and the recurrence with the state zeroed at each start (the lax.scan one;
+    the naive loop in the slow case); the final state is the last document's alone."""
+    args, seg = self._packed()
+    y, final = chunked(*args, chunk_size=chunk_size, segment_ids_BxL=seg)
+    references = (scan_reference,) + ((naive_reference,) if chunk_size == 16 else ())
+    for reference in references:
+      y_ref, final_ref = reference(*args, segment_ids_BxL=seg)
+      np.testing.assert_allclose(y, y_ref, **TOL[jnp.float32])
+      np.testing.assert_allclose(final, final_ref, **TOL[jnp.float32])
+    x, dt, a, b, c = args
+    for doc in packed.documents():
+      y_alone, final_alone = chunked(*(packed.alone(t, doc) for t in (x, dt)), a,
+                                     *(packed.alone(t, doc) for t in (b, c)), chunk_size=chunk_size)
+      np.testing.assert_allclose(packed.alone(y, doc), y_alone, **TOL[jnp.float32], err_msg=str(doc))
+      if doc[2] == seg.shape[1]:
+        np.testing.assert_allclose(final[doc[0]], final_alone[0], **TOL[jnp.float32])
+
+  def test_other_documents_change_no_bit(self):
+    """New values in the first document of row 0 (huge inputs, other step sizes) leave the other documents'
+    outputs bit for bit: nothing of a document enters another's arithmetic."""
+    (x, dt, a, b, c), seg = self._packed()
+    y, _ = chunked(x, dt, a, b, c, chunk_size=16, segment_ids_BxL=seg)
+    first = jnp.arange(seg.shape[1]) < packed.LENGTHS[0][0]
+    other = lambda t, v: t.at[0].set(jnp.where(first.reshape(-1, *([1] * (t.ndim - 2))), v, t[0]))
+    y2, _ = chunked(other(x, 1e4), other(dt, 3.0), a, other(b, -50.0), other(c, 7.0), chunk_size=16,
+                    segment_ids_BxL=seg)
+    np.testing.assert_array_equal(y2[0, packed.LENGTHS[0][0]:], y[0, packed.LENGTHS[0][0]:])
+    np.testing.assert_array_equal(y2[1], y[1])
+
+  def test_gradients_match_the_references(self):
+    args, seg = self._packed()
+    cot = inputs.normal(jax.random.key(3), args[0].shape)
+
+    def grads(fn):
+      return jax.jit(jax.grad(lambda *p: jnp.sum(cot * fn(*p, segment_ids_BxL=seg)[0]), argnums=range(5)))(*args)
+
+    got = grads(functools.partial(ssd.ssd_chunked, chunk_size=8))
+    want = grads(ssd.ssd_scan_reference)
+    for name, g, w in zip("x dt a b c".split(), got, want):
+      assert np.isfinite(g).all(), name
+      scale = float(jnp.abs(w).max())
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale, err_msg=name)

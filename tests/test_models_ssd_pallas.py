@@ -17,7 +17,8 @@ import pytest
 import inputs
 from fp4jax import pallas_compat as plc
 from fp4jax import dispatch
-from models import ssd, ssd_pallas
+import packed
+from models import segments, ssd, ssd_pallas
 
 ERR_RATIO = 8.0
 FLOOR = 2e-6
@@ -38,8 +39,9 @@ def _inputs(seed, B=2, L=40, H=4, P=16, G=2, N=16, with_state=True, dtype=jnp.fl
   return x, dt, a, b, c, d, s0
 
 
-def _recurrence(x, dt, a, b, c, d, s0):
-  """y = SSD + D x by the recurrence, in the inputs' dtype (float64 under enable_x64)."""
+def _recurrence(x, dt, a, b, c, d, s0, start=None):
+  """y = SSD + D x by the recurrence, in the inputs' dtype (float64 under enable_x64); ``start`` (B, L)
+  bool: documents' first steps, where the state restarts from zero."""
   B, L, H, P = x.shape
   G, N = b.shape[2:]
   heads = jnp.arange(H) // (H // G)
@@ -47,6 +49,8 @@ def _recurrence(x, dt, a, b, c, d, s0):
   state = jnp.zeros((B, H, P, N), x.dtype) if s0 is None else s0
   ys = []
   for t in range(L):
+    if start is not None:
+      state = jnp.where(start[:, t, None, None, None], 0.0, state)
     state = (jnp.exp(dt[:, t] * a)[:, :, None, None] * state
              + (dt[:, t, :, None] * x[:, t])[..., None] * bh[:, t, :, None, :])
     ys.append(jnp.einsum("bhpn,bhn->bhp", state, ch[:, t]) + d[:, None] * x[:, t])
@@ -70,7 +74,7 @@ def _vjp(fn_, args, seed=11):
     fn, args = (lambda *a: fn_(*a, None)), args[:-1]   # pylint: disable=unnecessary-lambda-assignment
   (y, final), pullback = jax.vjp(fn, *args)
   k1, k2 = jax.random.split(jax.random.key(seed))
-  cot = (inputs.normal(k1, y.shape).astype(y.dtype), inputs.normal(k2, final.shape))
+  cot = (inputs.normal(k1, y.shape).astype(y.dtype), inputs.normal(k2, final.shape).astype(final.dtype))
   return y, final, pullback(cot)
 
 
@@ -217,21 +221,24 @@ class TestSwitch:
 
 
 @pytest.mark.skipif(not plc.has_triton(), reason="jax without the Pallas Triton backend")
-def test_forward_and_backward_lower_to_triton_for_cuda():
-  """Five kernels: states and scan forward; states (recomputed), dstates and dchunk backward."""
+@pytest.mark.parametrize("documents", [False, True])
+def test_forward_and_backward_lower_to_triton_for_cuda(documents):
+  """Five kernels: states and scan forward; states (recomputed), dstates and dchunk backward; with document
+  masking too (the kernels' document input)."""
   S = jax.ShapeDtypeStruct
   B, L, H, P, G, N = 1, 200, 8, 64, 2, 128
 
-  def fn(x, dt, a, b, c, d, s0):
+  def fn(x, dt, a, b, c, d, s0, seg):
     def loss(*args):
-      y, final = ssd_pallas.ssd_pallas(*args[:5], d_H=args[5], initial_state_BxHxPxN=args[6])
+      y, final = ssd_pallas.ssd_pallas(*args[:5], d_H=args[5], initial_state_BxHxPxN=args[6],
+                                       segment_ids_BxL=seg)
       return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(final ** 2)
     return jax.value_and_grad(loss, argnums=tuple(range(7)))(x, dt, a, b, c, d, s0)
 
   text = plc.export_for_cuda(fn, S((B, L, H, P), jnp.bfloat16), S((B, L, H), jnp.float32),
                              S((H,), jnp.float32), S((B, L, G, N), jnp.bfloat16),
                              S((B, L, G, N), jnp.bfloat16), S((H,), jnp.float32),
-                             S((B, H, P, N), jnp.float32))
+                             S((B, H, P, N), jnp.float32), S((B, L), jnp.int32) if documents else None)
   assert text.count(plc.TRITON_CUSTOM_CALL) == 5
   for name in ssd_pallas.KERNEL_NAMES:
     assert f"models_{name}_" in text, name
@@ -271,3 +278,56 @@ class TestInTheMixer:
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_k), jax.tree.leaves(g_x)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(jnp.abs(b).max()),
                                  err_msg=jax.tree_util.keystr(path))
+
+
+class TestDocuments:
+  """Document masking in the kernels (interpreted): the state restarts at each document's first step. The
+  packed rows (tests/packed.py) put starts inside a kernel chunk of 16 and on a chunk's first step."""
+
+  @staticmethod
+  def _case():
+    seg = jnp.asarray(packed.segment_ids())
+    start = np.asarray(segments.starts(seg))
+    return _inputs(12, L=seg.shape[1]), seg, start
+
+  @staticmethod
+  def _kernel_and_chunked(args, seg):
+    kernel = functools.partial(_vjp, lambda *a: ssd_pallas.ssd_pallas(
+        *a[:5], d_H=a[5], initial_state_BxHxPxN=a[6], tiles=TILES, interpret=True, segment_ids_BxL=seg))
+    chunked = functools.partial(_vjp, lambda *a: ssd_pallas.ssd(
+        *a[:5], chunk_size=TILES.chunk, d_H=a[5], initial_state_BxHxPxN=a[6], impl="xla", segment_ids_BxL=seg))
+    flat = lambda r: (r[0], r[1], *r[2])
+    return flat(jax.jit(kernel)(args)), flat(jax.jit(chunked)(args))
+
+  def test_forward_gradients_and_final_state_match_ssd_chunked(self):
+    """y, the final state and every gradient equal ``ssd_chunked``'s with the same segment ids (tested
+    against the recurrences in tests/test_models_ssd.py) within float32 rounding of the largest magnitude."""
+    args, seg, _ = self._case()
+    for name, g, x in zip(("y", "final") + NAMES, *self._kernel_and_chunked(args, seg)):
+      assert np.isfinite(g).all(), name
+      np.testing.assert_allclose(g, x, rtol=1e-5, atol=1e-5 * float(jnp.abs(x).max()), err_msg=name)
+
+  @pytest.mark.slow   # ~20 s loaded (the float64 recurrence's gradient, eager); by default: against ssd_chunked
+  def test_forward_gradients_and_final_state_against_float64(self):
+    """y, the final state and every gradient as close to the float64 recurrence (state zeroed at each
+    start) as ``ssd_chunked``'s with the same segment ids."""
+    args, seg, start = self._case()
+    got, via_xla = self._kernel_and_chunked(args, seg)
+    with jax.enable_x64(True):
+      args64 = tuple(jnp.asarray(np.asarray(t, np.float64)) for t in args)
+      want = _vjp(lambda *a: _recurrence(*a, start=start), args64)
+      want = tuple(np.asarray(t) for t in (want[0], want[1], *want[2]))
+    for name, g, x, w in zip(("y", "final") + NAMES, got, via_xla, want):
+      _assert_as_close_as_chunked(name, g, x, w)
+
+  def test_other_documents_change_no_bit(self):
+    """New inputs in row 0's first document leave the kernel's outputs for the other documents bit for bit."""
+    (x, dt, a, b, c, d, s0), seg, _ = self._case()
+    n = packed.LENGTHS[0][0]
+    fn = jax.jit(lambda x, dt, b, c: ssd_pallas.ssd_pallas(x, dt, a, b, c, d_H=d, initial_state_BxHxPxN=s0,
+                                                            tiles=TILES, interpret=True, segment_ids_BxL=seg))
+    y, final = fn(x, dt, b, c)
+    y2, final2 = fn(x.at[0, :n].set(1e4), dt.at[0, :n].set(3.0), b.at[0, :n].set(-50.0), c.at[0, :n].set(7.0))
+    np.testing.assert_array_equal(y2[0, n:], y[0, n:])
+    np.testing.assert_array_equal(y2[1], y[1])
+    np.testing.assert_array_equal(final2, final)

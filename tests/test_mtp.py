@@ -51,6 +51,15 @@ def test_depth_inputs_on_a_hand_checked_window():
   np.testing.assert_array_equal(w, [[1, 1, 1, 0, 0]])
 
 
+def test_depth_weights_under_document_masking():
+  """Next-token weight 0 where token t+1 starts a document: depth d's target t+d+1 counts only when no
+  document starts after t up to it."""
+  targets = jnp.asarray([[11, 12, 13, 14, 15, 16]], jnp.int32)
+  next_token = jnp.asarray([[1, 1, 0, 1, 1, 1]])             # token 3 starts the second document
+  np.testing.assert_array_equal(mtp.depth_inputs(targets, 1, next_token)[2], [[1, 0, 0, 1, 1, 0]])
+  np.testing.assert_array_equal(mtp.depth_inputs(targets, 2, next_token)[2], [[0, 0, 0, 1, 0, 0]])
+
+
 def test_objective_is_main_plus_weight_times_mean_over_depths():
   c = CONFIG.replace(mtp_loss_weight=0.5)
   value = mtp.objective(c, jnp.float32(2.0), (jnp.float32(3.0), jnp.float32(5.0)))
@@ -106,6 +115,30 @@ def test_loss_is_the_masked_cross_entropy_of_each_depths_logits(share):
   base = {k: v for k, v in params.items() if not k.startswith("mtp_")}
   alone = LanguageModel(config.replace(mtp_depths=0)).apply({"params": base}, inputs, targets_BxL=targets)
   np.testing.assert_array_equal(main, alone)
+
+
+def test_document_masking_masks_every_depths_loss_and_reaches_its_blocks():
+  """With segment ids and the next-token weights, each depth's loss is the cross entropy of its logits (the
+  depths' blocks given the segment ids) over the positions whose target lies in the position's document."""
+  model, params = _init(CONFIG)
+  inputs, targets = _window(CONFIG)
+  seg = jnp.asarray(np.repeat([[0] * 5 + [1] * 8], 2, axis=0), jnp.int32)    # window of 13: documents 5 + 8
+  next_token = seg[:, :-1] == seg[:, 1:]
+  docs = dict(segment_ids_BxL=seg[:, :-1])
+  main, collections = model.apply({"params": params}, inputs, targets_BxL=targets, target_weights_BxL=next_token,
+                                  mutable=[mtp.LOSSES], **docs)
+  logits, depth_logits = model.apply({"params": params}, inputs, mtp_logits=True, **docs)
+  plain = model.apply({"params": params}, inputs, mtp_logits=True)[1]
+  assert not np.allclose(depth_logits[0][:, 5:], plain[0][:, 5:])   # the depth's attention saw the first document
+  window = np.concatenate([np.asarray(inputs), np.asarray(targets)[:, -1:]], axis=1)
+  ce = lambda lg, tg: optax.softmax_cross_entropy_with_integer_labels(lg, jnp.asarray(tg))
+  masked_mean = lambda lg, tg, w: jnp.sum(w * ce(lg, tg)) / jnp.sum(w)
+  np.testing.assert_allclose(main, masked_mean(logits, window[:, 1:], next_token), rtol=2e-6)
+  L = inputs.shape[1]
+  for d, (loss, lg) in enumerate(zip(mtp.sown_losses(collections), depth_logits), start=1):
+    t = np.arange(L - d)
+    in_document = np.asarray(seg)[:, t] == np.asarray(seg)[:, t + d + 1]
+    np.testing.assert_allclose(loss, masked_mean(lg[:, :L - d], window[:, d + 1:], in_document), rtol=2e-6)
 
 
 def test_masked_positions_do_not_reach_the_loss():

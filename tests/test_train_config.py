@@ -93,6 +93,23 @@ def test_sr_bits_chooses_the_recipes_rounding_bits_and_an_old_run_resumes_withou
   assert workdir.is_free("xla_options.h200.xla_gpu_memory_limit_slop_factor") and not workdir.is_free("sr_bits")
 
 
+def test_document_masking_is_off_by_default_and_a_resume_sees_it():
+  """Off by default (the paper's setup); on from the command line; a run recorded before the field existed
+  resumes with it off and sees no change, and turning it on or off is a change a resume refuses."""
+  tiny = os.path.join(ROOT, "configs", "tiny.py")
+  assert _load(tiny).data.document_masking is False
+  on = _load(tiny, "--config.data.document_masking=True")
+  assert on.data.document_masking is True
+  config_lib.validate(on)
+  with pytest.raises(flags.IllegalFlagValueError, match="document_masking"):
+    _load(tiny, "--config.data.document_masking=sometimes")
+  before = config_lib.to_plain(_load(tiny))
+  del before["data"]["document_masking"]
+  assert workdir.config_changes(before, _load(tiny)) == {}
+  assert workdir.config_changes(before, on) == {"data.document_masking": (None, True)}
+  assert not workdir.is_free("data.document_masking")
+
+
 def test_wrong_type_is_rejected():
   with pytest.raises(flags.IllegalFlagValueError, match="d_model"):
     _load(os.path.join(ROOT, "configs", "tiny.py"), "--config.model.d_model=wide")

@@ -171,3 +171,39 @@ def test_a_binary_file_named_explicitly_is_refused_and_a_jsonl_nul_too(tmp_path)
   jsonl.write_text("\n".join(json.dumps({"text": f"line {i} " * 20 + ("\0" if i == 7 else "")}) for i in range(9)))
   with pytest.raises(data.DataError, match=r"docs\.jsonl:8 holds 1 NUL byte"):
     data.load_splits(_data_config(str(jsonl)), data.ByteTokenizer())
+
+
+class TestDocumentMasking:
+  """config.data.document_masking: every window also carries its tokens' documents."""
+
+  def test_segment_ids_count_the_ends_before_each_token(self):
+    tokens = np.asarray([5, 6, 0, 7, 0, 0, 8, 9], np.int32)   # the end token belongs to the document it ends
+    np.testing.assert_array_equal(data.segment_ids(tokens, 0), [0, 0, 0, 1, 1, 2, 3, 3])
+    assert data.segment_ids(tokens, 0).dtype == np.int32
+
+  def test_windows_and_batches_carry_segment_ids_only_when_on(self, tmp_path):
+    sources = _texts(tmp_path)
+    off, _, summary = data.load_splits(_data_config(sources), data.ByteTokenizer())
+    assert isinstance(off[0], np.ndarray) and summary["document_end"] is None
+    on, _, summary = data.load_splits(_data_config(sources, document_masking=True), data.ByteTokenizer())
+    assert summary["document_end"] == 0 and "documents end at token 0" in data.describe(summary)
+    kw = dict(global_batch=4, seed=0, process_index=0, process_count=1)
+    for plain, batch in zip(_first_batches(off, 12, **kw), _first_batches(on, 12, **kw)):
+      np.testing.assert_array_equal(batch["tokens"], plain)     # the same windows in the same order
+      assert batch["segment_ids"].shape == (4, 17) and batch["segment_ids"].dtype == np.int32
+      for tokens, ids in zip(batch["tokens"], batch["segment_ids"]):
+        np.testing.assert_array_equal(ids, data.segment_ids(tokens, 0))
+    stream = np.concatenate([np.asarray(on[i]["tokens"]) for i in range(on.num_windows)])
+    assert (stream == 0).sum() > 1   # windows that cross document ends
+
+  def test_a_tokenizer_without_an_end_token_is_refused(self):
+    class NoEnd(data.ByteTokenizer):
+      name, eos_id = "no-end", None
+    with pytest.raises(ConfigError, match="document_masking.*end-of-document"):
+      data.load_splits(_data_config(document_masking=True), NoEnd())
+
+  def test_token_files_of_another_tokenizer_are_refused(self, tmp_path):
+    np.save(tmp_path / "t.npy", np.full(100, 300, np.uint16))     # GPT-2-like ids under the byte tokenizer
+    config = _data_config(str(tmp_path / "t.npy"), document_masking=True)
+    with pytest.raises(ConfigError, match="config.data.tokenizer to the tokenizer the token files were made"):
+      data.load_splits(config, data.ByteTokenizer())

@@ -153,3 +153,47 @@ def test_sigterm_saves_a_checkpoint_that_resumes(tmp_path):
   summary = trainer.train_and_evaluate(config, workdir)
   assert (summary["status"], summary["step"]) == ("halted", saved + 2)
   assert _records(workdir, "train")[-1]["step"] == saved + 2
+
+
+def test_document_masking_leaves_each_documents_first_token_out_of_the_loss():
+  """A batch with segment ids: the loss is the cross entropy of the packed model's logits (documents kept to
+  themselves) over the targets whose document is their input's: no document's first token is predicted from
+  the document before it."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from training import config as config_lib, step  # pylint: disable=g-import-not-at-top
+
+  config = shrunken.shrunken_config()
+  model = step.build_model(config_lib.resolve_model_config(config.model), "bf16")
+  tokens = jax.random.randint(jax.random.key(0), (2, 13), 1, 256)
+  segment_ids = jnp.asarray([[0] * 4 + [1] * 6 + [2] * 3, [0] * 13], jnp.int32)
+  params = model.init({"params": jax.random.key(1)}, tokens[:, :-1])["params"]
+  inputs, targets, documents = step.window({"tokens": tokens, "segment_ids": segment_ids})
+  np.testing.assert_array_equal(documents["target_weights_BxL"][0], [1, 1, 1, 0] + [1] * 5 + [0, 1, 1])
+  assert bool(documents["target_weights_BxL"][1].all())
+  loss = step.model_loss(model, params, inputs, targets, jax.random.key(2), documents)
+  logits = model.apply({"params": params}, inputs, segment_ids_BxL=documents["segment_ids_BxL"])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  weights = documents["target_weights_BxL"]
+  np.testing.assert_allclose(loss, jnp.sum(ce * weights) / jnp.sum(weights), rtol=2e-6)
+  np.testing.assert_allclose(step.eval_step(params, {"tokens": tokens, "segment_ids": segment_ids}, model=model),
+                             loss, rtol=2e-6)
+  assert abs(float(loss) - float(step.eval_step(params, tokens, model=model))) > 1e-4   # off: another loss
+
+
+# ~30 s loaded (two compiles). By default: the masked loss (above), the packer's batches
+# (tests/test_train_data.py) and their placement on the mesh (tests/test_train_sharding.py).
+@pytest.mark.slow
+def test_tiny_trains_with_document_masking(tmp_path, capfd):
+  """config.data.document_masking=True end to end: the packer's segment ids reach the step and the evaluation,
+  and the loss falls."""
+  workdir = str(tmp_path / "run")
+  config = shrunken.shrunken_config(steps=12, **{"optim.lr": 1e-2, "data.document_masking": True,
+                                                "eval.every_steps": 12})
+  summary = trainer.train_and_evaluate(config, workdir)
+  assert summary["status"] == "done" and np.isfinite(summary["validation_loss"])
+  assert "document masking: documents end at token 0" in capfd.readouterr().out
+  train = _records(workdir, "train")
+  assert train[-1]["loss"] < train[0]["loss"] - 0.5, train
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    assert json.load(f)["data"]["document_masking"] is True

@@ -48,3 +48,21 @@ def test_expert_ranks_share_the_dense_state_and_experts_gather_along_their_leadi
   assert specs["experts"] == P(("expert", "fsdp"), None, "tensor")
   # Expert parallelism's own split (models.expert_parallel.layout reads "experts") stays the expert axis.
   assert nn.logical_to_mesh_axes(("experts",), rules) == P("expert")
+
+
+def test_a_batch_with_segment_ids_goes_on_the_mesh_as_one_pytree():
+  """Document masking's batches ({"tokens", "segment_ids"}) go on the mesh like a plain tokens_BxW: every array
+  split over the batch axes, and a jitted function takes them under the batch sharding as a prefix."""
+  import jax   # pylint: disable=import-outside-toplevel
+  import numpy as np   # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "expert": 1, "tensor": 1})
+  host = {"tokens": np.arange(4 * 9, dtype=np.int32).reshape(4, 9), "segment_ids": np.zeros((4, 9), np.int32)}
+  batch = sharding.host_batch_to_global(host, mesh)
+  assert set(batch) == {"tokens", "segment_ids"}
+  for name, x in batch.items():
+    assert x.sharding == sharding.batch_sharding(mesh) and x.shape == (4, 9), name
+    np.testing.assert_array_equal(x, host[name])
+  fn = jax.jit(lambda b: b["tokens"] + b["segment_ids"], in_shardings=(sharding.batch_sharding(mesh),))
+  np.testing.assert_array_equal(fn(batch), host["tokens"])
+  plain = sharding.host_batch_to_global(host["tokens"], mesh)
+  assert plain.sharding == sharding.batch_sharding(mesh)

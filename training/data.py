@@ -17,6 +17,11 @@ Legend: B batch rows on this process, W = seq_len + 1 window length (inputs ``w[
    documents with an end-of-document token and cut the stream into non-overlapping windows of W tokens.
 4. grain: shuffle the windows from the seed (a new order every epoch), take this process's share of every
    global batch, batch. The iterator's state (``get_state()``) is a small dict saved with each checkpoint.
+
+Document masking (``config.data.document_masking``): each window also carries ``segment_ids`` (int32, W),
+the index of each token's document within the window, 0, 1, 2, ...; a document ends with the tokenizer's
+end-of-document token, which belongs to it, and the next starts after it. A batch is then
+``{"tokens": tokens_BxW, "segment_ids": segment_ids_BxW}`` (``training.step``). Off, a batch is ``tokens_BxW``.
 """
 from __future__ import annotations
 
@@ -217,10 +222,12 @@ def _load_token_file(path: str, bin_dtype: str) -> np.ndarray:
 
 @dataclasses.dataclass
 class Split:
-  """One split: token segments (arrays or memmaps) cut into windows of W tokens, and its byte count."""
+  """One split: token segments (arrays or memmaps) cut into windows of W tokens, and its byte count. With
+  ``document_end`` (document masking) an item is ``{"tokens": W, "segment_ids": W}``, else the W tokens."""
   segments: list[np.ndarray]
   window: int
   text_bytes: int = 0      # UTF-8 bytes of the text behind the tokens (0 for token files: unknown)
+  document_end: int | None = None   # the end-of-document token id whose windows carry segment ids
 
   def __post_init__(self):
     counts = [len(s) // self.window for s in self.segments]
@@ -241,10 +248,20 @@ class Split:
   def __len__(self) -> int:
     return self.num_windows
 
-  def __getitem__(self, index: int) -> np.ndarray:
+  def __getitem__(self, index: int) -> np.ndarray | dict[str, np.ndarray]:
     seg = int(np.searchsorted(self._starts, index, side="right")) - 1
     offset = (index - int(self._starts[seg])) * self.window
-    return np.asarray(self.segments[seg][offset:offset + self.window], np.int32)
+    tokens_W = np.asarray(self.segments[seg][offset:offset + self.window], np.int32)
+    if self.document_end is None:
+      return tokens_W
+    return {"tokens": tokens_W, "segment_ids": segment_ids(tokens_W, self.document_end)}
+
+
+def segment_ids(tokens_W: np.ndarray, document_end: int) -> np.ndarray:
+  """int32 W: each token's document within the window, counting the end-of-document tokens before it (the
+  end token belongs to the document it ends)."""
+  ends_W = (tokens_W == document_end).astype(np.int32)
+  return np.concatenate([[0], np.cumsum(ends_W[:-1], dtype=np.int32)]).astype(np.int32)
 
 
 def _join(docs: list[np.ndarray], eos_id: int | None, dtype) -> np.ndarray:
@@ -256,10 +273,34 @@ def _join(docs: list[np.ndarray], eos_id: int | None, dtype) -> np.ndarray:
   return np.concatenate(docs).astype(dtype, copy=False)
 
 
+def document_end(data_config, tokenizer) -> int | None:
+  """The end-of-document token whose windows carry segment ids with ``document_masking``, else None."""
+  if not data_config.get("document_masking", False):
+    return None
+  if tokenizer.eos_id is None:
+    raise ConfigError(f"config.data.document_masking finds each document's end at the tokenizer's end-of-document "
+                      f"token, and the tokenizer {tokenizer.name!r} has none (<|endoftext|>, </s>, <eos> or "
+                      "<|end_of_text|>); use a tokenizer that has one, or set config.data.document_masking=False")
+  return int(tokenizer.eos_id)
+
+
+def _check_token_file_ends(path: str, tokens: np.ndarray, tokenizer) -> None:
+  """Document masking reads a token file's document ends as the tokenizer's end-of-document id: refused
+  when the file holds ids past the tokenizer's vocabulary (made with another tokenizer)."""
+  head = np.asarray(tokens[:_VOCAB_SCAN_LIMIT])
+  if head.size and int(head.max()) >= tokenizer.vocab_size:
+    raise ConfigError(
+        f"config.data.document_masking: the token file {path} holds token id {int(head.max())}, past the "
+        f"vocabulary of the tokenizer {tokenizer.name!r} ({tokenizer.vocab_size}), so its documents do not end "
+        f"with that tokenizer's end-of-document id {tokenizer.eos_id}; set config.data.tokenizer to the "
+        "tokenizer the token files were made with, or set config.data.document_masking=False")
+
+
 def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   """Reads every source once: (train split, validation split, summary)."""
   window = data_config.seq_len + 1
   fraction = data_config.validation_fraction
+  end = document_end(data_config, tokenizer)
   files = expand_sources(data_config.sources)
   token_dtype = np.uint8 if tokenizer.vocab_size <= 256 else (
       np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32)
@@ -276,6 +317,8 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
       except (OSError, ValueError) as e:  # unreadable, or not a .npy file
         raise DataError(f"config.data.sources: cannot read the token file {path!r}: {e}; check that it exists, "
                         "is readable, and is a 1-D .npy or raw .bin of config.data.token_dtype") from None
+      if end is not None:
+        _check_token_file_ends(path, tokens, tokenizer)
       cut = len(tokens) - int(round(fraction * len(tokens)))
       segments["train"].append(tokens[:cut])
       segments["validation"].append(tokens[cut:])
@@ -310,8 +353,8 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   for k in text_bytes:  # bits per byte are only known for text: not when token files are mixed in
     if any(len(seg) for seg in segments[k]):
       text_bytes[k] = 0
-  train = Split([joined["train"]] + segments["train"], window, text_bytes["train"])
-  validation = Split([joined["validation"]] + segments["validation"], window, text_bytes["validation"])
+  train = Split([joined["train"]] + segments["train"], window, text_bytes["train"], end)
+  validation = Split([joined["validation"]] + segments["validation"], window, text_bytes["validation"], end)
   if train.num_windows == 0:
     raise DataError(f"config.data.seq_len={data_config.seq_len} is larger than the training data: "
                     f"{train.num_tokens} tokens make no window of seq_len + 1 = {window} tokens; lower "
@@ -319,7 +362,7 @@ def load_splits(data_config, tokenizer) -> tuple[Split, Split, dict]:
   summary = dict(files=len(files), documents=num_docs, tokenizer=tokenizer.name,
                  vocab_size=tokenizer.vocab_size, train_tokens=train.num_tokens,
                  validation_tokens=validation.num_tokens, train_windows=train.num_windows,
-                 validation_windows=validation.num_windows, nul_bytes=nul_bytes)
+                 validation_windows=validation.num_windows, nul_bytes=nul_bytes, document_end=end)
   return train, validation, summary
 
 
@@ -336,7 +379,8 @@ def check_vocab(split: Split, vocab_size: int) -> None:
 
 def batches(split: Split, *, global_batch: int, seed: int, process_index: int, process_count: int,
             read_threads: int = 1, prefetch: int = 4) -> grain.DatasetIterator:
-  """An endless iterator of this process's int32 ``tokens_BxW`` batches (B = global_batch / processes).
+  """An endless iterator of this process's int32 ``tokens_BxW`` batches (B = global_batch / processes); with
+  document masking, ``{"tokens": tokens_BxW, "segment_ids": segment_ids_BxW}``.
 
   Global batch s is windows ``order[s*G : (s+1)*G]`` of a seeded shuffle (a new one each epoch); process p
   reads the rows ``p, p + P, ...`` of it, so the set of windows in a step does not depend on P.
@@ -368,8 +412,11 @@ def describe(summary: dict) -> str:
           f"(vocab {summary['vocab_size']}); train {summary['train_tokens']:,} tokens "
           f"({summary['train_windows']:,} windows), validation {summary['validation_tokens']:,} tokens"
           + (f"; config.data.raw_bytes: {summary['nul_bytes']:,} NUL bytes in the text files" if summary.get(
-              "nul_bytes") else ""))
+              "nul_bytes") else "")
+          + (f"; document masking: documents end at token {summary['document_end']}"
+             if summary.get("document_end") is not None else ""))
 
 
-__all__ = ["ByteTokenizer", "Split", "batches", "bits_per_byte", "check_text", "check_vocab", "eval_batches",
-           "expand_sources", "is_validation", "load_splits", "make_tokenizer", "stdlib_files"]
+__all__ = ["ByteTokenizer", "Split", "batches", "bits_per_byte", "check_text", "check_vocab", "document_end",
+           "eval_batches", "expand_sources", "is_validation", "load_splits", "make_tokenizer", "segment_ids",
+           "stdlib_files"]

@@ -67,20 +67,20 @@ class Loop:
   # One step, its metrics, evaluation, checkpoint ----------------------------------------------------
 
   def train_step(self) -> None:
-    tokens = sharding.host_batch_to_global(next(self.run.train_iter), self.run.mesh)
+    batch = sharding.host_batch_to_global(next(self.run.train_iter), self.run.mesh)
     name = self.run.recipe_at(self.step).name
     phase = self.run.outcontrol_phase_at(self.step)
     fn = self._train[name, phase]
     if (name, phase) in self._compiled:
       with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
-        self.state, metrics = fn(self.state, tokens)
+        self.state, metrics = fn(self.state, batch)
     else:  # the first call compiles: say how long it takes, and how long the first step runs
       self._compiled.add((name, phase))
       reporter = self.run.reporter
       what = "the train step" + (f" ({name}, {phase})" if len(self._train) > 1 else "")
       with self.watch.paused():  # a peer that compiles slower is not a hung peer
         with reporter.phase(f"compiling {what}", hint=_cache_hint, xla=True):
-          self.state, metrics = fn(self.state, tokens)
+          self.state, metrics = fn(self.state, batch)
         self.stop.phase = preempt.TRAINING
         with reporter.phase(f"step {self.step + 1} (the first of this start)" if self.step == self.start_step
                             else f"step {self.step + 1} (the first with {what})", xla=True):

@@ -125,7 +125,7 @@ def check_experts(mesh_config, model_config) -> None:
 
 
 def batch_sharding(mesh) -> NamedSharding:
-  """``tokens_BxW``: rows split over (data, fsdp, expert), the sequence whole."""
+  """``tokens_BxW`` (and ``segment_ids_BxW``): rows split over (data, fsdp, expert), the sequence whole."""
   return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
@@ -151,11 +151,15 @@ def logical_shardings(abstract_boxed, mesh):
                       is_leaf=lambda s: isinstance(s, P))
 
 
-def host_batch_to_global(local_BxW: np.ndarray, mesh) -> jax.Array:
-  """This process's rows -> one global array split over the batch axes; the global batch is P times as tall."""
+def host_batch_to_global(local_batch, mesh):
+  """This process's rows -> global arrays split over the batch axes; the global batch is P times as tall.
+  ``local_batch``: ``tokens_BxW``, or a dict of such arrays (the tokens and their segment ids)."""
   sharding = batch_sharding(mesh)
-  shape = (local_BxW.shape[0] * jax.process_count(),) + local_BxW.shape[1:]
-  return jax.make_array_from_process_local_data(sharding, local_BxW, shape)
+
+  def to_global(local_BxW: np.ndarray) -> jax.Array:
+    shape = (local_BxW.shape[0] * jax.process_count(),) + local_BxW.shape[1:]
+    return jax.make_array_from_process_local_data(sharding, local_BxW, shape)
+  return jax.tree.map(to_global, local_batch)
 
 
 def to_host(tree):

@@ -1,5 +1,10 @@
 """The model and the pure, jitted step functions of the pretraining loop.
 
+A batch is ``tokens_BxW``, or with document masking (``config.data.document_masking``) the packer's
+``{"tokens": tokens_BxW, "segment_ids": segment_ids_BxW}`` (``training.data``): the model then keeps each
+document of a window to itself, and the loss leaves out every target that starts a document (nothing
+before it in its document predicts it).
+
 Legend: B global batch (the optimizer step's), N micro-batches, b = B / N rows of one, L sequence length,
 W = L + 1 window, V vocabulary.
 """
@@ -27,19 +32,39 @@ def build_model(model_config, recipe) -> nn.Module:
   return LanguageModel(config=model_config, recipe=recipe)
 
 
-def model_loss(model, params, inputs_BxL, targets_BxL, key):
+def batch_parts(batch) -> tuple[jax.Array, jax.Array | None]:
+  """(tokens_BxW, segment_ids_BxW or None) of a batch: ``tokens_BxW`` or ``{"tokens", "segment_ids"}``."""
+  if isinstance(batch, dict):
+    return batch["tokens"], batch["segment_ids"]
+  return batch, None
+
+
+def window(batch) -> tuple[jax.Array, jax.Array, dict]:
+  """(inputs_BxL, targets_BxL, documents) of a batch: ``documents`` the ``LanguageModel``'s document-masking
+  arguments, ``segment_ids_BxL`` of the inputs and ``target_weights_BxL`` (0 where target t starts another
+  document than input t's), or {} without segment ids."""
+  tokens_BxW, segment_ids_BxW = batch_parts(batch)
+  inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
+  if segment_ids_BxW is None:
+    return inputs_BxL, targets_BxL, {}
+  same_BxL = segment_ids_BxW[:, :-1] == segment_ids_BxW[:, 1:]
+  return inputs_BxL, targets_BxL, dict(segment_ids_BxL=segment_ids_BxW[:, :-1], target_weights_BxL=same_BxL)
+
+
+def model_loss(model, params, inputs_BxL, targets_BxL, key, documents=None):
   """Mean next-token cross entropy of ``model`` (the evaluation loss: MTP depths do not run). A
   ``LanguageModel`` computes it inside (vocabulary-chunked, no B x L x V float32 logits) from
   ``compute_params`` (bf16 weights gathered in bf16); any other module returns logits for ``cross_entropy``.
-  With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added."""
-  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, with_mtp=False)[0]
+  With MoE blocks and ``moe_aux_loss_weight`` the balance loss is added. ``documents``: ``window``'s."""
+  return _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, with_mtp=False,
+                     documents=documents)[0]
 
 
-def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key):
+def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=None):
   """(the training objective, stats): the MoE blocks' routing statistics ``moe_stats`` ({} without MoE
   blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
   the objective is ``mtp.objective`` of them (plus the MoE balance loss)."""
-  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False)
+  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, documents=documents)
   return loss, stats
 
 
@@ -52,22 +77,27 @@ def _has_mtp(model) -> bool:
 
 
 def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool,
-                          with_mtp: bool = True):
+                          with_mtp: bool = True, documents=None):
   """(loss, (OutControl state after the call, stats)) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
   the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came). ``with_mtp``:
   the training objective (else the next-token loss alone, as ``model_loss``)."""
   loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
-                                     mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp)
+                                     mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp,
+                                     documents=documents)
   return loss, ((updated[OUTCONTROL] if record else outcontrol), stats)
 
 
-def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable, with_mtp: bool = True):
+def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable, with_mtp: bool = True,
+                documents=None):
   """(loss, the mutable collections after the call, or None, stats) of ``model`` with ``params`` and the
   other variable ``collections``; see ``model_loss`` and ``model_loss_and_stats``."""
   is_lm = isinstance(model, LanguageModel)
+  if documents and not is_lm:
+    raise ValueError(f"document masking (segment ids in the batch) needs a models.LanguageModel, not a "
+                     f"{type(model).__name__}")
   variables = {"params": compute_params(model, params) if is_lm else params, **collections}
-  kwargs = dict(targets_BxL=targets_BxL) if is_lm else {}
+  kwargs = dict(targets_BxL=targets_BxL, **(documents or {})) if is_lm else {}
   with_moe = _has_moe(model)
   with_mtp = with_mtp and _has_mtp(model)
   collect = (list(mutable) if mutable else []) + ([moe.STATS] if with_moe else []) + ([mtp.LOSSES] if with_mtp else [])
@@ -159,13 +189,16 @@ def cross_entropy(logits_BxLxV, targets_BxL):
   return optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL).mean()
 
 
-def micro_batches_of(tokens_BxW, micro_batches: int):
-  """``tokens_NxbxW``: micro-batch i holds rows i, i + N, i + 2N, ... of the step's batch. The batch's rows are
-  split over the devices in contiguous blocks of B / devices (``sharding.batch_sharding``), each a multiple of
-  N, so every device already holds its b / devices rows of every micro-batch: the split moves no data."""
-  b = tokens_BxW.shape[0] // micro_batches
-  tokens_NxbxW = tokens_BxW.reshape(b, micro_batches, -1).swapaxes(0, 1)
-  return nn.with_logical_constraint(tokens_NxbxW, (None, "activation_batch", None))
+def micro_batches_of(batch, micro_batches: int):
+  """``batch`` (``tokens_BxW``, or the dict with its segment ids) with each array as N x b x W: micro-batch i
+  holds rows i, i + N, i + 2N, ... of the step's batch. The batch's rows are split over the devices in contiguous
+  blocks of B / devices (``sharding.batch_sharding``), each a multiple of N, so every device already holds its
+  b / devices rows of every micro-batch: the split moves no data."""
+  def split(x_BxW):
+    b = x_BxW.shape[0] // micro_batches
+    x_NxbxW = x_BxW.reshape(b, micro_batches, -1).swapaxes(0, 1)
+    return nn.with_logical_constraint(x_NxbxW, (None, "activation_batch", None))
+  return jax.tree.map(split, batch)
 
 
 _COUNTS = ("load", "dropped")   # the MoE blocks' per-step counts (models.moe); every other stat is a loss
@@ -180,34 +213,34 @@ def combine_micro_batch_stats(stats_N):
   return jax.tree_util.tree_map_with_path(combine, stats_N)
 
 
-def accumulate_gradients(grad_fn, params, outcontrol, tokens_BxW, key, micro_batches: int):
+def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
   """``((loss, (outcontrol, stats)), grads)`` of the step's batch, where ``grad_fn(params, outcontrol,
-  tokens, key)`` gives them for one batch. With one micro-batch, ``grad_fn`` of the batch and ``key`` (the
-  step without micro-batches, unchanged). With N, a ``lax.scan`` over ``micro_batches_of(tokens_BxW, N)``:
+  batch, key)`` gives them for one batch. With one micro-batch, ``grad_fn`` of the batch and ``key`` (the
+  step without micro-batches, unchanged). With N, a ``lax.scan`` over ``micro_batches_of(batch, N)``:
   micro-batch i draws its stochastic rounding from ``fold_in(key, i)``, OutControl's state is carried from
   one micro-batch to the next, the gradients are summed in float32 and divided by N once, the loss is the
-  mean of the micro-batches' (each a mean over b x L tokens: the batch's mean), the stats
-  ``combine_micro_batch_stats``."""
+  mean of the micro-batches' (each a mean over its b x L targets: the batch's mean; with document masking each
+  micro-batch's mean is over its own unmasked targets), the stats ``combine_micro_batch_stats``."""
   if micro_batches == 1:
-    return grad_fn(params, outcontrol, tokens_BxW, key)
+    return grad_fn(params, outcontrol, batch, key)
 
   def one(carry, xs):
     sum_grads, outcontrol = carry
-    index, tokens_bxW = xs
-    (loss, (outcontrol, stats)), grads = grad_fn(params, outcontrol, tokens_bxW, jax.random.fold_in(key, index))
+    index, micro_batch = xs
+    (loss, (outcontrol, stats)), grads = grad_fn(params, outcontrol, micro_batch, jax.random.fold_in(key, index))
     sum_grads = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), sum_grads, grads)
     return (sum_grads, outcontrol), (loss, stats)
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  xs = (jnp.arange(micro_batches), micro_batches_of(tokens_BxW, micro_batches))
+  xs = (jnp.arange(micro_batches), micro_batches_of(batch, micro_batches))
   (sum_grads, outcontrol), (loss_N, stats_N) = jax.lax.scan(one, (zeros, outcontrol), xs)
   grads = jax.tree.map(lambda s: s / micro_batches, sum_grads)
   return (jnp.mean(loss_N), (outcontrol, combine_micro_batch_stats(stats_N))), grads
 
 
-def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
+def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
                outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1):
-  """One AdamW step, then OsciReset (with ``osci``) on the updated params, as the step of index "steps
+  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring), then OsciReset (with ``osci``) on the updated params, as the step of index "steps
   applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
   and OutControl's state untouched. ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain"
   runs the recipe's forward (the OutControl state, if any, passes through), "record" also accumulates the
@@ -215,17 +248,17 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   batch is accumulated over that many micro-batches (``accumulate_gradients``) and applied once."""
   key = jax.random.fold_in(state["rng"], state["step"])
 
-  def loss_fn(params, outcontrol, tokens_BxW, key):
-    inputs_BxL, targets_BxL = tokens_BxW[:, :-1], tokens_BxW[:, 1:]
+  def loss_fn(params, outcontrol, batch, key):
+    inputs_BxL, targets_BxL, documents = window(batch)
     if outcontrol_phase == optim.PLAIN:
-      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key)
+      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents)
       return loss, (outcontrol, stats)
     return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
-                                 record=outcontrol_phase == optim.RECORD)
+                                 record=outcontrol_phase == optim.RECORD, documents=documents)
 
   with jax.named_scope("forward_backward"):
     (loss, (outcontrol, stats)), grads = accumulate_gradients(
-        jax.value_and_grad(loss_fn, has_aux=True), state["params"], state.get("outcontrol"), tokens_BxW, key,
+        jax.value_and_grad(loss_fn, has_aux=True), state["params"], state.get("outcontrol"), batch, key,
         micro_batches)
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
@@ -262,15 +295,18 @@ def train_step(state, tokens_BxW, *, model, tx, lr_fn, osci: optim.OsciReset | N
   return new_state, metrics
 
 
-def eval_step(params, tokens_BxW, *, model):
-  """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key)."""
-  return model_loss(model, params, tokens_BxW[:, :-1], tokens_BxW[:, 1:], jax.random.PRNGKey(0))
+def eval_step(params, batch, *, model):
+  """Mean validation loss of one batch (the forward pass of the recipe in use, with a fixed key); with
+  segment ids, over the targets that do not start a document."""
+  inputs_BxL, targets_BxL, documents = window(batch)
+  return model_loss(model, params, inputs_BxL, targets_BxL, jax.random.PRNGKey(0), documents)
 
 
-def eval_step_outcontrol(params, outcontrol, tokens_BxW, *, model):
+def eval_step_outcontrol(params, outcontrol, batch, *, model):
   """``eval_step`` with OutControl's calibrated channel split (after the window)."""
-  return model_loss_outcontrol(model, params, outcontrol, tokens_BxW[:, :-1], tokens_BxW[:, 1:],
-                               jax.random.PRNGKey(0), record=False, with_mtp=False)[0]
+  inputs_BxL, targets_BxL, documents = window(batch)
+  return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, jax.random.PRNGKey(0),
+                               record=False, with_mtp=False, documents=documents)[0]
 
 
 def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,

@@ -205,7 +205,7 @@ def _step(F, devices):
 
   def one(cfg, name):
     built = scale.build_step(cfg, mesh, bpd)
-    prog = Program(name, built["step_fn"], (built["state_in"], built["tokens_in"]))
+    prog = Program(name, built["step_fn"], (built["state_in"], built["batch_in"]))
     out = _compiled(F, prog, mesh)
     out["compiler_options"] = built["compiler_options"]   # the config's xla_options for this target
     print(f"{name}: XLA compiler options {built['compiler_options'] or '(XLA defaults)'}", flush=True)
