@@ -253,3 +253,35 @@ def test_the_compiled_step_takes_the_whole_batch_and_scans_its_micro_batches():
     with sharding.mesh_context(mesh):
       loops[micro] = built["step_fn"].lower(built["state_in"], built["tokens_in"]).as_text().count("stablehlo.while")
   assert loops[4] == loops[1] + 1, loops
+
+
+def test_document_masked_micro_batches_split_the_segment_ids_with_the_tokens():
+  """With document masking a batch is the tokens and their segment ids: micro-batch i takes its rows (i mod N)
+  of both, so the accumulated loss and gradients are the mean of each micro-batch's own masked ones (to
+  float32 summation order: the scan's program is not the separate calls')."""
+  config = shrunken.shrunken_config(**{"model.pattern": "-"})
+  model = step_lib.build_model(config_lib.resolve_model_config(config.model), fp4jax.recipes.get("bf16"))
+  tx, _ = optim.make_optimizer(config.optim, 10)
+  state = step_lib.init_state(model, tx, 0, 32)
+  params = nn.unbox(state["params"])
+  key = jax.random.key(5)
+  tokens_BxW = jax.random.randint(jax.random.key(3), (4, 33), 1, 256, jnp.int32)
+  starts_B = jnp.array([[10], [20], [5], [40]])   # where each row's second document starts (40: none)
+  batch = {"tokens": tokens_BxW, "segment_ids": (jnp.arange(33)[None, :] >= starts_B).astype(jnp.int32)}
+
+  def loss_fn(params, outcontrol, batch, key):
+    inputs_BxL, targets_BxL, documents = step_lib.window(batch)
+    loss, stats = step_lib.model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents)
+    return loss, (outcontrol, stats)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  (loss, _), grads = jax.jit(lambda p, b: step_lib.accumulate_gradients(grad_fn, p, None, b, key, 2))(params, batch)
+  each = [jax.jit(grad_fn)(params, None, jax.tree.map(lambda x: x[i::2], batch), jax.random.fold_in(key, i))
+          for i in range(2)]
+  (unmasked, _), _ = jax.jit(grad_fn)(params, None, tokens_BxW[0::2], jax.random.fold_in(key, 0))
+  assert float(unmasked) != float(each[0][0][0])   # the segment ids reach the loss
+  m = 2 * 32
+  np.testing.assert_allclose(loss, (each[0][0][0] + each[1][0][0]) / 2, rtol=m * U, atol=0)
+  for g, g0, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(each[0][1]), jax.tree.leaves(each[1][1])):
+    want = (g0 + g1) / 2
+    np.testing.assert_allclose(g, want, rtol=0, atol=m * U * float(jnp.max(jnp.abs(want))))
