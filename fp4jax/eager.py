@@ -5,8 +5,8 @@ being traced.
 An eager call of a quantized dot or a role quantizer would otherwise run op by op: jax compiles each of its
 hundreds of small operations (tens of milliseconds each on a CPU) and runs them one at a time. Jitted, the
 forward and the backward are one program each, compiled once per shape. Under a trace nothing changes: no
-``jit(...)`` level is added to the program, so the op names in profiles stay the scopes' (docs/TRAINING.md, "Profiles")
-and the compiled step is the same program. The values are the same either way: fp4jax's arithmetic is exact
+``jit(...)`` level is added to the program, so the op names in profiles stay the scopes' (docs/TRAINING.md,
+"Profiles") and the compiled step is the same program. The values are the same either way: fp4jax's arithmetic is exact
 under jit and eagerly (``fp4jax._exact``; tests/test_dot_golden.py checks both).
 """
 from __future__ import annotations

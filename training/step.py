@@ -240,12 +240,13 @@ def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches:
 
 def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
                outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1):
-  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring), then OsciReset (with ``osci``) on the updated params, as the step of index "steps
-  applied so far"; a step whose loss or gradient norm is non-finite leaves params, moments and OsciReset's
-  and OutControl's state untouched. ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain"
-  runs the recipe's forward (the OutControl state, if any, passes through), "record" also accumulates the
-  channel norms, "on" runs the calibrated channel split. ``micro_batches`` (static): the gradient of the
-  batch is accumulated over that many micro-batches (``accumulate_gradients``) and applied once."""
+  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring), then OsciReset
+  (with ``osci``) on the updated params, as the step of index "steps applied so far"; a step whose loss or
+  gradient norm is non-finite leaves params, moments and OsciReset's and OutControl's state untouched.
+  ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
+  OutControl state, if any, passes through), "record" also accumulates the channel norms, "on" runs the
+  calibrated channel split. ``micro_batches`` (static): the gradient of the batch is accumulated over that many
+  micro-batches (``accumulate_gradients``) and applied once."""
   key = jax.random.fold_in(state["rng"], state["step"])
 
   def loss_fn(params, outcontrol, batch, key):
