@@ -10,8 +10,10 @@ import fp4jax
 from tools import op_names, profile, xplane
 
 
-@pytest.fixture(scope="module")
-def cpu_capture(tmp_path_factory):
+@pytest.fixture(scope="module", params=["compiled", "from the persistent cache"])
+def cpu_capture(request, tmp_path_factory):
+  """The capture, with the program compiled in this process or (as a resumed run's step is) loaded from
+  JAX's persistent compilation cache, which keeps the program_id of the process that compiled it."""
   folder = tmp_path_factory.mktemp("profile")
   recipe = fp4jax.recipes.nvfp4()
 
@@ -24,6 +26,9 @@ def cpu_capture(tmp_path_factory):
 
   args = [jnp.full(shape, v, jnp.bfloat16) for shape, v in (((32, 64), 0.5), ((64, 32), 0.25), ((32, 64), 2.0))]
   jax.block_until_ready(two_layers(*args))   # compiled outside the capture, as the loop's profile steps are
+  if request.param == "from the persistent cache":   # the suite's cache (tests/conftest.py) holds it now
+    jax.clear_caches()
+    jax.block_until_ready(two_layers(*args))
   jax.profiler.start_trace(str(folder))
   for step in range(2):
     with jax.profiler.StepTraceAnnotation("train", step_num=step):

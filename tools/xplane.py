@@ -16,7 +16,8 @@ A capture is an XSpace: planes (``/host:CPU``, ``/device:GPU:0``, ``/host:metada
   ``prefix``, also a stat) and, at XLA's detailed annotation level, ``op_name``. ``/host:metadata``
   holds the HLO protos as on the CPU.
 
-``timed_ops`` resolves an op's name from the HLO proto of its ``program_id`` first, then from the
+``timed_ops`` resolves an op's name from the HLO proto of its module first (by ``program_id``, or by the
+module's name where the executable came from the persistent compilation cache), then from the
 event's own ``op_name``, then ``prefix``/``name`` stats. An instruction without an op_name (a fusion
 XLA made, a copy it added) takes the longest common scope of the op_names in the computations it
 calls, as XLA's GPU annotation does; with none, its op_name is "".
@@ -190,11 +191,26 @@ class TimedOp:
   end_ns: float
 
 
-def _stat_name(stats: dict, mods: dict[int, Module]) -> str:
+def _event_module(stats: dict, mods: dict[int, Module]) -> Module | None:
+  """The module an event's op belongs to: by its ``program_id`` where that module has the event's
+  ``hlo_module`` name, else the one module of that name holding the op. An executable loaded from JAX's
+  persistent compilation cache keeps the program_id it was compiled with, while the capture's metadata
+  plane numbers the module afresh, so the name is the key that survives the cache."""
+  name, op = str(stats.get("hlo_module", "")), stats["hlo_op"]
   try:
     module = mods.get(int(stats.get("program_id", -1)))
   except (TypeError, ValueError):
     module = None
+  if module is not None and (not name or module.name == name):
+    return module
+  named = [m for m in mods.values() if m.name == name and op in m.op_names]
+  if len({m.op_names[op] for m in named}) == 1:
+    return named[0]
+  return None
+
+
+def _stat_name(stats: dict, mods: dict[int, Module]) -> str:
+  module = _event_module(stats, mods)
   if module is not None and stats["hlo_op"] in module.op_names:
     return module.op_names[stats["hlo_op"]]
   if stats.get("op_name"):
