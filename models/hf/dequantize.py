@@ -137,7 +137,7 @@ def _decode(module: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
 def block_products(packed, scale) -> np.ndarray:
   """e2m1(code) · f32(scale) of every element (packed: uint8 [N, K/2]; scale: float8_e4m3fn [N, K/16]) as float32
   [N, K], exact, decoded by fp4jax: ``fp4jax.dequantize`` with the tensor amax 6 · 448, whose tensor factor
-  (f32(s) · 2688) · f32(1/2688) is s itself for every E4M3 value s (tests/test_hf_export.py checks all of them),
+  (f32(s) · 2688) · f32(1/2688) is s itself for every E4M3 value s (tests/test_hf_import_nvfp4.py checks all of them),
   so only the exact product e2m1 · s remains."""
   q = fp4jax.QTensor(data=jnp.asarray(packed), scale=jnp.asarray(scale), amax=jnp.float32(E4M3_X_E2M1_MAX),
                      fmt="nvfp4", axis=-1, block=GROUP, tile=None, dtype=jnp.float32)
