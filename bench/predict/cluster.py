@@ -3,8 +3,11 @@
 A collective's replica groups (read from the compiled HLO) are mapped onto the links they cross: a group
 whose GPUs sit in one node (one NVLink domain) runs at NVLink speed; a group that spans nodes is limited
 by each GPU's network link (an HGX node has one 400 Gb/s NIC per GPU). Partition ``p`` of the SPMD
-program is device ``p`` of bench/predict/gpu_aot.py's topology, and device ``d`` sits in node ``d // gpus_per_node``
-(the topology is ``1 x nodes x 8``; jit's device assignment is the mesh's devices in order).
+program runs on the mesh's ``p``-th device (jit's device assignment is the mesh's devices in order), whose id
+bench/predict/gpu_aot.py records (``partition_devices``: the mesh laid out in nodes by
+``training.sharding.make_mesh`` may order them otherwise than by id); device ``d`` sits in node
+``d // gpus_per_node`` (the topology is ``1 x hosts x 8``, ids host-major). Without the ids, partition ``p``
+is device ``p`` (a flat mesh).
 
 Time of one collective over a group of ``n`` GPUs, ``S`` its full buffer per GPU (all-gather: the gathered
 output; reduce-scatter: the input it reduces; all-reduce: the buffer; all-to-all: what one GPU sends and
@@ -133,12 +136,16 @@ class Placement:
     return self.nodes > 1
 
 
-def placement(groups: list[list[int]], cluster: Cluster) -> Placement:
+def placement(groups: list[list[int]], cluster: Cluster, partition_devices: list[int] | None = None) -> Placement:
+  """The ``Placement`` of replica ``groups`` (partition ids) on ``cluster``: partition ``p`` is device
+  ``partition_devices[p]`` (default ``p``), in node ``device // gpus_per_node``."""
+  node = ((lambda p: p // cluster.gpus_per_node) if partition_devices is None
+          else (lambda p: partition_devices[p] // cluster.gpus_per_node))
   size = max(len(g) for g in groups)
-  worst = max(groups, key=lambda g: (len({d // cluster.gpus_per_node for d in g}), len(g)))
+  worst = max(groups, key=lambda g: (len({node(p) for p in g}), len(g)))
   nodes = {}
-  for d in worst:
-    nodes[d // cluster.gpus_per_node] = nodes.get(d // cluster.gpus_per_node, 0) + 1
+  for p in worst:
+    nodes[node(p)] = nodes.get(node(p), 0) + 1
   return Placement(size, len(nodes), min(nodes.values()))
 
 
