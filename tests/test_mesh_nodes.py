@@ -96,6 +96,21 @@ def test_the_config_check_refuses_bad_node_factors(overrides, phrase):
     config_lib.validate(shrunken.shrunken_config(**overrides))
 
 
+def test_super_keeps_the_experts_in_a_node_and_spans_the_nodes_with_fsdp():
+  """configs/nemotron3_super.py on 8 HGX nodes of 8 (one process each): each expert group (the all-to-all's) is one
+  node's 8 GPUs; each fsdp group takes one GPU of each of the 8 nodes."""
+  from test_train_config import _load   # pylint: disable=import-outside-toplevel,import-error
+  c = _load(os.path.join(ROOT, "configs", "nemotron3_super.py"))
+  config_lib.validate(c)
+  grid = _ids(sharding.mesh_devices(c.mesh, [_Device(i, i // 8) for i in range(64)]))
+  assert grid.shape == (1, 8, 8, 1)
+  node_FxE = grid[0, :, :, 0] // 8
+  assert all(len(set(row)) == 1 for row in node_FxE)      # an expert group: one node
+  assert all(len(set(col)) == 8 for col in node_FxE.T)    # an fsdp group: every node
+  assert sharding.describe_nodes(c.mesh, dict(zip(sharding.MESH_AXES, grid.shape))) == \
+      "8 nodes of 8 devices: within a node expert 8; across nodes fsdp 8"
+
+
 # moe_tiny's E block alone, 4 experts, 2 per token, in bf16, 2 micro-batches; one expert group, as Super's router
 # (group-limited routing's scatter of the chosen groups is gathered over the batch by XLA's partitioner).
 SHRUNKEN_MOE_E = dict(d_model=32, pattern="E", mlp_dim=64, n_heads=2, n_kv_heads=1, head_dim=16, d_state=8,

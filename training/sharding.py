@@ -160,16 +160,16 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def describe_nodes(mesh_config, mesh) -> str:
-  """"" for a flat mesh; else which factors lie within a node and which across nodes."""
+def describe_nodes(mesh_config, shape) -> str:
+  """"" for a flat mesh; else which factors of the mesh of ``shape`` (axis -> size) lie within a node and which
+  across nodes."""
   dcn = [mesh_config.get(k, 1) for k in NODE_KEYS]
   if all(n == 1 for n in dcn):
     return ""
-  within = {a: mesh.shape[a] // n for a, n in zip(MESH_AXES, dcn)}
   nodes = math.prod(dcn)
-  inside = " x ".join(f"{a} {w}" for a, w in within.items() if w > 1) or "nothing"
+  inside = " x ".join(f"{a} {shape[a] // n}" for a, n in zip(MESH_AXES, dcn) if shape[a] // n > 1) or "nothing"
   across = " x ".join(f"{a} {n}" for a, n in zip(MESH_AXES, dcn) if n > 1)
-  return f"{nodes} nodes of {mesh.size // nodes} devices: within a node {inside}; across nodes {across}"
+  return f"{nodes} nodes of {math.prod(shape.values()) // nodes} devices: within a node {inside}; across nodes {across}"
 
 
 @contextlib.contextmanager

@@ -218,7 +218,7 @@ def _step(F, devices):
                     / (out["cost"]["predicted_ms"] * 1e-3 * peaks(F.target, "spec")["flops"]["bf16"]))
     return out
 
-  nodes = sharding.describe_nodes(config.mesh, mesh)
+  nodes = sharding.describe_nodes(config.mesh, dict(mesh.shape))
   res = one(config, f"step {config.name} recipe {config.recipe} mesh {dict(mesh.shape)} "
             + (f"({nodes}) " if nodes else "") + f"{bpd}x{config.data.seq_len} tokens/rank"
             + (f" in each of {micro} micro-batches" if micro > 1 else ""))
