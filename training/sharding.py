@@ -7,7 +7,7 @@ parallel). The batch is split over ``(data, fsdp, expert)``.
 
 Nodes: ``config.mesh.<axis>`` is an axis's size; ``config.mesh.dcn_<axis>`` (default 1) is how many nodes it
 spans, its across-node factor, so its within-node factor is ``<axis> / dcn_<axis>``. With a factor set, the mesh
-is laid out in nodes (``node_grid``): along each axis, index ``j = node_index * within + position_in_node``, so
+is laid out in nodes (``mesh_devices``): along each axis, index ``j = node_index * within + position_in_node``, so
 the within-node factors of every axis are neighbours inside one node (NVLink) and only the across-node factors
 reach over the network. Without one, the mesh is ``jax.make_mesh``'s flat one (devices in id order).
 """
