@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grouped, recipes
-from models import expert_parallel, policy, scopes
+from models import axes as axes_lib, expert_parallel, policy, scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -205,7 +205,9 @@ class ExpertLinear(nn.Module):
     key = None
     if recipe.needs_key and self.has_rng("fp4"):
       key = self.make_rng("fp4")
-    return ExpertGemm(kernel.astype(cfg.dtype), key, recipe, cfg.dtype)
+    # Cast on each device's shard (the parameter's own placement): the per-layer gather of the experts then
+    # moves the compute dtype, not the float32 master weights.
+    return ExpertGemm(axes_lib.as_param(kernel.astype(cfg.dtype), self.axes), key, recipe, cfg.dtype)
 
 
 def expert_recipe(config: ModelConfig, recipe, path):
