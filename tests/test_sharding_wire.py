@@ -1,5 +1,7 @@
 """What the train step's weight gathers move: never a float32 master weight that the model computes in a
-narrower type (the cast runs on each device's shard, before the gather: ``models.axes.as_param``).
+narrower type (the cast runs on each device's shard, before the gather: ``models.axes.as_param``), and for a
+weight the recipe quantizes, its FP4 codes and E4M3 scales rather than the weight (the dense layers' quantize
+runs on the shard, ``fp4jax.primitives.sharding``; the experts' through ``fp4jax.grouped.quantize_experts``).
 
 A subprocess on 8 simulated CPU devices (fsdp 4 x expert 2, Super's layout in small) compiles the trainer's step
 (bench/scale.py's ``build_step``) of a shrunken moe_tiny whose two E blocks are scanned and rematerialized
@@ -116,6 +118,24 @@ def test_no_float32_weight_is_gathered(nvfp4):
   """Every weight the step gathers crosses the wire in its compute dtype (or as codes), none as its float32
   master copy: on today's main the scanned E blocks gathered the experts' float32 kernels and cast them after."""
   found = weight_gathers(nvfp4)
-  assert any("experts" in path for path, _, _ in found), "the experts' gathers were not found"
+  assert any("experts" in path for path, _, _ in found) or expert_codes_gathered(nvfp4), "no expert gather found"
   wide = [g for g in found if g[1] == "f32"]
   assert not wide, f"float32 weight gathers: {wide}"
+
+
+def test_quantized_weights_cross_the_wire_as_codes(nvfp4):
+  """Every weight in NVFP4 (here all of them: the experts, the shared expert, the latent projections) is gathered
+  as uint8 codes and float8_e4m3fn scales only: no gather of one of them in bf16 or f32. On today's main the
+  experts were gathered in bf16 (or f32) and quantized after the gather, on every device, in full."""
+  quantized = {path for path, _, _, precision in nvfp4["weights"] if precision == "nvfp4"}
+  assert any("experts" in p for p in quantized) and any("experts" not in p for p in quantized), quantized
+  wide = [g for g in weight_gathers(nvfp4) if g[0] in quantized]
+  assert not wide, f"quantized weights gathered unquantized: {wide}"
+  assert expert_codes_gathered(nvfp4)
+
+
+def expert_codes_gathered(out) -> bool:
+  """Whether every expert kernel's codes are gathered: (E / expert, K, N / 2) uint8 (tiles packed along N)."""
+  codes = {_strip(dims) for dtype, dims, _ in out["gathers"] if dtype == "u8"}
+  return all((shape[0] // EXPERT, shape[1], shape[2] // 2) in codes
+             for _, shape, expert, _ in out["weights"] if expert)
