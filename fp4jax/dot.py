@@ -163,19 +163,35 @@ DENSE = Dense()
 
 
 @jax.named_scope("fprop")
-def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN, q_x=None, amax_x=None):
+def _fprop(roles: Roles, precision, out_dtype, ops, x_MxK, w_KxN, q_x=None, amax_x=None, q_w=None):
   """y and the fprop-quantized operands (None when fprop runs unquantized; w's tiles (K, N) when
   ``tiles_in_place``, else (N, K) as fprop reads them). ``q_x``: x already
   quantized as ``roles.fprop_x`` quantizes it (a ``PreQuantized`` input), used instead of quantizing;
-  ``amax_x``: x's tensor amax, when ``_shared_amaxes`` read it with the wgrad's."""
+  ``amax_x``: x's tensor amax, when ``_shared_amaxes`` read it with the wgrad's; ``q_w``: w already quantized
+  as ``fprop_weight`` quantizes it, used instead of quantizing."""
   if roles.fprop_x is None:
     return ops.exact(x_MxK, w_KxN, "fprop", precision).astype(out_dtype), None, None
   q_x = ops.rows(roles.fprop_x, x_MxK, amax=amax_x) if q_x is None else q_x
+  q_w = fprop_weight(roles, ops, w_KxN) if q_w is None else q_w
   if tiles_in_place(roles):   # w's tiles along N, as dgrad reads them; fprop reads their transpose
-    q_w = ops.weight(roles.fprop_w, w_KxN)                                           # (K, N)
     return ops.gemm(q_x, ops.transpose_tiles(q_w), out_dtype), q_x, q_w
-  q_wt = ops.weight(roles.fprop_w, ops.transpose(w_KxN))                             # (N, K)
-  return ops.gemm(q_x, q_wt, out_dtype), q_x, q_wt
+  return ops.gemm(q_x, q_w, out_dtype), q_x, q_w
+
+
+def fprop_weight(roles: Roles, ops, w_KxN):
+  """w quantized for the fprop GEMM: its tiles in w's own layout (K, N) when ``tiles_in_place``, else wᵀ
+  (N, K) along K. ``ops``: ``DENSE``, or fp4jax.grouped's experts (their weight operations need no groups)."""
+  if tiles_in_place(roles):
+    return ops.weight(roles.fprop_w, w_KxN)                                          # (K, N)
+  return ops.weight(roles.fprop_w, ops.transpose(w_KxN))                             # (N, K)
+
+
+def weight_read_by_fprop_only(roles: Roles) -> bool:
+  """Whether the dot reads w only through ``fprop_weight``'s codes: fprop quantized, and dgrad quantized with
+  the fprop tiles transposed or ŵ re-quantized. Then w may arrive already quantized (``quantized_dot``'s
+  ``pre_w``) and its values are never read; wgrad (xᵀ · dy) reads no w."""
+  return (roles.fprop_x is not None and roles.fprop_w is not None and roles.dgrad_dy is not None
+          and (roles.dgrad_w == TRANSPOSED or roles.requantize))
 
 
 def tiles_in_place(roles: Roles) -> bool:
@@ -189,9 +205,10 @@ def tiles_in_place(roles: Roles) -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x):
+def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x, pre_w):
   del key
-  return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN, pre_x)[0]
+  return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN, pre_x,
+                q_w=pre_w)[0]
 
 
 def _shared_amaxes(ops, gemm_name, q_rows, q_tokens, t_TxC):
@@ -202,13 +219,13 @@ def _shared_amaxes(ops, gemm_name, q_rows, q_tokens, t_TxC):
     return ops.amaxes(q_rows, q_tokens, t_TxC)
 
 
-def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x):
+def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x, pre_w):
   # Differentiated again only by a second derivative, which the rounding would make zero (fp4jax.derivatives).
   x_MxK, w_KxN = derivatives.refuse_tangents((x_MxK, w_KxN), _second_order(roles))
   ops = layout.bind(groups, x_MxK.shape[0])
   amax_x, amax_xt = (None, None) if pre_x is not None or roles.requantize else _shared_amaxes(
       ops, "fprop", roles.fprop_x, roles.wgrad_x, x_MxK)
-  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN, pre_x, amax_x)
+  y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN, pre_x, amax_x, pre_w)
   if roles.dgrad_dy is None:
     w_dgrad = w_KxN
   elif roles.dgrad_w == TRANSPOSED or roles.requantize:
@@ -271,7 +288,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
   # epilogue instead of a separate float32 pass after the barrier (1.5 GiB less at 8192³).
   dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)))
-  return dx_MxK, dw_KxN, None, None, None
+  return dx_MxK, dw_KxN, None, None, None, None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -281,16 +298,21 @@ def _second_order(roles) -> str:
   return derivatives.DOT_MESSAGE.format(name=roles.name, what=derivatives.SECOND_ORDER)
 
 
-def quantized_dot(roles: Roles, layout, x, w, key=None, groups=None, *, precision=None, out_dtype):
+def quantized_dot(roles: Roles, layout, x, w, key=None, groups=None, *, precision=None, out_dtype, pre_w=None):
   """The custom_vjp on aligned operands, for ``layout``'s operands (``DENSE``, or fp4jax.grouped's
-  experts with their traced ``groups``): the one role logic of every quantized dot."""
+  experts with their traced ``groups``): the one role logic of every quantized dot. ``pre_w``: w's
+  ``fprop_weight`` codes, made by the caller (``weight_read_by_fprop_only`` roles only); w then gives the
+  gradient's dtype and receives dw, and its values are not read."""
   derivatives.check_not_forward_mode(roles.name, x, w)
-  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups, None)
+  if pre_w is not None and not weight_read_by_fprop_only(roles):
+    raise ValueError(f"Roles {roles.name!r} read the weight itself in a GEMM besides fprop's codes; pass the "
+                     "weight, not its quantization")
+  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups, None, pre_w)
 
 
 def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
   """What the forward pass saves for the backward pass on aligned operands (byte counts, tests)."""
-  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None, None)[1]
+  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None, None, None)[1]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,7 +333,7 @@ def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x):
   w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
   if pre_x is not None:
     pre_x = prequantized.pad_rows(pre_x, x_MxK.shape[0])
-  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x)[:m, :n]
+  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x, None)[:m, :n]
 
 
 @jax.named_scope("fp4jax/dot")   # names every op of the three GEMMs in XLA profiles

@@ -34,12 +34,13 @@ the grouped GEMM's summation order is the kernel's (``lax.ragged_dot``), as a de
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from fp4jax import gemm, random_bits
-from fp4jax.dot import gemm_keys, quantized_dot, values
+from fp4jax.dot import fprop_weight, gemm_keys, quantized_dot, values, weight_read_by_fprop_only
 from fp4jax.api import transpose_tiles
 from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.layout import pad_to_multiple
@@ -203,6 +204,9 @@ class _Bound:
     return jax.vmap(lambda k: gemm_keys(k, rht_size))(keys_E)
 
 
+_WEIGHTS = _Bound(None)   # the experts' weight operations: they read no groups
+
+
 def _key_shape(key):
   """The shape of a typed key array, or of a raw uint32 one (its last axis: the key data)."""
   return key.shape if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
@@ -216,6 +220,50 @@ def _expert_keys(key, n_e):
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+  """The experts' weight w (E, K, N) with ``q``, its fprop quantization as ``grouped_dot`` makes it
+  (``quantize_experts``), each expert its own tensor: the codes and scales of its 16x16 tiles (or 1D blocks)
+  and its amax, all with the leading axis E. ``grouped_dot`` reads the codes in place of quantizing w and
+  gives w the gradient; w's values are not read, so where the experts are gathered across devices (the
+  per-layer FSDP gather, ``models.expert_parallel``) only the codes and scales need to cross the wire."""
+
+  w: Any
+  q: QTensor
+  recipe: Any = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self):
+    return self.w.shape
+
+  @property
+  def dtype(self):
+    return self.w.dtype
+
+
+def can_quantize_experts(recipe) -> bool:
+  """Whether ``recipe``'s grouped GEMMs read the weight only through its fprop codes
+  (``fp4jax.dot.weight_read_by_fprop_only``: nvfp4's tiles, transposed for dgrad, and the recipes that
+  re-quantize ŵ), so that ``quantize_experts`` can quantize it ahead of the dot."""
+  recipe = as_recipe(recipe)
+  return recipe.quantizes_anything and weight_read_by_fprop_only(recipe.roles)
+
+
+def quantize_experts(w_ExKxN, *, recipe) -> QuantizedExperts:
+  """w (E, K, N) with its fprop quantization for ``grouped_dot(..., recipe=recipe)``: bit for bit the codes
+  grouped_dot computes from w itself (each expert its own tensor and amax). Each expert's codes depend on that
+  expert's weight alone, so under a sharding of the leading axis E each device quantizes its own experts."""
+  recipe = as_recipe(recipe)
+  if not can_quantize_experts(recipe):
+    raise ValueError(f"recipe {recipe.name!r} reads the experts' weight itself in a GEMM besides fprop's codes "
+                     "(fp4jax.grouped.can_quantize_experts); pass the weight to grouped_dot as it is")
+  w_ExKxN = jnp.asarray(w_ExKxN)
+  _, align_k, align_n = recipe.roles.alignment()
+  w_p = pad_to_multiple(pad_to_multiple(w_ExKxN, 1, align_k), 2, align_n)
+  return QuantizedExperts(w_ExKxN, fprop_weight(recipe.roles, _WEIGHTS, jax.lax.stop_gradient(w_p)), recipe)
+
+
 @jax.named_scope("fp4jax/grouped_dot")
 def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None,
                 preferred_element_type=None):
@@ -226,11 +274,19 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
     are fine: an MoE's routing). recipe, key, precision: as ``fp4jax.dot``; a recipe that quantizes
     nothing is ``lax.ragged_dot`` with float32 accumulation. Output dtype: ``preferred_element_type``,
     else ``recipe.out_dtype``, else that of x and w.
+  w_ExKxN: the experts' weight, or a ``QuantizedExperts`` of it (``quantize_experts``, the same recipe): its
+    codes go into the GEMMs as they are, bit for bit what the dot would compute from the weight.
   key: one key (expert e uses fold_in(key, e)), or (E,) keys, expert e's own: an expert-parallel caller
     holding experts [e0, e0 + E) of a larger set passes fold_in(key, e0 + i) for its i-th, so that each
     expert draws the bits it draws on one device (``models.expert_parallel``).
   """
   recipe = as_recipe(recipe)
+  pre_w = None
+  if isinstance(w_ExKxN, QuantizedExperts):
+    if w_ExKxN.recipe != recipe:
+      raise ValueError(f"fp4jax.grouped_dot: the experts were quantized for recipe {w_ExKxN.recipe.name!r}, the "
+                       f"dot runs {recipe.name!r}; quantize them with the dot's recipe (quantize_experts)")
+    w_ExKxN, pre_w = w_ExKxN.w, w_ExKxN.q
   x_SxK, w_ExKxN = jnp.asarray(x_SxK), jnp.asarray(w_ExKxN)
   if x_SxK.ndim != 2 or w_ExKxN.ndim != 3 or x_SxK.shape[1] != w_ExKxN.shape[1]:
     raise ValueError(f"fp4jax.grouped_dot takes x (S, K) and w (E, K, N); got {x_SxK.shape} and {w_ExKxN.shape}")
@@ -257,4 +313,4 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
   x_SxK = pad_to_multiple(x_SxK, 1, align_k)
   w_ExKxN = pad_to_multiple(pad_to_multiple(w_ExKxN, 1, align_k), 2, align_n)
   return quantized_dot(roles, Experts(rows), x_SxK, w_ExKxN, key, group_sizes.astype(jnp.int32),
-                           precision=precision, out_dtype=out_dtype)[:, :n]
+                       precision=precision, out_dtype=out_dtype, pre_w=pre_w)[:, :n]

@@ -7,9 +7,14 @@ SSM groups), so sharding them evenly over ``tensor`` (a divisor of the group cou
 groups, as sharding ``kv_heads`` / ``ssm_inner`` would.
 
 ``fit`` is the one rule for how far a dimension is split: the trainer places every parameter by it
-(``training.sharding``), and a model that must lay an activation out like a parameter reads it too.
+(``fit_spec``, through ``training.sharding``), and a model that must lay an activation out like a parameter
+reads it too (``as_param``: a parameter's cast kept in the parameter's own placement).
 """
 import math
+
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec as P
 
 from fp4jax import formats
 
@@ -61,3 +66,23 @@ def fit(axes, dim: int, mesh_shape, unit: int = 1):
   while names and dim % (math.prod(mesh_shape[n] for n in names) * unit):
     names = names[:-1]
   return names[0] if len(names) == 1 else names or None
+
+
+def fit_spec(spec, shape, mesh_shape) -> P:
+  """``spec`` (mesh axes per dimension) with each dimension's axes cut down by ``fit``: a matrix's (rank >= 2)
+  last two dimensions into whole ``MATRIX_UNIT``s, so NVFP4's 1x16 blocks and 16x16 weight tiles never
+  straddle a shard boundary and each shard quantizes locally; vectors, and the leading axes of stacked
+  matrices (the experts' (E, in, out)), only into whole elements."""
+  padded = tuple(spec) + (None,) * (len(shape) - len(spec))
+  units = [MATRIX_UNIT if len(shape) >= 2 and i >= len(shape) - 2 else 1 for i in range(len(shape))]
+  return P(*(fit(axes, dim, mesh_shape, unit) for dim, axes, unit in zip(shape, padded, units)))
+
+
+def as_param(x, names):
+  """``x``, a value of a parameter's shape (its cast to the compute dtype, its quantized codes), constrained to
+  the placement the trainer gives a parameter of logical axes ``names``: so it is computed on each device's
+  shard, and a gather of it moves the narrow value. Without a mesh (or one device), ``x``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, fit_spec(nn.logical_to_mesh_axes(names), x.shape, mesh.shape))

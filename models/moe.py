@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grouped, recipes
-from models import expert_parallel, policy, scopes
+from models import axes as axes_lib, expert_parallel, policy, scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
@@ -155,7 +155,8 @@ class RoutedExperts(nn.Module):
                    meta_fields=("recipe", "dtype", "observe"))
 @dataclasses.dataclass(frozen=True)
 class ExpertGemm:
-  """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype, its recipe, and its key (one
+  """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype (or a ``fp4jax.grouped.QuantizedExperts``
+  of it: the kernel with its fprop codes), its recipe, and its key (one
   key, or (E,) keys: fold_in(key, e), which expert parallelism splits with the kernel), or None.
   ``observe(x_SxK)``, where set, sees each input (the export's calibration reads its amax)."""
   kernel: jax.Array
@@ -205,7 +206,15 @@ class ExpertLinear(nn.Module):
     key = None
     if recipe.needs_key and self.has_rng("fp4"):
       key = self.make_rng("fp4")
-    return ExpertGemm(kernel.astype(cfg.dtype), key, recipe, cfg.dtype)
+    # Cast on each device's shard (the parameter's own placement): the per-layer gather of the experts then
+    # moves the compute dtype, not the float32 master weights; where the recipe reads the weight only through
+    # its fprop codes, each device also quantizes its own experts, and the gather moves codes and scales.
+    kernel = axes_lib.as_param(kernel.astype(cfg.dtype), self.axes)
+    if grouped.can_quantize_experts(recipe):
+      kernel = grouped.quantize_experts(kernel, recipe=recipe)
+      kernel = dataclasses.replace(kernel, q=jax.tree.map(
+          lambda a: axes_lib.as_param(a, self.axes[:1] + (None,) * (a.ndim - 1)), kernel.q))
+    return ExpertGemm(kernel, key, recipe, cfg.dtype)
 
 
 def expert_recipe(config: ModelConfig, recipe, path):

@@ -173,3 +173,41 @@ def test_row_scaled_stochastic_roles_are_refused():
   roles = dataclasses.replace(fp4jax.recipes.get("nvfp4").roles, dgrad_dy=q)
   with pytest.raises(ValueError, match="row-scaled dgrad_dy with stochastic rounding"):
     grouped.grouped_dot(jnp.zeros((16, 16)), jnp.zeros((1, 16, 16)), jnp.array([16]), recipe=roles)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4"] + [pytest.param(r, marks=pytest.mark.slow)
+                                                for r in ("fp8", "quartet2", "tetrajet2")])
+def test_experts_quantized_ahead_give_the_same_values_and_gradients(recipe):
+  """``quantize_experts`` (what each device runs on its own experts before their gather) is bit for bit the
+  weight quantization grouped_dot runs itself: y, dx and dw identical (dw goes to the weight, as without it)."""
+  rng = np.random.default_rng(0)
+  x_SxK = jnp.asarray(rng.standard_normal((512, 32)), jnp.bfloat16)
+  w_ExKxN = jnp.asarray(rng.standard_normal((4, 32, 48)), jnp.bfloat16)
+  sizes_E = jnp.array([128, 0, 256, 128], jnp.int32)
+  key = jax.random.key(1)
+
+  def loss(x, w, ahead):
+    w = grouped.quantize_experts(w, recipe=recipe) if ahead else w
+    y = grouped.grouped_dot(x, w, sizes_E, recipe=recipe, key=key)
+    return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  (_, y), (dx, dw) = grad(x_SxK, w_ExKxN, False)
+  (_, y_ahead), (dx_ahead, dw_ahead) = grad(x_SxK, w_ExKxN, True)
+  for got, want in ((y_ahead, y), (dx_ahead, dx), (dw_ahead, dw)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp8", "bf16"])
+def test_experts_are_not_quantized_ahead_for_a_recipe_that_reads_the_weight(recipe):
+  """mxfp4 and mxfp8 quantize w again along N for dgrad (no 2D tiles), bf16 quantizes nothing: the weight itself
+  must reach the dot, and quantize_experts says so."""
+  assert not grouped.can_quantize_experts(recipe)
+  with pytest.raises(ValueError, match="can_quantize_experts"):
+    grouped.quantize_experts(jnp.zeros((2, 32, 32), jnp.bfloat16), recipe=recipe)
+
+
+def test_experts_quantized_for_another_recipe_are_refused():
+  q = grouped.quantize_experts(jnp.ones((2, 32, 32), jnp.bfloat16), recipe="nvfp4")
+  with pytest.raises(ValueError, match="quantized for recipe 'nvfp4'"):
+    grouped.grouped_dot(jnp.ones((128, 32), jnp.bfloat16), q, jnp.array([128, 0]), recipe="fp8")

@@ -209,16 +209,14 @@ def batch_sharding(mesh) -> NamedSharding:
 
 
 def _fit(spec: P, shape, mesh) -> P:
-  """Drops mesh axes from dimensions they do not cut into whole 16-element units (``models.axes.fit``).
+  """Drops mesh axes from dimensions they do not cut into whole 16-element units (``models.axes.fit_spec``).
 
   Matrices (rank >= 2) are sharded only where every shard holds whole multiples of 16 along the
   dimension, so NVFP4's 1x16 blocks and 16x16 weight tiles never straddle a shard boundary and each
   shard quantizes locally; vectors, and the leading axes of stacked matrices (the experts' (E, in, out)),
   only need divisibility. Tiny models on big meshes stay valid (the axes that do not fit are replicated).
   """
-  padded = tuple(spec) + (None,) * (len(shape) - len(spec))
-  units = [axes_lib.MATRIX_UNIT if len(shape) >= 2 and i >= len(shape) - 2 else 1 for i in range(len(shape))]
-  return P(*(axes_lib.fit(axes, dim, mesh.shape, unit) for dim, axes, unit in zip(shape, padded, units)))
+  return axes_lib.fit_spec(spec, shape, mesh.shape)
 
 
 def logical_shardings(abstract_boxed, mesh):
