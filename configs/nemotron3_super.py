@@ -3,8 +3,18 @@ of 512 experts with 22 per token, 8 attention) and one MTP module (attention + L
 precision rules (model.precision="nemotron3_super": the MTP module, the last 14 blocks, attention and the latent
 projections in bf16, the Mamba out_proj in MXFP8). Sequence 8192.
 
-The 64-GPU layout (8 hosts x 8): experts split 8 ways over each host's NVLink domain (mesh.expert=8, dispatch
-by all-to-all, models.expert_parallel), parameters and optimizer state sharded over the 8 hosts (mesh.fsdp=8),
+The 64-GPU layout, 8 HGX nodes x 8 (docs/TRAINING.md, "Laying out a multi-node run"):
+- within a node, expert=8: the routed experts split 8 ways over the node's NVLink (mesh.expert=8), so each E
+  layer's dispatch and combine (the all-to-all of models.expert_parallel, the step's largest traffic) never
+  leaves the node; the dense layers' weights are split over expert too (training.sharding's rules), so their
+  gathers over it stay in the node as well;
+- across the nodes, fsdp=8 (mesh.dcn_fsdp=8): parameters and optimizer state split 8 ways more. It is there for
+  memory, not for traffic: the state is 21.61 GiB per GPU split 64 ways and would be 172.71 GiB split only 8 ways
+  (data across the nodes instead of fsdp: more than a B200's 180 GB, 167.6 GiB, before any activation). So the per-layer
+  gathers of the weights over fsdp and the reduce-scatters of their gradients cross the network; only moving the
+  cross-node part of the weights' traffic to once per step would take them off it.
+The flat mesh of this shape (fsdp major) puts the devices in the same order; the layout keys say it, and a
+cluster whose nodes are not 8 GPUs is refused (mesh.devices_per_node).
 Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batch_size 512) in 8 micro-batches
 of one sequence per GPU (micro_batches 8: the gradients accumulate in float32, docs/TRAINING.md, "Micro-batches"),
 blocks rematerialized (remat "full", set here: the 12B's save_linear_fp4 would keep every E block's expert
@@ -48,7 +58,9 @@ def get_config():
   c.batch_size = 512
   c.micro_batches = 8   # 64 sequences at a time: one per GPU, as the memory above allows
   c.steps = 25_000_000_000_000 // (512 * 8192)
-  c.mesh.expert = 8
+  c.mesh.expert = 8            # within a node: the expert all-to-all on NVLink
+  c.mesh.dcn_fsdp = 8          # fsdp (8, from -1) spans the 8 nodes: the state split 64 ways fits (docstring)
+  c.mesh.devices_per_node = 8  # HGX B200 / H200 nodes
   # Each block keeps its input only (remat "full"), not the 12B's save_linear_fp4: that policy keeps every
   # linear output, and an E block's expert hidden (S x 2688 bf16, 1.36 GiB per GPU at f = 1.5) alone would
   # be 56 GiB over Super's 41 E blocks (docs/PERF.md, "nemotron3_super on 64 GPUs").

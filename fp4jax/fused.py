@@ -23,14 +23,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from fp4jax import dispatch, formats
-from fp4jax._exact import div
 from fp4jax.kernels import relu2_quantize as relu2_kernel
 from fp4jax.kernels import rmsnorm_quantize as kernel
 from fp4jax.numerics.amax import abs_max
-from fp4jax.numerics.layout import pad_to_multiple
+from fp4jax.primitives import producers
 from fp4jax.prequantized import PreQuantized, _check_quantizer
 from fp4jax.qtensor import QTensor
 from fp4jax.recipes import as_recipe
@@ -39,18 +37,9 @@ OP = "rmsnorm_quantize"   # its name in fp4jax.dispatch.KERNEL_OPS (the impl swi
 RELU2_OP = "relu2_quantize"
 
 
-def _halve(s):
-  w = s.shape[-1] // 2
-  return s[:, :w] + s[:, w:]
-
-
-def rmsnorm(x, scale, *, eps, dtype):
-  """RMSNorm(x)·scale over the last axis in ``dtype``, the sum of squares in the kernel's fixed order."""
-  *lead, d = x.shape
-  x_RxP = pad_to_multiple(x.reshape(-1, d).astype(jnp.float32), 1, kernel.pow2(d))
-  r_Rx1 = kernel.rms_inverse(x_RxP, d, eps, halve=_halve, div=div, sqrt=jnp.sqrt)
-  h = (x.reshape(-1, d).astype(jnp.float32) * r_Rx1) * scale.astype(jnp.float32)
-  return h.astype(dtype).reshape(*lead, d)
+# The XLA twin of each kernel: its ``_reference`` (the kernels' oracles, what impl "xla" computes).
+rmsnorm = kernel.rmsnorm_reference
+relu2 = relu2_kernel.relu2_reference
 
 
 def kernel_ok(quantizer, x_shape, x_dtype, dtype) -> bool:
@@ -65,12 +54,9 @@ def _forward(x, scale, eps, dtype, quantizer, impl):
   d = x.shape[-1]
   h_twin = rmsnorm(x, scale, eps=eps, dtype=dtype)
   amax = abs_max(h_twin)      # pass 1 (exact in any order)
-  if impl == "pallas":
-    call = lambda interpret: lambda x, scale, amax: kernel.rmsnorm_quantize(
-        x, scale, amax, eps=eps, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule,
-        interpret=interpret)
-    # compiled for CUDA, interpreted elsewhere: decided when lowering, for the platform lowered for
-    h, q, s = lax.platform_dependent(x, scale, amax, cuda=call(False), default=call(True))
+  if impl == "pallas":   # the kernel, on each device's rows (compiled for CUDA, interpreted elsewhere)
+    h, q, s = producers.rmsnorm_quantize(x, scale, amax, eps=eps, fmt=quantizer.fmt,
+                                         scale_rule=quantizer.scale_rule, impl=impl)
     q_x = _qtensor(q.reshape(-1, d // 2), s.reshape(-1, d // formats.BLOCK[quantizer.fmt]), amax, quantizer,
                    dtype)
     return PreQuantized(h, q_x, quantizer)
@@ -124,11 +110,6 @@ def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) ->
 
 # ------------------------------------------------------------------------------- relu² + quantize
 
-def relu2(u):
-  """The MLP's squared ReLU as the model computes it (``jnp.square(jax.nn.relu(u))``, u's dtype)."""
-  return jnp.square(jax.nn.relu(u))
-
-
 def relu2_kernel_ok(quantizer, u_shape, u_dtype) -> bool:
   """Whether the relu² kernel covers this call: plain 1D NVFP4/MXFP4 nearest of a bf16 u, F a multiple of
   the block."""
@@ -142,16 +123,14 @@ def _relu2_forward(u, quantizer, impl):
   amax = abs_max(h_twin)      # pass 1, read-only (exact in any order)
   if impl != "pallas":
     return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, f)), quantizer)
-  call = lambda interpret: lambda u, amax: relu2_kernel.relu2_quantize(
-      u, amax, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule, interpret=interpret)
-  h, q, s = lax.platform_dependent(u, amax, cuda=call(False), default=call(True))
+  h, q, s = producers.relu2_quantize(u, amax, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule, impl=impl)
   return PreQuantized(h, _qtensor(q.reshape(-1, f // 2), s.reshape(-1, f // formats.BLOCK[quantizer.fmt]),
                                   amax, quantizer, u.dtype), quantizer)
 
 
 def _qtensor(q, s, amax, quantizer, dtype):
   fmt = quantizer.fmt
-  return QTensor(q, lax.bitcast_convert_type(s, formats.SCALE_DTYPE[fmt]), amax if fmt == "nvfp4" else None,
+  return QTensor(q, s, amax if fmt == "nvfp4" else None,
                  fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(dtype), quantizer.scale_rule if fmt == "mxfp4" else None)
 
 

@@ -55,6 +55,10 @@ class ModelConfig:
   # The gradient of the conv + SiLU (models.mamba2.conv1d_silu): "autodiff" (jax's), "recompute" (a custom_vjp
   # that keeps only the conv's inputs; other last bits; opt-in: predicted slower for the 12B, docs/PERF.md).
   conv_vjp: str = "autodiff"
+  # The producers of a quantized layer's input (the block's RMSNorm, the MLP's activation) quantize it for the
+  # layer's fprop GEMM in their own pass and hand it over pre-quantized (models.layers.fused_norm_recipe; the
+  # same bits as the layer quantizing it). False: every layer quantizes its own input.
+  fused_producers: bool = True
   dt_min: float = 0.001           # dt_bias init: softplus(dt_bias) log-uniform in [dt_min, dt_max]
   dt_max: float = 0.1
   a_init_range: tuple[float, float] = (1.0, 16.0)  # A = -exp(A_log), A_log init log(uniform(range))
@@ -137,6 +141,8 @@ class ModelConfig:
       raise ValueError(f"ssd_impl={self.ssd_impl!r}; use 'auto', 'xla' or 'pallas'")
     if self.gate_norm_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"gate_norm_impl={self.gate_norm_impl!r}; use 'auto', 'xla' or 'pallas'")
+    if not isinstance(self.fused_producers, bool):
+      raise ValueError(f"fused_producers={self.fused_producers!r}; use True or False")
     if self.conv_vjp not in ("autodiff", "recompute"):
       raise ValueError(f"conv_vjp={self.conv_vjp!r}; use 'autodiff' or 'recompute'")
     if self.attention_block <= 0:

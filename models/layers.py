@@ -34,56 +34,61 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x_xD: jax.Array, prequantize_for: Any = None) -> jax.Array:
-    """``prequantize_for``: a recipe whose fprop input this norm feeds (``fused_norm_recipe``): the norm
-    and that quantization run as one kernel (``fp4jax.fused.rmsnorm_quantize``) and the output is an
-    ``fp4jax.PreQuantized`` for the next linear layers (``linear``); None: the plain norm."""
+    """``prequantize_for``: a recipe whose fprop input this norm feeds (``fused_norm_recipe``): the output is
+    an ``fp4jax.PreQuantized`` for the next linear layers (``linear``), quantized here, in the norm's pass.
+    With the kernel chosen (the impl switch, "rmsnorm_quantize") the norm and the quantization are one
+    kernel (``fp4jax.fused.rmsnorm_quantize``, its fixed sum order); else this norm, quantized by
+    ``fp4jax.prequantize``: the bits of the unfused norm and dot. None: the plain norm."""
     scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
                          (x_xD.shape[-1],), self.param_dtype)
     with scopes.part("rmsnorm"):
-      if prequantize_for is not None and fused.kernel_ok(prequantize_for.roles.fprop_x, x_xD.shape, x_xD.dtype,
-                                                         self.dtype):
+      if prequantize_for is not None and _kernel_chosen(fused.OP, prequantize_for) and fused.kernel_ok(
+          prequantize_for.roles.fprop_x, x_xD.shape, x_xD.dtype, self.dtype):
         return fused.rmsnorm_quantize(x_xD, scale_D, prequantize_for, eps=self.eps, dtype=self.dtype,
                                       impl="pallas")
       x_xD = x_xD.astype(jnp.float32)
       x_xD = x_xD * jax.lax.rsqrt(jnp.mean(jnp.square(x_xD), axis=-1, keepdims=True) + self.eps)
-      return (x_xD * scale_D.astype(jnp.float32)).astype(self.dtype)
+      h_xD = (x_xD * scale_D.astype(jnp.float32)).astype(self.dtype)
+      return h_xD if prequantize_for is None else prequantized.prequantize(h_xD, prequantize_for)
+
+
+def _kernel_chosen(op: str, recipe: Any) -> bool:
+  """Whether the impl switch runs the fused kernel ``op`` for ``recipe``'s fprop input format."""
+  return dispatch.choose(op, recipe.roles.fprop_x.fmt) == "pallas"
 
 
 def fused_norm_recipe(config: ModelConfig, recipe: Any, consumer_paths: Sequence[Sequence[str]]) -> Any:
-  """The recipe a norm may pre-quantize its output for (``RMSNorm(prequantize_for=...)``), or None.
+  """The recipe a norm pre-quantizes its output for (``RMSNorm(prequantize_for=...)``), or None.
 
   ``consumer_paths``: the module paths of every linear layer that reads the norm's output, and nothing
-  else may read it. Fused only behind the impl switch (``fp4jax.dispatch.default_impl``:
-  "rmsnorm_quantize" is a kernel candidate of the on-device proof; default XLA, the plain norm), when
-  every consumer runs the same recipe with a pre-quantizable fprop input (no OutControl) that the
-  kernel covers at this width."""
+  else may read it. Fused when every consumer runs the same recipe with a pre-quantizable fprop input
+  (``fp4jax.prequantized.supported``: 1D FP4, nearest, no transform) and no OutControl, at a width of
+  its K alignment; ``config.fused_producers=False`` turns it off."""
   recipes_ = {policy.decide(config, recipe, path).recipe for path in consumer_paths}
   if len(recipes_) != 1 or any(policy.outcontrol_ratio(config, recipe, p) for p in consumer_paths):
     return None
   (layer_recipe,) = recipes_
-  return _fusable(layer_recipe, config.d_model, fused.OP,
-                  lambda q: fused.kernel_ok(q, (config.d_model,), config.dtype, config.dtype))
+  return _fusable(config, layer_recipe, config.d_model)
 
 
-def fused_relu2_recipe(config: ModelConfig, recipe: Any, down_path: Sequence[str]) -> Any:
-  """The recipe the MLP's squared ReLU may pre-quantize its output for (``fp4jax.fused.relu2_quantize``:
-  the down projection's fprop input), or None: as ``fused_norm_recipe``, behind the impl switch
-  ("relu2_quantize", default XLA: the plain activation)."""
+def fused_activation_recipe(config: ModelConfig, recipe: Any, down_path: Sequence[str]) -> Any:
+  """The recipe the MLP's activation (relu² or SwiGLU) pre-quantizes its output for (the down projection's
+  fprop input), or None: as ``fused_norm_recipe``. relu² runs ``fp4jax.fused.relu2_quantize`` (its kernel
+  where the impl switch picks it, else its XLA twin, relu² exact either way); SwiGLU ``fp4jax.prequantize``."""
   if policy.outcontrol_ratio(config, recipe, down_path):
     return None
-  return _fusable(policy.decide(config, recipe, down_path).recipe, config.mlp_dim, fused.RELU2_OP,
-                  lambda q: fused.relu2_kernel_ok(q, (config.mlp_dim,), config.dtype))
+  return _fusable(config, policy.decide(config, recipe, down_path).recipe, config.mlp_dim)
 
 
-def _fusable(layer_recipe, width: int, op: str, kernel_covers) -> Any:
-  """``layer_recipe`` where its fprop input quantizer can pre-quantize a width-``width`` input, the kernel
-  ``op`` covers it (``kernel_covers(quantizer)``) and the impl switch picks that kernel; else None."""
-  if layer_recipe is None:
+def _fusable(config: ModelConfig, layer_recipe: Any, width: int) -> Any:
+  """``layer_recipe`` where producers are fused and its fprop input quantizer can pre-quantize a width-``width``
+  input; else None."""
+  if not config.fused_producers or layer_recipe is None:
     return None
   q = layer_recipe.roles.fprop_x
-  if not prequantized.supported(q) or width % layer_recipe.roles.alignment()[1] or not kernel_covers(q):
+  if not prequantized.supported(q) or width % layer_recipe.roles.alignment()[1]:
     return None
-  return layer_recipe if dispatch.choose(op, q.fmt) == "pallas" else None
+  return layer_recipe
 
 
 def residual_std(config: ModelConfig) -> float:

@@ -38,6 +38,9 @@ from models.policy import layer_precision
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP, "moe": MoE}
 _SEQUENCE_MIXERS = ("mamba", "attention")   # the mixers that read other tokens, so take segment ids
 _RESIDUAL = ("activation_batch", "activation_seq", "activation_embed")
+# Per mixer, the linear layers that read the block's normalized input, where nothing else reads it (the MoE's
+# router reads it too: its norm is not pre-quantized).
+_NORM_READERS = {"mlp": ("up",), "mamba": ("in_proj",), "attention": ("qkv",)}
 
 
 def _lookup_split(batch: int, d_model: int):
@@ -89,9 +92,11 @@ class Block(nn.Module):
   def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     cfg = self.config
     pre = None
-    if self.kind == "mlp":   # the norm's only readers are the MLP's input layers
+    readers = _NORM_READERS.get(self.kind)   # the linear layers that are the norm's only readers
+    if readers is not None:
       mixer = (*self.path, "mixer")
-      pre = fused_norm_recipe(cfg, self.recipe, [(*mixer, "up")] + ([(*mixer, "gate")] if cfg.mlp_kind == "swiglu" else []))
+      names = readers + (("gate",) if self.kind == "mlp" and cfg.mlp_kind == "swiglu" else ())
+      pre = fused_norm_recipe(cfg, self.recipe, [(*mixer, name) for name in names])
     h_BxLxD = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="norm")(x_BxLxD, pre)
     mixer = _MIXERS[self.kind](cfg, self.recipe, self.decode, name="mixer")
     h_BxLxD = mixer(h_BxLxD, segment_ids_BxL) if self.kind in _SEQUENCE_MIXERS else mixer(h_BxLxD)

@@ -11,10 +11,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp4jax import fused
+from fp4jax import fused, prequantized
 from models import scopes
 from models.config import ModelConfig
-from models.layers import fused_relu2_recipe, linear, residual_std
+from models.layers import fused_activation_recipe, linear, residual_std
 
 _ACT = ("activation_batch", "activation_seq", "activation_mlp")
 
@@ -32,9 +32,9 @@ class MLP(nn.Module):
     dense = lambda name, features, axes, **kw: linear(self, name, features, axes, config=cfg,
                                                       recipe=self.recipe, **kw)
     up_BxLxF = dense("up", cfg.mlp_dim, ("embed", "mlp"))(x_BxLxD)
-    down_recipe = fused_relu2_recipe(cfg, self.recipe, (*self.path, "down")) if cfg.mlp_kind == "relu2" else None
-    if down_recipe is not None:   # relu² and the down projection's fprop quantize in one kernel
-      h = fused.relu2_quantize(up_BxLxF, down_recipe, impl="pallas")
+    down_recipe = fused_activation_recipe(cfg, self.recipe, (*self.path, "down"))
+    if down_recipe is not None and cfg.mlp_kind == "relu2":   # relu² and the down projection's fprop quantize
+      h = fused.relu2_quantize(up_BxLxF, down_recipe)           # in one pass (the kernel or its XLA twin)
       h = dataclasses.replace(h, x=nn.with_logical_constraint(h.x, _ACT))
       return dense("down", cfg.d_model, ("mlp", "embed"), std=residual_std(cfg))(h)
     gate_BxLxF = dense("gate", cfg.mlp_dim, ("embed", "mlp"))(x_BxLxD) if cfg.mlp_kind == "swiglu" else None
@@ -44,4 +44,6 @@ class MLP(nn.Module):
       else:
         h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
       h_BxLxF = nn.with_logical_constraint(h_BxLxF, _ACT)
+      if down_recipe is not None:   # SwiGLU quantized for the down projection where it is made
+        h_BxLxF = prequantized.prequantize(h_BxLxF, down_recipe)
     return dense("down", cfg.d_model, ("mlp", "embed"), std=residual_std(cfg))(h_BxLxF)

@@ -167,5 +167,9 @@ def test_proof_passes_the_kernel_and_refuses_a_wrong_one(op, monkeypatch):
     q, s = real(*args, **kw)
     return q, s ^ jnp.uint8(1)
   monkeypatch.setattr(module, "encode_rows", wrong)
-  entry = prove.prove(op, "nvfp4", sizes=prove.TINY_SIZES)
+  jax.clear_caches()   # the primitive's compiled programs (fp4jax.primitives.producers) hold the real kernel
+  try:
+    entry = prove.prove(op, "nvfp4", sizes=prove.TINY_SIZES)
+  finally:
+    jax.clear_caches()   # and then the wrong one
   assert entry["verdict"] == "differs" and "scale byte" in entry["summary"]

@@ -94,6 +94,37 @@ def test_replica_groups_in_every_form():
     cluster.replica_groups("replica_groups=mesh['a'=2] {'b'}", 2)
 
 
+def test_replica_groups_of_a_mesh_with_device_ids_and_sub_axes():
+  """XLA prints a mesh whose devices are not in iota order with ``device_ids``, as an iota ``[dims]T(perm)`` or
+  a list, and a factor of an axis as ``'a':(pre)size`` (the ``size`` factor after the major ``pre``)."""
+  # device_ids iota(8).reshape(2, 4).T: mesh position (i, j) holds device 4j + i
+  attrs = "replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}, dimensions={0}"
+  assert cluster.replica_groups(attrs, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert cluster.replica_groups("replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'b'}", 8) == \
+      [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert cluster.replica_groups("replica_groups=mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'b'}", 4) == [[0, 2], [1, 3]]
+  assert cluster.replica_groups("replica_groups=mesh['a'=8] {'a':(2)2}", 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  assert cluster.replica_groups("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}", 8) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_a_group_spans_the_nodes_of_its_devices_not_of_its_partitions():
+  """Partition p runs on the mesh's p-th device (``partition_devices``, recorded by gpu_aot): a mesh laid out in
+  nodes puts partitions 0 and 1 on devices 0 and 8, in two HGX nodes, though 0 // 8 == 1 // 8."""
+  c = cluster.CLUSTERS["hgx_b200"]
+  groups = [[0, 1], [2, 3]]
+  assert not cluster.placement(groups, c).crosses_nodes
+  spread = [0, 8, 1, 9] + list(range(2, 8)) + list(range(10, 16))
+  where = cluster.placement(groups, c, spread)
+  assert where.crosses_nodes and (where.nodes, where.per_node) == (2, 1)
+  text = _gather("mesh['fsdp'=8,'expert'=8] {'expert'}")
+  order = [d for n in range(8) for d in range(n, 64, 8)]   # partition 8n + k on device 8k + n
+  inside, across = ruler.predict(text, "b200", "hgx_b200"), ruler.predict(text, "b200", "hgx_b200",
+                                                                          partition_devices=order)
+  assert [r["crosses_nodes"] for r in inside["collectives"]] == [False]
+  assert [r["crosses_nodes"] for r in across["collectives"]] == [True]
+  assert across["comm_s"] > 15 * inside["comm_s"]
+
+
 def _gather(groups: str) -> str:
   return f"""HloModule m, is_scheduled=true, num_partitions=64
 

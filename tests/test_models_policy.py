@@ -92,6 +92,8 @@ class _RecordingDotGeneral(nn.Module):
                out_sharding=None):
     _RecordingDotGeneral.recipes_seen.append(self.recipe)
     self.sow("intermediates", "quantized_dot", jax.random.key_data(self.make_rng("fp4")))
+    if isinstance(lhs, fp4jax.PreQuantized):   # a producer's pre-quantized input, as the real one takes it
+      lhs = lhs.x
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=preferred_element_type)
 

@@ -145,7 +145,7 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, os.path.join({root!r}, "tests"))
 import jax
 from configs import shrunken
-from training import trainer
+from training import sharding, trainer
 from training.errors import ConfigError
 from saved_checkpoints import assert_same_checkpoint
 
@@ -160,6 +160,7 @@ def config(**overrides):
   return c
 
 out = dict(devices=jax.device_count())
+out["node_order"] = [d.id for d in sharding.make_mesh(config(**dict({runs!r})["split"]).mesh).devices.flat]
 try:   # 8 rows in 2 micro-batches of 4, over data x fsdp x expert = 8 devices
   trainer.train_and_evaluate(config(batch_size=8), os.path.join({base!r}, "refused"))
 except ConfigError as e:
@@ -171,7 +172,10 @@ state = assert_same_checkpoint(os.path.join({base!r}, "straight"), os.path.join(
 out["checkpoint_step"] = int(state["step"])
 print("RESULT " + json.dumps(out))
 """
-RESUME_RUNS = (("straight", {}), ("split", {"halt_after": 1}), ("split", {}))
+# The split run trains in 2 simulated nodes of 4 with fsdp across them (data and expert within): a placement
+# whose device order is not the flat mesh's (training.sharding.node_grid; data across the nodes would be).
+NODES = {"mesh.dcn_fsdp": 2, "mesh.devices_per_node": 4}
+RESUME_RUNS = (("straight", {}), ("split", dict(NODES, halt_after=1)), ("split", NODES))
 
 
 def _train_losses(workdir):
@@ -182,8 +186,10 @@ def _train_losses(workdir):
 @pytest.mark.parametrize("pattern, recipe", [("E", "bf16"), pytest.param("ME", "nvfp4", marks=pytest.mark.slow)])
 def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(tmp_path, pattern, recipe):
   """moe_tiny on data 2 x fsdp 2 x expert 2 simulated CPU devices, 16 rows per step in 2 micro-batches: 2 steps
-  straight and 1 + resume + 1 leave the same checkpoint (state and data position, compared on the 8 devices) and
-  losses; 8 rows in 2 micro-batches cannot split over the 8 devices and are refused. By default the E block
+  straight on the flat mesh and 1 + resume + 1 laid out in 2 nodes of 4 (``NODES``: the same program on the
+  devices in another order) leave the same checkpoint (state and data position, compared on the 8 devices) and
+  the same losses, bit for bit; 8 rows in 2 micro-batches cannot split over the 8 devices and are refused. By
+  default the E block
   alone in bf16, whose losses are also those of the batch of 16 in one piece (float32 summation order, carried
   through an AdamW step: measured 2e-7 relative; 1e-5 allowed); slow: a Mamba and an E block in NVFP4 (the
   step's program does not reach the compilation cache: about 35 s per start)."""
@@ -196,6 +202,7 @@ def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(t
   assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
   out = json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
   assert out["devices"] == 8
+  assert out["node_order"] == [0, 1, 4, 5, 2, 3, 6, 7]   # fsdp's two positions in two nodes
   assert "micro_batches x data x fsdp x expert = 2 x 8" in out["refused"], out["refused"]
   assert "--config.batch_size=16" in out["refused"], out["refused"]
   assert out["straight"] == [["done", 2]] and out["split"] == [["halted", 1], ["done", 2]]

@@ -302,11 +302,19 @@ def validate(config) -> None:
        f"config.health.max_nonfinite_streak={config.health.max_nonfinite_streak} must be > 0")
   need(config.checkpoint.keep > 0, f"config.checkpoint.keep={config.checkpoint.keep} must be > 0")
   trackers.check(config.report)
-  axes = ("data", "fsdp", "expert", "tensor")
-  for axis in axes:
-    size = config.mesh.get(axis, 1)
+  for axis in sharding.MESH_AXES:
+    size, nodes = config.mesh.get(axis, 1), config.mesh.get(f"dcn_{axis}", 1)
     need(size == -1 or size > 0, f"config.mesh.{axis}={size} must be a positive size or -1 (the rest)")
-  need([config.mesh.get(a, 1) for a in axes].count(-1) <= 1, "config.mesh: at most one axis may be -1")
+    need(isinstance(nodes, int) and nodes > 0,
+         f"config.mesh.dcn_{axis}={nodes!r} must be a positive integer: the nodes the {axis} axis spans (1: within "
+         "a node)")
+    need(size == -1 or size % nodes == 0,
+         f"config.mesh.dcn_{axis}={nodes} does not divide config.mesh.{axis}={size}: the axis's size is its "
+         f"within-node x across-node factor; choose a dcn_{axis} that divides {size}")
+  need([config.mesh.get(a, 1) for a in sharding.MESH_AXES].count(-1) <= 1, "config.mesh: at most one axis may be -1")
+  per_node = config.mesh.get("devices_per_node", 0)
+  need(isinstance(per_node, int) and per_node >= 0,
+       f"config.mesh.devices_per_node={per_node!r} must be the devices of one node, or 0 (those of one process)")
   for step in config.profile_steps:
     need(isinstance(step, int) and 0 <= step < config.steps,
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")

@@ -190,8 +190,9 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
     say(f"OutControl: channel norms recorded in steps {outcontrol.record_start}..{outcontrol.on_step - 1}, "
         f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
         f"{outcontrol.on_step}")
+  nodes = sharding.describe_nodes(config.mesh, dict(mesh.shape))
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
-      f"{nproc} process(es); batch {config.batch_size} x {seq_len} tokens"
+      f"{nproc} process(es)" + (f" ({nodes})" if nodes else "") + f"; batch {config.batch_size} x {seq_len} tokens"
       + (f" in {config.micro_batches} micro-batches of {config.batch_size // config.micro_batches}"
          if config.micro_batches > 1 else "") + f"; workdir {workdir}")
   if reporter.writers:

@@ -4,9 +4,16 @@ Mesh axes: ``data`` (pure data parallel), ``fsdp`` (data parallel with parameter
 sharded along it), ``expert`` (expert parallel: the routed experts split along it, exchanged tokens by
 all-to-all, ``models.expert_parallel``; for every other layer a data-parallel axis), ``tensor`` (model
 parallel). The batch is split over ``(data, fsdp, expert)``.
+
+Nodes: ``config.mesh.<axis>`` is an axis's size; ``config.mesh.dcn_<axis>`` (default 1) is how many nodes it
+spans, its across-node factor, so its within-node factor is ``<axis> / dcn_<axis>``. With a factor set, the mesh
+is laid out in nodes (``mesh_devices``): along each axis, index ``j = node_index * within + position_in_node``, so
+the within-node factors of every axis are neighbours inside one node (NVLink) and only the across-node factors
+reach over the network. Without one, the mesh is ``jax.make_mesh``'s flat one (devices in id order).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -22,6 +29,7 @@ from models import axes as axes_lib
 from training.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+NODE_KEYS = tuple(f"dcn_{a}" for a in MESH_AXES)   # each axis's across-node factor
 BATCH_AXES = ("data", "fsdp", "expert")
 
 # The one rules table: each logical axis name the model uses -> mesh axes (None: replicated).
@@ -88,9 +96,80 @@ def mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int, int]:
   return tuple(sizes)
 
 
-def make_mesh(mesh_config) -> jax.sharding.Mesh:
-  shape = mesh_shape(mesh_config, jax.device_count())
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+def node_factors(mesh_config, sizes, devices_per_node: int, device_count: int) -> tuple[int, int, int, int]:
+  """(data, fsdp, expert, tensor) across-node factors (``config.mesh.dcn_<axis>``, 1 where unset) of a mesh of
+  ``sizes``; a ConfigError unless each divides its axis and together they span exactly the nodes of
+  ``devices_per_node`` devices (so the within-node factors fill one node). All 1: no node layout (flat)."""
+  dcn = tuple(mesh_config.get(k, 1) for k in NODE_KEYS)
+  if dcn == (1,) * len(MESH_AXES):
+    return dcn
+  layout = ", ".join(f"{a}={s} (dcn_{a}={n})" for a, s, n in zip(MESH_AXES, sizes, dcn))
+  for axis, size, n in zip(MESH_AXES, sizes, dcn):
+    if size % n:
+      raise ConfigError(f"config.mesh.dcn_{axis}={n} does not divide config.mesh.{axis}={size}: dcn_{axis} is the "
+                        f"nodes the {axis} axis spans, its size = within-node x across-node factor; choose a "
+                        f"dcn_{axis} that divides {size}")
+  if device_count % devices_per_node:
+    raise ConfigError(f"config.mesh.devices_per_node={devices_per_node} does not divide the {device_count} devices; "
+                      "set it to the GPUs of one node (0: the devices of one process)")
+  nodes = device_count // devices_per_node
+  if math.prod(dcn) != nodes:
+    raise ConfigError(f"config.mesh {layout}: the across-node factors multiply to {math.prod(dcn)} nodes, but the "
+                      f"{device_count} devices are {nodes} node(s) of {devices_per_node}; make dcn_data x dcn_fsdp x "
+                      f"dcn_expert x dcn_tensor = {nodes}, or set config.mesh.devices_per_node to the devices of one "
+                      "node (0: the devices of one process)")
+  return dcn
+
+
+def node_grid(devices, sizes, dcn, devices_per_node: int) -> np.ndarray:
+  """``devices`` as a mesh of ``sizes`` laid out in nodes: in (process, id) order each run of ``devices_per_node``
+  is a node; node ``n`` (row-major over the ``dcn`` factors) holds, along each axis, the indices ``n_axis *
+  within + i`` for ``i`` in ``range(within)``, its devices in order (row-major over the within-node factors).
+  This is ``jax.experimental.mesh_utils.create_hybrid_device_mesh``'s arrangement with a node as its granule
+  (tests/test_mesh_nodes.py checks that they agree), for devices that do not say their node: one process's
+  simulated CPU devices, or a deviceless GPU topology's. Validated input (``node_factors``)."""
+  within = [s // n for s, n in zip(sizes, dcn)]
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  k = len(dcn)
+  grid = np.asarray(ordered, dtype=object).reshape(tuple(dcn) + tuple(within))
+  interleaved = [i for axis in range(k) for i in (axis, k + axis)]   # (dcn_0, within_0, dcn_1, within_1, ...)
+  return grid.transpose(interleaved).reshape(tuple(sizes))
+
+
+def mesh_devices(mesh_config, devices) -> np.ndarray:
+  """``devices`` arranged as the mesh of ``mesh_config``: flat (jax.make_mesh's order) without across-node
+  factors; with them, nodes of ``config.mesh.devices_per_node`` devices (0: those of one process) laid out by
+  ``create_hybrid_device_mesh`` where each process is one node, else by ``node_grid``."""
+  sizes = mesh_shape(mesh_config, len(devices))
+  per_process = collections.Counter(d.process_index for d in devices)
+  devices_per_node = mesh_config.get("devices_per_node", 0) or per_process[devices[0].process_index]
+  dcn = node_factors(mesh_config, sizes, devices_per_node, len(devices))
+  if dcn == (1,) * len(MESH_AXES):
+    return jax.make_mesh(sizes, MESH_AXES, devices=devices).devices
+  if set(per_process.values()) == {devices_per_node}:
+    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
+    within = [s // n for s, n in zip(sizes, dcn)]
+    return mesh_utils.create_hybrid_device_mesh(within, dcn, devices, process_is_granule=True)
+  return node_grid(devices, sizes, dcn, devices_per_node)
+
+
+def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
+  """The mesh of ``mesh_config`` over ``devices`` (default: every device), laid out in nodes where the config
+  gives across-node factors (``mesh_devices``)."""
+  grid = mesh_devices(mesh_config, jax.devices() if devices is None else list(devices))
+  return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe_nodes(mesh_config, shape) -> str:
+  """"" for a flat mesh; else which factors of the mesh of ``shape`` (axis -> size) lie within a node and which
+  across nodes."""
+  dcn = [mesh_config.get(k, 1) for k in NODE_KEYS]
+  if all(n == 1 for n in dcn):
+    return ""
+  nodes = math.prod(dcn)
+  inside = " x ".join(f"{a} {shape[a] // n}" for a, n in zip(MESH_AXES, dcn) if shape[a] // n > 1) or "nothing"
+  across = " x ".join(f"{a} {n}" for a, n in zip(MESH_AXES, dcn) if n > 1)
+  return f"{nodes} nodes of {math.prod(shape.values()) // nodes} devices: within a node {inside}; across nodes {across}"
 
 
 @contextlib.contextmanager

@@ -3,8 +3,11 @@
 A collective's replica groups (read from the compiled HLO) are mapped onto the links they cross: a group
 whose GPUs sit in one node (one NVLink domain) runs at NVLink speed; a group that spans nodes is limited
 by each GPU's network link (an HGX node has one 400 Gb/s NIC per GPU). Partition ``p`` of the SPMD
-program is device ``p`` of bench/predict/gpu_aot.py's topology, and device ``d`` sits in node ``d // gpus_per_node``
-(the topology is ``1 x nodes x 8``; jit's device assignment is the mesh's devices in order).
+program runs on the mesh's ``p``-th device (jit's device assignment is the mesh's devices in order), whose id
+bench/predict/gpu_aot.py records (``partition_devices``: the mesh laid out in nodes by
+``training.sharding.make_mesh`` may order them otherwise than by id); device ``d`` sits in node
+``d // gpus_per_node`` (the topology is ``1 x hosts x 8``, ids host-major). Without the ids, partition ``p``
+is device ``p`` (a flat mesh).
 
 Time of one collective over a group of ``n`` GPUs, ``S`` its full buffer per GPU (all-gather: the gathered
 output; reduce-scatter: the input it reduces; all-reduce: the buffer; all-to-all: what one GPU sends and
@@ -58,35 +61,24 @@ def get(name: str) -> Cluster:
   return CLUSTERS[name]
 
 
-_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^()]*(?:\([^()]*\))?)\))?\s*\{([^}]*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_DEVICE_IOTA = re.compile(r"\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+_SUB_AXIS = re.compile(r"^(.*):\((\d+)\)(\d+)$")
 
 
 def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
   """The replica groups of a collective's attributes: the mesh form ``mesh['a'=8,'b'=1] {'a'}`` (devices
-  numbered row-major over the named axes; a group varies the axes in braces, the others fixed), the listed
-  form ``{{0,1},{2,3}}``, the iota form ``[G,S]<=[dims]T(perm)`` (iota over dims, transposed by perm,
-  reshaped to G groups of S), a collective-permute's ``source_target_pairs`` (each pair a group), or every
-  device when none is given."""
+  numbered row-major over the named axes, or as ``device_ids=([dims]T(perm))`` / ``device_ids=(0,4,...)``
+  lists them; a group varies the axes in braces, the others fixed; a sub-axis ``'a':(pre)size`` is the
+  ``size`` factor of ``a`` after its major ``pre``), the listed form ``{{0,1},{2,3}}``, the iota form
+  ``[G,S]<=[dims]T(perm)`` (iota over dims, transposed by perm, reshaped to G groups of S), a
+  collective-permute's ``source_target_pairs`` (each pair a group), or every device when none is given."""
   m = _MESH.search(attrs)
   if m:
-    axes = [(a.strip().strip("'\""), int(n)) for a, n in
-            (part.split("=") for part in m.group(1).split(",") if "=" in part)]
-    chosen = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
-    names = [a for a, _ in axes]
-    unknown = [a for a in chosen if a not in names]
-    if unknown:
-      raise ValueError(f"replica groups name axes {unknown} not in the mesh {names}: {attrs[:200]}")
-    dims = [n for _, n in axes]
-    rest = [i for i, a in enumerate(names) if a not in chosen]
-    perm = rest + [names.index(a) for a in chosen]
-    ids = _transposed_iota(dims, perm)
-    size = 1
-    for a in chosen:
-      size *= dims[names.index(a)]
-    return [ids[i:i + size] for i in range(0, len(ids), size)]
+    return _mesh_groups(m.group(1), m.group(2), m.group(3), attrs)
   m = _IOTA.search(attrs)
   if m:
     shape = [int(x) for x in m.group(1).split(",")]
@@ -105,6 +97,53 @@ def replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
     if groups:
       return groups
   return [list(range(n_devices))]
+
+
+def _mesh_groups(axes_text: str, device_ids: str | None, chosen_text: str, attrs: str) -> list[list[int]]:
+  """XLA's ``MeshAxesReplicaGroupList``: the mesh's device ids reshaped so that each chosen (sub-)axis is one
+  dimension, the chosen ones transposed to the end in their listed order, cut into groups."""
+  unquote = lambda a: a.strip().strip("'\"")
+  axes = [(unquote(a), int(n)) for a, n in (part.rsplit("=", 1) for part in axes_text.split(",") if "=" in part)]
+  names = [a for a, _ in axes]
+  total = 1
+  for _, n in axes:
+    total *= n
+  ids = list(range(total))
+  if device_ids:
+    iota = _DEVICE_IOTA.match(device_ids.strip())
+    if iota:
+      dims = [int(x) for x in iota.group(1).split(",")]
+      ids = _transposed_iota(dims, [int(x) for x in iota.group(2).split(",")] if iota.group(2)
+                             else list(range(len(dims))))
+    else:
+      ids = [int(x) for x in re.findall(r"\d+", device_ids)]
+  chosen = []   # (axis, pre, size): the size factor of axis after its major pre
+  for ref in (r.strip() for r in chosen_text.split(",") if r.strip()):
+    sub = _SUB_AXIS.match(ref)
+    name = unquote(sub.group(1) if sub else ref)
+    if name not in names:
+      raise ValueError(f"replica groups name axes [{name!r}] not in the mesh {names}: {attrs[:200]}")
+    full = dict(axes)[name]
+    chosen.append((name, int(sub.group(2)), int(sub.group(3))) if sub else (name, 1, full))
+  dims, grouped = [], {}
+  for name, full in axes:   # each axis split so that every chosen factor of it is one dimension, major first
+    prefix = 1
+    for ref in sorted((c for c in chosen if c[0] == name), key=lambda c: c[1]):
+      if ref[1] != prefix:
+        dims.append(ref[1] // prefix)
+        prefix = ref[1]
+      grouped[ref] = len(dims)
+      dims.append(ref[2])
+      prefix *= ref[2]
+    if prefix != full:
+      dims.append(full // prefix)
+  order = [grouped[c] for c in chosen]
+  perm = [d for d in range(len(dims)) if d not in order] + order
+  flat = [ids[i] for i in _transposed_iota(dims, perm)]
+  size = 1
+  for _, _, n in chosen:
+    size *= n
+  return [flat[i:i + size] for i in range(0, len(flat), size)]
 
 
 def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
@@ -133,12 +172,16 @@ class Placement:
     return self.nodes > 1
 
 
-def placement(groups: list[list[int]], cluster: Cluster) -> Placement:
+def placement(groups: list[list[int]], cluster: Cluster, partition_devices: list[int] | None = None) -> Placement:
+  """The ``Placement`` of replica ``groups`` (partition ids) on ``cluster``: partition ``p`` is device
+  ``partition_devices[p]`` (default ``p``), in node ``device // gpus_per_node``."""
+  node = ((lambda p: p // cluster.gpus_per_node) if partition_devices is None
+          else (lambda p: partition_devices[p] // cluster.gpus_per_node))
   size = max(len(g) for g in groups)
-  worst = max(groups, key=lambda g: (len({d // cluster.gpus_per_node for d in g}), len(g)))
+  worst = max(groups, key=lambda g: (len({node(p) for p in g}), len(g)))
   nodes = {}
-  for d in worst:
-    nodes[d // cluster.gpus_per_node] = nodes.get(d // cluster.gpus_per_node, 0) + 1
+  for p in worst:
+    nodes[node(p)] = nodes.get(node(p), 0) + 1
   return Placement(size, len(nodes), min(nodes.values()))
 
 

@@ -10,6 +10,7 @@ import time
 
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 TARGETS = ("h100", "h200", "b200")
+PER_HOST = 8   # GPUs per host of the topology: an HGX node (bench/predict/cluster.py's gpus_per_node)
 
 
 def target_config(target: str) -> str:
@@ -18,11 +19,12 @@ def target_config(target: str) -> str:
 
 
 def gpu_devices(target: str, n: int):
-  """N devices of a deviceless GPU topology (8 per host, as an HGX node)."""
+  """N devices of a deviceless GPU topology (PER_HOST per host, as an HGX node; ids host-major, each device's
+  ``process_index`` its host)."""
   from jax.experimental import topologies   # pylint: disable=import-outside-toplevel
-  per_host = min(n, 8)
+  per_host = min(n, PER_HOST)
   if n % per_host:
-    raise ValueError(f"--devices={n}: use up to 8, or a multiple of 8")
+    raise ValueError(f"--devices={n}: use up to {PER_HOST}, or a multiple of {PER_HOST}")
   topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
                                       topology=f"1x{n // per_host}x{per_host}")
   return topo.devices
@@ -77,7 +79,10 @@ def compile_program(prog: Program, mesh=None) -> dict:
   t2, c2 = time.perf_counter(), time.process_time()
   mem = compiled.memory_analysis()
   text = compiled.as_text()
-  return dict(name=prog.name, error=None, text=text, lower_s=round(t1 - t0, 2),
+  # jit's device assignment: partition p runs on the mesh's p-th device (bench/predict/cluster.py's nodes)
+  partition_devices = [d.id for d in mesh.devices.flat] if mesh is not None else None
+  return dict(name=prog.name, error=None, text=text, partition_devices=partition_devices,
+              lower_s=round(t1 - t0, 2),
               compile_s=round(t2 - t1, 2), seconds=round(t2 - t0, 2), cpu_s=round(c2 - c0, 2),
               max_rss_bytes=max_rss_bytes(),
               kernels=text.count('custom_call_target="__gpu$xla.gpu.triton"'),

@@ -50,7 +50,7 @@ if __name__ == "__main__":
 # pylint: disable=wrong-import-position
 import json
 
-from bench.predict.deviceless import TARGETS, Program, compile_program, gpu_devices
+from bench.predict.deviceless import PER_HOST, TARGETS, Program, compile_program, gpu_devices
 from bench.predict.peaks import INT_OPS_HELP, peaks
 from bench.predict.programs import batch_programs, combined, dot_program, op_program
 from bench.predict.summary import GiB, check_budget, report, summarize
@@ -190,14 +190,15 @@ def _compiled(F, prog, mesh=None) -> dict:
 
 def _step(F, devices):
   import jax   # pylint: disable=import-outside-toplevel
-  import numpy as np   # pylint: disable=import-outside-toplevel
   from bench import scale   # pylint: disable=import-outside-toplevel
   from models import moe   # pylint: disable=import-outside-toplevel
   from training import sharding   # pylint: disable=import-outside-toplevel
   config = F.config
-  shape = sharding.mesh_shape(config.mesh, len(devices))
-  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
+  per_node = config.mesh.get("devices_per_node", 0)
+  if per_node not in (0, PER_HOST):
+    raise ValueError(f"--config.mesh.devices_per_node={per_node}: the topology's nodes are its hosts of {PER_HOST} "
+                     "GPUs (the clusters' HGX nodes); leave it 0")
+  mesh = sharding.make_mesh(config.mesh, devices)   # the trainer's placement: the topology's hosts are its nodes
   ranks = sharding.batch_ways(mesh)
   micro = config.micro_batches
   bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // (micro * ranks))
@@ -217,8 +218,10 @@ def _step(F, devices):
                     / (out["cost"]["predicted_ms"] * 1e-3 * peaks(F.target, "spec")["flops"]["bf16"]))
     return out
 
+  nodes = sharding.describe_nodes(config.mesh, dict(mesh.shape))
   res = one(config, f"step {config.name} recipe {config.recipe} mesh {dict(mesh.shape)} "
-            f"{bpd}x{config.data.seq_len} tokens/rank" + (f" in each of {micro} micro-batches" if micro > 1 else ""))
+            + (f"({nodes}) " if nodes else "") + f"{bpd}x{config.data.seq_len} tokens/rank"
+            + (f" in each of {micro} micro-batches" if micro > 1 else ""))
   twin = None
   if F.twin and config.recipe != "bf16":
     cfg = config.copy_and_resolve_references()

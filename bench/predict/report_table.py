@@ -49,7 +49,7 @@ def priced(cache: report_cache.Cache, row: report_rows.Row, variant: str) -> dic
   from bench.predict import ruler   # pylint: disable=import-outside-toplevel
   _, text = cache.load(key)
   res = meta["results"][0]
-  pred = ruler.predict(text, row.target, row.cluster)
+  pred = ruler.predict(text, row.target, row.cluster, partition_devices=res.get("partition_devices"))
   tokens = res["tokens_per_device"]
   active = res.get("active_params", res["params"])
   peak = ruler.spec_peaks(row.target)["flops"]["bf16"]

@@ -91,9 +91,11 @@ def buffer_bytes(mod: hlo_walk.Module, ins: hlo_text.Instr, kind: str, group_siz
   return out
 
 
-def collective_of(mod: hlo_walk.Module, ins: hlo_text.Instr, n_devices: int, cluster: cluster_lib.Cluster):
+def collective_of(mod: hlo_walk.Module, ins: hlo_text.Instr, n_devices: int, cluster: cluster_lib.Cluster,
+                  partition_devices: list[int] | None = None):
   """The ``Collective`` an instruction starts or runs (a ``*-start``, a synchronous collective, an
-  ``async-start`` wrapping one), else None."""
+  ``async-start`` wrapping one), else None; ``partition_devices``: the device id of each partition
+  (``cluster.placement``)."""
   inner = ins
   kind = hlo_text.collective(ins)
   if kind is None and ins.opcode == "async-start":
@@ -102,7 +104,7 @@ def collective_of(mod: hlo_walk.Module, ins: hlo_text.Instr, n_devices: int, clu
   if kind is None:
     return None
   groups = cluster_lib.replica_groups(inner.attrs, n_devices)
-  where = cluster_lib.placement(groups, cluster)
+  where = cluster_lib.placement(groups, cluster, partition_devices)
   size = buffer_bytes(mod, inner if inner is not ins else ins, kind, where.group_size)
   return Collective(ins.name, kind, size, where.group_size, where.nodes,
                     cluster_lib.collective_seconds(kind, size, where, cluster))
@@ -188,8 +190,10 @@ class _Walk:
     return t, pending
 
 
-def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_FLOOR_S) -> dict:
-  """The step of a compiled module on ``target`` GPUs of ``cluster_name``: ``step_s`` (the schedule
+def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_FLOOR_S,
+            partition_devices: list[int] | None = None) -> dict:
+  """The step of a compiled module on ``target`` GPUs of ``cluster_name``, partition ``p`` on device
+  ``partition_devices[p]`` (bench/predict/gpu_aot.py's record of the mesh; default ``p``): ``step_s`` (the schedule
   walk), ``compute_s`` (every kernel's time, no communication), ``exposed_comm_s``, ``comm_s`` (every
   collective's time), ``floor_s`` (the floor's share), ``kernels`` (launches per step, collectives
   included), ``gemm_s``, the old roofline's ``roofline_s`` (flat 80% GEMMs, no floor, no communication)
@@ -219,7 +223,7 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
                                                           group_size=0))
   for comp, m in mult.items():
     for ins in mod.comps[comp]:
-      c = collective_of(mod, ins, n, cluster)
+      c = collective_of(mod, ins, n, cluster, partition_devices)
       if c is None:
         continue
       c.count = m

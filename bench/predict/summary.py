@@ -19,7 +19,8 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
     return out
   try:
     from bench.predict import ruler   # pylint: disable=import-outside-toplevel
-    out["ruler"] = ruler.summary(ruler.predict(res["text"], target, cluster or f"hgx_{target}"))
+    out["ruler"] = ruler.summary(ruler.predict(res["text"], target, cluster or f"hgx_{target}",
+                                               partition_devices=res.get("partition_devices")))
   except Exception as e:   # pylint: disable=broad-except  (the roofline below still stands)
     out["ruler"] = dict(error=f"{type(e).__name__}: {e}")
   cost = hlo_cost.analyze(res["text"], peaks(target, peak_kind, int_ops))

@@ -57,3 +57,9 @@ def relu2_quantize(u, amax, *, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TI
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(
           C.pad_axis(C.pad_axis(u_RxF, 0, rp), 1, nbp * b), factors)
   return (h[:r, :f].reshape(*lead, f), q[:r, :f // 2].reshape(*lead, f // 2), s[:r, :nb].reshape(*lead, nb))
+
+
+def relu2_reference(u):
+  """The MLP's squared ReLU as the model computes it (``jnp.square(jax.nn.relu(u))``, u's dtype): the kernel's
+  h, bit for bit."""
+  return jnp.square(jax.nn.relu(u))

@@ -32,8 +32,10 @@ from jax import lax
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
+from fp4jax._exact import div
 from fp4jax.kernels import _common as C
 from fp4jax.kernels.quantize_1d import encode_rows, row_factors
+from fp4jax.numerics.layout import pad_to_multiple
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16)   # x² exact in float32 (module docstring)
 
@@ -129,3 +131,18 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
           C.pad_axis(C.pad_axis(x_RxD, 0, rp), 1, p), C.pad_axis(scale.reshape(1, d), 1, p), factors)
   return (h[:r, :d].reshape(*lead, d), q[:r, :d // 2].reshape(*lead, d // 2),
           s[:r, :d // b].reshape(*lead, d // b))
+
+
+def _halve(s):
+  w = s.shape[-1] // 2
+  return s[:, :w] + s[:, w:]
+
+
+def rmsnorm_reference(x, scale, *, eps, dtype):
+  """RMSNorm(x)·scale over the last axis in ``dtype``, the sum of squares in the kernel's fixed order: the
+  kernel's h, bit for bit (module docstring)."""
+  *lead, d = x.shape
+  x_RxP = pad_to_multiple(x.reshape(-1, d).astype(jnp.float32), 1, pow2(d))
+  r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_halve, div=div, sqrt=jnp.sqrt)
+  h = (x.reshape(-1, d).astype(jnp.float32) * r_Rx1) * scale.astype(jnp.float32)
+  return h.astype(dtype).reshape(*lead, d)

@@ -61,6 +61,15 @@ def dequantize_rule(ndim: int, amax_ndim: int, *, block: int, tile: int | None):
   return f"{outs}, {amax} -> {x}", sizes
 
 
+def producer_rule(x_ndim: int, *, with_scale: bool, block: int):
+  """Shardy rule for a producer that quantizes its output (``primitives.producers``): x (..., C)[, scale (C,)],
+  amax -> h (..., C), packed (..., C/2), scales (..., C/B)."""
+  lead = _names(x_ndim - 1)
+  x = _join(*lead, "(k i)")
+  operands = [x] + (["(k i)"] if with_scale else []) + [""]
+  return f"{', '.join(operands)} -> {x}, {_join(*lead, '(k j)')}, {_join(*lead, 'k')}", dict(i=block, j=block // 2)
+
+
 def quantize_rht_t_rule(has_bits, *, rows: int, block: int):
   """Shardy rule for the RHT-transposed quantize x (T, C) -> (packed (C, T/2), scales (C, T/B)).
   ``has_bits``: False, True (uint8 bits (C, T)) or "key" (KeyedBits rows (C, 4), cols (T, 2))."""
