@@ -88,6 +88,8 @@ def _entry(stack) -> str:
 
 def install(config, out_dir: str):
   """Registers the recorder with pytest and jax's compile log (tests/conftest.py, FP4JAX_COMPILE_REPORT)."""
+  if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+    return   # the xdist controller runs no test: each worker records its own
   import jax  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_log_compiles", True)
   recorder = Recorder(out_dir)
