@@ -19,10 +19,16 @@ from __future__ import annotations
 import contextlib
 import functools
 
-try:   # present in jax's CPU wheels too: lowering needs no GPU
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:   # pragma: no cover - a jax without Mosaic GPU
-  plgpu = None
+
+@functools.lru_cache(maxsize=None)
+def plgpu():
+  """``jax.experimental.pallas.mosaic_gpu``, imported on first use (0.4 s: not on ``import fp4jax``), or None
+  for a jax without it. Present in jax's CPU wheels too: lowering needs no GPU."""
+  try:
+    from jax.experimental.pallas import mosaic_gpu   # pylint: disable=import-outside-toplevel
+  except ImportError:   # pragma: no cover - a jax without Mosaic GPU
+    return None
+  return mosaic_gpu
 
 MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"    # the custom call a Mosaic GPU kernel lowers to (jax 0.10)
 # Read by the custom call's compile (jaxlib/mosaic/gpu/dump.cc): a directory for every artifact of each
@@ -34,13 +40,14 @@ DUMP_ENV = "MOSAIC_GPU_DUMP_TO"
 @functools.lru_cache(maxsize=None)
 def has_block_scaled_mma() -> bool:
   """Whether this jax's Mosaic GPU backend has the block-scaled tcgen05 MMA (E2M1 with E4M3 scales)."""
-  if plgpu is None or not hasattr(plgpu, "async_copy_scales_to_tmem"):
+  mgpu = plgpu()
+  if mgpu is None or not hasattr(mgpu, "async_copy_scales_to_tmem"):
     return False
   try:
     from jax.experimental.mosaic.gpu import tcgen05   # pylint: disable=import-outside-toplevel
   except ImportError:   # pragma: no cover
     return False
-  return hasattr(tcgen05, "create_scaled_f4_instr_descriptor") and hasattr(plgpu.TMEMLayout, "SCALES_LAYOUT")
+  return hasattr(tcgen05, "create_scaled_f4_instr_descriptor") and hasattr(mgpu.TMEMLayout, "SCALES_LAYOUT")
 
 
 @contextlib.contextmanager

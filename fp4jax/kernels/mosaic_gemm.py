@@ -78,7 +78,7 @@ def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps
     (out_gmem,), r_gmem = refs[:1], None
   (a_smem, b_smem, as_smem, bs_smem, f_smem, out_smem, r_smem, acc_tmem, as_tmem, bs_tmem, loaded, consumed,
    mma_done, f_ready, r_ready) = refs[-15:]
-  plgpu = mc.plgpu
+  plgpu = mc.plgpu()
   tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
   mi, ni = lax.axis_index("m"), lax.axis_index("n")
   rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
@@ -148,7 +148,7 @@ def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps
 
 def _swizzled(dtype, minor: int):
   """Tiling and swizzle transforms of a shared-memory tile whose rows hold ``minor`` elements of dtype."""
-  plgpu = mc.plgpu
+  plgpu = mc.plgpu()
   swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8 if dtype != jnp.float4_e2m1fn
                                else minor * 4)
   elems = swizzle * 8 // (4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8)
@@ -157,7 +157,7 @@ def _swizzled(dtype, minor: int):
 
 def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles):
   """out (M, N) from padded operands: M, N, K multiples of the tiles; scales in the tensor cores' layout."""
-  plgpu = mc.plgpu
+  plgpu = mc.plgpu()
   m, k = a.shape
   n = b.shape[0]
   tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
@@ -246,19 +246,14 @@ def mosaic_gemm(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jn
 
   a (M, K), b (N, K) float4_e2m1fn; a_scales (M, K/16), b_scales (N, K/16) float8_e4m3fn; factor float32
   (4,) (``reference.tensor_factor_parts``); residual (M, N) of any float dtype or None; out_dtype bf16 or
-  float32. The kernel on CUDA (compute capability 10.x: ``can_use_mosaic_gemm``), the twin elsewhere.
+  float32. The kernel on CUDA (compute capability 10.x: ``fp4jax.dispatch.native_kernel`` decides when), the
+  twin elsewhere.
   """
   factor = jnp.asarray(factor, jnp.float32)
   _check(a, a_scales, b, b_scales, factor, residual, out_dtype)
   kernel = functools.partial(_kernel_path, out_dtype=out_dtype, tiles=tiles)
   twin = functools.partial(mosaic_gemm_reference, out_dtype=out_dtype)
   return lax.platform_dependent(a, a_scales, b, b_scales, factor, residual, cuda=kernel, default=twin)
-
-
-def can_use_mosaic_gemm(capability: tuple[int, int] | None) -> bool:
-  """Whether the kernel can run compiled on a device of ``capability``: datacenter Blackwell (10.x, the
-  tcgen05 block-scaled MMA) with a jax whose Mosaic GPU backend has it."""
-  return capability is not None and capability[0] == 10 and mc.has_block_scaled_mma()
 
 
 def mosaic_gemm_reference(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jnp.bfloat16):
