@@ -110,6 +110,9 @@ def test_native_kernel_choice(monkeypatch):
   assert dispatch.native_kernel("nvfp4", target=b200) == "mosaic"
   assert dispatch.native_kernel("nvfp4", target=h200) == "cudnn"
   assert dispatch.native_kernel("mxfp8", target=b200) == "cudnn"
+  mesh = jax.sharding.AbstractMesh((2,), ("fsdp",))
+  with jax.sharding.use_abstract_mesh(mesh):   # no partitioning rule: not under a mesh
+    assert dispatch.native_kernel("nvfp4", target=b200) == "cudnn"
   monkeypatch.setattr(mc, "has_block_scaled_mma", lambda: False)
   assert dispatch.native_kernel("nvfp4", target=b200) == "cudnn"
   monkeypatch.setenv(dispatch.NATIVE_KERNEL_ENV, "mosaic")
