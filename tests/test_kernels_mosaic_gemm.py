@@ -129,3 +129,17 @@ def test_four_over_six_stays_on_cudnn():
   a = q(x, None)
   assert not native.mosaic_takes(a, a, jnp.bfloat16)
   np.testing.assert_array_equal(_bits(native.matmul(a, a, kernel="mosaic")), _bits(native.matmul(a, a)))
+
+
+def test_forced_kernel_runs_the_three_gemms_of_the_dot(monkeypatch):
+  """FP4JAX_NATIVE_KERNEL=mosaic with the native path: fprop, dgrad (the transposed tiles) and wgrad (the
+  RHT'd, SR-quantized pair) of fp4jax.dot nvfp4 each hold the kernel (its CUDA branch, next to the twin)."""
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "native")
+  monkeypatch.setenv(dispatch.NATIVE_KERNEL_ENV, "mosaic")
+  x = jax.random.normal(jax.random.key(0), (128, 512), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (512, 256), jnp.bfloat16)
+  loss = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(2)).astype(jnp.float32).sum()
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+  # M x N x K padded to the tiles: fprop x·wᵀ, dgrad dy·w, wgrad xᵀ·dyᵀ over the 128 tokens
+  for mnk in ("128x256x512", "128x512x256", "512x256x256"):
+    assert f"fp4jax_mosaic_gemm_nvfp4_{mnk}" in jaxpr, mnk
