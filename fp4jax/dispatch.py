@@ -30,6 +30,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+
+from fp4jax import _mosaic_compat as mc
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
 from fp4jax import target as target_lib
@@ -54,7 +57,7 @@ class Evidence:
   speedup: float         # XLA-path time / kernel time at the sizes of scripts/gpu_check.py (> 1)
 
 
-# (op, fmt) -> Evidence, op in KERNEL_OPS. Empty: no device run has yet shown a kernel exact and faster,
+# (op, fmt) -> Evidence, op in KERNEL_OPS or MOSAIC_GEMM. Empty: no device run has yet shown a kernel exact and faster,
 # so impl=None runs the XLA path everywhere. Fill it only from a gpu_check.py report (docs/PERF.md).
 VERIFIED_KERNELS: dict[tuple[str, str], Evidence] = {}
 
@@ -151,6 +154,35 @@ def native_grouped_default(fmt: str, *, capability: tuple[int, int] | None = Non
   program's devices, decided as ``native_default`` decides (compute capability 10.x, the same device
   verdict, FP4JAX_DEFAULT_IMPL); None otherwise (the XLA path)."""
   return _native(NATIVE_GROUPED_DEFAULTS.get(fmt), fmt, capability, target)
+
+
+# fp4jax's own block-scaled GEMM on Mosaic GPU (``kernels.mosaic_gemm``: tcgen05, the epilogue inside), the
+# alternative to cuDNN's behind impl="native". Off until a device proves it: impl=None runs it where this
+# device's verdict for "mosaic_gemm/<fmt>" is "faster" (``tools.prove``), or VERIFIED_KERNELS records a
+# device run; FP4JAX_NATIVE_KERNEL=mosaic|cudnn forces the choice (the deviceless compiles use it).
+MOSAIC_GEMM = verdicts.MOSAIC_OP
+MOSAIC_FORMATS = ("nvfp4",)
+NATIVE_KERNEL_ENV = "FP4JAX_NATIVE_KERNEL"
+
+
+def native_kernel(fmt: str, *, target: target_lib.Target | None = None) -> str:
+  """Which GEMM impl="native" runs for ``fmt`` (``fp4jax.native.matmul``'s kernel): "mosaic" (fp4jax's
+  tcgen05 kernel) on the program's devices (``target``) when FP4JAX_NATIVE_KERNEL=mosaic, or where they
+  have compute capability 10.x, this jax has the block-scaled Mosaic GPU MMA, and this device proved it
+  exact and faster (without a device verdict: a VERIFIED_KERNELS entry), outside a multi-device mesh (the
+  kernel has no partitioning rule: XLA would gather its operands); else "cudnn". The native path takes
+  the Mosaic kernel only for the pairs it computes (``native.mosaic_takes``), cuDNN's for the rest."""
+  forced = os.environ.get(NATIVE_KERNEL_ENV, "").strip().lower()
+  if forced not in ("", "mosaic", "cudnn"):
+    raise ValueError(f"{NATIVE_KERNEL_ENV}={forced!r}; set it to 'mosaic', 'cudnn' or leave it unset")
+  if forced:
+    return forced if fmt in MOSAIC_FORMATS else "cudnn"
+  if fmt not in MOSAIC_FORMATS or not native_device(target=target) or not mc.has_block_scaled_mma():
+    return "cudnn"
+  if jax.sharding.get_abstract_mesh().size > 1:   # no partitioning rule yet: XLA would gather its operands
+    return "cudnn"
+  proved = _device_verdict(MOSAIC_GEMM, fmt, target)   # None: no verdict; False revokes a VERIFIED entry
+  return "mosaic" if ((MOSAIC_GEMM, fmt) in VERIFIED_KERNELS if proved is None else proved) else "cudnn"
 
 
 def can_use_pallas(fmt: str = "nvfp4", *, platform: str | None = None,

@@ -88,7 +88,7 @@ def _check(a, b):
 
 def _dense(a: QTensor, b: QTensor, out_dtype, impl):
   if impl == "native":
-    return native.matmul(a, b, out_dtype=out_dtype)
+    return native.matmul(a, b, out_dtype=out_dtype, kernel=dispatch.native_kernel(a.fmt))
   if a.row_scaled and not b.row_scaled:   # row-scaled activations: the factor per output row
     if impl == "pallas":
       raise ValueError("there are no Pallas kernels for row-scaled nvfp4; use impl='xla'")

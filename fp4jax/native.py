@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _native_compat as nc
-from fp4jax import epilogue, reference, tiles
+from fp4jax import epilogue, formats, reference, tiles
+from fp4jax.kernels import mosaic_gemm
 from fp4jax.numerics import dbq, mxfp8
 from fp4jax.qtensor import QTensor, validate
 
@@ -58,6 +59,7 @@ NVFP4_FORMATS = ("nvfp4", "nvfp4_eden", "nvfp4_dbq")   # E2M1 codes, E4M3 scales
 MX_FORMATS = ("mxfp8",)                                 # E4M3 elements, E8M0 scales per 32
 FORMATS = NVFP4_FORMATS + MX_FORMATS
 BLOCK = 16        # NVFP4's block (MXFP8's: mxfp8.BLOCK, 32)
+NATIVE_KERNELS = ("cudnn", "mosaic")   # the two GEMMs behind impl="native" (``matmul``'s kernel)
 
 
 class Operand(NamedTuple):
@@ -181,11 +183,27 @@ def _dbq(a: QTensor, b: QTensor, oa: Operand, ob: Operand):
                           a.scale2.shape[-1])
 
 
-def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
+def mosaic_takes(a: QTensor, b: QTensor, out_dtype) -> bool:
+  """Whether fp4jax's Mosaic GPU GEMM (``kernels.mosaic_gemm``) computes this pair: plain nvfp4 (one tensor
+  amax each, bound 448: its epilogue is ``reference.tensor_factor_parts``), a bf16 or float32 result."""
+  return (a.fmt == b.fmt == "nvfp4" and a.bound == b.bound == formats.NVFP4_BOUND and not a.row_scaled
+          and jnp.dtype(out_dtype) in map(jnp.dtype, mosaic_gemm.OUT_DTYPES))
+
+
+def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, kernel: str = "cudnn"):
   """a (M, K) · b (N, K)ᵀ -> (M, N) on the block-scaled GEMM, the format's second level applied to the
-  float32 result as the XLA path applies it (``fp4jax.epilogue``)."""
+  float32 result as the XLA path applies it (``fp4jax.epilogue``).
+
+  kernel: "cudnn" (``jax.nn.scaled_matmul``, then the epilogue as an XLA pass) or "mosaic" (fp4jax's
+  tcgen05 kernel with the epilogue and the cast inside, ``kernels.mosaic_gemm``) where ``mosaic_takes``
+  the pair, else cuDNN's. ``dispatch.native_kernel`` says which one impl=None runs."""
+  if kernel not in NATIVE_KERNELS:
+    raise ValueError(f"kernel={kernel!r}; one of {NATIVE_KERNELS}")
   check(a, b)
   oa, ob = operand(a), operand(b)
+  if kernel == "mosaic" and mosaic_takes(a, b, out_dtype):
+    return mosaic_gemm.mosaic_gemm(oa.values, oa.scales, ob.values, ob.scales, reference.tensor_factor_parts(a, b),
+                                   out_dtype=out_dtype)
   if a.fmt == "nvfp4_dbq":
     return _dbq(a, b, oa, ob).astype(out_dtype)
   return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)

@@ -207,9 +207,14 @@ def apply_tensor_factor(acc, a: QTensor, b: QTensor):
   """
   if a.fmt != "nvfp4":
     return acc
-  f = tensor_factor_parts(a, b)
-  # Rounded before any sum the caller forms with the result (fp4jax._exact): the inexact factor, and the
-  # last power of two, which can make a value subnormal.
+  return apply_factor_parts(acc, tensor_factor_parts(a, b))
+
+
+def apply_factor_parts(acc, f):
+  """acc · f[0] · f[1] · f[2] · f[3] in that order (``tensor_factor_parts``), float32: the epilogue of every
+  NVFP4 GEMM, the XLA path's and the kernels' (plain jnp, so it also runs inside a kernel). Rounded before
+  any sum the caller forms with the result (fp4jax._exact): the inexact factor, and the last power of two,
+  which can make a value subnormal."""
   return product(((product(acc, f[0]) * f[1]) * f[2]), f[3])
 
 

@@ -1,7 +1,7 @@
 """On-device verdicts: what ``impl=None`` learns on *this* device, kept on disk, filled by a prover.
 
 A verdict is the outcome of proving one candidate, named "<op>/<fmt>" with op one of ``KERNEL_OPS``,
-"native_gemm" (the Blackwell block-scaled GEMM) or a kernel outside the library (fmt ``MODEL_FMT``: a
+"native_gemm" (the Blackwell block-scaled GEMM), "mosaic_gemm" (fp4jax's own one, on Mosaic GPU) or a kernel outside the library (fmt ``MODEL_FMT``: a
 model's kernel, ``dispatch.model_kernel_default``), on one device key (device kind, driver,
 jax, fp4jax): "faster" (bit-exact with its XLA twin, or for a model op within its stated tolerance,
 and faster: use it), "slower" (exact, not faster),
@@ -41,6 +41,7 @@ VERDICTS = ("faster", "slower", "differs", "error", "undecided")
 REFUSED = ("differs", "error")   # printed once per process, with the command that reproduces them
 MAX_ATTEMPTS = 3
 NATIVE_OP = "native_gemm"
+MOSAIC_OP = "mosaic_gemm"   # fp4jax's tcgen05 GEMM on Mosaic GPU (kernels.mosaic_gemm), vs the XLA path
 MODEL_FMT = "float32"     # the "fmt" of a model op's verdict ("ssd/float32"): its kernels compute in float32
 _OFF = ("off", "0", "false", "no")
 _ON = ("", "on", "1", "true", "yes")

@@ -567,7 +567,7 @@ def main(argv=None) -> int:
   report = Report(out_dir, sizes, args.rehearse, budget)
   # The proof first: every candidate proved on this device now (cached for impl=None on a GPU).
   if not (args.rehearse or is_blackwell()):
-    print("proof native_gemm: skipped: not Blackwell (compute capability 10.x)", flush=True)
+    print("proof native_gemm, mosaic_gemm: skipped: not Blackwell (compute capability 10.x)", flush=True)
   report.proof = prove.prove_all(prove.candidates(native=args.rehearse or is_blackwell()),
                                  budget_s=args.proof_budget_s if args.proof_budget_s is not None
                                  else (float("inf") if args.rehearse else 60.0),

@@ -1,5 +1,5 @@
 """The custom calls whose work the cost model reads from their text: cuDNN fused attention (its scores'
-shape and mask), the block-scaled GEMM, and fp4jax's Pallas kernels, whose names carry a GEMM shape
+shape and mask), the block-scaled GEMM, fp4jax's Mosaic GPU GEMM, and fp4jax's Pallas kernels, whose names carry a GEMM shape
 (``fp4jax_gemm_*``, ``fp4jax_mixed_matmul_*_<M>x<N>x<K>``), FLOPs (``_<tf32|ieee>_<n>flop``) or integer ops
 (``_<n>iop``)."""
 from __future__ import annotations
@@ -105,6 +105,25 @@ def mixed_gemm_shape(ins: Instr):
     return None
   mm, nn, kk = (int(g) for g in m.groups())
   return 2 * mm * nn * kk, "bf16xbf16", (mm, nn, kk)
+
+
+MOSAIC_TARGET = 'custom_call_target="mosaic_gpu_v2"'
+_MOSAIC_GEMM = re.compile(r"fp4jax_mosaic_gemm_nvfp4_(\d+)x(\d+)x(\d+)/")
+
+
+def mosaic_gemm_shape(ins: Instr):
+  """(flops, "f4e2m1fnxf4e2m1fn", (M, N, K)) of fp4jax's NVFP4 GEMM on Mosaic GPU (``fp4jax.kernels.mosaic_gemm``,
+  a ``mosaic_gpu_v2`` custom call named ``fp4jax_mosaic_gemm_nvfp4_<M>x<N>x<K>``): block-scaled FP4 MMAs, so
+  ``gemm_peak`` charges the FP4 rate, as for cuDNN's block-scaled GEMM; its bytes are its operands' (codes,
+  scales, factor, residual) and its output's (bf16 or float32, the epilogue inside). The Mosaic GPU lowering
+  drops ``pl.CostEstimate``, so the name carries the shape. None for any other instruction."""
+  if ins.opcode != "custom-call" or MOSAIC_TARGET not in ins.attrs:
+    return None
+  m = _MOSAIC_GEMM.search(ins.op_name)
+  if not m:
+    return None
+  mm, nn, kk = (int(g) for g in m.groups())
+  return 2 * mm * nn * kk, "f4e2m1fnxf4e2m1fn", (mm, nn, kk)
 
 
 _DECLARED_FLOPS = re.compile(r"_(tf32|ieee)_(\d+)flop/pallas_call")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import collections
 import re
 
-from bench.predict.hlo_kernels import BLOCK_SCALED_TARGET, block_scaled_shape, is_pallas_gemm, mixed_gemm_shape
+from bench.predict.hlo_kernels import (BLOCK_SCALED_TARGET, block_scaled_shape, is_pallas_gemm, mixed_gemm_shape,
+                                      mosaic_gemm_shape)
 from bench.predict.hlo_text import OPERAND, Instr, arrays, nbytes, parse_module, prod
 
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$blockScaledDot")
@@ -229,6 +230,8 @@ class Module:
       return 2 * n_out * k, f"{a[0][0]}x{b[0][0]}", (n_out // b[0][1][0], b[0][1][0], k)
     elif ins.opcode == "custom-call" and mixed_gemm_shape(ins) is not None:
       return mixed_gemm_shape(ins)
+    elif ins.opcode == "custom-call" and mosaic_gemm_shape(ins) is not None:
+      return mosaic_gemm_shape(ins)
     elif ins.opcode == "custom-call" and BLOCK_SCALED_TARGET in ins.attrs:
       return block_scaled_shape(self.shapes.get(ins.operands[0], ""), self.shapes.get(ins.operands[1], ""))
     elif ins.opcode == "custom-call":

@@ -11,7 +11,8 @@ Candidates are named "<op>/<fmt>": the Pallas kernels (``dispatch.KERNEL_OPS`` x
 every variant the quantized dot runs: RNE and stochastic rounding, 1x and 16x16 tiles, MXFP4's scale
 rules, the GEMM layouts; two Pallas GEMMs, "scaled_matmul" the dequantize passes and bf16 GEMM and
 "mixed_matmul" the GEMM that decodes as it loads) and "native_gemm/<fmt>", the Blackwell block-scaled GEMM (``fp4jax.native``)
-for each ``NATIVE_DEFAULTS`` format. For each variant:
+for each ``NATIVE_DEFAULTS`` format, and "mosaic_gemm/nvfp4", fp4jax's own tcgen05 GEMM with its epilogue
+(``kernels.mosaic_gemm``), both only on compute capability 10.x. For each variant:
 
 1. Cases, on the device, at the timing size: random bf16 over many binades with E2M1 ties; the same
    scaled to tiny (2^-120) and huge (2^118) magnitudes; NaN and ±inf entries with a finite amax, with
@@ -66,13 +67,13 @@ import jax
 import jax.numpy as jnp
 
 import fp4jax
-from fp4jax import api, dispatch, formats, gemm, primitives, random_bits, verdicts
+from fp4jax import api, dispatch, formats, gemm, native, primitives, random_bits, verdicts
 from fp4jax.primitives import quantize as pquantize
 from fp4jax.primitives import rht_t as prht
 from fp4jax.qtensor import QTensor
 from tools.prove.cases import (bound_check, compare_floats, compare_quantized, compare_within, many_binades,
                                _gemm_cases, _quantize_cases)
-from tools.prove.variants import DEVICE_SIZES, GEMM_OPS, TINY_SIZES, VARIANTS, Sizes, Variant
+from tools.prove.variants import BLACKWELL_OPS, DEVICE_SIZES, GEMM_OPS, TINY_SIZES, VARIANTS, Sizes, Variant
 
 
 
@@ -91,7 +92,8 @@ def candidates(native: bool | None = None) -> list[tuple[str, str]]:
   device of compute capability 10.x), for every ``NATIVE_DEFAULTS`` format (on by default, where the
   verdict can revoke it, or off, where it can turn it on)."""
   native = dispatch.native_device() if native is None else native
-  return [k for k in VARIANTS if k[0] != verdicts.NATIVE_OP or (native and k[1] in dispatch.NATIVE_DEFAULTS)]
+  blackwell = lambda op, fmt: fmt in (dispatch.NATIVE_DEFAULTS if op == verdicts.NATIVE_OP else dispatch.MOSAIC_FORMATS)
+  return [k for k in VARIANTS if k[0] not in BLACKWELL_OPS or (native and blackwell(*k))]
 
 
 def command(op: str, fmt: str) -> str:
@@ -252,6 +254,9 @@ def _gemm_fns(v: Variant, out_dtype=jnp.bfloat16):
   if v.op == verdicts.NATIVE_OP:
     side = lambda backend: jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype=out_dtype, impl=backend))
     return side("native"), side("xla")
+  if v.op == verdicts.MOSAIC_OP:   # fp4jax's tcgen05 GEMM against the XLA path
+    mosaic = jax.jit(lambda a, b: native.matmul(a, b, out_dtype=out_dtype, kernel="mosaic"))
+    return mosaic, jax.jit(lambda a, b: gemm.matmul(a, b, out_dtype=out_dtype, impl="xla"))
   side = lambda impl: jax.jit(lambda a, b: api.scaled_matmul(a, b, out_dtype=out_dtype, impl=impl))
   if v.op == "mixed_matmul":   # the GEMM that decodes as it loads (kernels.mixed_matmul)
     mixed = jax.jit(lambda a, b: primitives.mixed_matmul(a, b, out_dtype=out_dtype))

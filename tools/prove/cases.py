@@ -132,7 +132,7 @@ def _with_nan_scales(q: QTensor) -> QTensor:
 
 
 def _gemm_cases(v: Variant, n: int) -> list[tuple[str, QTensor, QTensor]]:
-  if v.op == verdicts.NATIVE_OP:
+  if v.op in (verdicts.NATIVE_OP, verdicts.MOSAIC_OP):
     qa, qb = v.pair
     make = lambda seed, q, **kw: exact_native_operand(n, n, q, seed, **kw)
     nvfp4 = v.fmt == "nvfp4"

@@ -81,9 +81,16 @@ VARIANTS: dict[tuple[str, str], tuple[Variant, ...]] = {
         Quantizer("nvfp4_dbq"), Quantizer("nvfp4_dbq", stochastic=True))),),
     ("native_gemm", "mxfp8"): (Variant("native_gemm", "mxfp8", "1x32.1x32", pair=(
         Quantizer("mxfp8"), Quantizer("mxfp8"))),),
+    # fp4jax's tcgen05 GEMM (kernels.mosaic_gemm, through fp4jax.native with kernel="mosaic"): fprop/dgrad's
+    # pair and wgrad's, the epilogue and the bf16 cast inside the kernel
+    ("mosaic_gemm", "nvfp4"): (
+        Variant("mosaic_gemm", "nvfp4", "1x16.16x16", pair=(Quantizer("nvfp4"), Quantizer("nvfp4", tiled=True))),
+        Variant("mosaic_gemm", "nvfp4", "1x16.1x16 SR RHT", pair=(
+            Quantizer("nvfp4", rht_size=16), Quantizer("nvfp4", stochastic=True, rht_size=16)))),
 }
 
 
-GEMM_OPS = ("scaled_matmul", "mixed_matmul", verdicts.NATIVE_OP)
+GEMM_OPS = ("scaled_matmul", "mixed_matmul", verdicts.NATIVE_OP, verdicts.MOSAIC_OP)
+BLACKWELL_OPS = (verdicts.NATIVE_OP, verdicts.MOSAIC_OP)   # proved only on compute capability 10.x
 
 

@@ -1,0 +1,105 @@
+"""fp4jax's Mosaic GPU NVFP4 GEMM against cuDNN's, compiled for the B200 without a GPU: one fprop GEMM
+(x (M, K) 1x16 · w (N, K) 16x16 tiles, bf16 out) through ``fp4jax.native.matmul`` with each kernel.
+
+  python bench/predict/mosaic_gemm_aot.py --shape 65536,20480,5120 --dump /tmp/mosaic_dump --json out.json
+
+Per route: lowering and XLA compile seconds, the custom calls and fusions of the optimized HLO, the ruler's
+predicted ms (bench/predict/ruler.py on the B200 HGX node) and, for the Mosaic kernel, what its compile wrote
+(``MOSAIC_GPU_DUMP_TO``): the PTX and SASS sizes, ptxas's registers and spills, and whether the PTX holds
+the block-scaled MMA and no fused multiply-add. cuDNN's GEMM is not compiled here: XLA leaves a
+``__cudnn$blockScaledDot`` call whose kernel cuDNN picks (and JIT-compiles, or loads from its library) on
+the device. Run in a fresh process (a Mosaic GPU kernel is compiled once per process; the dump is written
+then). Everything here is a prediction; nothing ran on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+BLOCK_SCALED_MMA = "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X"
+
+
+def _artifacts(dump: str) -> dict:
+  """What the Mosaic kernel's compile wrote into ``dump``."""
+  read = lambda pattern: "".join(open(p, encoding="utf-8", errors="replace").read()
+                                 for p in sorted(glob.glob(os.path.join(dump, pattern))))
+  ptx, ptxas, sass = read("*.ptx"), read("*.ptxas"), read("*.sass*")
+  regs = re.search(r"Used (\d+) registers", ptxas)
+  spills = re.search(r"(\d+) bytes spill stores", ptxas)
+  target = re.search(r"for '(sm_\w+)'", ptxas)
+  return dict(ptx_bytes=len(ptx), sass_bytes=len(sass), sass_lines=sass.count("\n"),
+              ptx_block_scaled_mma=ptx.count(BLOCK_SCALED_MMA), ptx_fma=len(re.findall(r"\bfma\.\w*f32", ptx)),
+              sass_utcomma=sass.count("UTCOMMA"), sass_ffma=sass.count("FFMA"),
+              registers=int(regs.group(1)) if regs else None, spill_bytes=int(spills.group(1)) if spills else None,
+              sm=target.group(1) if target else None)
+
+
+def compile_routes(shape, dump: str | None) -> dict:
+  """Both routes compiled for one B200: {"mosaic": {...}, "cudnn": {...}}."""
+  from fp4jax import _platform   # pylint: disable=import-outside-toplevel
+  _platform.enable_deviceless()
+  if dump:
+    os.makedirs(dump, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from bench.predict import deviceless, ruler   # pylint: disable=import-outside-toplevel
+  from fp4jax import _mosaic_compat as mc   # pylint: disable=import-outside-toplevel
+  from fp4jax import native   # pylint: disable=import-outside-toplevel
+  from fp4jax.qtensor import QTensor   # pylint: disable=import-outside-toplevel
+  m, n, k = shape
+  dev = deviceless.gpu_devices("b200", 1)[0]
+  single = jax.sharding.SingleDeviceSharding(dev)
+  spec = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=single)
+  a = QTensor(spec((m, k // 2), jnp.uint8), spec((m, k // 16), jnp.float8_e4m3fn), spec((), jnp.float32),
+              "nvfp4", -1, 16, None, jnp.bfloat16)
+  b = QTensor(spec((n, k // 2), jnp.uint8), spec((n // 16, k // 16), jnp.float8_e4m3fn), spec((), jnp.float32),
+              "nvfp4", -1, None, (16, 16), jnp.bfloat16)
+  out = {}
+  for kernel in ("mosaic", "cudnn"):
+    fn = jax.jit(lambda a, b, kernel=kernel: native.matmul(a, b, out_dtype=jnp.bfloat16, kernel=kernel))
+    t0 = time.perf_counter()
+    with mc.lowering_arch((10, 0)):
+      lowered = fn.lower(a, b)
+    t1 = time.perf_counter()
+    text = lowered.compile().as_text()
+    t2 = time.perf_counter()
+    p = ruler.predict(text, "b200", "hgx_b200")
+    calls = re.findall(r'custom_call_target="([^"]+)"', text)
+    out[kernel] = dict(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), custom_calls=sorted(set(calls)),
+                       mosaic_calls=calls.count(mc.MOSAIC_CUSTOM_CALL),
+                       fusions=len(re.findall(r"= \S+ fusion\(", text)),
+                       predicted_ms=round(p["step_s"] * 1e3, 3), gemm_ms=round(p["gemm_s"] * 1e3, 3),
+                       kernels=p["compute_kernels"])
+  if dump:
+    out["mosaic"]["artifacts"] = _artifacts(dump)
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--shape", default="65536,20480,5120", help="M,N,K of the GEMM (x (M, K) · w (N, K)ᵀ)")
+  parser.add_argument("--dump", default="", help="directory for the Mosaic kernel's PTX/SASS (empty: none)")
+  parser.add_argument("--json", default="", help="write the result here")
+  args = parser.parse_args(argv)
+  shape = tuple(int(v) for v in args.shape.split(","))
+  if len(shape) != 3:
+    parser.error(f"--shape={args.shape!r}; give M,N,K")
+  result = dict(shape=list(shape), routes=compile_routes(shape, args.dump or None))
+  text = json.dumps(result, indent=1)
+  print(text)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      f.write(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,269 @@
+"""NVFP4 x NVFP4 GEMM on Blackwell's block-scaled tensor cores (sm_100), one Pallas Mosaic GPU kernel with
+the epilogue inside: out (M, N) = cast( factor · Σ_k (e2m1·s)_a[m, k] (e2m1·s)_b[n, k] [+ residual] ).
+
+Axis legend: M rows of a, N rows of b, K the contraction (the quantized axis of both), Kb = K/16 scale
+blocks; tm, tn, tk the tile of one CTA and one K step (``GemmTiles``).
+
+Operands as ``fp4jax.native.operand`` makes them (fprop's layout, both K-major): a (M, K) and b (N, K)
+float4_e2m1fn, their E4M3 scales (M, Kb), (N, Kb) row-major (a 16x16 weight tile's scale repeated over its
+rows). ``tensor_core_scales`` rearranges the scales into the tensor cores' layout (a small XLA pass, 1/8 of
+the codes' bytes); factor is ``reference.tensor_factor_parts`` (the tensor factor and three powers of two).
+
+The kernel, one CTA (one warpgroup, 128 threads) per (tm, tn) output tile:
+  1. warp 0 loads, by TMA, the codes of a (tm, tk) and b (tn, tk) and their scales into a ring of
+     ``stages`` shared-memory slots, each slot reused once the MMA that read it has completed;
+  2. warp 1 copies each slot's scales to tensor memory (tcgen05.cp; one buffer per slot) and issues the
+     block-scaled MMA (tcgen05.mma kind::mxf4nvf4.block_scale.scale_vec::4X: E2M1 products scaled by E4M3
+     per 16, float32 accumulation in tensor memory), whose completion frees the slot;
+  3. the epilogue, all four warps once the last MMA completed: the accumulator is read from tensor memory
+     in (tm, en) column pieces, multiplied by the four factors in the XLA path's order
+     (``reference.apply_factor_parts``, each product guarded from fusing into the add after it), the
+     residual (loaded by TMA, double-buffered) added in float32, cast, and stored by TMA.
+
+The twin (``mosaic_gemm_reference``, and the kernel's result off CUDA) is the XLA path's: the exact products
+e2m1·s in bf16, one GEMM with float32 accumulation, the same epilogue. Both add the same exact products in
+float32 and differ only in the order of the sums (bit for bit where every partial sum is exact).
+
+The pallas_call is named ``fp4jax_mosaic_gemm_nvfp4_<M>x<N>x<K>`` (padded sizes): the cost model
+(bench/predict/hlo_kernels.py) reads the shape from the name (the Mosaic GPU lowering drops
+``pl.CostEstimate``) and charges it as an FP4 block-scaled GEMM of 2·M·N·K FLOPs.
+
+Layouts: fprop (x (T, K) · w (N, K)ᵀ) is the one written. dgrad (dy (T, N) · w (N, K)) needs w's codes and
+scales along N, i.e. the fprop tiles transposed (``transpose_tiles``, as the native path does, or a kernel
+reading b N-major: tcgen05 takes only K-major 4-bit operands, so the transpose stays a pass), and wgrad
+(dyᵀ · x over the tokens) takes the RHT'd operands quantized along the tokens, K-major as they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from fp4jax import _mosaic_compat as mc
+from fp4jax import reference
+
+BLOCK = 16          # E2M1 elements per E4M3 scale
+SCALE_ROWS = 128    # rows of one tensor-core scale tile (its 4 scale columns cover 64 elements of K)
+OUT_DTYPES = (jnp.bfloat16, jnp.float32)
+FACTOR_WORDS = 32   # the 4 factors padded to 128 bytes: a TMA copy moves a multiple of 128 bytes here
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+  tm: int = 128          # output rows per CTA: the MMA's M (one CTA)
+  tn: int = 256          # output columns per CTA: the MMA's N (<= 256, a multiple of 128 for the scales)
+  tk: int = 256          # K per step: 128 bytes of codes per row, one 128-byte swizzle
+  stages: int = 3        # shared-memory slots (each 54 KiB at the defaults)
+  en: int = 32           # accumulator columns per epilogue piece
+
+  def __post_init__(self):
+    if self.tm != 128 or self.tn % SCALE_ROWS or not 0 < self.tn <= 256 or self.tk != 256:
+      raise ValueError(f"{self}: tm must be 128, tn 128 or 256, tk 256 (one 128-byte swizzle of E2M1 codes)")
+    if self.tn % self.en or self.en % 8:
+      raise ValueError(f"{self}: en must divide tn and be a multiple of 8")
+
+
+DEFAULT_TILES = GemmTiles()
+
+
+def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps, has_residual):
+  """One (tm, tn) output tile (module docstring, 1-3)."""
+  if has_residual:
+    r_gmem, out_gmem = refs[:2]
+  else:
+    (out_gmem,), r_gmem = refs[:1], None
+  (a_smem, b_smem, as_smem, bs_smem, f_smem, out_smem, r_smem, acc_tmem, as_tmem, bs_tmem, loaded, consumed,
+   mma_done, f_ready, r_ready) = refs[-15:]
+  plgpu = mc.plgpu()
+  tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
+  mi, ni = lax.axis_index("m"), lax.axis_index("n")
+  rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+  sk = tk // (4 * BLOCK)   # tensor-core scale tiles per K step
+
+  plgpu.copy_gmem_to_smem(f_gmem, f_smem, f_ready)
+  pieces = tn // en
+
+  def load_residual(j):
+    plgpu.copy_gmem_to_smem(r_gmem.at[rows, pl.ds(ni * tn + j * en, en)], r_smem.at[j % 2], r_ready.at[j % 2])
+
+  if has_residual:
+    load_residual(0)
+
+  @plgpu.warp_map
+  def _(warp):
+    @pl.when(warp == 0)
+    def _load():
+      def step(ki, carry):
+        slot = lax.rem(ki, stages)
+
+        @pl.when(ki >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+        ks, kq = pl.ds(ki * tk, tk), pl.ds(ki * sk, sk)
+        plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks], b_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(as_gmem.at[pl.ds(mi, 1), kq], as_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(bs_gmem.at[pl.ds(ni * (tn // SCALE_ROWS), tn // SCALE_ROWS), kq],
+                                bs_smem.at[slot], loaded.at[slot])
+        return carry
+      lax.fori_loop(0, k_steps, step, 0)
+
+    @pl.when(warp == 1)
+    def _mma():
+      def step(ki, carry):
+        slot = lax.rem(ki, stages)
+        plgpu.barrier_wait(loaded.at[slot])
+        for s in range(stages):   # one scale buffer per slot: a static pick
+          @pl.when(slot == s)
+          def _(s=s):
+            plgpu.async_copy_scales_to_tmem(as_smem.at[s], as_tmem[s])
+            plgpu.async_copy_scales_to_tmem(bs_smem.at[s], bs_tmem[s])
+            plgpu.tcgen05_mma(acc_tmem, a_smem.at[s], plgpu.transpose_ref(b_smem.at[s], (1, 0)), consumed.at[s],
+                              a_scale=as_tmem[s], b_scale=bs_tmem[s], accumulate=ki > 0)
+        return carry
+      lax.fori_loop(0, k_steps, step, 0)
+      plgpu.tcgen05_commit_arrive(mma_done)
+
+  plgpu.barrier_wait(f_ready)
+  factor = [f_smem[i] for i in range(4)]
+  plgpu.barrier_wait(mma_done)
+  for j in range(pieces):
+    acc = plgpu.async_load_tmem(acc_tmem.at[:, pl.ds(j * en, en)])
+    y = reference.apply_factor_parts(acc, factor)
+    if has_residual:
+      if j + 1 < pieces:
+        load_residual(j + 1)
+      plgpu.barrier_wait(r_ready.at[j % 2])
+      y = y + plgpu.load(r_smem.at[j % 2], (), layout=plgpu.Layout.TCGEN05).astype(jnp.float32)
+    out_smem.at[j % 2][...] = y.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[j % 2], out_gmem.at[rows, pl.ds(ni * tn + j * en, en)])
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _swizzled(dtype, minor: int):
+  """Tiling and swizzle transforms of a shared-memory tile whose rows hold ``minor`` elements of dtype."""
+  plgpu = mc.plgpu()
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8 if dtype != jnp.float4_e2m1fn
+                               else minor * 4)
+  elems = swizzle * 8 // (4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles):
+  """out (M, N) from padded operands: M, N, K multiples of the tiles; scales in the tensor cores' layout."""
+  plgpu = mc.plgpu()
+  m, k = a.shape
+  n = b.shape[0]
+  tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
+  e4m3 = jnp.float8_e4m3fn
+  sk = tk // (4 * BLOCK)
+  r_dtype = residual.dtype if residual is not None else out_dtype
+  scales_tmem = lambda rows: tuple(plgpu.TMEM((rows, tk // BLOCK), e4m3, layout=plgpu.TMEMLayout.SCALES_LAYOUT)
+                                   for _ in range(stages))
+  scratch = (
+      plgpu.SMEM((stages, tm, tk), jnp.float4_e2m1fn, transforms=_swizzled(jnp.float4_e2m1fn, tk)),
+      plgpu.SMEM((stages, tn, tk), jnp.float4_e2m1fn, transforms=_swizzled(jnp.float4_e2m1fn, tk)),
+      plgpu.SMEM((stages, 1, sk, 32, 16), e4m3),
+      plgpu.SMEM((stages, tn // SCALE_ROWS, sk, 32, 16), e4m3),
+      plgpu.SMEM((FACTOR_WORDS,), jnp.float32),
+      plgpu.SMEM((2, tm, en), out_dtype, transforms=_swizzled(out_dtype, en)),
+      plgpu.SMEM((2, tm, en), r_dtype, transforms=_swizzled(r_dtype, en)),
+      plgpu.TMEM((tm, tn), jnp.float32),
+      scales_tmem(tm),
+      scales_tmem(tn),
+      plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages, orders_tensor_core=True),
+      plgpu.Barrier(orders_tensor_core=True),
+      plgpu.Barrier(),
+      plgpu.Barrier(num_barriers=2),
+  )
+  kernel = functools.partial(_gemm_kernel, tiles=tiles, k_steps=k // tk, has_residual=residual is not None)
+  call = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(m // tm, n // tn), grid_names=("m", "n"),
+      scratch_types=scratch, kernel_name=f"fp4jax_mosaic_gemm_nvfp4_{m}x{n}x{k}")
+  args = (a, b, a_tc, b_tc, factor_4) + ((residual,) if residual is not None else ())
+  return call(*args)
+
+
+def tensor_core_scales(scales_RxKb):
+  """E4M3 scales (R, Kb), R a multiple of 128 and Kb of 4, in the tensor cores' layout for tcgen05's
+  block-scaled MMA: (R/128, Kb/4, 32, 16), where the 128x4 tile (r, c) holds row r's scale c at
+  [r mod 32, 4·(r div 32) + c] (PTX ISA, "tcgen05 scale factor A layout 1X")."""
+  r, kb = scales_RxKb.shape
+  tiles = scales_RxKb.reshape(r // SCALE_ROWS, 4, 32, kb // 4, 4)
+  return tiles.transpose(0, 3, 2, 1, 4).reshape(r // SCALE_ROWS, kb // 4, 32, 16)
+
+
+def _pad(x, rows: int, cols: int):
+  if x.shape == (rows, cols):
+    return x
+  return jnp.pad(x, ((0, rows - x.shape[0]), (0, cols - x.shape[1])))
+
+
+def _check(a, a_scales, b, b_scales, factor, residual, out_dtype):
+  (m, k), (n, k2) = a.shape, b.shape
+  if a.dtype != jnp.float4_e2m1fn or b.dtype != jnp.float4_e2m1fn:
+    raise ValueError(f"mosaic_gemm takes float4_e2m1fn operands (fp4jax.native.operand); got {a.dtype}, {b.dtype}")
+  if a_scales.dtype != jnp.float8_e4m3fn or b_scales.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"mosaic_gemm takes float8_e4m3fn scales per 16 (NVFP4); got {a_scales.dtype}, "
+                     f"{b_scales.dtype}")
+  if k != k2 or k % BLOCK or a_scales.shape != (m, k // BLOCK) or b_scales.shape != (n, k // BLOCK):
+    raise ValueError(f"mosaic_gemm: a (M, K)={a.shape}, b (N, K)={b.shape} with scales (M, K/16)="
+                     f"{a_scales.shape}, (N, K/16)={b_scales.shape}; K must agree and be a multiple of 16")
+  if jnp.shape(factor) != (4,):
+    raise ValueError(f"mosaic_gemm: factor must be the (4,) parts of reference.tensor_factor_parts; got "
+                     f"shape {jnp.shape(factor)}")
+  if residual is not None and residual.shape != (m, n):
+    raise ValueError(f"mosaic_gemm: residual must be (M, N)={(m, n)}; got {residual.shape}")
+  if jnp.dtype(out_dtype) not in map(jnp.dtype, OUT_DTYPES):
+    raise ValueError(f"mosaic_gemm writes {OUT_DTYPES}; got out_dtype={out_dtype}")
+
+
+def _kernel_path(a, a_scales, b, b_scales, factor, residual, *, out_dtype, tiles):
+  """The kernel on operands padded to its tiles (zero codes and zero scales: products 0, exact)."""
+  (m, k), n = a.shape, b.shape[0]
+  up = lambda d, t: -(-d // t) * t
+  mp, np_, kp = up(m, tiles.tm), up(n, tiles.tn), up(k, tiles.tk)
+  a, b = _pad(a, mp, kp), _pad(b, np_, kp)
+  a_tc = tensor_core_scales(_pad(a_scales, mp, kp // BLOCK))
+  b_tc = tensor_core_scales(_pad(b_scales, np_, kp // BLOCK))
+  if residual is not None:
+    residual = _pad(residual, mp, np_)
+  factor = jnp.pad(factor, (0, FACTOR_WORDS - 4))
+  out = _gemm_call(a, b, a_tc, b_tc, factor, residual, out_dtype=out_dtype, tiles=tiles)
+  return out[:m, :n]
+
+
+def mosaic_gemm(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jnp.bfloat16,
+                tiles: GemmTiles = DEFAULT_TILES):
+  """out (M, N) = cast(apply_factor_parts(Σ_k (a·s_a)[m, k] (b·s_b)[n, k], factor) [+ residual]).
+
+  a (M, K), b (N, K) float4_e2m1fn; a_scales (M, K/16), b_scales (N, K/16) float8_e4m3fn; factor float32
+  (4,) (``reference.tensor_factor_parts``); residual (M, N) of any float dtype or None; out_dtype bf16 or
+  float32. The kernel on CUDA (compute capability 10.x: ``fp4jax.dispatch.native_kernel`` decides when), the
+  twin elsewhere.
+  """
+  factor = jnp.asarray(factor, jnp.float32)
+  _check(a, a_scales, b, b_scales, factor, residual, out_dtype)
+  kernel = functools.partial(_kernel_path, out_dtype=out_dtype, tiles=tiles)
+  twin = functools.partial(mosaic_gemm_reference, out_dtype=out_dtype)
+  return lax.platform_dependent(a, a_scales, b, b_scales, factor, residual, cuda=kernel, default=twin)
+
+
+def mosaic_gemm_reference(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jnp.bfloat16):
+  """The twin: the XLA path's GEMM (the exact products e2m1·s in bf16, float32 accumulation) and the same
+  epilogue: ``reference.apply_factor_parts``, the residual added in float32, the cast."""
+  decode = lambda v, s: (v.astype(jnp.float32) * jnp.repeat(s.astype(jnp.float32), BLOCK, axis=-1)
+                         ).astype(jnp.bfloat16)
+  acc = lax.dot_general(decode(a, a_scales), decode(b, b_scales), (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+  y = reference.apply_factor_parts(acc, factor)
+  if residual is not None:
+    y = y + residual.astype(jnp.float32)
+  return y.astype(out_dtype)

@@ -1,0 +1,76 @@
+"""fp4jax's Mosaic GPU NVFP4 GEMM (fp4jax/kernels/mosaic_gemm.py) compiled for sm_100 (B200) without a GPU,
+and read back: the PTX and SASS that XLA's compile produced, and the cost model's price of the custom call.
+
+The compile (bench/predict/mosaic_gemm_aot.py, beside cuDNN's route) runs in a deviceless subprocess, as
+tests/test_gpu_aot.py's, with ``MOSAIC_GPU_DUMP_TO`` set: the Mosaic kernel's compile stage writes its PTX,
+ptxas report and SASS (docs/KERNELS.md, "What a Mosaic GPU kernel shows without a GPU"). What only a device
+shows (the barriers, the scale and nibble layouts, the numbers, the speed) is tools.prove's
+"mosaic_gemm/nvfp4". The default run lowers the kernel in-process (tests/test_kernels_mosaic_gemm.py) and
+prices a hand-written custom call here; the compile (about 15 s) is slow-marked.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.predict import hlo_cost, hlo_kernels, hlo_text, peaks
+from fp4jax import _platform
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_plugin = pytest.mark.skipif(
+    _platform.cuda_plugin() is None, reason="jax's CUDA plugin is not installed, so XLA's GPU compiler "
+    "is absent (pip install -e '.[dev]' installs it)")
+PEAKS = peaks.peaks("b200")
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_compiles_for_sm100_to_the_block_scaled_mma(tmp_path):
+  dump, out = tmp_path / "dump", tmp_path / "out.json"
+  env = _platform.deviceless_env()
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "mosaic_gemm_aot.py"), "--shape", "256,512,1024",
+         "--dump", str(dump), "--json", str(out)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  routes = json.loads(out.read_text())["routes"]
+  mosaic, cudnn = routes["mosaic"], routes["cudnn"]
+  assert mosaic["custom_calls"] == ["mosaic_gpu_v2"] and mosaic["mosaic_calls"] == 1
+  assert cudnn["custom_calls"] == ["__cudnn$blockScaledDot"]
+  art = mosaic["artifacts"]
+  assert art["sm"] == "sm_100a"
+  # one block-scaled MMA per 64 elements of K of a 256-wide tile: 4 per K step, for each of the 3 slots
+  assert art["ptx_block_scaled_mma"] == 4 * 3
+  assert art["ptx_fma"] == 0   # the epilogue's products are never fused into the residual's add
+  assert art["spill_bytes"] == 0 and art["registers"] <= 255
+  if art["sass_bytes"]:   # nvdisasm present (the gpu-compile extra)
+    assert art["sass_utcomma"] == art["ptx_block_scaled_mma"] and art["sass_ffma"] == 0
+  # the epilogue inside: no float32 (M, N) leaves the kernel, so fewer passes than cuDNN's route
+  assert mosaic["fusions"] < cudnn["fusions"] and mosaic["predicted_ms"] < cudnn["predicted_ms"]
+
+
+MOSAIC = """HloModule mosaic, entry_computation_layout={()->bf16[1024,512]}
+
+ENTRY %main (a: f4e2m1fn[1024,256], sa: f8e4m3fn[8,4,32,16], b: f4e2m1fn[512,256], sb: f8e4m3fn[4,4,32,16], f: f32[32]) -> bf16[1024,512] {
+  %a = f4e2m1fn[1024,256]{1,0} parameter(0)
+  %sa = f8e4m3fn[8,4,32,16]{3,2,1,0} parameter(1)
+  %b = f4e2m1fn[512,256]{1,0} parameter(2)
+  %sb = f8e4m3fn[4,4,32,16]{3,2,1,0} parameter(3)
+  %f = f32[32]{0} parameter(4)
+  ROOT %g = bf16[1024,512]{1,0} custom-call(%a, %sa, %b, %sb, %f), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/cond/branch_0_fun/fp4jax_mosaic_gemm_nvfp4_1024x512x256/mpmd_map"}, backend_config={kernel_hash = "0", module = "ML"}
+}
+"""
+
+
+def test_cost_model_charges_the_mosaic_gemm_as_an_fp4_gemm():
+  """M x N x K from the kernel's name, the FP4 rate, the bytes it reads (codes at half a byte, scales,
+  factor) and writes (bf16, the epilogue inside)."""
+  cost = hlo_cost.analyze(MOSAIC, PEAKS)
+  (g,) = cost["ops"]
+  assert g["kind"] == "gemm" and g["dtype"] == "f4e2m1fnxf4e2m1fn" and g["mnk"] == (1024, 512, 256)
+  assert g["flops"] == 2 * 1024 * 512 * 256
+  assert g["bytes"] == 1024 * 128 + 8 * 4 * 32 * 16 + 512 * 128 + 4 * 4 * 32 * 16 + 32 * 4 + 1024 * 512 * 2
+  other = MOSAIC.replace("fp4jax_mosaic_gemm_nvfp4", "some_kernel")
+  assert hlo_kernels.mosaic_gemm_shape(hlo_text.parse_instr(other.splitlines()[-3])) is None
