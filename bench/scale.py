@@ -277,7 +277,7 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   ranks = sharding.batch_ways(mesh)
   seq_len = config.data.seq_len
   model = step_lib.build_model(model_config, recipe)
-  tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
+  tx, schedule = optim.make_optimizer(config.optim, config.steps)
   with sharding.mesh_context(mesh):
     abstract_boxed = jax.eval_shape(lambda: step_lib.init_state(model, tx, config.seed, seq_len))
   abstract, state_sh = sharding.train_state_shardings(abstract_boxed, tx, mesh)
@@ -288,7 +288,7 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
   batch_in = ({"tokens": tokens_in, "segment_ids": tokens_in} if config.data.get("document_masking", False)
               else tokens_in)
   options = config_lib.xla_options(config, fp4jax.target.Target.of(mesh).device_kind)
-  step_fn = step_lib.jit_train_step(model, tx, lr_fn, state_sh, mesh, compiler_options=options, micro_batches=micro)
+  step_fn = step_lib.jit_train_step(model, tx, schedule, state_sh, mesh, compiler_options=options, micro_batches=micro)
   return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, batch_in=batch_in, abstract=abstract,
               model_config=model_config, recipe=recipe, compiler_options=options)
 

@@ -429,7 +429,7 @@ def _train_step_fn(report: Report, recipe: str, force_kernels: bool):
   step_lib, models = _import_training()
   model_config = models.get_model_config(s.step_config, **dict(s.step_overrides))
   model = step_lib.build_model(model_config, fp4jax.recipes.get(recipe))
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=0.1))   # lr 1: lr_fn scales
   lr_fn = optax.constant_schedule(1e-3)
   state = jax.jit(lambda: (lambda st: dict(st, params=nn.unbox(st["params"])))(
       step_lib.init_state(model, tx, 0, s.step_seq)))()

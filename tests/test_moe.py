@@ -81,7 +81,7 @@ def test_sequence_aux_loss_is_one_when_balanced_and_uniform():
 @pytest.mark.slow   # covered by test_load_metrics_and_bias_update
 def test_train_step_moves_the_bias_not_by_gradient():
   model = LanguageModel(CONFIG.replace(moe_aux_loss_weight=0.01), "bf16")
-  tx = optax.adamw(1e-3)
+  tx = optax.adamw(1.0)   # train_step scales by lr_fn
   state = step_lib.init_state(model, tx, 0, 8)
   state = dict(state, params=nn.unbox(state["params"]))   # as the trainer runs it (training.run)
   bias_path = ("blocks_0", "mixer", "router", "e_score_correction_bias")

@@ -161,7 +161,7 @@ def test_masked_positions_do_not_reach_the_loss():
 def test_gradients_reach_every_mtp_parameter():
   config = CONFIG.replace(mtp_pattern="*E", **MOE)
   model = LanguageModel(config, "bf16")
-  tx = optax.adamw(1e-3)
+  tx = optax.adamw(1.0)
   state = step_lib.init_state(model, tx, 0, 8)
   params = nn.unbox(state["params"])
   inputs, targets = _window(config)
@@ -195,7 +195,7 @@ def test_super_policy_keeps_mtp_layers_in_bf16_and_all_fp4_quantizes_them():
 @pytest.mark.slow   # ~25 s idle; by default every MTP parameter gets a gradient (above)
 def test_a_few_train_steps_lower_both_losses_and_log_them():
   model = LanguageModel(CONFIG, "nvfp4")
-  tx = optax.adam(3e-3)
+  tx = optax.adam(1.0)   # train_step scales by lr_fn
   state = step_lib.init_state(model, tx, 0, 16)
   state = dict(state, params=nn.unbox(state["params"]))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, (4, 17)), jnp.int32)   # a small vocabulary in use

@@ -148,11 +148,13 @@ def test_weight_decay_only_on_matrices():
   params = {"w": jnp.ones((4, 4)), "scale": jnp.ones((4,)), "conv": jnp.ones((4, 2, 3))}
   assert optim.decay_mask(params) == {"w": True, "scale": False, "conv": True}
   config = shrunken.shrunken_config().optim
-  config.lr, config.warmup_steps, config.grad_clip = 0.0, 0, 1.0  # lr 0: only decay could move a param
-  tx, _ = optim.make_optimizer(config, 10)
+  config.weight_decay, config.grad_clip = 0.25, 1.0
+  tx, _ = optim.make_optimizer(config, 10)   # at learning rate 1: the step scales its updates
   zero = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = tx.update(zero, tx.init(params), params)
-  assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
+  updates, _ = tx.update(zero, tx.init(params), params)   # zero gradients: only decay moves a param
+  assert float(jnp.abs(updates["scale"]).max()) == 0.0
+  np.testing.assert_array_equal(updates["w"], -0.25 * params["w"])
+  np.testing.assert_array_equal(updates["conv"], -0.25 * params["conv"])
 
 
 def test_wsd_schedule_shape():
@@ -169,6 +171,33 @@ def test_cosine_schedule_ends_at_floor():
   config.schedule, config.lr, config.min_lr_ratio, config.warmup_steps = "cosine", 1.0, 0.1, 5
   lr = optim.schedule(config, 50)
   assert float(lr(5)) == pytest.approx(1.0) and float(lr(50)) == pytest.approx(0.1)
+
+
+def test_runs_of_any_length_and_learning_rate_share_one_compiled_step():
+  """The schedule's points are an input of the train step: a longer run, another peak or another warmup lowers
+  to the same program (one compile, served by the compilation cache), its points bound to the jitted step."""
+  import fp4jax   # pylint: disable=import-outside-toplevel
+  from training import step as step_lib   # pylint: disable=import-outside-toplevel
+  config = shrunken.shrunken_config(**{"model.pattern": "-"})
+  model = step_lib.build_model(config_lib.resolve_model_config(config.model), fp4jax.recipes.get("bf16"))
+  mesh = sharding.make_mesh(config.mesh)
+  tx, _ = optim.make_optimizer(config.optim, 10)
+  with sharding.mesh_context(mesh):
+    boxed = jax.eval_shape(lambda: step_lib.init_state(model, tx, 0, 8))
+  abstract, state_sh = sharding.train_state_shardings(boxed, tx, mesh)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state_sh)
+  tokens = jax.ShapeDtypeStruct((4, 9), jnp.int32, sharding=sharding.batch_sharding(mesh))
+  with sharding.mesh_context(mesh):
+    texts, steps = set(), []
+    for steps_, lr, warmup in ((10, 1e-3, 2), (40, 3e-3, 0), (7, 1e-3, 5)):
+      config.optim.lr, config.optim.warmup_steps = lr, warmup
+      schedule = optim.schedule(config.optim, steps_)
+      step = step_lib.jit_train_step(model, tx, schedule, state_sh, mesh)
+      texts.add(step.lower(abstract, tokens).as_text())
+      steps.append(step)
+  assert len(texts) == 1
+  assert [np.asarray(s.points)[[0, 2]].tolist() for s in steps] == [[np.float32(1e-3), 2], [np.float32(3e-3), 0],
+                                                                       [np.float32(1e-3), 5]]
 
 
 # Bad input: a clear ConfigError before any model is built ---------------------------------------------

@@ -105,6 +105,7 @@ def test_nvfp4_micro_batches_draw_their_keys_from_the_micro_batch_index():
       total = grads_i if total is None else jax.tree.map(jnp.add, total, grads_i)
       losses.append(loss_i)
     updates, _ = tx.update(jax.tree.map(lambda g: g / 2, total), state["opt_state"], state["params"])
+    updates = jax.tree.map(lambda u: u * lr_fn(0), updates)   # tx is at learning rate 1 (optim.make_optimizer)
     return (losses[0] + losses[1]) / 2, optax.apply_updates(state["params"], updates)
 
   def both(state, tokens_BxW):

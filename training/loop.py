@@ -52,7 +52,7 @@ class Loop:
       models[run.late_recipe.name] = run.late_model
     phases = (PLAIN,) if run.outcontrol is None else (PLAIN, RECORD, ON)
     options = config_lib.xla_options(run.config, fp4jax.target.Target.of(mesh).device_kind)
-    self._train = {(name, phase): jit_train_step(m, run.tx, run.lr_fn, run.state_shardings, mesh, run.osci, phase,
+    self._train = {(name, phase): jit_train_step(m, run.tx, run.schedule, run.state_shardings, mesh, run.osci, phase,
                                                  compiler_options=options, micro_batches=run.config.micro_batches)
                    for name, m in models.items() for phase in phases}  # jit compiles on first use only
     self._eval = {name: jax.jit(functools.partial(eval_step, model=m),

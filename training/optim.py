@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
@@ -24,28 +25,50 @@ from fp4jax import osci_reset, outcontrol, recipes
 from models import layer_precision
 
 
-def schedule(optim_config, total_steps: int) -> optax.Schedule:
-  """Learning rate as a function of the number of applied updates.
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The learning rate as a function of the number of applied updates: ``kind`` ("wsd", "cosine",
+  "constant") and ``points``, float32 [peak, floor, warmup, decay_start, decay_steps] (steps as floats).
 
-  ``wsd``: linear warmup to ``lr``, constant, then linear decay to ``lr * min_lr_ratio`` over the last
-  ``decay_fraction`` of the steps, reaching it at the last step (the paper: 4.5e-4 -> 4.5e-6 over the last 20%).
-  ``cosine``: linear warmup, then cosine decay to ``lr * min_lr_ratio`` at ``total_steps``.
-  """
+  ``wsd``: linear warmup to ``peak``, constant, then linear decay to ``floor`` over ``decay_steps``, starting
+  at ``decay_start`` (the paper: 4.5e-4 -> 4.5e-6 over the last 20%). ``cosine``: linear warmup, then cosine
+  decay from ``peak`` at ``warmup`` to ``floor`` at ``decay_start`` (the run's last step), flat after.
+  ``constant``: linear warmup, then ``peak``. The train step takes ``points`` as an argument (``learning_rate``
+  on traced points): runs that differ only in length or learning rate share one compiled step."""
+  kind: str
+  points: np.ndarray
+
+  def __call__(self, count):
+    return learning_rate(self.kind, jnp.asarray(self.points), count)
+
+
+def schedule(optim_config, total_steps: int) -> Schedule:
+  """``config.optim``'s schedule for a run of ``total_steps`` steps."""
   peak = optim_config.lr
   floor = peak * optim_config.min_lr_ratio
   warmup = min(optim_config.warmup_steps, total_steps)
-  if optim_config.schedule == "constant":
-    if not warmup:
-      return optax.constant_schedule(peak)
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup])
   if optim_config.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), end_value=floor)
-  decay = int(round(optim_config.decay_fraction * total_steps))
-  stable = max(total_steps - decay - warmup, 0)
-  pieces = [optax.linear_schedule(0.0, peak, warmup)] if warmup else []
-  pieces += [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, max(decay - 1, 1))]
-  boundaries = ([warmup] if warmup else []) + [warmup + stable]
-  return optax.join_schedules(pieces, boundaries)
+    start, steps = max(total_steps, warmup + 1), 1
+  else:
+    decay = int(round(optim_config.decay_fraction * total_steps))
+    start, steps = warmup + max(total_steps - decay - warmup, 0), max(decay - 1, 1)
+  return Schedule(optim_config.schedule, np.asarray([peak, floor, warmup, start, steps], np.float32))
+
+
+def learning_rate(kind: str, points, count) -> jax.Array:
+  """``Schedule``'s learning rate after ``count`` applied updates, ``points`` concrete or traced."""
+  peak, floor, warmup, start, steps = (points[i] for i in range(5))
+  count = jnp.asarray(count, jnp.float32)
+  rising = peak * (jnp.minimum(count, warmup) / jnp.maximum(warmup, 1.0))
+  if kind == "constant":
+    after = peak
+  elif kind == "cosine":
+    frac = jnp.minimum(count - warmup, start - warmup) / (start - warmup)
+    after = floor + (peak - floor) * (0.5 * (1.0 + jnp.cos(jnp.pi * frac)))
+  else:
+    frac = jnp.clip(count - start, 0.0, steps) / steps
+    after = peak + (floor - peak) * frac
+  return jnp.where(count < warmup, rising, after)
 
 
 def decay_mask(params):
@@ -53,14 +76,15 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(optim_config, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  lr = schedule(optim_config, total_steps)
+def make_optimizer(optim_config, total_steps: int) -> tuple[optax.GradientTransformation, Schedule]:
+  """(AdamW with clipping at learning rate 1, the schedule): ``training.step.train_step`` scales the
+  optimizer's updates by the schedule's learning rate, so the compiled step does not depend on it."""
   tx = optax.chain(
       optax.clip_by_global_norm(optim_config.grad_clip),
-      optax.adamw(lr, b1=optim_config.b1, b2=optim_config.b2, eps=optim_config.eps,
+      optax.adamw(1.0, b1=optim_config.b1, b2=optim_config.b2, eps=optim_config.eps,
                   weight_decay=optim_config.weight_decay, mask=decay_mask),
   )
-  return tx, lr
+  return tx, schedule(optim_config, total_steps)
 
 
 def global_norm(tree) -> jax.Array:

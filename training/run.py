@@ -63,7 +63,7 @@ class Run:
   late_recipe: fp4jax.Recipe | None
   switch_step: int                   # the first step of late_model
   tx: optax.GradientTransformation
-  lr_fn: Callable[[Any], Any]
+  schedule: optim.Schedule          # the learning rate by applied updates (an input of the compiled step)
   osci: optim.OsciReset | None       # TetraJet-v2's OsciReset after each update (config.osci_reset), or None
   outcontrol: optim.OutControl | None  # TetraJet-v2's OutControl schedule (config.outcontrol), or None
   init_fn: Callable[[], dict]        # a fresh state, params boxed with logical axis names
@@ -180,7 +180,7 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
   # 3. Models, optimizer, shardings.
   stop.detail = "building the model"
   with reporter.phase("building the model and its shardings"):
-    model, late_model, tx, lr_fn, osci, init_fn, abstract, state_sh = _layout(
+    model, late_model, tx, schedule, osci, init_fn, abstract, state_sh = _layout(
         config, model_fn, model_config, recipe, late_recipe, outcontrol, mesh)
 
   say(f"precision ({_precision_name(model_config)}): {precision_summary(model_config, recipe, abstract['params'])}"
@@ -212,7 +212,7 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
                                        process_index=pindex, process_count=nproc)
                  if evaluate else [])
   return Run(config=config, workdir=workdir, mesh=mesh, model=model, recipe=recipe, late_model=late_model,
-             late_recipe=late_recipe, switch_step=switch_step, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol=outcontrol,
+             late_recipe=late_recipe, switch_step=switch_step, tx=tx, schedule=schedule, osci=osci, outcontrol=outcontrol,
              init_fn=init_fn,
              abstract_state=abstract, state_shardings=state_sh, train_iter=train_iter, val_batches=val_batches,
              tokens_per_byte=val_split.tokens_per_byte, checkpoints=checkpoints, reporter=reporter,
@@ -235,7 +235,7 @@ def _layout(config, model_fn, model_config, recipe, late_recipe, outcontrol, mes
   seq_len = config.data.seq_len
   model = model_fn(model_config, recipe)
   late_model = model_fn(model_config, late_recipe) if late_recipe else None
-  tx, lr_fn = optim.make_optimizer(config.optim, config.steps)
+  tx, schedule = optim.make_optimizer(config.optim, config.steps)
   osci_config = config_lib.resolve_osci_reset(config, recipe)
   osci = optim.OsciReset(osci_config, model_config, recipe) if osci_config is not None else None
   init_fn = functools.partial(init_state, model, tx, config.seed, seq_len, osci)
@@ -257,7 +257,7 @@ def _layout(config, model_fn, model_config, recipe, late_recipe, outcontrol, mes
                         f"input channels for an MXFP8 part (k8 = 0 below 128 channels, or K * ratio < 1 with "
                         f"ratio={outcontrol.ratio}); widen the model (d_model, mlp_dim >= 128) or turn it off")
     state_sh["outcontrol"] = jax.tree.map(lambda _: sharding.replicated(mesh), abstract["outcontrol"])
-  return model, late_model, tx, lr_fn, osci, init_fn, abstract, state_sh
+  return model, late_model, tx, schedule, osci, init_fn, abstract, state_sh
 
 
 def _precision_name(model_config) -> str:

@@ -10,7 +10,9 @@ W = L + 1 window, V vocabulary.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -240,7 +242,8 @@ def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches:
 
 def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
                outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1):
-  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring), then OsciReset
+  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring): ``tx``'s update
+  at learning rate 1 (``optim.make_optimizer``) times ``lr_fn(applied updates)``; then OsciReset
   (with ``osci``) on the updated params, as the step of index "steps applied so far"; a step whose loss or
   gradient norm is non-finite leaves params, moments and OsciReset's and OutControl's state untouched.
   ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
@@ -264,14 +267,15 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  applied = state["step"] - state["nonfinite_total"]
+  lr = lr_fn(applied)
   with jax.named_scope("optimizer"):
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    params = optax.apply_updates(state["params"], jax.tree.map(lambda u: u * lr, updates))
   with jax.named_scope("moe_balance"):   # after the step, from its loads: not a gradient
     rate = model.config.moe_bias_update_rate if _has_moe(model) else 0.0
     params, moe_metrics = moe_balance(params, stats, rate)
   keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
-  applied = state["step"] - state["nonfinite_total"]
   if osci is not None:
     with jax.named_scope("osci_reset"):
       perms = state["outcontrol"] if outcontrol_phase == optim.ON else None
@@ -289,7 +293,7 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
       new_state["osci_reset"] = keep(osci_state, state["osci_reset"])
     if outcontrol is not None:
       new_state["outcontrol"] = keep(outcontrol, state["outcontrol"])
-  metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr_fn(applied), nonfinite_total=new_state["nonfinite_total"],
+  metrics = dict(loss=loss, grad_norm=grad_norm, lr=lr, nonfinite_total=new_state["nonfinite_total"],
                  nonfinite_streak=new_state["nonfinite_streak"], **moe_metrics)
   if _has_mtp(model):   # "loss" becomes the next-token loss, comparable with runs without MTP
     metrics.update(objective=loss, **mtp_metrics(stats))
@@ -310,7 +314,7 @@ def eval_step_outcontrol(params, outcontrol, batch, *, model):
                                record=False, with_mtp=False, documents=documents)[0]
 
 
-def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciReset | None = None,
+def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, osci: optim.OsciReset | None = None,
                    outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None,
                    micro_batches: int = 1):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
@@ -318,10 +322,30 @@ def jit_train_step(model, tx, lr_fn, state_shardings, mesh, osci: optim.OsciRese
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve. ``compiler_options``: XLA
   options for its compile (``training.config.xla_options``: the config's, for the mesh's device kind).
-  ``micro_batches``: ``config.micro_batches``.
+  ``micro_batches``: ``config.micro_batches``. The schedule's points are an input of the program
+  (``ScheduledStep``).
   """
-  fn = functools.partial(train_step, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase,
-                         micro_batches=micro_batches)
-  return jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
-                 out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=(0,),
-                 compiler_options=dict(compiler_options) if compiler_options else None)
+  def fn(state, batch, points):
+    lr_fn = functools.partial(optim.learning_rate, schedule.kind, points)
+    return train_step(state, batch, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase,
+                      micro_batches=micro_batches)
+
+  repl = sharding.replicated(mesh)
+  jitted = jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh), repl),
+                   out_shardings=(state_shardings, repl), donate_argnums=(0,),
+                   compiler_options=dict(compiler_options) if compiler_options else None)
+  return ScheduledStep(jitted, jax.device_put(schedule.points, repl))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+  """A jitted ``(state, batch, points)`` step called as ``(state, batch)``, the schedule's points bound: the
+  compiled program takes them as an input, so it is the same for every run length and learning rate."""
+  jitted: Any
+  points: jax.Array
+
+  def __call__(self, state, batch):
+    return self.jitted(state, batch, self.points)
+
+  def lower(self, state, batch):
+    return self.jitted.lower(state, batch, self.points)
