@@ -10,10 +10,10 @@ import os
 import numpy as np
 import pytest
 
-from bench.predict import cluster, hlo_text, hlo_walk, ruler
+from bench.predict import cluster, ruler
 from training import sharding
 from test_gpu_aot import ROOT, _check, _gpu_aot, needs_plugin   # pylint: disable=import-error
-from test_mesh_nodes import _Device, _cpu_top_k, _reduction   # pylint: disable=import-error
+from test_mesh_nodes import _Device, _cpu_top_k, _reduction, node_collectives   # pylint: disable=import-error
 
 SMALL_MOE = ("--config.recipe=bf16", "--config.model.pattern=E", "--config.model.d_model=64",
              "--config.model.n_routed_experts=8", "--config.model.moe_intermediate_size=64",
@@ -22,18 +22,6 @@ SMALL_MOE = ("--config.recipe=bf16", "--config.model.pattern=E", "--config.model
              "--config.micro_batches=2", "--mesh.data=2", "--mesh.fsdp=2", "--mesh.expert=4", "--mesh.tensor=1",
              "--batch_per_device=1", "--twin=false")
 LAYOUTS = {"data_across": ("--mesh.dcn_data=2",), "fsdp_across": ("--mesh.dcn_fsdp=2",)}
-
-
-def _collectives(text, order, c):
-  mod = hlo_walk.Module(text)
-  rows = []
-  for instrs in mod.comps.values():
-    for ins in instrs:
-      kind = hlo_text.collective(ins)
-      if kind is not None:
-        where = cluster.placement(cluster.replica_groups(ins.attrs, len(order)), c, order)
-        rows.append(dict(kind=kind, crosses=where.crosses_nodes, op=ins.op_name))
-  return rows
 
 
 @needs_plugin
@@ -52,7 +40,7 @@ def test_the_deviceless_compile_places_the_mesh_in_hgx_nodes(tmp_path, layout):
   assert result["partition_devices"] == [d.id for d in np.asarray(want).flat]
   text = hlo.read_text()
   hgx = cluster.get("hgx_h200")
-  rows = _collectives(text, result["partition_devices"], hgx)
+  rows = node_collectives(text, result["partition_devices"], hgx)
   dispatch = [c for c in rows if c["kind"] in ("all-to-all", "ragged-all-to-all") and "blocks_0/mixer" in c["op"]]
   assert dispatch and not any(c["crosses"] for c in dispatch)   # the expert exchange stays on NVLink
   crossing = [c for c in rows if c["crosses"]]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.experimental import mesh_utils
 
-from bench.predict import cluster
+from bench.predict import cluster, hlo_text, hlo_walk
 from configs import shrunken
 from training import config as config_lib
 from training import sharding
@@ -117,6 +117,19 @@ SHRUNKEN_MOE_E = dict(d_model=32, pattern="E", mlp_dim=64, n_heads=2, n_kv_heads
                       ssm_head_dim=16, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, moe_latent_size=16,
                       n_group=1, topk_group=1, bf16_first_blocks=0, bf16_last_blocks=0)
+def node_collectives(text: str, order: list[int], node) -> list[dict]:
+  """Each collective of a compiled module's text: its kind, whether its groups span nodes of the cluster
+  ``node`` (partitions placed on the devices ``order``), its op_name and shape."""
+  rows = []
+  for instrs in hlo_walk.Module(text).comps.values():
+    for ins in instrs:
+      kind = hlo_text.collective(ins)
+      if kind is not None:
+        where = cluster.placement(cluster.replica_groups(ins.attrs, len(order)), node, order)
+        rows.append(dict(kind=kind, crosses=where.crosses_nodes, op=ins.op_name, shape=ins.shape[:80]))
+  return rows
+
+
 NODE = 4
 LAYOUTS = {   # data 2 x fsdp 2 x expert 2 over 2 nodes of 4, one factor across them
     "data_across": {"mesh.dcn_data": 2},
@@ -127,9 +140,11 @@ _DRIVER = r"""
 import json, os, sys
 sys.path.insert(0, {root!r})
 from bench import scale
-from bench.predict import cluster, hlo_text, hlo_walk
+from bench.predict import cluster
 from configs import shrunken
 from training import sharding
+sys.path.insert(0, os.path.join({root!r}, "tests"))
+from test_mesh_nodes import node_collectives
 
 node = cluster.Cluster("simulated", {node}, 1.0, 1.0, 0.0, 0.0)
 out = {{}}
@@ -145,15 +160,7 @@ for name, layout in {layouts!r}.items():
   with sharding.mesh_context(mesh):
     text = built["step_fn"].lower(built["state_in"], built["batch_in"]).compile().as_text()
   order = [d.id for d in mesh.devices.flat]
-  mod = hlo_walk.Module(text)
-  rows = []
-  for instrs in mod.comps.values():
-    for ins in instrs:
-      kind = hlo_text.collective(ins)
-      if kind is not None:
-        where = cluster.placement(cluster.replica_groups(ins.attrs, len(order)), node, order)
-        rows.append(dict(kind=kind, crosses=where.crosses_nodes, op=ins.op_name, shape=ins.shape[:80]))
-  out[name] = dict(order=order, collectives=rows)
+  out[name] = dict(order=order, collectives=node_collectives(text, order, node))
 print("RESULT " + json.dumps(out))
 """
 
