@@ -195,7 +195,7 @@ def test_runs_of_any_length_and_learning_rate_share_one_compiled_step():
       step = step_lib.jit_train_step(model, tx, schedule, state_sh, mesh)
       texts.add(step.lower(abstract, tokens).as_text())
       steps.append(step)
-  assert len(texts) == 1
+  assert len(texts) == 1 and "module @jit_train_step" in texts.pop()   # the name profiles and dumps look for
   assert [np.asarray(s.points)[[0, 2]].tolist() for s in steps] == [[np.float32(1e-3), 2], [np.float32(3e-3), 0],
                                                                        [np.float32(1e-3), 5]]
 

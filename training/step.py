@@ -330,6 +330,7 @@ def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, o
     return train_step(state, batch, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase,
                       micro_batches=micro_batches)
 
+  fn.__name__ = fn.__qualname__ = "train_step"   # the program's name: jit_train_step (profiles, dumps, the ruler)
   repl = sharding.replicated(mesh)
   jitted = jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh), repl),
                    out_shardings=(state_shardings, repl), donate_argnums=(0,),
