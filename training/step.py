@@ -17,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
@@ -335,18 +336,23 @@ def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, o
   jitted = jax.jit(fn, in_shardings=(state_shardings, sharding.batch_sharding(mesh), repl),
                    out_shardings=(state_shardings, repl), donate_argnums=(0,),
                    compiler_options=dict(compiler_options) if compiler_options else None)
-  return ScheduledStep(jitted, jax.device_put(schedule.points, repl))
+  return ScheduledStep(jitted, schedule.points, repl)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class ScheduledStep:
   """A jitted ``(state, batch, points)`` step called as ``(state, batch)``, the schedule's points bound: the
-  compiled program takes them as an input, so it is the same for every run length and learning rate."""
+  compiled program takes them as an input, so it is the same for every run length and learning rate. The
+  points go to the devices at the first call (a deviceless compile only lowers)."""
   jitted: Any
-  points: jax.Array
+  points: np.ndarray
+  sharding: Any
+  _on_devices: jax.Array | None = None
 
   def __call__(self, state, batch):
-    return self.jitted(state, batch, self.points)
+    if self._on_devices is None:
+      self._on_devices = jax.device_put(self.points, self.sharding)
+    return self.jitted(state, batch, self._on_devices)
 
   def lower(self, state, batch):
     return self.jitted.lower(state, batch, self.points)
