@@ -28,11 +28,11 @@ from models import layer_precision
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """The learning rate as a function of the number of applied updates: ``kind`` ("wsd", "cosine",
-  "constant") and ``points``, float32 [peak, floor, warmup, decay_start, decay_steps] (steps as floats).
+  "constant") and ``points``, float32 [peak, floor, warmup, knee, decay_steps] (steps as floats).
 
-  ``wsd``: linear warmup to ``peak``, constant, then linear decay to ``floor`` over ``decay_steps``, starting
-  at ``decay_start`` (the paper: 4.5e-4 -> 4.5e-6 over the last 20%). ``cosine``: linear warmup, then cosine
-  decay from ``peak`` at ``warmup`` to ``floor`` at ``decay_start`` (the run's last step), flat after.
+  ``wsd``: linear warmup to ``peak``, constant, then linear decay to ``floor`` over ``decay_steps``, from the
+  ``knee`` on (the paper: 4.5e-4 -> 4.5e-6 over the last 20%). ``cosine``: linear warmup, then cosine decay
+  from ``peak`` at ``warmup`` to ``floor`` at the ``knee`` (the run's last step), flat after.
   ``constant``: linear warmup, then ``peak``. The train step takes ``points`` as an argument (``learning_rate``
   on traced points): runs that differ only in length or learning rate share one compiled step."""
   kind: str
@@ -48,25 +48,25 @@ def schedule(optim_config, total_steps: int) -> Schedule:
   floor = peak * optim_config.min_lr_ratio
   warmup = min(optim_config.warmup_steps, total_steps)
   if optim_config.schedule == "cosine":
-    start, steps = max(total_steps, warmup + 1), 1
+    knee, steps = max(total_steps, warmup + 1), 1
   else:
     decay = int(round(optim_config.decay_fraction * total_steps))
-    start, steps = warmup + max(total_steps - decay - warmup, 0), max(decay - 1, 1)
-  return Schedule(optim_config.schedule, np.asarray([peak, floor, warmup, start, steps], np.float32))
+    knee, steps = warmup + max(total_steps - decay - warmup, 0), max(decay - 1, 1)
+  return Schedule(optim_config.schedule, np.asarray([peak, floor, warmup, knee, steps], np.float32))
 
 
 def learning_rate(kind: str, points, count) -> jax.Array:
   """``Schedule``'s learning rate after ``count`` applied updates, ``points`` concrete or traced."""
-  peak, floor, warmup, start, steps = (points[i] for i in range(5))
+  peak, floor, warmup, knee, steps = (points[i] for i in range(5))
   count = jnp.asarray(count, jnp.float32)
   rising = peak * (jnp.minimum(count, warmup) / jnp.maximum(warmup, 1.0))
   if kind == "constant":
     after = peak
   elif kind == "cosine":
-    frac = jnp.minimum(count - warmup, start - warmup) / (start - warmup)
+    frac = jnp.minimum(count - warmup, knee - warmup) / (knee - warmup)
     after = floor + (peak - floor) * (0.5 * (1.0 + jnp.cos(jnp.pi * frac)))
   else:
-    frac = jnp.clip(count - start, 0.0, steps) / steps
+    frac = jnp.clip(count - knee, 0.0, steps) / steps
     after = peak + (floor - peak) * frac
   return jnp.where(count < warmup, rising, after)
 
