@@ -39,10 +39,8 @@ def _lrs(optim_config, total: int, upto: int) -> np.ndarray:
 
 
 def _decay_start(optim_config, total: int) -> int:
-  """The first step of the WSD decay (``optim.schedule``'s boundary)."""
-  warmup = min(optim_config.warmup_steps, total)
-  decay = int(round(optim_config.decay_fraction * total))
-  return warmup + max(total - decay - warmup, 0)
+  """The first step of the WSD decay (``optim.schedule``'s knee)."""
+  return int(optim.schedule(optim_config, total).points[3])
 
 
 def _placed_by_steps(config, step: int) -> tuple:
