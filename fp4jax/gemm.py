@@ -151,7 +151,9 @@ def groups(sizes_E, s: int, rows: int) -> Groups:
   sizes_E = sizes_E.astype(jnp.int32)
   ends_E = jnp.cumsum(sizes_E)
   row0_U = jnp.arange(s // rows, dtype=jnp.int32) * rows
-  group_U = jnp.minimum(jnp.searchsorted(ends_E, row0_U, side="right", method="compare_all"), sizes_E.shape[0] - 1)
+  # one U x E comparison (a single fusion), not the default binary search (a while loop: kernels per trip)
+  found_U = jnp.searchsorted(ends_E, row0_U, side="right", method="compare_all")
+  group_U = jnp.minimum(found_U, sizes_E.shape[0] - 1)
   group_U = group_U.astype(jnp.int32)
   return Groups(sizes_E, group_U, row0_U - (ends_E - sizes_E)[group_U], row0_U < ends_E[-1], rows)
 

@@ -20,9 +20,10 @@ of them), and ``fp4jax.dot``'s zero padding of M_e to A, which is exact.
 How (no loop over experts): this is ``fp4jax.dot``'s one custom_vjp and role logic, run on the experts'
 operands (``Experts``, the operations of ``fp4jax.dot.Dense`` for groups of rows). What is specific to
 experts lives here: the operands are quantized chunk by chunk (U chunks of A rows, each inside one expert)
-with fp4jax's own ``Quantizer``s under ``vmap``: each chunk gets its expert's amax (a segment max of the
-chunks' amaxes) and its window of its expert's random bits; weights are quantized per expert under
-``vmap``; each expert's key is fold_in(key, e). The GEMMs are ``fp4jax.gemm``'s grouped GEMM
+with fp4jax's own ``Quantizer``s under ``vmap``, each pass one op over all chunks of all experts (the
+RHT-transposed wgrad quantize is ``fp4jax_quantize_rht_t`` with the chunk axis in front; no loop): each chunk
+gets its expert's amax (a segment max of the chunks' amaxes) and its window of its expert's random bits;
+weights are quantized per expert under ``vmap``; each expert's key is fold_in(key, e). The GEMMs are ``fp4jax.gemm``'s grouped GEMM
 (``grouped_matmul``: ``lax.ragged_dot``; ``grouped_matmul_t``: ``ragged_dot_general`` with the token axis
 ragged; on a compute capability 10.x target the native block-scaled GEMM of ``fp4jax.native``'s work
 items; the epilogue of each output's pair, ``fp4jax.epilogue``). Every role ``fp4jax.dot`` takes runs
@@ -39,9 +40,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fp4jax import gemm, random_bits
+from fp4jax import _exact, gemm, random_bits
 from fp4jax.dot import fprop_weight, gemm_keys, quantized_dot, values, weight_read_by_fprop_only
-from fp4jax.api import transpose_tiles
+from fp4jax.api import rht_amax, transpose_tiles
 from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
@@ -68,13 +69,17 @@ def _window(keys_E, ch: gemm.Groups, full_of, start_of, shape):
   return random_bits.Window(key_data_E[ch.group], full, start, tuple(shape))
 
 
-def _segment_amax(q: Quantizer, t_Uxx, ch: gemm.Groups):
-  """Each chunk's expert's amax of the transformed operand (max over the expert's chunks), or None."""
-  if not q.has_tensor_amax:
-    return None
-  amax_U = abs_max(t_Uxx.reshape(t_Uxx.shape[0], -1), axis=-1)
+def _segment_amax(amax_U, ch: gemm.Groups):
+  """Each chunk's expert's amax: the maximum of the amaxes of the expert's chunks."""
   amax_E = jax.ops.segment_max(amax_U, ch.group, num_segments=ch.sizes.shape[0])
   return amax_E[ch.group]
+
+
+def _chunk_amax(q: Quantizer, t_Uxx, ch: gemm.Groups):
+  """Each chunk's expert's amax of the transformed operand t (U, ...), or None without a tensor amax."""
+  if not q.has_tensor_amax:
+    return None
+  return _segment_amax(abs_max(t_Uxx.reshape(t_Uxx.shape[0], -1), axis=-1), ch)
 
 
 def _vmap_quantize(q: Quantizer, t_Uxx, windows, amax_U):
@@ -103,7 +108,7 @@ def _quantize_rows(q: Quantizer, t_SxC, ch: gemm.Groups, keys_E=None, signs_E=No
     prepared = jax.vmap(q.prepare)(t_UxAxC, signs_E[ch.group])
   windows = _window(keys_E, ch, lambda h: (h.sizes[h.group], jnp.full_like(h.group, c)),
                     lambda h: (h.offset, jnp.zeros_like(h.offset)), (ch.rows, c))
-  return _vmap_quantize(q, prepared, windows, _segment_amax(q, prepared, ch))
+  return _vmap_quantize(q, prepared, windows, _chunk_amax(q, prepared, ch))
 
 
 def _quantize_tokens(q: Quantizer, t_SxC, ch: gemm.Groups, keys_E=None, signs_E=None) -> QTensor:
@@ -112,13 +117,21 @@ def _quantize_tokens(q: Quantizer, t_SxC, ch: gemm.Groups, keys_E=None, signs_E=
   leading axis U, each piece (C, A)."""
   s, c = t_SxC.shape
   t_UxAxC = ch.inside(t_SxC).reshape(s // ch.rows, ch.rows, c)
+  windows = _window(keys_E, ch, lambda h: (jnp.full_like(h.group, c), h.sizes[h.group]),
+                    lambda h: (jnp.zeros_like(h.offset), h.offset), (c, ch.rows))
+  if q.fused_t(signs_E):   # the RHT-transposed quantize of every chunk: one fused op
+    amax_U = None
+    if q.has_tensor_amax:
+      one = lambda t_AxC: rht_amax(_exact.stored(t_AxC), rht_size=q.rht_size, rht_seed=q.rht_seed, one_pass=True)
+      amax_U = _segment_amax(jax.vmap(one)(t_UxAxC), ch)
+    return jax.vmap(lambda t, w, a: q.quantize_t(t, w, amax=a),
+                    in_axes=(0, None if windows is None else 0, None if amax_U is None else 0)
+                    )(t_UxAxC, windows, amax_U)
   if signs_E is None:
     prepared = jax.vmap(q.prepare_t)(t_UxAxC)
   else:
     prepared = jax.vmap(q.prepare_t)(t_UxAxC, signs_E[ch.group])
-  windows = _window(keys_E, ch, lambda h: (jnp.full_like(h.group, c), h.sizes[h.group]),
-                    lambda h: (jnp.zeros_like(h.offset), h.offset), (c, ch.rows))
-  return _vmap_quantize(q, prepared, windows, _segment_amax(q, prepared, ch))
+  return _vmap_quantize(q, prepared, windows, _chunk_amax(q, prepared, ch))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ class Quantizer:
     """Whether the quantization reads one amax of the whole tensor (nvfp4, with or without 4/6; MS-EDEN)."""
     return self.fmt in ("nvfp4", "nvfp4_eden") and not self.row_scaled
 
-  def _fused_t(self, signs) -> bool:
+  def fused_t(self, signs) -> bool:
     """Whether ``quantize_t`` is the fused RHT-and-transpose primitive (the paper's wgrad)."""
     return signs is None and bool(self.rht_size) and self.four_over_six is None and self.fmt in formats.FP4
 
@@ -130,7 +130,7 @@ class Quantizer:
   def quantize_t(self, t_TxC, key=None, signs=None, amax=None) -> QTensor:
     """tᵀ (C, T) quantized along T (the wgrad operands, read along the tokens). ``amax``: the tensor amax
     of the transformed tᵀ to use instead of its own (``shared_amaxes``)."""
-    if self._fused_t(signs):
+    if self.fused_t(signs):
       rounding = "stochastic" if self.stochastic else "nearest"
       kw = {"scale_rule": self.scale_rule} if self.fmt == "mxfp4" else {}
       if amax is not None:
@@ -144,7 +144,7 @@ class Quantizer:
     """What ``quantize_t`` quantizes: tᵀ (C, T) after the transform along T, in its order (the fused
     primitive's: ``hadamard.rht`` of tᵀ, ``reference.quantize_rht_t_reference``); t read as stored."""
     t_TxC = _exact.stored(t_TxC)
-    if self._fused_t(signs):
+    if self.fused_t(signs):
       return hadamard.rht(t_TxC.T, axis=-1, size=self.rht_size, seed=self.rht_seed)
     if self.four_over_six is not None or self.fmt not in formats.NAMES:
       t_TxC = t_TxC.astype(jnp.float32)
@@ -208,8 +208,8 @@ def shared_amaxes(q_rows, q_tokens, t_TxC):
   quantize along the tokens (fprop x and wgrad x; dgrad dy and wgrad dy), each bit for bit what the
   quantizer would take itself (``kernels.quantize_rht_t.rht_amaxes``), so that the wgrad pass reads its
   operand once. Shared when q_rows is plain NVFP4 with no transform of its own, q_tokens the fused
-  NVFP4 RHT quantize (``_fused_t``; no random signs), and T a multiple of the RHT size <= 32."""
-  if not (_plain_nvfp4(q_rows) and not q_rows.rht_size and _plain_nvfp4(q_tokens) and q_tokens._fused_t(None)
+  NVFP4 RHT quantize (``fused_t``; no random signs), and T a multiple of the RHT size <= 32."""
+  if not (_plain_nvfp4(q_rows) and not q_rows.rht_size and _plain_nvfp4(q_tokens) and q_tokens.fused_t(None)
           and t_TxC.ndim == 2 and rht_t.shares_amaxes(t_TxC.shape, q_tokens.rht_size)):
     return None, None
   return rht_t.rht_amaxes(_exact.stored(t_TxC), rht_size=q_tokens.rht_size, rht_seed=q_tokens.rht_seed)

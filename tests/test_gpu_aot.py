@@ -528,10 +528,10 @@ def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
   monkeypatch.setattr(dispatch, "VERIFIED_KERNELS", {})
   monkeypatch.delenv(dispatch.DEFAULT_IMPL_ENV, raising=False)
   with pytest.raises(ValueError, match="unknown kernel ops.*quantise"):
-    gpu_aot._assume_proved(["quantise"])   # pylint: disable=protected-access
-  gpu_aot._assume_proved(["quantize_rht_t"])   # pylint: disable=protected-access
+    gpu_aot.assume_proved(["quantise"])
+  gpu_aot.assume_proved(["quantize_rht_t"])
   assert {op for op, _ in dispatch.VERIFIED_KERNELS} == {"quantize_rht_t"}
   assert dispatch.default_impl("quantize_rht_t", "nvfp4", platform="cuda") == "pallas"
   assert dispatch.default_impl("quantize_1d", "nvfp4", platform="cuda") == "xla"
-  gpu_aot._assume_proved(["all"])   # pylint: disable=protected-access
+  gpu_aot.assume_proved(["all"])
   assert {op for op, _ in dispatch.VERIFIED_KERNELS} == set(dispatch.KERNEL_OPS)

@@ -211,3 +211,20 @@ def test_experts_quantized_for_another_recipe_are_refused():
   q = grouped.quantize_experts(jnp.ones((2, 32, 32), jnp.bfloat16), recipe="nvfp4")
   with pytest.raises(ValueError, match="quantized for recipe 'nvfp4'"):
     grouped.grouped_dot(jnp.ones((128, 32), jnp.bfloat16), q, jnp.array([128, 0]), recipe="fp8")
+
+
+def test_each_quantize_pass_is_one_op_over_all_experts():
+  """The experts' quantizes are each one op over every chunk of every expert, with no loop: the wgrad's RHT-
+  transposed quantize of x and of dy one fp4jax_quantize_rht_t each (a kernel's grid over the chunks, not one
+  launch per chunk or expert), and each chunk's expert found without a search loop: the traced program has no
+  loop (on a GPU a loop runs its body's kernels once per trip)."""
+  x, w, sizes, dy, _ = _case("nvfp4", (5, 0, 21, 16), k=32)
+  key = jax.random.key(7)
+
+  def fn(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: grouped.grouped_dot(x, w, sizes, recipe="nvfp4", key=key), x, w)
+    return (y, *vjp(dy.astype(y.dtype)))
+
+  jaxpr = str(jax.make_jaxpr(fn)(x, w, dy))
+  assert jaxpr.count("fp4jax_quantize_rht_t[") == 2
+  assert "while[" not in jaxpr and "scan[" not in jaxpr

@@ -235,6 +235,22 @@ def test_vmap_over_bits_and_nested():
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_vmapped_rht_t_is_one_op_over_the_batch(impl):
+  """vmap of the RHT-transposed quantize binds one fp4jax_quantize_rht_t with the vmapped axis in front (one
+  kernel whose grid covers it: fp4jax.grouped's chunks of every expert in one launch), no loop over the
+  slices; each slice quantized as alone, with its own amax and its own key's bits hashed in the kernel."""
+  xs = _x((3, 32, 48), dtype=jnp.bfloat16)
+  keys = jax.random.split(jax.random.key(5), 3)
+  f = lambda x, k: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", key=k, impl=impl)
+  text = str(jax.make_jaxpr(jax.vmap(f))(xs, keys))
+  assert text.count("fp4jax_quantize_rht_t[") == 1 and "scan[" not in text and "while[" not in text
+  qs = jax.jit(jax.vmap(f))(xs, keys)
+  assert qs.data.shape == (3, 48, 16) and qs.amax.shape == (3,)
+  for i in range(3):
+    assert_same_qtensor(jax.tree.map(lambda t: t[i], qs), jax.jit(f)(xs[i], keys[i]))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_grad_through_the_primitive_is_refused_on_every_impl(impl):
   """The quantize primitive has no derivative (docs/NUMERICS.md, "Derivatives"): each impl refuses it alike."""
   x = _x((16, 32))

@@ -54,6 +54,12 @@ _SCRIPT = textwrap.dedent(r"""
       out[name] = dict(equal=same(f(xs, bs), jax.jit(fn)(x, bits)),
                        all_gather="all-gather" in hlo(f, xs, bs))
 
+    # vmapped (fp4jax.grouped's chunks): the leading axis keeps x's sharding, each chunk's amax its own
+    xb = jnp.asarray(rng.standard_normal((4, 64, 512)), jnp.bfloat16)
+    fb = jax.jit(jax.vmap(lambda x: quantize_rht_transposed(x, "nvfp4", impl="pallas")))
+    xbs = put(xb, "data", None, "model")
+    out["rht_t_vmap"] = dict(equal=same(fb(xbs), fb(xb)), all_gather="all-gather" in hlo(fb, xbs))
+
     # SR bits hashed in the kernel from the key: each shard's counters are global (KeyedBits' rows and
     # cols shard with x), so the sharded kernel equals the single-device XLA path.
     key = jax.random.key(3)
@@ -128,7 +134,7 @@ def test_row_sharded_quantize_is_local(mesh_results, layout, impl):
   assert "data" in r["data_spec"]
 
 
-@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "sr_key", "sr_packed", "dequantize"])
+@pytest.mark.parametrize("name", ["sr_mxfp4", "tile", "rht_t", "rht_t_vmap", "sr_key", "sr_packed", "dequantize"])
 def test_other_ops_stay_sharded(mesh_results, name):
   r = mesh_results[name]
   assert r["equal"] and not r["all_gather"]

@@ -109,7 +109,7 @@ def main(argv):
     from fp4jax.kernels import quantize_rht_t   # pylint: disable=import-outside-toplevel
     api.rht_amax = functools.partial(quantize_rht_t.rht_amax, one_pass=True)
   if F.what_if_proved:
-    _assume_proved(F.what_if_proved)
+    assume_proved(F.what_if_proved)
   devices = gpu_devices(F.target, F.devices if F.what == "step" else 1)
   mesh, results, twin = None, [], None
   single = jax.sharding.SingleDeviceSharding(devices[0])
@@ -154,7 +154,7 @@ def main(argv):
   return 1 if problems or any(r.get("error") for r in results) else 0
 
 
-def _assume_proved(ops: list[str]) -> None:
+def assume_proved(ops: list[str]) -> None:
   """--what_if_proved: record ``ops`` in VERIFIED_KERNELS for every kernel format, as a device run
   that found them exact and faster would (the evidence says it is a what-if)."""
   from fp4jax import formats   # pylint: disable=import-outside-toplevel

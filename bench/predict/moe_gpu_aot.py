@@ -6,11 +6,12 @@
 GEMM's implementation per compile: "xla" (FP4JAX_DEFAULT_IMPL=xla: ``lax.ragged_dot`` on the bf16 products),
 "native" (the default tiling, ``fp4jax.native.TILING``), "native:S" (one tile of all S rows: each expert's
 GEMM padded to S) or "native:T" (tiles of T rows). Prints, per recipe and plan, whether it compiled, the
-compile seconds, XLA's per-device temp memory, how XLA lowered the grouped GEMMs (block-scaled cuDNN calls /
+compile seconds, XLA's per-device temp memory, the launches (``launches``: hlo_cost's charged ops times their
+loop trip counts, the ruler's kernel count), how XLA lowered the grouped GEMMs (block-scaled cuDNN calls /
 ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/predict/hlo_cost.py's
 prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP, the bytes of the non-GEMM ops and the
 integer ops (charged at the int32 rate with ``--int_ops``, as in bench/predict/gpu_aot.py). Uses
-bench/predict/deviceless.py's topology and compile; one GPU.
+bench/predict/deviceless.py's topology and compile; one GPU. ``--what_if_proved``: as gpu_aot.py's.
 """
 from __future__ import annotations
 
@@ -45,11 +46,16 @@ def main() -> int:
   p.add_argument("--plans", default="xla,native")
   p.add_argument("--json", default=None)
   p.add_argument("--int_ops", action="store_true", help=peaks.INT_OPS_HELP)
+  p.add_argument("--what_if_proved", default="", help="comma-separated kernel ops (or 'all') counted as proved, "
+                 "as bench/predict/gpu_aot.py's flag")
   args = p.parse_args()
   from fp4jax import _platform   # pylint: disable=import-outside-toplevel
   _platform.enable_deviceless()
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  if args.what_if_proved:
+    from bench.predict.gpu_aot import assume_proved   # pylint: disable=import-outside-toplevel
+    assume_proved(args.what_if_proved.split(","))
   from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   from fp4jax import _native_compat as nc   # pylint: disable=import-outside-toplevel
   from fp4jax import grouped, native   # pylint: disable=import-outside-toplevel
@@ -79,7 +85,8 @@ def main() -> int:
                  triton_fusions=text.count("__triton"), dots=text.count(" dot("))
       if text:
         cost = hlo_cost.analyze(text, peaks.peaks(args.target, int_ops=args.int_ops))
-        res.update(predicted_ms=round(cost["seconds"] * 1e3, 4), gemm_ms=round(cost["gemm_seconds"] * 1e3, 4),
+        res.update(launches=sum(o["count"] for o in cost["ops"]),
+                   predicted_ms=round(cost["seconds"] * 1e3, 4), gemm_ms=round(cost["gemm_seconds"] * 1e3, 4),
                    gemm_tflop=round(cost["gemm_flops"] / 1e12, 4),
                    other_mb=round(cost["other_bytes"] / 2**20, 1),
                    int_gops=round(cost["int_ops"] / 1e9, 3), int_ops_charged=cost["int_ops_charged"],

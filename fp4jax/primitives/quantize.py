@@ -82,17 +82,18 @@ def _rule(ndims, *, fmt, tiled, keyed, **_):
                            block=formats.BLOCK[fmt], tile=formats.tile_side(fmt, tiled))
 
 
-def _batch_leading(dims):
+def batch_leading(dims):
   """Every operand takes the vmapped axis in front, except KeyedBits' cols (the 4th operand), constants
-  of the shape that are never batched (a vmapped key or window start lives in the rows)."""
+  of the shape that are never batched (a vmapped key or window start lives in the rows). The quantize ops'
+  rule (``fp4jax_quantize``, ``fp4jax_quantize_rht_t``)."""
   if len(dims) == 4 and dims[3] is not None:
-    raise ValueError("fp4jax_quantize: KeyedBits cols are batched under vmap; they must be the shape's "
+    raise ValueError("fp4jax quantize: KeyedBits cols are batched under vmap; they must be the shape's "
                      "constants (random_bits.KeyedBits.of puts keys and window starts in the rows)")
   return (True,) * min(len(dims), 3) + (False,) * (len(dims) - 3)
 
 
 quantize_p = pair.define(pair.OpSpec(
-    "quantize", _abstract, _local, _shardings, _rule, batch_leading=_batch_leading))
+    "quantize", _abstract, _local, _shardings, _rule, batch_leading=batch_leading))
 
 
 def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", impl=None, stored=False):

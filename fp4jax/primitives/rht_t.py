@@ -4,18 +4,23 @@ along T: packed codes (C, T/2) and scales (C, T/B).
 Axis legend: T tokens, C channels, B the block (16 nvfp4, 32 mxfp4). Operands: x, the NVFP4 tensor
 amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T) or (param
 ``keyed``) ``random_bits.KeyedBits`` of (C, T) as rows (C, 4) and cols (T, 2), hashed in the kernel.
-Params: fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored (as ``fp4jax_quantize``'s). vmapped calls
-loop over the batch.
+Params: fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored (as ``fp4jax_quantize``'s). Under vmap the
+op takes leading axes (x (..., T, C), amax (...), the bits' rows (..., C, 4); KeyedBits' cols are the shape's
+constants) and stays one op: one kernel whose grid runs over the leading axes too (``fp4jax.grouped``'s
+chunks of every expert in one launch).
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from fp4jax import _exact, dispatch, formats, random_bits
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
-from fp4jax.primitives.quantize import keyed_param, sr_bits, sr_operands
+from fp4jax.primitives.quantize import batch_leading, keyed_param, sr_bits, sr_operands
 from fp4jax.primitives import sharding as shd
 from fp4jax.reference import quantize_rht_t_reference
 
@@ -26,12 +31,21 @@ def _rows(fmt, rht_size):
 
 
 def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored):
-  t, c = x.shape
-  return (pair.ShapedArray((c, t // 2), jnp.uint8),
-          pair.ShapedArray((c, t // formats.BLOCK[fmt]), formats.SCALE_DTYPE[fmt]))
+  *lead, t, c = x.shape
+  return (pair.ShapedArray((*lead, c, t // 2), jnp.uint8),
+          pair.ShapedArray((*lead, c, t // formats.BLOCK[fmt]), formats.SCALE_DTYPE[fmt]))
 
 
-def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored, platform):
+def _local(x, amax, *bits, platform, **params):
+  """One (T, C) slice per leading index, vmapped: a kernel's grid gains the leading axes, XLA's fusion
+  batches them."""
+  f = functools.partial(_local_2d, platform=platform, **params)
+  for _ in range(x.ndim - 2):   # KeyedBits' cols (the 4th operand) are shared by every slice
+    f = jax.vmap(f, in_axes=(0, 0) + tuple(None if i == 1 else 0 for i in range(len(bits))))
+  return f(x, amax, *bits)
+
+
+def _local_2d(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored, platform):
   bits = sr_bits(bits, keyed)
   if stored and not (impl == "pallas" and platform == "cuda"):   # as in fp4jax_quantize's _local
     x = _exact.stored(x)
@@ -47,19 +61,19 @@ def _local(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, sto
 
 def _shardings(mesh, arg_shapes, *, fmt, rht_size, keyed, **_):
   x = arg_shapes[0]
-  t_e, c_e = shd.quantize_rht_t_specs(mesh, x.shape, x.sharding, rows=_rows(fmt, rht_size))
-  sr = [[c_e, None], [t_e, None]] if keyed else [[c_e, t_e]] * (len(arg_shapes) - 2)
-  args = [[t_e, c_e], []] + sr
-  return args, [[c_e, t_e], [c_e, t_e]], ()
+  lead, t_e, c_e = shd.quantize_rht_t_specs(mesh, x.shape, x.sharding, rows=_rows(fmt, rht_size))
+  sr = [lead + [c_e, None], [t_e, None]] if keyed else [lead + [c_e, t_e]] * (len(arg_shapes) - 2)
+  args = [lead + [t_e, c_e], lead] + sr
+  return args, [lead + [c_e, t_e], lead + [c_e, t_e]], ()
 
 
 def _rule(ndims, *, fmt, rht_size, keyed, **_):
   return shd.quantize_rht_t_rule("key" if keyed else len(ndims) == 3, rows=_rows(fmt, rht_size),
-                                 block=formats.BLOCK[fmt])
+                                 block=formats.BLOCK[fmt], lead=ndims[0] - 2)
 
 
 quantize_rht_t_p = pair.define(pair.OpSpec(
-    "quantize_rht_t", _abstract, _local, _shardings, _rule, batch_leading=lambda dims: None))
+    "quantize_rht_t", _abstract, _local, _shardings, _rule, batch_leading=batch_leading))
 
 
 def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale_rule="rceil",

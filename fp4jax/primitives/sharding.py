@@ -70,20 +70,23 @@ def producer_rule(x_ndim: int, *, with_scale: bool, block: int):
   return f"{', '.join(operands)} -> {x}, {_join(*lead, '(k j)')}, {_join(*lead, 'k')}", dict(i=block, j=block // 2)
 
 
-def quantize_rht_t_rule(has_bits, *, rows: int, block: int):
-  """Shardy rule for the RHT-transposed quantize x (T, C) -> (packed (C, T/2), scales (C, T/B)).
-  ``has_bits``: False, True (uint8 bits (C, T)) or "key" (KeyedBits rows (C, 4), cols (T, 2))."""
+def quantize_rht_t_rule(has_bits, *, rows: int, block: int, lead: int = 0):
+  """Shardy rule for the RHT-transposed quantize x (..., T, C) -> (packed (..., C, T/2), scales (..., C, T/B)),
+  ``lead`` leading (vmapped) axes shared by x, the amax (...) and the bits' rows.
+  ``has_bits``: False, True (uint8 bits (..., C, T)) or "key" (KeyedBits rows (..., C, 4), cols (T, 2))."""
   per = rows // block
-  scale = "c t" if per == 1 else "c (t v)"
+  b = _join(*_names(lead))
+  with_b = lambda dims: _join(b, dims) if b else dims
+  scale = with_b("c t" if per == 1 else "c (t v)")
   if has_bits == "key":
-    sr = ["c w", "(t l) u"]
+    sr = [with_b("c w"), "(t l) u"]
   else:
-    sr = ["c (t l)"] if has_bits else []
-  ops = ["(t l) c", ""] + sr
+    sr = [with_b("c (t l)")] if has_bits else []
+  ops = [with_b("(t l) c"), b] + sr
   sizes = dict(l=rows, j=rows // 2)
   if per > 1:
     sizes["v"] = per
-  return f"{', '.join(ops)} -> c (t j), {scale}", sizes
+  return f"{', '.join(ops)} -> {with_b('c (t j)')}, {scale}", sizes
 
 
 def scaled_matmul_rule(a_ndim: int, *, block: int, a_tile: int | None, b_tile: int | None):
@@ -189,12 +192,16 @@ def quantize_specs(mesh, x_shape, x_sharding, *, block: int, tile: int | None):
 
 
 def quantize_rht_t_specs(mesh, x_shape, x_sharding, *, rows: int):
-  """(T entry, C entry) for x (T, C) of the RHT-transposed quantize: T cut into whole ``rows``."""
-  t_e, c_e = spec_of(x_sharding, 2)
-  t_e = keep_if_divides(mesh, t_e, x_shape[0], rows)
-  if set(axes_of(t_e)) & set(axes_of(c_e)):
+  """(leading entries, T entry, C entry) for x (..., T, C) of the RHT-transposed quantize: T cut into whole
+  ``rows``; the leading (vmapped) axes keep x's."""
+  *lead, t_e, c_e = spec_of(x_sharding, len(x_shape))
+  t_e = keep_if_divides(mesh, t_e, x_shape[-2], rows)
+  used = {a for e in lead for a in axes_of(e)}
+  if set(axes_of(t_e)) & used:
+    t_e = None
+  if set(axes_of(c_e)) & (used | set(axes_of(t_e))):
     c_e = None
-  return t_e, c_e
+  return lead, t_e, c_e
 
 
 def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int,
