@@ -126,7 +126,7 @@ def test_each_operand_is_reduced_once_for_its_amaxes(producer):
   """The compiled nvfp4 dot of a producer's PreQuantized output (value and gradients) reduces each operand
   once for its tensor amaxes: x one reduction for its fprop and wgrad amaxes (in the producer's pass), dy one
   for its dgrad and wgrad amaxes, w one for its tiles' amax; none is left in the wgrad's quantize of x, which
-  read x once more for its own amax. The same whole-tensor reductions as the dot of a plain x."""
+  read x once more for its own amax: the whole-tensor reductions a plain x gives the dot."""
   x, w = _operands(m=32, k=64, n=32)
   g = inputs.normal(jax.random.key(4), (32, 32)).astype(jnp.bfloat16)
   def loss(x, w, g):
