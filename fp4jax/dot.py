@@ -205,8 +205,8 @@ def tiles_in_place(roles: Roles) -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x, pre_w):
-  del key
+def _qdot(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x, pre_w, pre_amax_xt):
+  del key, pre_amax_xt
   return _fprop(roles, precision, out_dtype, layout.bind(groups, x_MxK.shape[0]), x_MxK, w_KxN, pre_x,
                 q_w=pre_w)[0]
 
@@ -219,12 +219,16 @@ def _shared_amaxes(ops, gemm_name, q_rows, q_tokens, t_TxC):
     return ops.amaxes(q_rows, q_tokens, t_TxC)
 
 
-def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x, pre_w):
+def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pre_x, pre_w, pre_amax_xt):
+  """``pre_amax_xt``: with ``pre_x``, the amax of the wgrad quantize of x that its producer read
+  (``prequantized.wgrad_amax``), or None."""
   # Differentiated again only by a second derivative, which the rounding would make zero (fp4jax.derivatives).
   x_MxK, w_KxN = derivatives.refuse_tangents((x_MxK, w_KxN), _second_order(roles))
   ops = layout.bind(groups, x_MxK.shape[0])
-  amax_x, amax_xt = (None, None) if pre_x is not None or roles.requantize else _shared_amaxes(
-      ops, "fprop", roles.fprop_x, roles.wgrad_x, x_MxK)
+  if pre_x is not None or roles.requantize:
+    amax_x, amax_xt = None, pre_amax_xt
+  else:
+    amax_x, amax_xt = _shared_amaxes(ops, "fprop", roles.fprop_x, roles.wgrad_x, x_MxK)
   y_MxN, q_x, q_wt = _fprop(roles, precision, out_dtype, ops, x_MxK, w_KxN, pre_x, amax_x, pre_w)
   if roles.dgrad_dy is None:
     w_dgrad = w_KxN
@@ -288,7 +292,7 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
   # epilogue instead of a separate float32 pass after the barrier (1.5 GiB less at 8192³).
   dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)))
-  return dx_MxK, dw_KxN, None, None, None, None
+  return dx_MxK, dw_KxN, None, None, None, None, None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -307,25 +311,26 @@ def quantized_dot(roles: Roles, layout, x, w, key=None, groups=None, *, precisio
   if pre_w is not None and not weight_read_by_fprop_only(roles):
     raise ValueError(f"Roles {roles.name!r} read the weight itself in a GEMM besides fprop's codes; pass the "
                      "weight, not its quantization")
-  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups, None, pre_w)
+  return _qdot(roles, precision, jnp.dtype(out_dtype), layout, x, w, key, groups, None, pre_w, None)
 
 
 def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
   """What the forward pass saves for the backward pass on aligned operands (byte counts, tests)."""
-  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None, None, None)[1]
+  return _qdot_fwd(as_recipe(recipe).roles, None, x_MxK.dtype, DENSE, x_MxK, w_KxN, key, None, None, None,
+                   None)[1]
 
 
 # ---------------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None):
+def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None, pre_amax_xt=None):
   derivatives.check_not_forward_mode(roles.name, x_MxK, w_KxN)
-  return _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x)
+  return _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_amax_xt)
 
 
 @eager.compiled_when_eager(static_argnums=(0, 1, 2))
-def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x):
+def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_amax_xt):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   align_m, align_k, align_n = roles.alignment()
@@ -333,7 +338,7 @@ def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x):
   w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
   if pre_x is not None:
     pre_x = prequantized.pad_rows(pre_x, x_MxK.shape[0])
-  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x, None)[:m, :n]
+  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x, None, pre_amax_xt)[:m, :n]
 
 
 @jax.named_scope("fp4jax/dot")   # names every op of the three GEMMs in XLA profiles
@@ -395,7 +400,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 def _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe, key,
                       out_sharding):
   """``dot_general`` of a ``PreQuantized`` activation: its fprop codes go into the fprop GEMM as they are
-  (no second quantization of x), and its x into the backward pass, exactly as an unfused call would."""
+  (no second quantization of x), its wgrad amax (where it carries one for this recipe) into the wgrad
+  quantize of x, and its x into the backward pass, exactly as an unfused call would."""
   x = lhs.x
   prequantized.check(lhs, recipe.roles, dimension_numbers, rhs)
   lhs_, rhs = check_dot_inputs(x, rhs, dimension_numbers, preferred_element_type, key, True)
@@ -407,7 +413,8 @@ def _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_
   w_KxN = jnp.moveaxis(rhs, rc, 0).reshape(rhs.shape[rc], -1)
   if key is not None and not needs_key(recipe):
     key = None
-  y_MxN = _dot_2d(recipe.roles, precision, out.dtype, lhs_.reshape(-1, x.shape[-1]), w_KxN, key, lhs.q)
+  y_MxN = _dot_2d(recipe.roles, precision, out.dtype, lhs_.reshape(-1, x.shape[-1]), w_KxN, key, lhs.q,
+                  prequantized.wgrad_amax(lhs, recipe.roles))
   y = y_MxN.reshape(out.shape)
   if out_sharding is not None:
     y = lax.with_sharding_constraint(y, out_sharding)

@@ -8,7 +8,9 @@ a power of two.
 quantizes it, so ``fp4jax.dot(pre, w, recipe=recipe)`` quantizes nothing more and gives the bits the
 unfused ``fp4jax.dot(h, w, recipe=recipe)`` gives. Two passes, because NVFP4's FP32 tensor scale needs
 max|h| over the whole tensor before any block can be encoded:
-  1. the amax: ``rmsnorm`` (XLA) reduced to max|h|, read-only (XLA fuses it into one pass over x);
+  1. the amax: ``rmsnorm`` (XLA) reduced to max|h|, read-only (XLA fuses it into one pass over x); where
+     the dot would share it with its wgrad quantize of h (``fp4jax.prequantized.amaxes``), the same
+     reduction also gives the amax of RHT(h) along the tokens, carried in the PreQuantized for that quantize;
   2. the norm again and the quantization, in registers: the Pallas kernel
      (``fp4jax.kernels.rmsnorm_quantize``, impl "pallas") or its XLA twin (impl "xla"), which writes h
      and quantizes it with the quantizer itself (so it covers every pre-quantizable quantizer).
@@ -24,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp4jax import dispatch, formats
+from fp4jax import _exact, dispatch, formats, prequantized
 from fp4jax.kernels import relu2_quantize as relu2_kernel
 from fp4jax.kernels import rmsnorm_quantize as kernel
 from fp4jax.numerics.amax import abs_max
@@ -50,30 +52,43 @@ def kernel_ok(quantizer, x_shape, x_dtype, dtype) -> bool:
           and x_shape[-1] % formats.BLOCK[quantizer.fmt] == 0)
 
 
-def _forward(x, scale, eps, dtype, quantizer, impl):
+def _amaxes(h_twin, quantizer, wgrad_x):
+  """Pass 1, read-only (max is exact in any order): (max|h|, the carried wgrad amax) from one reduction where
+  the dot would share them (``prequantized.amaxes``), else (None, None)."""
+  return prequantized.amaxes(h_twin.reshape(-1, h_twin.shape[-1]), quantizer, wgrad_x)
+
+
+def _kernel_amax(h_twin, amax):
+  """The kernel's tensor amax: pass 1's, or max|h| of h as stored (the kernel reads its h's bf16 bits)."""
+  return abs_max(_exact.stored(h_twin)) if amax is None else amax
+
+
+def _forward(x, scale, eps, dtype, quantizer, wgrad_x, impl):
   d = x.shape[-1]
   h_twin = rmsnorm(x, scale, eps=eps, dtype=dtype)
-  amax = abs_max(h_twin)      # pass 1 (exact in any order)
+  amax, amax_t = _amaxes(h_twin, quantizer, wgrad_x)
   if impl == "pallas":   # the kernel, on each device's rows (compiled for CUDA, interpreted elsewhere)
+    amax = _kernel_amax(h_twin, amax)
     h, q, s = producers.rmsnorm_quantize(x, scale, amax, eps=eps, fmt=quantizer.fmt,
                                          scale_rule=quantizer.scale_rule, impl=impl)
     q_x = _qtensor(q.reshape(-1, d // 2), s.reshape(-1, d // formats.BLOCK[quantizer.fmt]), amax, quantizer,
                    dtype)
-    return PreQuantized(h, q_x, quantizer)
-  return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, d)), quantizer)
+    return prequantized.handover(h, q_x, quantizer, amax_t, wgrad_x)
+  q_x = quantizer(h_twin.reshape(-1, d), amax=amax)
+  return prequantized.handover(h_twin, q_x, quantizer, amax_t, wgrad_x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _rmsnorm_quantize(x, scale, eps, dtype, quantizer, impl):
-  return _forward(x, scale, eps, dtype, quantizer, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _rmsnorm_quantize(x, scale, eps, dtype, quantizer, wgrad_x, impl):
+  return _forward(x, scale, eps, dtype, quantizer, wgrad_x, impl)
 
 
-def _fwd(x, scale, eps, dtype, quantizer, impl):
-  return _forward(x, scale, eps, dtype, quantizer, impl), (x, scale)
+def _fwd(x, scale, eps, dtype, quantizer, wgrad_x, impl):
+  return _forward(x, scale, eps, dtype, quantizer, wgrad_x, impl), (x, scale)
 
 
-def _bwd(eps, dtype, quantizer, impl, res, ct):
-  del quantizer, impl
+def _bwd(eps, dtype, quantizer, wgrad_x, impl, res, ct):
+  del quantizer, wgrad_x, impl
   x, scale = res
   _, vjp = jax.vjp(functools.partial(rmsnorm, eps=eps, dtype=dtype), x, scale)
   return vjp(ct.x)
@@ -82,14 +97,15 @@ def _bwd(eps, dtype, quantizer, impl, res, ct):
 _rmsnorm_quantize.defvjp(_fwd, _bwd)
 
 
-def _fprop_quantizer(recipe, k: int, what: str, instead: str):
-  """``recipe``'s fprop input quantizer, checked: one that can pre-quantize, and K a multiple of its alignment."""
+def _fprop_quantizers(recipe, k: int, what: str, instead: str):
+  """(``recipe``'s fprop input quantizer, checked: one that can pre-quantize, and K a multiple of its
+  alignment; the wgrad quantizer whose amax the producer carries, ``prequantized.carried_wgrad``)."""
   roles = as_recipe(recipe).roles
   _check_quantizer(roles.fprop_x)
   if k % roles.alignment()[1]:
     raise ValueError(f"{what}={k} is not a multiple of recipe {roles.name!r}'s K alignment "
                      f"{roles.alignment()[1]}; {instead} and let the dot pad")
-  return roles.fprop_x
+  return roles.fprop_x, prequantized.carried_wgrad(roles)
 
 
 def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) -> PreQuantized:
@@ -98,14 +114,14 @@ def rmsnorm_quantize(x, scale, recipe, *, eps, dtype=jnp.bfloat16, impl=None) ->
   impl: "pallas" (the kernel; interpreted off a GPU), "xla" (the twin), or None: the impl switch
   (``fp4jax.dispatch.default_impl("rmsnorm_quantize", fmt)``: a kernel only with evidence).
   """
-  quantizer = _fprop_quantizer(recipe, x.shape[-1], "rmsnorm_quantize: D", "use the plain norm")
+  quantizer, wgrad_x = _fprop_quantizers(recipe, x.shape[-1], "rmsnorm_quantize: D", "use the plain norm")
   fits = kernel_ok(quantizer, x.shape, x.dtype, dtype)
   if impl == "pallas" and not fits:
     raise ValueError(f"impl='pallas': the rmsnorm_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16/fp16 x into a bf16 h; "
                      f"got {quantizer!r} on {x.dtype} -> {jnp.dtype(dtype)}. Use impl='xla' or None")
   impl = dispatch.choose(OP, quantizer.fmt, impl) if fits else "xla"
   with jax.named_scope(f"fp4jax/{OP}"):   # one pass in profiles and in bench/predict/hlo_parts.py's "fp4jax passes"
-    return _rmsnorm_quantize(x, scale, float(eps), jnp.dtype(dtype), quantizer, impl)
+    return _rmsnorm_quantize(x, scale, float(eps), jnp.dtype(dtype), quantizer, wgrad_x, impl)
 
 
 # ------------------------------------------------------------------------------- relu² + quantize
@@ -117,15 +133,17 @@ def relu2_kernel_ok(quantizer, u_shape, u_dtype) -> bool:
           and jnp.dtype(u_dtype) == jnp.bfloat16 and u_shape[-1] % formats.BLOCK[quantizer.fmt] == 0)
 
 
-def _relu2_forward(u, quantizer, impl):
+def _relu2_forward(u, quantizer, wgrad_x, impl):
   f = u.shape[-1]
   h_twin = relu2(u)
-  amax = abs_max(h_twin)      # pass 1, read-only (exact in any order)
+  amax, amax_t = _amaxes(h_twin, quantizer, wgrad_x)
   if impl != "pallas":
-    return PreQuantized(h_twin, quantizer(h_twin.reshape(-1, f)), quantizer)
+    q_x = quantizer(h_twin.reshape(-1, f), amax=amax)
+    return prequantized.handover(h_twin, q_x, quantizer, amax_t, wgrad_x)
+  amax = _kernel_amax(h_twin, amax)
   h, q, s = producers.relu2_quantize(u, amax, fmt=quantizer.fmt, scale_rule=quantizer.scale_rule, impl=impl)
-  return PreQuantized(h, _qtensor(q.reshape(-1, f // 2), s.reshape(-1, f // formats.BLOCK[quantizer.fmt]),
-                                  amax, quantizer, u.dtype), quantizer)
+  q_x = _qtensor(q.reshape(-1, f // 2), s.reshape(-1, f // formats.BLOCK[quantizer.fmt]), amax, quantizer, u.dtype)
+  return prequantized.handover(h, q_x, quantizer, amax_t, wgrad_x)
 
 
 def _qtensor(q, s, amax, quantizer, dtype):
@@ -134,17 +152,17 @@ def _qtensor(q, s, amax, quantizer, dtype):
                  fmt, -1, formats.BLOCK[fmt], None, jnp.dtype(dtype), quantizer.scale_rule if fmt == "mxfp4" else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _relu2_quantize(u, quantizer, impl):
-  return _relu2_forward(u, quantizer, impl)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _relu2_quantize(u, quantizer, wgrad_x, impl):
+  return _relu2_forward(u, quantizer, wgrad_x, impl)
 
 
-def _relu2_fwd(u, quantizer, impl):
-  return _relu2_forward(u, quantizer, impl), u
+def _relu2_fwd(u, quantizer, wgrad_x, impl):
+  return _relu2_forward(u, quantizer, wgrad_x, impl), u
 
 
-def _relu2_bwd(quantizer, impl, u, ct):
-  del quantizer, impl
+def _relu2_bwd(quantizer, wgrad_x, impl, u, ct):
+  del quantizer, wgrad_x, impl
   return jax.vjp(relu2, u)[1](ct.x)
 
 
@@ -155,11 +173,11 @@ def relu2_quantize(u, recipe, *, impl=None) -> PreQuantized:
   """relu(u)² (u's dtype) pre-quantized for ``recipe``'s fprop GEMM (the MLP's down projection): the same
   two passes as ``rmsnorm_quantize`` (amax read-only, then one kernel writing h and its codes). Bit-identical
   to ``fp4jax.dot(relu2(u), w, recipe=recipe)`` whichever impl runs: relu(u)² of bf16 is exact in float32."""
-  quantizer = _fprop_quantizer(recipe, u.shape[-1], "relu2_quantize: F", "use relu2")
+  quantizer, wgrad_x = _fprop_quantizers(recipe, u.shape[-1], "relu2_quantize: F", "use relu2")
   fits = relu2_kernel_ok(quantizer, u.shape, u.dtype)
   if impl == "pallas" and not fits:
     raise ValueError(f"impl='pallas': the relu2_quantize kernel covers plain 1D nvfp4/mxfp4 of bf16 u; got "
                      f"{quantizer!r} on {u.dtype}. Use impl='xla' or None")
   impl = dispatch.choose(RELU2_OP, quantizer.fmt, impl) if fits else "xla"
   with jax.named_scope(f"fp4jax/{RELU2_OP}"):
-    return _relu2_quantize(u, quantizer, impl)
+    return _relu2_quantize(u, quantizer, wgrad_x, impl)

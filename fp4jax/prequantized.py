@@ -13,7 +13,12 @@ it hands over is both halves of what the dot reads of x:
   quantizer  the ``fp4jax.Quantizer`` that made q. The dot refuses a PreQuantized whose quantizer is not
              its recipe's ``fprop_x`` (a clear error names both), so the codes always mean what the
              unfused dot would have computed; the numerics are then bit-identical by construction
-             (tests/test_prequantized.py pins them, forward and backward).
+             (tests/test_prequantized.py pins them, forward and backward);
+  amax_t     the tensor amax of the wgrad's quantize of x (RHT along the tokens) by ``wgrad_x``, read in the
+             producer's amax pass together with q's (``amaxes``), or None: the dot's wgrad quantize of x
+             then needs no read of x for its amax (docs/DESIGN.md, "The wgrad's RHT quantize reads its
+             operand once"). The dot uses it only where its recipe's ``wgrad_x`` is ``wgrad_x``
+             (``wgrad_amax``), and else reads the amax itself, as for a plain array.
 Only the 1D FP4 fprop quantizers (nvfp4 with or without Four Over Six, mxfp4; nearest rounding, no
 transform, one tensor amax) can be pre-quantized: their zero rows are zero bytes, so the dot pads q's
 rows to its M alignment without quantizing anything.
@@ -30,18 +35,21 @@ from jax import lax
 from fp4jax import formats
 from fp4jax.numerics.layout import pad_to_multiple
 from fp4jax.qtensor import QTensor
-from fp4jax.quantizers import Quantizer
+from fp4jax.quantizers import Quantizer, shared_amaxes
 from fp4jax.recipes import as_recipe
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PreQuantized:
-  """x (..., K) with its fprop quantization q (M, Kp) by ``quantizer`` (module docstring)."""
+  """x (..., K) with its fprop quantization q (M, Kp) by ``quantizer``, and the amax ``amax_t`` of its wgrad
+  quantize by ``wgrad_x`` (both None where the producer carries none; module docstring)."""
 
   x: Any
   q: QTensor
   quantizer: Quantizer = dataclasses.field(metadata=dict(static=True))
+  amax_t: Any = None
+  wgrad_x: Quantizer | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def shape(self):
@@ -69,17 +77,53 @@ def _check_quantizer(quantizer):
                      "fp4jax.dot and let it quantize")
 
 
+def carried_wgrad(roles) -> Quantizer | None:
+  """``roles.wgrad_x`` where the dot quantizes x itself (not x̂: no ``Roles.requantize``) and its amax may
+  come with a PreQuantized x; None where the dot's wgrad reads no tensor amax of x a producer could carry."""
+  wgrad_x = roles.wgrad_x
+  if roles.requantize or not isinstance(wgrad_x, Quantizer) or not wgrad_x.rht_size:
+    return None
+  return wgrad_x
+
+
+def amaxes(x_MxK, quantizer, wgrad_x):
+  """(amax of ``quantizer(x)``, amax of ``wgrad_x.quantize_t(x)``) from one read of x (M, K), each bit for bit
+  what the quantizer takes itself, where the dot shares them for a plain x (``quantizers.shared_amaxes``);
+  else (None, None). x's rows are zero-padded to whole RHT chunks, as the dot pads them (zero rows change
+  neither amax). ``wgrad_x``: ``carried_wgrad(roles)``."""
+  if wgrad_x is None:
+    return None, None
+  return shared_amaxes(quantizer, wgrad_x, pad_to_multiple(x_MxK, 0, wgrad_x.rht_size))
+
+
+def handover(x, q, quantizer, amax_t, wgrad_x) -> PreQuantized:
+  """The PreQuantized of a producer: ``wgrad_x`` kept only with an amax it made (``amaxes``)."""
+  return PreQuantized(x, q, quantizer, amax_t, None if amax_t is None else wgrad_x)
+
+
+def wgrad_amax(pre: PreQuantized, roles):
+  """``pre.amax_t`` where ``roles``' wgrad quantizes x as the producer assumed (``carried_wgrad(roles)`` is
+  ``pre.wgrad_x``), else None: the dot then reads x's wgrad amax itself."""
+  if pre.amax_t is None or carried_wgrad(roles) != pre.wgrad_x:
+    return None
+  return pre.amax_t
+
+
 def prequantize(x, recipe) -> PreQuantized:
   """x quantized for the fprop GEMM of ``recipe`` (a Recipe, preset name or Roles) as ``fp4jax.dot``
   would quantize it; hand the result to ``fp4jax.dot`` / ``dot_general`` / the Flax layers in place of
-  x. The quantization runs here (XLA or the kernels, the impl switch decides), once."""
-  quantizer = as_recipe(recipe).roles.fprop_x
+  x. The quantization runs here (XLA or the kernels, the impl switch decides), once, and its amax pass
+  also reads the amax of the recipe's wgrad quantize of x where the dot would share it (``amaxes``)."""
+  roles = as_recipe(recipe).roles
+  quantizer = roles.fprop_x
   _check_quantizer(quantizer)
   x = jnp.asarray(x)
-  align_k = as_recipe(recipe).roles.alignment()[1]
-  x_MxKp = pad_to_multiple(x.reshape(-1, x.shape[-1]), 1, align_k)
-  # The gradient reaches x through PreQuantized.x (the dot's backward pass); the codes have none.
-  return PreQuantized(x, quantizer(lax.stop_gradient(x_MxKp)), quantizer)
+  # The gradient reaches x through PreQuantized.x (the dot's backward pass); the codes and amaxes have none.
+  x_MxKp = lax.stop_gradient(pad_to_multiple(x.reshape(-1, x.shape[-1]), 1, roles.alignment()[1]))
+  wgrad_x = carried_wgrad(roles)
+  with jax.named_scope("fp4jax/quantize"):   # in place of the quantize's own amax reduction
+    amax, amax_t = amaxes(x_MxKp, quantizer, wgrad_x)
+  return handover(x, quantizer(x_MxKp, amax=amax), quantizer, amax_t, wgrad_x)
 
 
 def check(pre: PreQuantized, roles, dimension_numbers, rhs):

@@ -1,6 +1,9 @@
 """fp4jax.PreQuantized: a pre-quantized activation gives the quantized dot bit-identical values and
 gradients to the unfused call (the quantization is order-free, so the bits are pinned), and mismatched
-recipes or layouts are refused with an error that names the fix."""
+recipes or layouts are refused with an error that names the fix. The producer's amax pass also reads the
+amax of the wgrad's RHT quantize of x, so the compiled program reduces exactly what the unfused dot's does."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +11,7 @@ import pytest
 
 import inputs
 import fp4jax
-from fp4jax import prequantized
+from fp4jax import fused, prequantized, recipes
 
 
 def _operands(m=40, k=96, n=48, seed=0):
@@ -75,3 +78,61 @@ def test_mismatched_recipe_and_layout_are_refused():
     fp4jax.dot_general(pre, w.T, (((1,), (1,)), ((), ())), recipe="nvfp4")
   with pytest.raises(ValueError, match="cannot pre-quantize"):
     fp4jax.prequantize(x, "fp8")
+
+
+def test_the_producer_carries_the_wgrad_amax():
+  """prequantize reads both tensor amaxes of x: q's and the wgrad RHT quantize's of x with its rows padded as
+  the dot pads them (40 -> 48 tokens), each bit for bit what the quantizer takes itself; a recipe whose dot
+  shares no amax of x (mxfp4: none; 4/6: a fprop amax of its own) carries none."""
+  x, _ = _operands(m=40)
+  roles = recipes.get("nvfp4").roles
+  pre = fp4jax.prequantize(x, "nvfp4")
+  x_pad = jnp.concatenate([x.reshape(-1, 96), jnp.zeros((8, 96), x.dtype)])
+  assert pre.wgrad_x == roles.wgrad_x
+  np.testing.assert_array_equal(_bits(pre.amax_t), _bits(roles.wgrad_x.quantize_t(x_pad).amax))
+  np.testing.assert_array_equal(_bits(pre.q.amax), _bits(roles.fprop_x(x.reshape(-1, 96)).amax))
+  for recipe in ("mxfp4", "nvfp4_4over6"):
+    other = fp4jax.prequantize(x, recipe)
+    assert (other.amax_t, other.wgrad_x) == (None, None), recipe
+
+
+def test_a_recipe_with_another_wgrad_reads_its_own_amax():
+  """The carried amax goes only into a wgrad that quantizes x as the producer's recipe does: not into
+  nvfp4_no_rht's (the same fprop codes, no RHT in its wgrad), which reads its own."""
+  x, _ = _operands(m=32)
+  pre = fp4jax.prequantize(x, "nvfp4")
+  assert prequantized.wgrad_amax(pre, recipes.get("nvfp4_no_rht").roles) is None
+  assert prequantized.wgrad_amax(pre, recipes.get("nvfp4_no_sr").roles) is pre.amax_t
+
+
+def _reductions(f, *args):
+  """The reduce instructions of ``f``'s compiled program as (result type, scope): the passes that read a
+  whole tensor (or its blocks) for a maximum or a sum."""
+  text = jax.jit(f).lower(*args).compile().as_text()
+  found = [re.search(r"= (.+?) reduce\(.*op_name=\"([^\"]*)\"", line) for line in text.splitlines()]
+  return [m.groups() for m in found if m]
+
+
+PRODUCERS = {   # a producer of the dot's pre-quantized input, of an (M, K) input
+    "prequantize": lambda x: fp4jax.prequantize(x, "nvfp4"),
+    "relu2": lambda u: fused.relu2_quantize(u, "nvfp4", impl="xla"),
+    "rmsnorm": lambda x: fused.rmsnorm_quantize(x, jnp.ones(x.shape[-1]), "nvfp4", eps=1e-5, impl="xla"),
+}
+
+
+@pytest.mark.parametrize("producer", ["prequantize", pytest.param("relu2", marks=pytest.mark.slow),
+                                      pytest.param("rmsnorm", marks=pytest.mark.slow)])
+def test_each_operand_is_reduced_once_for_its_amaxes(producer):
+  """The compiled nvfp4 dot of a producer's PreQuantized output (value and gradients) reduces each operand
+  once for its tensor amaxes: x one reduction for its fprop and wgrad amaxes (in the producer's pass), dy one
+  for its dgrad and wgrad amaxes, w one for its tiles' amax; none is left in the wgrad's quantize of x, which
+  read x once more for its own amax: the whole-tensor reductions a plain x gives the dot."""
+  x, w = _operands(m=32, k=64, n=32)
+  g = inputs.normal(jax.random.key(4), (32, 32)).astype(jnp.bfloat16)
+  def loss(x, w, g):
+    pre = PRODUCERS[producer](x.reshape(32, 64))
+    return jnp.sum(fp4jax.dot(pre, w, recipe="nvfp4", key=jax.random.key(7)).astype(jnp.float32) * g)
+  found = _reductions(jax.value_and_grad(loss, (0, 1)), x, w, g)
+  assert not [name for _, name in found if "/wgrad/" in name], found
+  whole = sorted(shape for shape, _ in found if shape in ("s32[]", "(s32[], s32[])"))
+  assert whole == ["(s32[], s32[])", "(s32[], s32[])", "s32[]"], found
