@@ -9,6 +9,7 @@
 - ``vma_checked`` / ``per_shard_lowering``: shard_map's check of varying manual axes.
 - ``forward_tangent``: whether a value is being differentiated in forward mode (``fp4jax.derivatives``).
 - ``under_jit``: whether the caller is being staged into a jaxpr (``fp4jax.eager``).
+- ``custom_partitioning_ids_out_of_cache_key``: jax's config state of that name (``fp4jax.partition_cache``).
 """
 from __future__ import annotations
 
@@ -132,3 +133,11 @@ def under_jit() -> bool:
   (jax 0.10.2 and 0.11.2). Where it is missing, True (the caller then never adds a jit of its own)."""
   check = getattr(_core, "unsafe_am_i_under_a_jit", None) if _core is not None else None
   return True if check is None else bool(check())
+
+
+# ------------------------------------------------------------------ the persistent cache's key
+def custom_partitioning_ids_out_of_cache_key():
+  """A context in which jax's persistent compilation cache keys a program without its custom_partitioning
+  calls' ids (``jax_remove_custom_partitioning_ptr_from_cache_key``, jax's ``State`` as a context manager)."""
+  from jax._src import config   # pylint: disable=import-outside-toplevel
+  return config.remove_custom_partitioning_ptr_from_cache_key(True)

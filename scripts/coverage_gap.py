@@ -1,14 +1,19 @@
-"""Which library lines only the slow tests reach: the default and the full suite under coverage, compared.
+"""Which library lines only the slow tests reach: the default suite and the slow tests under coverage, compared.
 
-    python scripts/coverage_gap.py                   # both suites (the full one takes hours on 2 cores)
-    python scripts/coverage_gap.py --report_only     # compare the data a previous run left in --out
-    python scripts/coverage_gap.py --default "tests/test_nan.py -k abs_max" --full "tests/test_nan.py"
+    python scripts/coverage_gap.py                        # the default suite, then every slow test (hours on 2 cores)
+    python scripts/coverage_gap.py --only default         # the default suite alone (about twice its usual time)
+    python scripts/coverage_gap.py --only slow --parts 6 --part 2   # a sixth of the slow tests (by file), whenever
+                                                          # the machine is free; the parts' data add up in --out
+    python scripts/coverage_gap.py --report_only          # compare the data the runs left in --out
+    python scripts/coverage_gap.py --default "tests/test_nan.py -k abs_max" --slow "tests/test_nan.py"
 
-Each suite runs as ``python -m coverage run -m pytest -n 2 <its arguments>`` over fp4jax/, models/ and
-training/, with subprocesses measured too (the xdist workers and the training runs the tests start). The
-report lists, per file, the lines the full suite executes and the default suite does not, and the two
-numbers docs/PERF.md records: the lines each suite reaches, and the default's share of the full suite's
-lines. Exit status 1 if that share is below --min_share (97%).
+Each run is ``python -m coverage run -m pytest -n 2 <its arguments>`` over fp4jax/, models/ and training/, with
+subprocesses measured too (the xdist workers and the training runs the tests start). The full suite's lines are
+the default suite's and the slow tests' together (what ``-m "slow or not slow"`` executes), so the slow tests can
+be measured in parts, each part a set of test files, and the default suite need not run twice. The report lists,
+per file, the lines the full suite executes and the default suite does not, and the two numbers docs/PERF.md
+records: the lines each suite reaches, and the default's share of the full suite's lines. Exit status 1 if
+that share is below --min_share (97%).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("fp4jax", "models", "training")
-SUITES = {"default": "", "full": "-m 'slow or not slow'"}   # pyproject's addopts deselect the slow tests
+SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the slow tests
 
 
 def _rcfile(out: str) -> str:
@@ -29,6 +34,25 @@ def _rcfile(out: str) -> str:
   with open(path, "w") as f:
     f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n")
   return path
+
+
+def slow_files(pytest_args: str) -> list[str]:
+  """The test files that hold a test ``pytest_args`` selects, sorted."""
+  p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *shlex.split(pytest_args)], cwd=ROOT,
+                     capture_output=True, text=True, check=False)
+  files = sorted({line.split("::")[0] for line in p.stdout.splitlines() if "::" in line})
+  if not files:
+    raise SystemExit(f"pytest selects no test with {pytest_args!r}:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+  return files
+
+
+def part_of(files: list[str], part: int, parts: int) -> list[str]:
+  """Part ``part`` (1-based) of ``parts``: every parts-th file, starting at the part-th."""
+  return files[part - 1::parts]
+
+
+def part_name(part: int, parts: int) -> str:
+  return "slow" if parts == 1 else f"slow-{part}-of-{parts}"
 
 
 def run_suite(name: str, pytest_args: str, out: str, workers: int) -> str:
@@ -85,23 +109,45 @@ def compare(default: dict[str, set[int]], full: dict[str, set[int]]) -> tuple[st
   return "\n".join(lines), share
 
 
+def union(*runs: dict[str, set[int]]) -> dict[str, set[int]]:
+  out: dict[str, set[int]] = {}
+  for run in runs:
+    for f, lines in run.items():
+      out.setdefault(f, set()).update(lines)
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.path.join(ROOT, "results", "coverage"), help="coverage data and reports")
   ap.add_argument("--default", default=SUITES["default"], help="pytest arguments of the default suite")
-  ap.add_argument("--full", default=SUITES["full"], help="pytest arguments of the full suite")
+  ap.add_argument("--slow", default=SUITES["slow"], help="pytest arguments of the slow tests")
+  ap.add_argument("--only", choices=("default", "slow"), help="run one of the two (then report if all data is in)")
+  ap.add_argument("--parts", type=int, default=1, help="the slow tests' files split into this many parts")
+  ap.add_argument("--part", type=int, default=0, help="run only this part of the slow tests (1-based; 0: all)")
   ap.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers")
   ap.add_argument("--report_only", action="store_true", help="compare the JSON reports already in --out")
   ap.add_argument("--min_share", type=float, default=0.97, help="exit 1 below this share")
   args = ap.parse_args(argv)
+  if not 0 <= args.part <= args.parts:
+    ap.error(f"--part={args.part} is not a part of --parts={args.parts}: give 1..{args.parts} (0: every part)")
   os.makedirs(args.out, exist_ok=True)
-  reports = {name: os.path.join(args.out, f"{name}.json") for name in SUITES}
+  parts = {k: part_name(k, args.parts) for k in range(1, args.parts + 1)}
   if not args.report_only:
-    reports = {name: run_suite(name, getattr(args, name), args.out, args.workers) for name in SUITES}
+    if args.only in (None, "default"):
+      run_suite("default", args.default, args.out, args.workers)
+    if args.only in (None, "slow"):
+      files = slow_files(args.slow) if args.parts > 1 else []
+      for k, name in parts.items():
+        if args.part in (0, k):
+          run_suite(name, args.slow + " " + shlex.join(part_of(files, k, args.parts)), args.out, args.workers)
+  reports = {name: os.path.join(args.out, f"{name}.json") for name in ["default", *parts.values()]}
   missing = [p for p in reports.values() if not os.path.exists(p)]
   if missing:
-    raise SystemExit(f"no coverage report at {', '.join(missing)}: run without --report_only first")
-  text, share = compare(executed(reports["default"]), executed(reports["full"]))
+    print(f"not yet compared: no coverage report at {', '.join(missing)} (run those parts; --parts must match)")
+    return 0 if args.only else 1
+  default = executed(reports["default"])
+  text, share = compare(default, union(default, *(executed(reports[n]) for n in parts.values())))
   print(text)
   with open(os.path.join(args.out, "gap.txt"), "w") as f:
     f.write(text + "\n")

@@ -18,11 +18,19 @@ def test_compare_lists_the_lines_only_the_full_suite_reaches():
   assert coverage_gap.compare(full, full)[1] == 1.0
 
 
+def test_the_slow_parts_split_the_files_and_add_up():
+  files = [f"tests/test_{c}.py" for c in "abcdefg"]
+  parts = [coverage_gap.part_of(files, k, 3) for k in (1, 2, 3)]
+  assert sorted(sum(parts, [])) == files and all(parts)
+  assert coverage_gap.part_name(2, 3) == "slow-2-of-3" and coverage_gap.part_name(1, 1) == "slow"
+  assert coverage_gap.union({"a.py": {1}}, {"a.py": {2}, "b.py": {3}}) == {"a.py": {1, 2}, "b.py": {3}}
+
+
 @pytest.mark.slow
 def test_two_selections_under_coverage(tmp_path):
   """The whole flow (coverage run with subprocesses, combine, json, compare) on two small selections."""
   one = "tests/test_nan.py::test_abs_max_orders_every_magnitude"
   status = coverage_gap.main(["--out", str(tmp_path), "-n", "1", "--default", one,
-                              "--full", f"{one} tests/test_nan.py::test_fused_producers_keep_nan"])
+                              "--slow", "tests/test_nan.py::test_fused_producers_keep_nan"])
   text = (tmp_path / "gap.txt").read_text()
   assert status == 1 and "fp4jax/fused.py" in text and "fp4jax/numerics/amax.py" not in text

@@ -27,7 +27,7 @@ from training import sharding
 from training.errors import TrainingDiverged
 from training.optim import ON, PLAIN, RECORD
 from training.run import Run
-from training.step import eval_step, eval_step_outcontrol, jit_train_step
+from training.step import CompiledAtFirstCall, eval_step, eval_step_outcontrol, jit_train_step
 
 
 class Loop:
@@ -55,14 +55,15 @@ class Loop:
     self._train = {(name, phase): jit_train_step(m, run.tx, run.schedule, run.state_shardings, mesh, run.osci, phase,
                                                  compiler_options=options, micro_batches=run.config.micro_batches)
                    for name, m in models.items() for phase in phases}  # jit compiles on first use only
-    self._eval = {name: jax.jit(functools.partial(eval_step, model=m),
-                                in_shardings=(run.state_shardings["params"], batch_sh), out_shardings=repl)
+    self._eval = {name: CompiledAtFirstCall(jax.jit(functools.partial(eval_step, model=m),
+                                                    in_shardings=(run.state_shardings["params"], batch_sh),
+                                                    out_shardings=repl))
                   for name, m in models.items()}
     if run.outcontrol is not None:
-      self._eval_outcontrol = jax.jit(functools.partial(eval_step_outcontrol, model=run.model),
-                                      in_shardings=(run.state_shardings["params"],
-                                                    run.state_shardings["outcontrol"], batch_sh),
-                                      out_shardings=repl)
+      self._eval_outcontrol = CompiledAtFirstCall(jax.jit(functools.partial(eval_step_outcontrol, model=run.model),
+                                                          in_shardings=(run.state_shardings["params"],
+                                                                        run.state_shardings["outcontrol"], batch_sh),
+                                                          out_shardings=repl))
 
   # One step, its metrics, evaluation, checkpoint ----------------------------------------------------
 

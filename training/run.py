@@ -37,7 +37,6 @@ from models.rules import PrecisionRuleError
 from training import checkpoint as ckpt_lib
 from training import config as config_lib
 from training import data as data_lib
-from training import extend
 from training import lock as lock_lib
 from training import optim
 from training import preempt
@@ -128,7 +127,6 @@ def setup(config, workdir: str, *, model_fn: Callable[[Any, Any], nn.Module],
   batch_ways = sharding.batch_ways(mesh)
   sharding.check_experts(dict(mesh.shape), model_config)
   check_batch(config.batch_size, config.micro_batches, batch_ways, nproc)
-  seq_len = config.data.seq_len
   workdir, checkpoints, reporter, lock, resume = _open_workdir(config, workdir, pindex, stop)
   try:
     return _build(config, workdir, model_fn, stop, model_config=model_config, recipe=recipe,

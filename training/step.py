@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax import traverse_util
 
+from fp4jax import partition_cache
 from models import moe, mtp, policy
 from models.layers import OUTCONTROL
 from models.lm import LanguageModel, compute_params
@@ -339,20 +340,41 @@ def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, o
   return ScheduledStep(jitted, schedule.points, repl)
 
 
+@dataclasses.dataclass(eq=False)   # hashed by identity: the loop keys what it has compiled by the function
+class CompiledAtFirstCall:
+  """A jitted function compiled at its first call by ``fp4jax.partition_cache.compile`` (so a program with
+  fp4jax's sharded ops is found in the persistent compilation cache by a later process: a resumed run skips
+  its compile on a mesh too); every call runs that one executable, on arguments of the first call's shapes and
+  shardings (the trainer's are fixed)."""
+  jitted: Any
+  _compiled: Any = None
+
+  def __call__(self, *args):
+    if self._compiled is None:
+      self._compiled = partition_cache.compile(self.jitted.lower(*args))
+    return self._compiled(*args)
+
+  def lower(self, *args):
+    return self.jitted.lower(*args)
+
+
 @dataclasses.dataclass
 class ScheduledStep:
   """A jitted ``(state, batch, points)`` step called as ``(state, batch)``, the schedule's points bound: the
   compiled program takes them as an input, so it is the same for every run length and learning rate. The
-  points go to the devices at the first call (a deviceless compile only lowers)."""
+  points go to the devices at the first call (a deviceless compile only lowers), when the step is compiled
+  (``CompiledAtFirstCall``)."""
   jitted: Any
   points: np.ndarray
   sharding: Any
   _on_devices: jax.Array | None = None
+  _compiled: CompiledAtFirstCall | None = None
 
   def __call__(self, state, batch):
     if self._on_devices is None:
       self._on_devices = jax.device_put(self.points, self.sharding)
-    return self.jitted(state, batch, self._on_devices)
+      self._compiled = CompiledAtFirstCall(self.jitted)
+    return self._compiled(state, batch, self._on_devices)
 
   def lower(self, state, batch):
     return self.jitted.lower(state, batch, self.points)

@@ -28,6 +28,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from fp4jax import partition_cache
 from fp4jax._jax_compat import named_or_replicated, per_shard_lowering
 from fp4jax.primitives import sharding as shd
 
@@ -211,8 +212,11 @@ def _partitioned(spec, local_prim, ndims, params_items):
 
 
 def _lower_partitioned(spec, local_prim, ctx, *ops, **params):
-  fn = _partitioned(spec, local_prim, tuple(a.ndim for a in ctx.avals_in),
-                    tuple(sorted(params.items())))
+  ndims, params_items = tuple(a.ndim for a in ctx.avals_in), tuple(sorted(params.items()))
+  fn = _partitioned(spec, local_prim, ndims, params_items)
   if spec.multiple_results:
-    return mlir.lower_fun(lambda *a: fn(*a), multiple_results=True)(ctx, *ops)
-  return mlir.lower_fun(lambda *a: [fn(*a)], multiple_results=True)(ctx, *ops)
+    out = mlir.lower_fun(lambda *a: fn(*a), multiple_results=True)(ctx, *ops)
+  else:
+    out = mlir.lower_fun(lambda *a: [fn(*a)], multiple_results=True)(ctx, *ops)
+  partition_cache.tag(out, local_prim.name, ndims, params_items)   # the cache key
+  return out
