@@ -6,7 +6,8 @@ Axis legend: R rows (every leading axis), C the last axis (D for the norm, F for
   rmsnorm_quantize  x (..., D), scale (D,), amax () -> h (..., D) bf16, codes (..., D/2), scales (..., D/B)
   relu2_quantize    u (..., F), amax ()             -> h (..., F) bf16, codes (..., F/2), scales (..., F/B)
 
-amax is NVFP4's tensor amax of h, reduced by the caller over the whole (global) tensor (zeros for MXFP4).
+amax is NVFP4's tensor amax of h, reduced by the caller over the whole (global) tensor (MXFP4 has no tensor
+scale: its quantize does not read it).
 Params: fmt, scale_rule, impl, and the norm's eps. impl "pallas" runs the kernels (compiled on CUDA,
 interpreted on the CPU), else the kernels' XLA twins (``<kernel>_reference`` and the 1D quantize reference).
 
