@@ -17,28 +17,26 @@ from training import config as config_lib
 from test_gpu_aot import ROOT, _check, _gpu_aot, needs_plugin   # pylint: disable=import-error
 
 
-def _by_kind_and_precision(config):
-  return collections.Counter((k, policy.block_signature(config, i)) for i, k in enumerate(config.pattern))
-
-
-def test_super_regrouped_keeps_each_block_and_compiles_6_distinct_blocks_instead_of_26():
+def test_super_regrouped_keeps_each_block_and_compiles_12_distinct_blocks_instead_of_26():
   config = presets.get_model_config("nemotron3_super", scan_blocks=True, remat="full")
   out = regroup.regrouped(config)
-  assert out.pattern == "M" * 34 + "E" * 33 + "*" * 7 + "E" * 7 + "M" * 6 + "*"
-  # every index keeps its precision (the bf16 tail stays the last 14), every kind its count per precision
+  # NVFP4 blocks 0-73: the scanned ones by kind, then the five unscanned (6 M, 7 *, 16 *, 72 M, 73 E); bf16 74-87
+  assert out.pattern == "M" * 32 + "E" * 32 + "*" * 5 + "M*E*M" + "E" * 6 + "M" * 6 + "*E"
+  # every index keeps its precision (the bf16 tail stays the last 14), every kind its count per precision and scan
   assert [policy.block_signature(out, i) for i in range(88)] == [policy.block_signature(config, i) for i in range(88)]
-  assert _by_kind_and_precision(out) == _by_kind_and_precision(config)
+  assert regroup.blocks(out) == regroup.blocks(config)
+  assert sum(scanned for _, _, scanned in regroup.blocks(config)) == 81
   assert [u for _, u, _ in lm.block_groups(config)] == [2, 2, 2, 1, 11, 2, 2, 1, 2, 1]
-  assert lm.block_groups(out) == [(0, 1, 34), (34, 1, 33), (67, 1, 7), (74, 1, 7), (81, 1, 6), (87, 1, 1)]
+  assert lm.block_groups(out) == [(0, 1, 32), (32, 1, 32), (64, 1, 5), (69, 5, 1), (74, 1, 6), (80, 1, 6), (86, 2, 1)]
   assert regroup.describe(config) == dict(pattern=config.pattern, regrouped=out.pattern, groups=10,
-                                          distinct_blocks=26, regrouped_groups=6, regrouped_distinct_blocks=6)
+                                          distinct_blocks=26, regrouped_groups=7, regrouped_distinct_blocks=12)
 
 
 def test_regrouped_keeps_the_parameters():
   """The same parameter shapes block by block of each kind, so the same state per GPU."""
-  config = presets.get_model_config("moe_tiny", pattern="ME*MEM-E*E", scan_blocks=False, remat="full")
+  config = presets.get_model_config("moe_tiny", pattern="MEMEME*MEME-ME*E", scan_blocks=False, remat="full")
   out = regroup.regrouped(config.replace(scan_blocks=True)).replace(scan_blocks=False)
-  assert out.pattern == "MMM" + "EEE" + "**" + "-" + "E"   # the last block is the bf16 one
+  assert out.pattern == "MMMMM" + "EEEEE" + "*-ME*" + "E"   # the last block is the bf16 one
 
   def shapes(cfg):
     params = lm.abstract_variables(lm.LanguageModel(cfg), length=8)["params"]
@@ -53,14 +51,16 @@ def test_regrouped_keeps_the_parameters():
   assert shapes(out) == shapes(config)
 
 
-def test_regrouping_is_refused_where_it_saves_nothing_or_changes_a_precision():
-  config = presets.get_model_config("moe_tiny", pattern="ME*MEM-E*E")
+def test_regrouping_is_refused_where_it_saves_nothing_or_changes_a_block():
+  config = presets.get_model_config("moe_tiny", pattern="MEMEME*MEME-ME*E")
   with pytest.raises(ValueError, match="scan_blocks=True"):
     regroup.regrouped(config)
-  # a rule naming one block by index: its run is that block alone, so the reorder keeps it
+  # a rule naming one block by index: its run is that block alone, so the reorder keeps it in place
   pinned = config.replace(scan_blocks=True, precision=(rules.Rule("blocks_{4}/*", "bf16"), rules.Rule("*")))
-  assert regroup.pattern(pinned)[4] == "E"
-  assert _by_kind_and_precision(regroup.regrouped(pinned)) == _by_kind_and_precision(pinned)
+  out = regroup.regrouped(pinned)
+  assert out.pattern[4] == "M" and regroup.blocks(out) == regroup.blocks(pinned)
+  # no pattern without a repeated group: nothing to regroup, the pattern stays
+  assert regroup.pattern(config.replace(scan_blocks=True, pattern="ME*MEM-E*E")) == "ME*MEM-E*E"
 
 
 def test_gpu_aot_regroups_the_configs_pattern():
