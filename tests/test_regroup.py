@@ -1,4 +1,4 @@
-"""bench/predict/regroup.py: a config's blocks reordered into the fewest scan groups keep every block's kind, precision
+"""bench/predict/regroup.py: a config's blocks reordered into few scan loops keep every block's kind, precision
 and parameters, so bench/predict/gpu_aot.py's ``--regroup_blocks`` compiles the same step in fewer distinct blocks.
 
 The default tests check the reorder and its wiring without compiling. The slow test compiles Nemotron 3 Super's step
@@ -20,23 +20,29 @@ from test_gpu_aot import ROOT, _check, _gpu_aot, needs_plugin   # pylint: disabl
 def test_super_regrouped_keeps_each_block_and_compiles_12_distinct_blocks_instead_of_26():
   config = presets.get_model_config("nemotron3_super", scan_blocks=True, remat="full")
   out = regroup.regrouped(config)
-  # NVFP4 blocks 0-73: the scanned ones by kind, then the five unscanned (6 M, 7 *, 16 *, 72 M, 73 E); bf16 74-87
-  assert out.pattern == "M" * 32 + "E" * 32 + "*" * 5 + "M*E*M" + "E" * 6 + "M" * 6 + "*E"
+  # NVFP4 blocks 0-73: the scanned ones as Mamba / MoE pairs and attention, then the five unscanned (6 M, 7 *,
+  # 16 *, 72 M, 73 E); bf16 blocks 74-87 likewise (78 * and 87 E unscanned)
+  assert out.pattern == "ME" * 32 + "*" * 5 + "M*E*M" + "EM" * 6 + "*E"
   # every index keeps its precision (the bf16 tail stays the last 14), every kind its count per precision and scan
   assert [policy.block_signature(out, i) for i in range(88)] == [policy.block_signature(config, i) for i in range(88)]
   assert regroup.blocks(out) == regroup.blocks(config)
   assert sum(scanned for _, _, scanned in regroup.blocks(config)) == 81
   assert [u for _, u, _ in lm.block_groups(config)] == [2, 2, 2, 1, 11, 2, 2, 1, 2, 1]
-  assert lm.block_groups(out) == [(0, 1, 32), (32, 1, 32), (64, 1, 5), (69, 5, 1), (74, 1, 6), (80, 1, 6), (86, 2, 1)]
+  assert lm.block_groups(out) == [(0, 2, 32), (64, 1, 5), (69, 5, 1), (74, 2, 6), (86, 2, 1)]
   assert regroup.describe(config) == dict(pattern=config.pattern, regrouped=out.pattern, groups=10,
-                                          distinct_blocks=26, regrouped_groups=7, regrouped_distinct_blocks=12)
+                                          distinct_blocks=26, regrouped_groups=5, regrouped_distinct_blocks=12)
+
+
+def test_units_interleave_the_kinds_of_equal_count():
+  assert regroup._units("MEMEM*EMEME*") == [("ME", 5), ("*", 2)]   # pylint: disable=protected-access
+  assert regroup._units("M-M-MM**") == [("M", 4), ("-*", 2)]   # pylint: disable=protected-access
 
 
 def test_regrouped_keeps_the_parameters():
   """The same parameter shapes block by block of each kind, so the same state per GPU."""
   config = presets.get_model_config("moe_tiny", pattern="MEMEME*MEME-ME*E", scan_blocks=False, remat="full")
   out = regroup.regrouped(config.replace(scan_blocks=True)).replace(scan_blocks=False)
-  assert out.pattern == "MMMMM" + "EEEEE" + "*-ME*" + "E"   # the last block is the bf16 one
+  assert out.pattern == "ME" * 5 + "*-ME*" + "E"   # the last block is the bf16 one
 
   def shapes(cfg):
     params = lm.abstract_variables(lm.LanguageModel(cfg), length=8)["params"]
@@ -51,7 +57,7 @@ def test_regrouped_keeps_the_parameters():
   assert shapes(out) == shapes(config)
 
 
-def test_regrouping_is_refused_where_it_saves_nothing_or_changes_a_block():
+def test_regrouping_is_refused_where_it_saves_nothing_and_keeps_a_block_a_rule_names():
   config = presets.get_model_config("moe_tiny", pattern="MEMEME*MEME-ME*E")
   with pytest.raises(ValueError, match="scan_blocks=True"):
     regroup.regrouped(config)

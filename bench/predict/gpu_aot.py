@@ -8,14 +8,14 @@
   python bench/predict/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
   python bench/predict/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
   python bench/predict/gpu_aot.py --target b200 --what step --config configs/nemotron3_super.py --devices 64 \
-      --batch_per_device 1 --twin=false --regroup_blocks     # Super's blocks in 6 scan groups, not 10
+      --batch_per_device 1 --twin=false --regroup_blocks     # Super as 12 distinct blocks, not 26
 
 Needs jax's CUDA plugin at the installed jax's version (``pip install -e ".[gpu-compile]"``), no GPU:
 the process compiles for a ``GpuTargetConfigProto`` (bench/predict/gpu_targets/<target>.txtpb) through
 ``jax.experimental.topologies``, so XLA's GPU pipeline, Triton and ptxas all run. ``--devices N`` makes
 a topology of N GPUs (8 per host); ``--mesh.<axis>=k`` / ``--config.<field>=v`` as in bench/scale.py,
 whose step builder (``scale.build_step``) is the one used here. ``--regroup_blocks`` compiles the config's blocks
-reordered into the fewest scan groups (bench/predict/regroup.py): the same step for the ruler in a fraction
+reordered into few scan loops (bench/predict/regroup.py): the same step for the ruler in a fraction
 of the compile.
 
 Every automatic choice is made for the target's devices, as a GPU process makes it (``fp4jax.target``):
@@ -96,9 +96,9 @@ def _flags():
   flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/predict/cluster.py: "
                       "hgx_h200, "
                       "hgx_b200, gb200_nvl72; default the HGX node of --target)")
-  flags.DEFINE_boolean("regroup_blocks", False, "step: the config's blocks reordered into the fewest scan groups "
+  flags.DEFINE_boolean("regroup_blocks", False, "step: the config's blocks reordered into few scan loops "
                        "(bench/predict/regroup.py): the same blocks, parameters and collectives for the ruler, "
-                       "compiled in a fraction of the time (Nemotron 3 Super: 6 distinct blocks instead of 26).")
+                       "compiled in a fraction of the time (Nemotron 3 Super: 12 distinct blocks instead of 26).")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS

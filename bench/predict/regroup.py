@@ -1,4 +1,4 @@
-"""A config's blocks reordered into the fewest scan groups: the same step for the ruler, at a fraction of the compile.
+"""A config's blocks reordered into few scan loops: the same step for the ruler, at a fraction of the compile.
 
 With ``model.scan_blocks`` each repeated group of blocks (``models.lm.block_groups``) compiles once, as a loop
 whose body the ruler charges once per trip (bench/predict/hlo_walk.py's trip counts), so a compile costs by the
@@ -8,11 +8,12 @@ distinct blocks of its groups, not by the depth. Nemotron 3 Super's irregular pa
 
   1. the blocks split into runs that the precision policy treats alike (equal ``policy.block_signature``: for
      Super the NVFP4 blocks 0-73 and the bf16 blocks 74-87);
-  2. within a run, the blocks of the configured repeated groups by kind, each kind's back to back (one loop
-     per kind);
+  2. within a run, the blocks of the configured repeated groups as few loops: the kinds of equal count
+     interleaved in one loop body (Super's 32 scanned NVFP4 Mamba and 32 MoE blocks as "ME" x 32, its 5
+     attention blocks as "*" x 5), as the configured pattern interleaves them;
   3. after them the run's blocks that the configured grouping leaves unscanned (its groups repeated once), in
-     an order that keeps them unscanned: an unscanned block keeps more of its activations live than a scanned
-     one (one Super E block, 3.4 GiB per GPU), so the memory stays the configured program's.
+     an order that keeps them unscanned: an unscanned block costs more memory than a scanned one (one Super
+     E block 3.4 GiB per GPU more), so the memory stays near the configured program's.
 
 Every block keeps its kind, its index's precision, its parameters and whether it is scanned, so the step has
 the same GEMMs, kernels, collectives, parameters and optimizer state per GPU; only the order of the blocks
@@ -51,7 +52,8 @@ def _run(config, before: str, run: range, unscanned: set) -> str:
   single = "".join(config.pattern[j] for j in run if j in unscanned)
   units = _units(scanned)
   after = config.pattern[run.stop:]
-  orders = itertools.product(itertools.permutations(units), dict.fromkeys(itertools.permutations(single)))
+  orders = ((unit_order, single_order) for unit_order in itertools.permutations(units)
+            for single_order in _distinct(itertools.permutations(single)))
   for unit_order, single_order in itertools.islice(orders, _MAX_TRIES):
     blocks = "".join(unit * repeats for unit, repeats in unit_order) + "".join(single_order)
     here = range(len(before), len(before) + len(blocks))
@@ -63,6 +65,14 @@ def _run(config, before: str, run: range, unscanned: set) -> str:
   raise ValueError(f"blocks {run.start}-{run.stop - 1} of {config.pattern!r} have no order that scans them in "
                    f"{[u for u, _ in units]} and keeps the {len(single)} unscanned blocks unscanned; compile without "
                    "regrouping")
+
+
+def _distinct(items):
+  seen = set()
+  for item in items:
+    if item not in seen:
+      seen.add(item)
+      yield item
 
 
 def _units(kinds: str) -> list[tuple[str, int]]:
