@@ -2,7 +2,7 @@
 and parameters, so bench/predict/gpu_aot.py's ``--regroup_blocks`` compiles the same step in fewer distinct blocks.
 
 The default tests check the reorder and its wiring without compiling. The slow test compiles Nemotron 3 Super's step
-for 64 B200 both ways (the full compile: 10-20 minutes on 2 cores) and holds the regrouped prediction to the full
+for 64 B200 both ways (the full compile: about 20 minutes on 2 cores) and holds the regrouped prediction to the full
 one within 5% on the ruler's step and on memory per GPU (docs/PERF.md, "A Super prediction in minutes").
 """
 import collections
