@@ -32,12 +32,12 @@ from models import policy
 def pattern(config) -> str:
   """``config.pattern`` (a ``models.ModelConfig``) reordered run by run (module docstring)."""
   signatures = [policy.block_signature(config, i) for i in range(config.n_blocks)]
-  unscanned = {i for start, unit, repeats in lm.block_groups(config) if repeats == 1
-               for i in range(start, start + unit)}
+  unscanned_at = {i for start, unit, repeats in lm.block_groups(config) if repeats == 1
+                  for i in range(start, start + unit)}
   out, i = "", 0
   for _, run in itertools.groupby(signatures):
     n = len(list(run))
-    out += _run(config, out, range(i, i + n), unscanned)
+    out += _run(config, out, range(i, i + n), unscanned_at)
     i += n
   return out
 
@@ -45,25 +45,25 @@ def pattern(config) -> str:
 _MAX_TRIES = 5000   # orders of a run's unscanned blocks tried before giving up
 
 
-def _run(config, before: str, run: range, unscanned: set) -> str:
+def _run(config, before: str, run: range, unscanned_at: set) -> str:
   """The blocks of ``run``: its scanned blocks as loops (``_units``), then its unscanned blocks, in the first
   order (of the loops and of the unscanned blocks) whose grouping after ``before`` is exactly these loops."""
-  scanned = "".join(config.pattern[j] for j in run if j not in unscanned)
-  single = "".join(config.pattern[j] for j in run if j in unscanned)
+  scanned = "".join(config.pattern[j] for j in run if j not in unscanned_at)
+  unscanned = "".join(config.pattern[j] for j in run if j in unscanned_at)
   units = _units(scanned)
   after = config.pattern[run.stop:]
-  orders = ((unit_order, single_order) for unit_order in itertools.permutations(units)
-            for single_order in _distinct(itertools.permutations(single)))
-  for unit_order, single_order in itertools.islice(orders, _MAX_TRIES):
-    blocks = "".join(unit * repeats for unit, repeats in unit_order) + "".join(single_order)
+  orders = ((unit_order, unscanned_order) for unit_order in itertools.permutations(units)
+            for unscanned_order in _distinct(itertools.permutations(unscanned)))
+  for unit_order, unscanned_order in itertools.islice(orders, _MAX_TRIES):
+    blocks = "".join(unit * repeats for unit, repeats in unit_order) + "".join(unscanned_order)
     here = range(len(before), len(before) + len(blocks))
     groups = lm.block_groups(config.replace(pattern=before + blocks + after))
     loops = [(u, r) for s, u, r in groups if r > 1 and s in here and s + u * r <= here.stop]
-    single_here = {i for s, u, r in groups if r == 1 for i in range(s, s + u)} & set(here)
-    if len(single_here) == len(single) and sorted(loops) == sorted((len(u), r) for u, r in units):
+    unscanned_here = {i for s, u, r in groups if r == 1 for i in range(s, s + u)} & set(here)
+    if len(unscanned_here) == len(unscanned) and sorted(loops) == sorted((len(u), r) for u, r in units):
       return blocks
   raise ValueError(f"blocks {run.start}-{run.stop - 1} of {config.pattern!r} have no order that scans them in "
-                   f"{[u for u, _ in units]} and keeps the {len(single)} unscanned blocks unscanned; compile without "
+                   f"{[u for u, _ in units]} and keeps the {len(unscanned)} unscanned blocks unscanned; compile without "
                    "regrouping")
 
 
