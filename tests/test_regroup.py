@@ -96,9 +96,11 @@ def test_regrouped_super_predicts_the_full_compile_within_5_percent(tmp_path, mo
   for name, extra in (("full", ()), ("regrouped", ("--regroup_blocks",))):
     (tmp_path / name).mkdir()
     proc, report = _gpu_aot(tmp_path / name, *SUPER, *extra, timeout=3600)
-    _check(proc, report, 3600)
     runs[name] = report["results"][0]
+    assert not runs[name].get("error") and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   full, fast = runs["full"], runs["regrouped"]
+  _check(proc, report, 600)   # the regrouped compile within the suite's budgets (the full one's host RSS is past them)
+  assert fast["cpu_s"] < 300   # under 5 minutes on 2 cores (153-167 CPU s measured; the full compile 377-488)
   assert fast["params"] == full["params"]
   assert fast["memory"]["argument_bytes"] == full["memory"]["argument_bytes"]
   memory = {name: r["memory"]["argument_bytes"] + r["memory"]["temp_bytes"] for name, r in runs.items()}
