@@ -2,7 +2,7 @@
 and parameters, so bench/predict/gpu_aot.py's ``--regroup_blocks`` compiles the same step in fewer distinct blocks.
 
 The default tests check the reorder and its wiring without compiling. The slow test compiles Nemotron 3 Super's step
-for 64 B200 both ways (the full compile: about 20 minutes on 2 cores) and holds the regrouped prediction to the full
+for 64 B200 both ways (the full compile: 7-21 minutes on 2 cores) and holds the regrouped prediction to the full
 one within 5% on the ruler's step and on memory per GPU (docs/PERF.md, "A Super prediction in minutes").
 """
 import collections
@@ -88,7 +88,7 @@ SUPER = ("--target", "b200", "--what", "step", "--config", os.path.join(ROOT, "c
 @needs_plugin
 @pytest.mark.slow
 def test_regrouped_super_predicts_the_full_compile_within_5_percent(tmp_path, monkeypatch):
-  """The full compile of Super's proved step on 64 B200 (about 20 minutes) against the regrouped one, both in the
+  """The full compile of Super's proved step on 64 B200 (7-21 minutes) against the regrouped one, both in the
   report's environment (bench/predict/report_cache.py: the B200's cuBLAS GEMMs)."""
   for name, value in report_cache.TARGET_ENV["b200"].items():
     monkeypatch.setenv(name, value)
@@ -100,10 +100,10 @@ def test_regrouped_super_predicts_the_full_compile_within_5_percent(tmp_path, mo
     assert not runs[name].get("error") and proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   full, fast = runs["full"], runs["regrouped"]
   _check(proc, report, 600)   # the regrouped compile within the suite's budgets (the full one's host RSS is past them)
-  assert fast["cpu_s"] < 300   # under 5 minutes on 2 cores (153-167 CPU s measured; the full compile 377-488)
+  assert fast["cpu_s"] < 300   # under 5 minutes on 2 cores (142-167 CPU s measured; the full compile 354-488)
   assert fast["params"] == full["params"]
   assert fast["memory"]["argument_bytes"] == full["memory"]["argument_bytes"]
   memory = {name: r["memory"]["argument_bytes"] + r["memory"]["temp_bytes"] for name, r in runs.items()}
   assert memory["regrouped"] == pytest.approx(memory["full"], rel=0.05)
   assert fast["ruler"]["step_ms"] == pytest.approx(full["ruler"]["step_ms"], rel=0.05)
-  assert fast["lower_s"] + fast["compile_s"] < (full["lower_s"] + full["compile_s"]) / 2
+  assert fast["cpu_s"] < full["cpu_s"] / 1.5   # 2.2-3.2x less measured; wall times swing with the machine's load

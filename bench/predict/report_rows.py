@@ -38,7 +38,7 @@ LLAMA3_8B = ("--config.model.vocab_size=128256", "--config.model.d_model=4096", 
              "--config.model.bf16_last_blocks=0", "--config.model.remat=none")
 
 # Super's 88 blocks compiled as 12 distinct blocks instead of 26 (bench/predict/regroup.py): the same step for
-# the ruler in a third of the compile (docs/PERF.md, "A Super prediction in minutes", holds it against the full one).
+# the ruler in less than half the compile (docs/PERF.md, "A Super prediction in minutes", holds it against the full one).
 REGROUPED = ("--regroup_blocks",)
 
 
