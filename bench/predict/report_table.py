@@ -144,7 +144,10 @@ def _assumptions() -> str:
       "factors (n-1)/n (all-gather, reduce-scatter on the full buffer), 2(n-1)/n (all-reduce), all-to-all split "
       "NVLink/network; 5 us per collective inside a node, XLA's SoL launch and round-trip terms across nodes. "
       "The B200 programs are compiled with XLA's Triton GEMM emitter off (cuBLAS; a deviceless-compile "
-      "workaround). MFU = 6 x active parameters x tokens / (step x datasheet bf16 peak). \"÷ bias\": the "
+      "workaround). The nemotron3_super rows are compiled with their blocks regrouped (bench/predict/regroup.py: "
+      "the same blocks, fewer of them distinct; held against the full compile in docs/PERF.md, \"A Super "
+      "prediction in minutes\"). "
+      "MFU = 6 x active parameters x tokens / (step x datasheet bf16 peak). \"÷ bias\": the "
       "tokens/s divided by the calibration bias. \"old ruler\": the flat-80% roofline this replaces (no floor, "
       "no communication, integer work charged). A cell that does not compile says why."])
 
