@@ -46,12 +46,13 @@ def tag(results, name: str, ndims: tuple[int, ...], params_items: tuple) -> None
   value = f"{name} ndims={ndims} {params_items!r} source={source_fingerprint()}"
   flat = [v for r in results for v in (r if isinstance(r, (list, tuple)) else (r,))]
   for op in {id(v.owner): v.owner for v in flat}.values():
-    if op.name == "stablehlo.custom_call" and ir_string(op.attributes["call_target_name"]) == CALL_TARGET:
+    if _is_partitioned_call(op):
       op.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get({ATTRIBUTE: mlir.ir.StringAttr.get(value)})
 
 
-def ir_string(attr) -> str:
-  return mlir.ir.StringAttr(attr).value
+def _is_partitioned_call(op) -> bool:
+  return (op.name == "stablehlo.custom_call"
+          and mlir.ir.StringAttr(op.attributes["call_target_name"]).value == CALL_TARGET)
 
 
 def all_tagged(module) -> bool:
@@ -60,7 +61,7 @@ def all_tagged(module) -> bool:
 
   def visit(op):
     op = op.operation if hasattr(op, "operation") else op
-    if op.name == "stablehlo.custom_call" and ir_string(op.attributes["call_target_name"]) == CALL_TARGET:
+    if _is_partitioned_call(op):
       attrs = op.attributes["mhlo.frontend_attributes"] if "mhlo.frontend_attributes" in op.attributes else None
       if attrs is None or ATTRIBUTE not in mlir.ir.DictAttr(attrs):
         untagged.append(op)
