@@ -82,9 +82,10 @@ def _chunk_amax(q: Quantizer, t_Uxx, ch: gemm.Groups):
   return _segment_amax(abs_max(t_Uxx.reshape(t_Uxx.shape[0], -1), axis=-1), ch)
 
 
-def _vmap_quantize(q: Quantizer, t_Uxx, windows, amax_U):
-  return jax.vmap(q.quantize_prepared, in_axes=(0, None if windows is None else 0,
-                                                None if amax_U is None else 0))(t_Uxx, windows, amax_U)
+def _vmap_quantize(quantize, t_Uxx, windows, amax_U):
+  """``quantize(t, window, amax)`` of every chunk: one op over the chunk axis (windows and amaxes optional)."""
+  return jax.vmap(quantize, in_axes=(0, None if windows is None else 0,
+                                     None if amax_U is None else 0))(t_Uxx, windows, amax_U)
 
 
 def _check_roles(roles):
@@ -108,7 +109,7 @@ def _quantize_rows(q: Quantizer, t_SxC, ch: gemm.Groups, keys_E=None, signs_E=No
     prepared = jax.vmap(q.prepare)(t_UxAxC, signs_E[ch.group])
   windows = _window(keys_E, ch, lambda h: (h.sizes[h.group], jnp.full_like(h.group, c)),
                     lambda h: (h.offset, jnp.zeros_like(h.offset)), (ch.rows, c))
-  return _vmap_quantize(q, prepared, windows, _chunk_amax(q, prepared, ch))
+  return _vmap_quantize(q.quantize_prepared, prepared, windows, _chunk_amax(q, prepared, ch))
 
 
 def _quantize_tokens(q: Quantizer, t_SxC, ch: gemm.Groups, keys_E=None, signs_E=None) -> QTensor:
@@ -124,14 +125,12 @@ def _quantize_tokens(q: Quantizer, t_SxC, ch: gemm.Groups, keys_E=None, signs_E=
     if q.has_tensor_amax:
       one = lambda t_AxC: rht_amax(_exact.stored(t_AxC), rht_size=q.rht_size, rht_seed=q.rht_seed, one_pass=True)
       amax_U = _segment_amax(jax.vmap(one)(t_UxAxC), ch)
-    return jax.vmap(lambda t, w, a: q.quantize_t(t, w, amax=a),
-                    in_axes=(0, None if windows is None else 0, None if amax_U is None else 0)
-                    )(t_UxAxC, windows, amax_U)
+    return _vmap_quantize(lambda t, w, a: q.quantize_t(t, w, amax=a), t_UxAxC, windows, amax_U)
   if signs_E is None:
     prepared = jax.vmap(q.prepare_t)(t_UxAxC)
   else:
     prepared = jax.vmap(q.prepare_t)(t_UxAxC, signs_E[ch.group])
-  return _vmap_quantize(q, prepared, windows, _chunk_amax(q, prepared, ch))
+  return _vmap_quantize(q.quantize_prepared, prepared, windows, _chunk_amax(q, prepared, ch))
 
 
 # ---------------------------------------------------------------------------------------------------
