@@ -29,7 +29,7 @@ def _seed_text(m: dict) -> str:
   if m["kind"] == PENDING:
     return "pending"
   if m["kind"] == DIVERGED:
-    return "diverged at " + ", ".join(f"{f:g} T" for f in m["at"])
+    return "diverged: " + ", ".join(m["runs"])
   return ratio_text(m["kind"], m["ratio"])
 
 
@@ -81,8 +81,9 @@ def render_markdown(s: dict) -> str:
       "",
       f"| recipe | what | tokens needed / T | {pct} interval | per seed | seeds bracketed |",
       "|---|---|---|---|---|---|",
-      f"| {ref} | {s['descriptions'][ref]} | 1 (reference: its loss at T, per seed "
-      + ", ".join(f"{s['target'][k]:.4f}" for k in sorted(s["target"])) + ") | | | |",
+      f"| {ref} | {s['descriptions'][ref]} | 1 (reference" + (
+          ": its loss at T, per seed " + ", ".join(f"{s['target'][k]:.4f}" for k in sorted(s["target"]))
+          if s["target"] else "") + ") | | | |",
   ]
   for v in s["variants"][1:]:
     m = s["matches"][v]
@@ -95,9 +96,10 @@ def render_markdown(s: dict) -> str:
       "",
       "## Final validation loss per budget",
       "",
-      "Mean ± sample standard deviation over the seeds that finished the run (how many, when not all).",
+      "Mean ± sample standard deviation over the seeds that finished the run (how many, when not all; a diverged run "
+      "has no loss).",
       "",
-      "| recipe | " + " | ".join(f"{f:g} T ({round(f * s['steps']) * s['tokens_per_step'] / 1e6:.2f}M tokens)"
+      "| recipe | " + " | ".join(f"{f:g} T ({round(f * s['steps']) * s['tokens_per_step']:,} tokens)"
                                   for f in _all_fractions(s)) + " |",
       "|---|" + "---|" * len(_all_fractions(s)),
   ]
@@ -121,10 +123,11 @@ def _loss_cell(row: dict | None, n_seeds: int) -> str:
   losses = row["validation_loss"]
   if not losses:
     return "not run yet"
+  finite = sum(math.isfinite(x) for x in losses.values())
   text = pm(row["loss_mean"], row["loss_std"], ".4f")
-  if row["statuses"] != ["done"]:
-    text += f" ({', '.join(row['statuses'])})"
-  return text + (f" ({len(losses)} of {n_seeds})" if len(losses) < n_seeds else "")
+  if finite < n_seeds:
+    text += f" ({finite} of {n_seeds}" + (f", {len(losses) - finite} diverged" if finite < len(losses) else "") + ")"
+  return text
 
 
 def plot_budget(s: dict, path: str) -> None:
@@ -162,11 +165,13 @@ def plot_budget(s: dict, path: str) -> None:
   if math.isfinite(level):
     ax.axhline(level, color=colors[ref] if ref in colors else "black", ls="--", lw=0.9)
   ax.axvline(t, color="gray", ls=":", lw=0.9)
-  ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e6:g}M"))
-  ax.set_xlabel(f"tokens (T = {t / 1e6:.2f}M, dotted)")
+  ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=""))
+  ax.set_xlabel(f"tokens (dotted: T = {t:,})")
+  top = ax.secondary_xaxis("top", functions=(lambda x: x / t, lambda r: r * t))
+  top.set_xlabel("tokens / T")
   ax.set_ylabel("final validation loss (mean over seeds)")
-  ax.set_title(f"{s['name']}: tokens to {ref}'s loss at T (dashed), {len(s['seeds'])} seeds; "
-               f"markers on it: the mean tokens needed")
+  ax.set_title(f"{s['name']}, {len(s['seeds'])} seeds: {ref}'s loss at T (dashed)\nand the mean tokens each "
+               "recipe needs to reach it (markers on the dashed line)", fontsize=10)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8, loc="best")

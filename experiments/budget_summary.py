@@ -4,6 +4,7 @@ their mean over seeds with a t-interval."""
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 
 import jax
@@ -13,19 +14,22 @@ from experiments.budget_match import Match, mean_ratio, tokens_to_target
 from experiments.study_balance import mean_std
 from experiments.study_config import DESCRIPTIONS
 from experiments.study_records import load_result, records_dir
-from experiments.study_summary import count_run_params, hardware, model_summary, processors
-from models import lm
+from experiments.study_summary import hardware, model_summary, processors
+from models import ModelConfig, count_params, lm
 from training import config as config_lib
 
 PENDING = "pending"     # a budget of the seed (or the reference's run of the seed) has not finished
 DIVERGED = "diverged"   # a budget of the seed diverged: no finite loss to interpolate
 
 
-def non_embedding_params(run) -> int:
-  """Parameters outside the token embedding and the LM head (what tokens-per-parameter ratios count)."""
-  params = lm.abstract_variables(lm.LanguageModel(config_lib.resolve_model_config(run.model)))["params"]
-  return int(sum(leaf.size for name, tree in params.items() if name not in ("embed", "lm_head")
-                 for leaf in jax.tree_util.tree_leaves(tree)))
+@functools.lru_cache(maxsize=8)
+def param_counts(model: ModelConfig) -> tuple[int, int]:
+  """(parameters, parameters outside the token embedding and the LM head): what tokens-per-parameter ratios
+  count. Cached: the summary is rewritten after every run."""
+  params = lm.abstract_variables(lm.LanguageModel(model))["params"]
+  non_embedding = sum(leaf.size for name, tree in params.items() if name not in ("embed", "lm_head")
+                      for leaf in jax.tree_util.tree_leaves(tree))
+  return int(count_params(model)), int(non_embedding)
 
 
 def collect(config, runs_dir: str, out_dir: str | None = None) -> dict:
@@ -70,25 +74,25 @@ def collect(config, runs_dir: str, out_dir: str | None = None) -> dict:
                           wall_seconds={s: results[(run.name, s)].get("wall_seconds") for s in losses},
                           tokens_per_second={s: results[(run.name, s)].get("tokens_per_second") for s in losses})
   # The target of seed k: the reference's final validation loss at T with seed k (same init, data, validation).
-  target = {s: v for s, v in rows[runs[0].name]["validation_loss"].items() if math.isfinite(v)}
+  target = rows[runs[0].name]["validation_loss"]
   t_tokens = runs[0].steps * tokens_per_step
   matches = {}
   for v in variants[1:]:
+    mine = [r for r in runs if r.variant == v]
     per_seed = {}
     for s in seeds:
-      mine = [r for r in runs if r.variant == v]
-      losses = [rows[r.name]["validation_loss"].get(s) for r in mine]
-      if s not in target or any(x is None for x in losses):
+      losses = {r.name: rows[r.name]["validation_loss"].get(s) for r in [runs[0]] + mine}
+      if any(x is None for x in losses.values()):
         per_seed[s] = dict(kind=PENDING)
-      elif not all(math.isfinite(x) for x in losses):
-        per_seed[s] = dict(kind=DIVERGED, at=[r.fraction for r, x in zip(mine, losses) if not math.isfinite(x)])
+      elif not all(math.isfinite(x) for x in losses.values()):
+        per_seed[s] = dict(kind=DIVERGED, runs=[name for name, x in losses.items() if not math.isfinite(x)])
       else:
-        m = tokens_to_target([r.steps * tokens_per_step for r in mine], losses, target[s])
+        m = tokens_to_target([r.steps * tokens_per_step for r in mine], [losses[r.name] for r in mine], target[s])
         per_seed[s] = dict(kind=m.kind, tokens=m.tokens, ratio=m.tokens / t_tokens)
     measured = {s: m for s, m in per_seed.items() if m["kind"] not in (PENDING, DIVERGED)}
     summary = mean_ratio([Match(m["kind"], m["tokens"]) for m in measured.values()], t_tokens, confidence)
     matches[v] = dict(description=DESCRIPTIONS[v], per_seed=per_seed, measured_seeds=sorted(measured), **summary)
-  n_params, n_core = count_run_params(base_run), non_embedding_params(base_run)
+  n_params, n_core = param_counts(config_lib.resolve_model_config(base_run.model))
   return dict(
       name=config.name, reference=reference, variants=variants, fractions=fractions, seeds=seeds,
       confidence=confidence, descriptions={v: DESCRIPTIONS[v] for v in variants},

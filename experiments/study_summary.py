@@ -18,7 +18,7 @@ from models import count_params, moe
 from training import config as config_lib
 
 
-def count_run_params(run) -> int:
+def _count_params(run) -> int:
   return int(count_params(config_lib.resolve_model_config(run.model)))
 
 
@@ -31,7 +31,7 @@ def collect(config, runs_dir: str, out_dir: str | None = None) -> dict:
   seeds = [int(s) for s in config.study.seeds]
   base_run = run_config(config, "bf16", seeds[0])
   tokens_per_step = int(config.batch_size * config.data.seq_len)
-  n_params = count_run_params(base_run)
+  n_params = _count_params(base_run)
   n_active = n_params - moe.inactive_params(config_lib.resolve_model_config(base_run.model))
   window = float(config.study.get("balance_window", 0.25))
   results, curves, balance = {}, {}, {}

@@ -13,7 +13,7 @@ import pytest
 
 from configs import study_budget_cpu
 from configs.shrunken import compilation_cache_env
-from experiments import budget_config, budget_render, budget_study, study, study_records
+from experiments import budget_config, budget_render, budget_study, budget_summary, study, study_records
 from experiments.budget_match import AT_MOST, BRACKETED, MORE_THAN, Match, mean_ratio, t_interval, tokens_to_target
 from training import optim
 from training.errors import ConfigError
@@ -129,8 +129,12 @@ def test_the_study_on_fake_runs_writes_the_answer_and_skips_finished_runs(tmp_pa
     return result
 
   monkeypatch.setattr(study, "train_one", fake_train)
+  plotted = []   # the plot is drawn for real once, below
+  monkeypatch.setattr(budget_study, "plot_budget", lambda s, path: plotted.append(s["runs_done"]))
   s = budget_study.run_budget_study(c, out, runs_dir=runs, log=lambda _: None)
   assert sorted((n, k) for n, k, _ in trained) == sorted(FAKE_LOSS) and s["runs_done"] == s["runs_total"] == 14
+  assert plotted == list(range(15)), "the summary is rewritten before the first run and after each"
+  monkeypatch.setattr(budget_study, "plot_budget", budget_render.plot_budget)
   assert {(n, steps) for n, _, steps in trained} >= {("mxfp4_x1", 8), ("mxfp4_x1.2", 10), ("mxfp4_x1.4", 11)}
   t = s["t_tokens"]
   assert t == 8 * 8 * 64
@@ -142,7 +146,7 @@ def test_the_study_on_fake_runs_writes_the_answer_and_skips_finished_runs(tmp_pa
   fp8 = s["matches"]["fp8"]   # seed 0 under 2.0 at T already; seed 1: 2.1 between 2.2 and 2.0 at 9 of 8 steps
   assert fp8["kinds"] == [AT_MOST, BRACKETED] and fp8["ratios"] == pytest.approx([1.0, 9 / 8])
   assert fp8["kind"] == AT_MOST and fp8["mean"] == pytest.approx((1 + 9 / 8) / 2)
-  for name in ("summary.md", "summary.json", budget_render.PLOT_FILE):
+  for name in ("summary.md", "summary.json"):
     assert os.path.getsize(os.path.join(out, name)) > 0
   text = open(os.path.join(out, "summary.md"), encoding="utf-8").read()
   assert "| mxfp4 | E2M1, E8M0 scale per 32, SR, RHT-32 on wgrad | > 1.34 | — | 1.312, > 1.38 | 1/2 |" in text
@@ -155,6 +159,7 @@ def test_the_study_on_fake_runs_writes_the_answer_and_skips_finished_runs(tmp_pa
   calls = []
   budget_study.run_budget_study(c, out, runs_dir=runs, log=calls.append)
   assert trained == [] and "0 to do" in calls[0]
+  assert os.path.getsize(os.path.join(out, budget_render.PLOT_FILE)) > 10_000
   # A runs directory of another T is refused, not read as this study's.
   c.steps = 9
   with pytest.raises(ValueError, match="a finished run of 8 steps, but nvfp4_x1 of this study has 9"):
@@ -176,6 +181,7 @@ def test_every_seed_bracketed_gives_the_mean_and_its_interval(tmp_path, monkeypa
     return result
 
   monkeypatch.setattr(study, "train_one", fake_train)
+  monkeypatch.setattr(budget_study, "plot_budget", lambda s, path: None)   # drawn in the test above
   s = budget_study.run_budget_study(c, str(tmp_path / "out"), runs_dir=str(tmp_path / "runs"), log=lambda _: None)
   # The crossings in steps: 10 + 0.1 / 0.2 (seed 0), 8 + 2 * 0.2 / 0.3 (seed 1), 10 + 0.2 / 0.25 (seed 2); T: 8.
   ratios = [x / 8 for x in (10.5, 8 + 4 / 3, 10.8)]
@@ -215,3 +221,25 @@ def test_quick_study_runs_every_run_and_writes_the_summary(tmp_path):
   assert "| recipe | what | tokens needed / T | 95% interval | per seed | seeds bracketed |" in text
   assert "| mxfp4 | " in text and "runs finished 6/6" in text
   assert (out / budget_render.PLOT_FILE).stat().st_size > 10_000
+
+
+def test_diverged_and_unfinished_runs_leave_their_seed_out(tmp_path):
+  c = micro_budget_config()
+  c.study.variants, c.study.fractions, c.study.seeds = "nvfp4,mxfp4", (1.0, 1.5), (0, 1, 2)
+  runs = str(tmp_path / "runs")
+  results = {("nvfp4_x1", 0): 2.0, ("nvfp4_x1", 1): 2.0, ("nvfp4_x1", 2): 2.0, ("mxfp4_x1", 0): 2.2,
+             ("mxfp4_x1.5", 0): 1.8, ("mxfp4_x1", 1): 2.2, ("mxfp4_x1.5", 1): None, ("mxfp4_x1", 2): 2.2}
+  for (name, seed), loss in results.items():   # seed 1 diverged at 1.5 T; seed 2 has not run 1.5 T yet
+    workdir = study_records.run_dir(runs, name, seed)
+    os.makedirs(workdir)
+    steps = 8 if name.endswith("x1") else 12
+    with open(os.path.join(workdir, study_records.RESULT_FILE), "w", encoding="utf-8") as f:
+      json.dump(dict(status="done" if loss else "diverged", step=steps if loss else 5, validation_loss=loss), f)
+  s = budget_summary.collect(c, runs)
+  mx = s["matches"]["mxfp4"]
+  assert [mx["per_seed"][k]["kind"] for k in (0, 1, 2)] == [BRACKETED, budget_summary.DIVERGED, budget_summary.PENDING]
+  assert mx["measured_seeds"] == [0] and mx["ratios"] == pytest.approx([10 / 8]) and math.isnan(mx["low"])
+  assert s["rows"]["mxfp4_x1.5"]["statuses"] == ["diverged", "done"] and s["runs_done"] == 8
+  text = budget_render.render_markdown(s)
+  assert "| **1.250** (+25%) (1 of 3 seeds) | — | 1.250, diverged: mxfp4_x1.5, pending | 1/3 |" in text
+  assert "| mxfp4 | 2.2000 ± 0.0000 | 1.8000 (1 of 3, 1 diverged) |" in text
