@@ -1,8 +1,8 @@
 """The tokens-to-loss study at CPU size: how many tokens each recipe needs to reach the loss the paper's NVFP4
 recipe reaches with the budget T (the paper, spec §7: MXFP4 needs ~36% more, 8B hybrid, 1T tokens).
 
-  nohup python -m experiments.budget_study --config configs/study_budget_cpu.py \
-      > results/study_budget_cpu/log.txt 2>&1 &
+  mkdir -p results/study_budget_cpu && nohup python -m experiments.budget_study \
+      --config configs/study_budget_cpu.py > results/study_budget_cpu/log.txt 2>&1 &
   python -m experiments.budget_study --config configs/study_budget_cpu.py --quick   # minutes: the pipeline
 
 The model, data and schedule of configs/study_cpu_long.py: T = 2200 steps x 32 x 64 = 4.5M tokens, 103 tokens

@@ -195,7 +195,7 @@ def test_every_seed_bracketed_gives_the_mean_and_its_interval(tmp_path, monkeypa
   assert f"| **{mean:.3f}** ({100 * (mean - 1):+.0f}%) | {mx['low']:.3f} ... {mx['high']:.3f} |" in text
 
 
-@pytest.mark.slow   # trains the --quick study (2 recipes, 2 budgets, 2 seeds, 8-12 steps): minutes
+@pytest.mark.slow   # trains the --quick study (2 recipes, 2 budgets, 2 seeds, 8-12 steps): ~3 min on 2 cores
 def test_quick_study_runs_every_run_and_writes_the_summary(tmp_path):
   out, runs = tmp_path / "out", tmp_path / "runs"
   start = time.perf_counter()
