@@ -37,7 +37,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable, Iterator, Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -88,25 +88,37 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
     return summary
   todo = [(v, s) for s in seeds for v in variants if records_dir(runs_dir, out_dir, v, s) is None]
   log(f"study {config.name}: {len(variants)} variants x {len(seeds)} seeds; {len(todo)} run(s) to do")
-  for i, (variant, seed) in enumerate(todo):
-    workdir = run_dir(runs_dir, variant, seed)
-    if records_dir(runs_dir, out_dir, variant, seed) is not None:   # finished meanwhile by another process
-      log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed}: finished meanwhile, skipped")
-      continue
-    log(f"\n=== [{i + 1}/{len(todo)}] {variant} seed {seed} -> {workdir}")
-    try:
-      record = train_one(run_config(config, variant, seed), workdir, log)
-    except training.WorkdirInUse as e:   # another study process is training it: its result is read when it is done
-      log(f"  skipped: {e}")
-      continue
-    if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
-      log(f"run {variant}/seed{seed} ended with status {record['status']}; stopping the study")
-      break
+  for _ in train_runs(todo, lambda v, s: run_config(config, v, s), runs_dir, out_dir, log):
     summary = write_summary(config, out_dir, runs_dir)
   return summary
 
 
-def _jsonable(s: dict) -> dict:
+def train_runs(todo: Sequence[tuple[str, int]], make_run: Callable[[str, int], Any], runs_dir: str,
+               out_dir: str, log: Callable[[str], None]) -> Iterator[dict]:
+  """Trains each (name, seed) of ``todo`` in ``run_dir(runs_dir, name, seed)`` with the config
+  ``make_run(name, seed)``, one after the other, yielding each finished run's record.
+
+  A run another process finished meanwhile (its records found under ``runs_dir`` or ``out_dir``) or is
+  training (``training.WorkdirInUse``) is skipped; a run stopped by a signal ends the loop."""
+  for i, (name, seed) in enumerate(todo):
+    workdir = run_dir(runs_dir, name, seed)
+    if records_dir(runs_dir, out_dir, name, seed) is not None:   # finished meanwhile by another process
+      log(f"\n=== [{i + 1}/{len(todo)}] {name} seed {seed}: finished meanwhile, skipped")
+      continue
+    log(f"\n=== [{i + 1}/{len(todo)}] {name} seed {seed} -> {workdir}")
+    try:
+      record = train_one(make_run(name, seed), workdir, log)
+    except training.WorkdirInUse as e:   # another study process is training it: its result is read when it is done
+      log(f"  skipped: {e}")
+      continue
+    if record["status"] not in ("done", "diverged"):  # stopped by a signal: leave the rest for next time
+      log(f"run {name}/seed{seed} ended with status {record['status']}; stopping the study")
+      return
+    yield record
+
+
+def jsonable(s: dict) -> dict:
+  """A summary as JSON: non-finite floats as null, floats to 6 decimals, curves left out."""
   def clean(x):
     if isinstance(x, float):
       return None if not math.isfinite(x) else round(x, 6)
@@ -125,7 +137,7 @@ def write_summary(config, out_dir: str, runs_dir: str) -> dict:
   with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
     f.write(render_markdown(s))
   with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
-    json.dump(_jsonable(s), f, indent=1)
+    json.dump(jsonable(s), f, indent=1)
   plot_gaps(s, os.path.join(out_dir, "loss_gap.png"))
   if s.get("balance"):
     plot_balance(s, os.path.join(out_dir, "balance.png"))

@@ -52,7 +52,8 @@ DESCRIPTIONS.update({f"{n}_all_fp4": f"{DESCRIPTIONS[n]}; every linear layer in 
                      for n in ("nvfp4_4over6", "quartet2_rtn", "quartet2", "tetrajet2")})
 
 
-def _set(config, path: str, value) -> None:
+def set_path(config, path: str, value) -> None:
+  """``config.<path> = value`` for a dotted ``path`` ("optim.lr")."""
   *parents, leaf = path.split(".")
   node = config
   for p in parents:
@@ -94,7 +95,7 @@ def run_config(config, variant: str, seed: int):
   run.name = f"{config.name}/{variant}/seed{seed}"
   run.seed = int(seed)
   for path, value in VARIANTS[variant].items():
-    _set(run, path, value)
+    set_path(run, path, value)
   if variant == "nvfp4_switch":
     run.precision_switch.fraction = float(config.study.switch_fraction)
   return run

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 
-def _pm(mean: float, std: float, fmt: str) -> str:
+def pm(mean: float, std: float, fmt: str) -> str:
+  """"mean ± std" in ``fmt`` ("mean" alone without a spread, "—" without a mean)."""
   if not math.isfinite(mean):
     return "—"
   return f"{mean:{fmt}} ± {std:{fmt.lstrip('+')}}" if math.isfinite(std) else f"{mean:{fmt}}"
@@ -23,7 +24,7 @@ def render_markdown(s: dict) -> str:
       f"{s['tokens_per_run']:,} tokens per run ({s['tokens_per_param']:.1f} tokens/parameter"
       f"{_active(s, per_token=True)}). Seeds {s['seeds']}; runs finished "
       f"{s['runs_done']}/{s['runs_total']}.",
-      f"Hardware: {_hardware(s)}, jax {hw['jax']}; "
+      f"Hardware: {hardware_line(s)}, jax {hw['jax']}; "
       f"total wall time of the finished runs {s['total_wall_seconds'] / 60:.1f} min. Updated {s['updated']}.",
       "",
       "Gap = (validation loss - bf16 validation loss) / bf16 validation loss, paired by seed; "
@@ -43,11 +44,11 @@ def render_markdown(s: dict) -> str:
       continue
     status = "" if r["statuses"] == ["done"] else f" ({', '.join(r['statuses'])})"
     per_seed = ", ".join(f"{r['gap_percent'][k]:+.2f}" for k in sorted(r["gap_percent"]))
-    gap = "0 (reference)" if v == "bf16" else _pm(r["gap_mean"], r["gap_std"], "+.2f")
+    gap = "0 (reference)" if v == "bf16" else pm(r["gap_mean"], r["gap_std"], "+.2f")
     vs = "" if v in ("bf16", s.get("reference")) or not r.get("vs_reference_pp") else (
-        _pm(r["vs_reference_mean"], r["vs_reference_std"], "+.2f") + " (" +
+        pm(r["vs_reference_mean"], r["vs_reference_std"], "+.2f") + " (" +
         ", ".join(f"{r['vs_reference_pp'][k]:+.2f}" for k in sorted(r["vs_reference_pp"])) + ")")
-    lines.append(f"| {v}{status} | {r['description']} | {_pm(r['loss_mean'], r['loss_std'], '.4f')} | {gap} | "
+    lines.append(f"| {v}{status} | {r['description']} | {pm(r['loss_mean'], r['loss_std'], '.4f')} | {gap} | "
                  f"{'' if v == 'bf16' else per_seed} | {vs} | {r['tokens_per_second']:,.0f} | "
                  f"{r['wall_seconds'] / 60:.1f} min |")
   lines += [
@@ -68,7 +69,7 @@ def render_markdown(s: dict) -> str:
   return "\n".join(lines)
 
 
-def _hardware(s: dict) -> str:
+def hardware_line(s: dict) -> str:
   """This machine, or per processor the runs that ran on it when they did not all run here."""
   hw, procs = s["hardware"], s.get("processors") or {}
   here = f"{hw['cpus']} x {hw['processor']} ({hw['platform']})"
@@ -94,9 +95,9 @@ def render_balance(s: dict) -> list[str]:
     c = b[v][key]
     if not c["per_seed"]:
       return "not run yet"
-    text = _pm(c["mean"], c["std"], fmt)
+    text = pm(c["mean"], c["std"], fmt)
     if v != "bf16" and c["vs_bf16"]:
-      text += (f"; vs bf16 {_pm(c['vs_bf16_mean'], c['vs_bf16_std'], '+' + fmt)} ("
+      text += (f"; vs bf16 {pm(c['vs_bf16_mean'], c['vs_bf16_std'], '+' + fmt)} ("
                + ", ".join(f"{c['vs_bf16'][k]:+{fmt}}" for k in sorted(c["vs_bf16"])) + ")")
     return text
 
@@ -118,7 +119,7 @@ def render_balance(s: dict) -> list[str]:
   ref = b["bf16"]["late_max_vio"]
   lines += [
       "",
-      f"Seed noise of the balance: bf16's late MaxVio {_pm(ref['mean'], ref['std'], '.3f')} over seeds.",
+      f"Seed noise of the balance: bf16's late MaxVio {pm(ref['mean'], ref['std'], '.3f')} over seeds.",
       "",
       "![expert balance](balance.png)",
       "",

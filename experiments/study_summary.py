@@ -98,25 +98,31 @@ def collect(config, runs_dir: str, out_dir: str | None = None) -> dict:
       steps=int(config.steps), batch_size=int(config.batch_size), seq_len=int(config.data.seq_len),
       switch_fraction=float(config.study.switch_fraction), switch_tokens=switch_step * tokens_per_step,
       bf16_seed_std_percent=noise, reference=reference,
-      model=_model_summary(base_run),
-      processors=_processors(results),
-      hardware=dict(machine=platform.machine(), processor=cpu_name(), cpus=os.cpu_count(),
-                    platform=jax.devices()[0].platform, device=str(jax.devices()[0].device_kind),
-                    jax=jax.__version__, python=platform.python_version()),
+      model=model_summary(base_run),
+      processors=processors(results),
+      hardware=hardware(),
       total_wall_seconds=float(sum(r["wall_seconds"] for r in results.values())),
       updated=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   )
 
 
-def _processors(results: dict) -> dict[str, list[str]]:
-  """{processor: ["variant/seed<k>", ...]} of the finished runs (a result without one: "?")."""
+def hardware() -> dict:
+  """This machine and its JAX: where the summary is written."""
+  return dict(machine=platform.machine(), processor=cpu_name(), cpus=os.cpu_count(),
+              platform=jax.devices()[0].platform, device=str(jax.devices()[0].device_kind),
+              jax=jax.__version__, python=platform.python_version())
+
+
+def processors(results: dict) -> dict[str, list[str]]:
+  """{processor: ["<run>/seed<k>", ...]} of the finished runs, ``results`` keyed by (run, seed) (a result
+  without one: "?")."""
   out: dict[str, list[str]] = {}
   for (v, s), rec in sorted(results.items(), key=lambda kv: (kv[0][0], kv[0][1])):
     out.setdefault(rec.get("processor") or "?", []).append(f"{v}/seed{s}")
   return out
 
 
-def _model_summary(run) -> dict:
+def model_summary(run) -> dict:
   m = config_lib.resolve_model_config(run.model)
   return dict(preset=run.model.preset, pattern=m.pattern, d_model=m.d_model, mlp_dim=m.mlp_dim,
               bf16_first_blocks=m.bf16_first_blocks, bf16_last_blocks=m.bf16_last_blocks, dtype=str(m.dtype))
