@@ -6,6 +6,7 @@
                                                           # the machine is free; the parts' data add up in --out
     python scripts/coverage_gap.py --report_only          # compare the data the runs left in --out
     python scripts/coverage_gap.py --default "tests/test_nan.py -k abs_max" --slow "tests/test_nan.py"
+    python scripts/coverage_gap.py --only default --by_test      # also: the lines each default test alone reaches
 
 Each run is ``python -m coverage run -m pytest -n 2 <its arguments>`` over fp4jax/, models/ and training/, with
 subprocesses measured too (the xdist workers and the training runs the tests start). The full suite's lines are
@@ -29,10 +30,12 @@ PACKAGES = ("fp4jax", "models", "training")
 SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the slow tests
 
 
-def _rcfile(out: str) -> str:
+def _rcfile(out: str, by_test: bool = False) -> str:
   path = os.path.join(out, "coveragerc")
   with open(path, "w") as f:
     f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n")
+    if by_test:
+      f.write("dynamic_context = test_function\n")
   return path
 
 
@@ -55,14 +58,15 @@ def part_name(part: int, parts: int) -> str:
   return "slow" if parts == 1 else f"slow-{part}-of-{parts}"
 
 
-def run_suite(name: str, pytest_args: str, out: str, workers: int) -> str:
-  """Run one suite under coverage; the path of its JSON report (executed lines per file)."""
+def run_suite(name: str, pytest_args: str, out: str, workers: int, by_test: bool = False) -> str:
+  """Run one suite under coverage; the path of its JSON report (executed lines per file, and with ``by_test``
+  the test functions that executed each)."""
   data = os.path.join(out, name, ".coverage")
   os.makedirs(os.path.dirname(data), exist_ok=True)
   for stale in os.listdir(os.path.dirname(data)):
     if stale.startswith(".coverage"):
       os.remove(os.path.join(os.path.dirname(data), stale))
-  env = dict(os.environ, COVERAGE_FILE=data, COVERAGE_RCFILE=_rcfile(out))
+  env = dict(os.environ, COVERAGE_FILE=data, COVERAGE_RCFILE=_rcfile(out, by_test))
   cmd = [sys.executable, "-m", "coverage", "run", "-m", "pytest", "-q", "-n", str(workers),
          *shlex.split(pytest_args)]
   print(f"{name}: {shlex.join(cmd)}", flush=True)
@@ -71,7 +75,8 @@ def run_suite(name: str, pytest_args: str, out: str, workers: int) -> str:
     raise SystemExit(f"{name}: pytest exited with {status}; no coverage to compare")
   subprocess.check_call([sys.executable, "-m", "coverage", "combine", "-q"], cwd=ROOT, env=env)
   report = os.path.join(out, f"{name}.json")
-  subprocess.check_call([sys.executable, "-m", "coverage", "json", "-q", "-o", report], cwd=ROOT, env=env)
+  subprocess.check_call([sys.executable, "-m", "coverage", "json", "-q", "-o", report,
+                         *(["--show-contexts"] if by_test else [])], cwd=ROOT, env=env)
   return report
 
 
@@ -81,6 +86,25 @@ def executed(report: str) -> dict[str, set[int]]:
     files = json.load(f)["files"]
   return {os.path.relpath(os.path.abspath(os.path.join(ROOT, p)), ROOT): set(v["executed_lines"])
           for p, v in files.items()}
+
+
+NO_TEST = "(no test function)"
+
+
+def sole_lines(report: str) -> dict[str, int]:
+  """{test function: how many lines of the report no other test function executed} of a ``--by_test`` report,
+  largest first; lines whose only context is empty (import time, a test's subprocess) count under NO_TEST, and a
+  line that one test and an empty context both executed is nobody's alone."""
+  with open(report) as f:
+    files = json.load(f)["files"]
+  counts: dict[str, int] = {}
+  for f in files.values():
+    for contexts in f.get("contexts", {}).values():
+      tests = {c or NO_TEST for c in contexts}
+      if len(tests) == 1:
+        (test,) = tests
+        counts[test] = counts.get(test, 0) + 1
+  return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _ranges(lines: list[int]) -> str:
@@ -127,6 +151,8 @@ def main(argv=None) -> int:
   ap.add_argument("--part", type=int, default=0, help="run only this part of the slow tests (1-based; 0: all)")
   ap.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers")
   ap.add_argument("--report_only", action="store_true", help="compare the JSON reports already in --out")
+  ap.add_argument("--by_test", action="store_true",
+                  help="record each line's test functions; write <suite>.sole.txt (the lines each test alone reaches)")
   ap.add_argument("--min_share", type=float, default=0.97, help="exit 1 below this share")
   args = ap.parse_args(argv)
   if not 0 <= args.part <= args.parts:
@@ -135,7 +161,10 @@ def main(argv=None) -> int:
   parts = {k: part_name(k, args.parts) for k in range(1, args.parts + 1)}
   if not args.report_only:
     if args.only in (None, "default"):
-      run_suite("default", args.default, args.out, args.workers)
+      report = run_suite("default", args.default, args.out, args.workers, args.by_test)
+      if args.by_test:
+        with open(os.path.join(args.out, "default.sole.txt"), "w") as f:
+          f.write("".join(f"{n:6d}  {test}\n" for test, n in sole_lines(report).items()))
     if args.only in (None, "slow"):
       files = slow_files(args.slow) if args.parts > 1 else []
       for k, name in parts.items():

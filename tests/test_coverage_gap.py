@@ -1,4 +1,5 @@
 """scripts/coverage_gap.py: the lines only the full suite reaches, and the default suite's share."""
+import json
 import os
 import sys
 
@@ -34,3 +35,13 @@ def test_two_selections_under_coverage(tmp_path):
                               "--slow", "tests/test_nan.py::test_fused_producers_keep_nan"])
   text = (tmp_path / "gap.txt").read_text()
   assert status == 1 and "fp4jax/fused.py" in text and "fp4jax/numerics/amax.py" not in text
+
+
+def test_sole_lines_counts_what_one_test_function_alone_reaches(tmp_path):
+  report = tmp_path / "r.json"
+  report.write_text(json.dumps({"files": {
+      "fp4jax/a.py": {"executed_lines": [1, 2, 3, 4], "contexts": {
+          "1": ["test_a.test_one"], "2": ["test_a.test_one", "test_b.test_two"], "3": ["test_b.test_two"],
+          "4": [""]}},
+      "models/b.py": {"executed_lines": [7, 8], "contexts": {"7": ["test_a.test_one"], "8": ["", "test_a.test_one"]}}}}))
+  assert coverage_gap.sole_lines(str(report)) == {"test_a.test_one": 2, "test_b.test_two": 1, coverage_gap.NO_TEST: 1}

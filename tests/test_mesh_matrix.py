@@ -18,11 +18,14 @@ the two impls' losses bit-identical in every cell (largest relative difference 0
 27:58 (tiny 11 min, moe_tiny 17) with the compilation cache already holding the programs; the default slice's
 losses are bit-identical too.
 
-The full product is slow (``-m slow``); the default suite runs a slice: moe_tiny's E block alone on data 2 x
-expert 2 in nvfp4, each impl (the grouped GEMMs' quantize of a one-block axis under data sharding, and the
-kernels inside the expert-parallel shard_map: the two failures of the kernel path on a mesh), in one subprocess
-that shares the persistent compilation cache of the suite. tests/test_mesh_primitives.py covers the dense dot
-on row-sharded inputs of one block in NVFP4 and MXFP4.
+The full product and its slice are slow (``-m slow``). The slice: moe_tiny's E block alone on data 2 x expert
+2 in nvfp4, each impl (the grouped GEMMs' quantize of a one-block axis under data sharding, and the kernels
+inside the expert-parallel shard_map: the two failures of the kernel path on a mesh), in one subprocess that
+shares the persistent compilation cache of the suite (about 2 min of CPU). The default suite's representatives:
+tests/test_mesh_primitives.py (the quantize and the dense dot on row-sharded inputs of one block in NVFP4 and
+MXFP4, the kernels and the grouped dot inside ``shard_map``) and tests/test_train_micro_batches.py (moe_tiny
+trained with expert parallelism on 8 devices); every line the slice runs is run by the default suite too
+(``scripts/coverage_gap.py --by_test``, docs/PERF.md "The test suite's time").
 """
 import json
 import math
@@ -131,6 +134,7 @@ def check_impls_agree(losses: dict):
 SLICE = [("moe_tiny_e", "data2_expert2", impl, "nvfp4") for impl in IMPLS]
 
 
+@pytest.mark.slow   # the default representatives: the module docstring
 def test_kernel_path_trains_on_a_mesh_slice():
   check_impls_agree(run_cells(SLICE))
 

@@ -44,6 +44,7 @@ def test_the_table_from_the_cache(tmp_path, monkeypatch):
   assert "| mxfp8 | does not compile: NotImplementedError: mxfp8 grouped GEMM |" in text
   assert "bench/predict/report.py --rows llama8b_b200 --variants nvfp4" in text          # not compiled yet
   assert "Predictions, not measurements" in text and "| 24.0 |" in text           # 8 + 16 GiB per GPU
+  assert "tokens per GPU per step: 8,192 (Llama-3-8B shape, 8 B200)" in text     # the compiled rows' own
   bf16 = next(l for l in text.splitlines() if l.startswith("| Llama-3-8B shape, 8 B200 | bf16 |"))
   assert "(optimistic)" in bf16          # one fusion: far faster than torchtitan, so the bias is above 1
   perf = tmp_path / "PERF.md"

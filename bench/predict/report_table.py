@@ -77,6 +77,18 @@ def _versions() -> str:
   return ", ".join(out)
 
 
+def tokens_per_step(cells) -> str:
+  """The compiled rows' tokens per GPU per step, each count with the rows that have it (the dense rows one
+  sequence of 8192, Super its config's global batch over 64 GPUs in micro-batches)."""
+  by_count: dict[int, list[str]] = {}
+  for row, _, c in cells:
+    if c["state"] == "ok" and row.title not in by_count.setdefault(int(c["tokens"]), []):
+      by_count[int(c["tokens"])].append(row.title)
+  if not by_count:
+    return "as each row's config sets them"
+  return "; ".join(f"{n:,} ({', '.join(titles)})" for n, titles in sorted(by_count.items()))
+
+
 def render(cache: report_cache.Cache, rows, variants=()) -> str:
   cells, points = [], []
   for row in rows:
@@ -92,8 +104,8 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
   b = calibration.bias(points)
   lines = [f"**Predictions, not measurements** (no GPU ran these programs): `python bench/predict/report.py`, "
            f"{time.strftime('%Y-%m-%d', time.gmtime())}, {_versions()}; each program compiled without a GPU "
-           f"(bench/predict/gpu_aot.py, 1 x 8192 tokens per GPU) and priced by bench/predict/ruler.py. Calibration bias: "
-           f"{calibration.describe(b)}.",
+           f"(bench/predict/gpu_aot.py; tokens per GPU per step: {tokens_per_step(cells)}) and priced by "
+           f"bench/predict/ruler.py. Calibration bias: {calibration.describe(b)}.",
            "",
            "| program, GPUs | variant | step ms | tokens/s/GPU | ÷ bias | MFU | kernels/step | exposed comm ms "
            "(of all) | memory GiB/GPU | old ruler ms |",
