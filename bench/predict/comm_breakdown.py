@@ -74,8 +74,8 @@ def micro_batch_computations(mod: hlo_walk.Module) -> set[str]:
 def breakdown(text: str, target: str, cluster_name: str, partition_devices=None) -> dict:
   """The ruler's prediction of a compiled step (``ruler.predict``) with ``rows``: every collective with its
   ``purpose``, ``crosses_nodes`` and ``per_micro_batch``, and ``schedule``: per computation that issues
-  collectives, its ``compute_s`` (its loops' included) and ``comm_s`` per step, the ``exposed_s`` and the ``floor_s`` no order of
-  it avoids (module docstring)."""
+  collectives, its ``compute_s`` (its loops' included) and ``comm_s`` per step, the ``exposed_s`` and the
+  ``floor_s`` no order of it avoids (module docstring)."""
   p = ruler.predict(text, target, cluster_name, partition_devices=partition_devices)
   mod = hlo_walk.Module(text)
   inside = micro_batch_computations(mod)

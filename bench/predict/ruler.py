@@ -79,10 +79,10 @@ def _inner_collective(mod: hlo_walk.Module, ins: hlo_text.Instr):
 
 def buffer_bytes(mod: hlo_walk.Module, ins: hlo_text.Instr, kind: str, group_size: int) -> int:
   """The full buffer a collective moves per GPU (bench/predict/cluster.py's ``S``): an all-gather's gathered
-  output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a
-  ragged all-to-all's smaller buffer (``_ragged_bytes``), a permute's send. An ``all-gather-start`` or ``reduce-scatter-start`` counts its results (the second half of
-  its (operands, results) tuple: XLA combines small ones into one), a ``collective-permute-start`` its
-  operand, an ``all-reduce-start`` its result."""
+  output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a ragged
+  all-to-all's smaller buffer (``_ragged_bytes``), a permute's send. An ``all-gather-start`` or
+  ``reduce-scatter-start`` counts its results (the second half of its (operands, results) tuple: XLA combines
+  small ones into one), a ``collective-permute-start`` its operand, an ``all-reduce-start`` its result."""
   if kind == "ragged-all-to-all":
     return _ragged_bytes(mod, ins)
   out = sum(hlo_text.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in _moved(ins))
