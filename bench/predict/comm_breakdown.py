@@ -7,10 +7,11 @@ in which dtype, how often, and how much of it the schedule leaves exposed.
 ``partition_devices``.) Every collective of the optimized HLO is priced and walked by bench/predict/ruler.py and
 sorted by:
 
-- **what it moves** (``purpose``, from its kind and the jax op it comes from): ``weights`` (an all-gather of
-  parameters: values, FP4 / FP8 codes, scales, amaxes), ``gradients`` (a reduce-scatter, or an all-reduce in
-  the backward of a float dtype), ``experts`` (expert parallelism's dispatch and combine and their counts:
-  ``models.expert_parallel``), ``statistics`` (the other all-reduces: amaxes, losses, loads) and
+- **what it moves** (``purpose``, from its kind and the jax op it comes from; a collective XLA combined from
+  several is classed by the op its metadata names): ``weights`` (an all-gather of parameters: values, FP4 /
+  FP8 codes, scales), ``gradients`` (a reduce-scatter, or an all-reduce in the backward of a float dtype),
+  ``experts`` (expert parallelism's dispatch and combine and their counts: ``models.expert_parallel``),
+  ``statistics`` (a quantize's tensor amax over the shards, and the other all-reduces: losses, loads) and
   ``resharding`` (an all-to-all that moves an activation between layouts);
 - **where**: inside one node (NVLink) or across nodes (the network);
 - **how often**: ``per micro-batch`` (issued inside the train step's loop over micro-batches, the scan of
@@ -43,6 +44,8 @@ def purpose(c: dict) -> str:
   kind, op, floats = c["kind"], c["op_name"], any(d in c["dtype"] for d in ("f32", "bf16", "f16"))
   if kind == "ragged-all-to-all" or "moe_experts/shard_map/all_" in op:
     return "experts"
+  if "quantize/reduce" in op or "reduce_max" in op:   # a tensor amax (its int32 bits) over the shards
+    return "statistics"
   if kind == "all-to-all":
     return "experts" if "moe_experts" in op else "resharding"
   if kind == "reduce-scatter" or (kind == "all-reduce" and floats and "transpose(" in op

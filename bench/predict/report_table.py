@@ -142,7 +142,7 @@ def _assumptions() -> str:
       "tables for H100 and B200, TileLang's H800 FP8; block-scaled MXFP8/NVFP4 assumed at FP8's measured "
       f"fraction of their peak: {', '.join(sorted(gemm_rates.ASSUMED))}); collectives on {clusters}; ring "
       "factors (n-1)/n (all-gather, reduce-scatter on the full buffer), 2(n-1)/n (all-reduce), all-to-all split "
-      "NVLink/network; 5 us per collective inside a node, XLA's SoL launch and round-trip terms across nodes. "
+      "NVLink/network (a ragged one on the smaller of its send and receive buffers); 5 us per collective inside a node, XLA's SoL launch and round-trip terms across nodes. "
       "The B200 programs are compiled with XLA's Triton GEMM emitter off (cuBLAS; a deviceless-compile "
       "workaround). The nemotron3_super rows are compiled with their blocks regrouped (bench/predict/regroup.py: "
       "the same blocks, fewer of them distinct; held against the full compile in docs/PERF.md, \"A Super "
