@@ -446,3 +446,44 @@ ENTRY %main (g: bf16[1,4194304]) -> bf16[8,4194304] {{
   assert body["floor_s"] == pytest.approx(body["comm_s"] - body["compute_s"]) and body["floor_s"] > 0
   text_report = comm_breakdown.report(b)
   assert "| gradients | across nodes | per micro-batch | 4 |" in text_report
+
+
+def test_a_loop_without_a_stated_trip_count_runs_from_its_start_to_its_bound():
+  """XLA's collective pipeliner peels iterations out of a loop: the rest starts at 1 (a copied constant in the
+  initial tuple), its condition a fusion comparing with 7, and no known_trip_count. 6 trips (before: 1)."""
+  from bench.predict import hlo_walk   # pylint: disable=import-outside-toplevel
+  text = """HloModule m, is_scheduled=true, num_partitions=1
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %k = s32[] constant(7)
+  ROOT %lt = pred[] compare(%p, %k), direction=LT
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %c = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %v = f32[4]{0} get-tuple-element(%s), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[4]{0}) tuple(%j, %v)
+}
+
+ENTRY %main (t: f32[4]) -> f32[4] {
+  %t = f32[4]{0} parameter(0)
+  %c1 = s32[] constant(1)
+  %start = s32[] copy(%c1)
+  %init = (s32[], f32[4]{0}) tuple(%start, %t)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  ROOT %r = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+  mod = hlo_walk.Module(text)
+  assert mod.trip_count(mod.by_name["w"]) == 6
+  assert mod.multipliers()["body"] == 6

@@ -15,7 +15,8 @@ sorted by:
   ``resharding`` (an all-to-all that moves an activation between layouts);
 - **where**: inside one node (NVLink) or across nodes (the network);
 - **how often**: ``per micro-batch`` (issued inside the train step's loop over micro-batches, the scan of
-  ``training.step.accumulate_gradients``) or ``per step``;
+  ``training.step.accumulate_gradients``, or from its ops where XLA peeled a micro-batch out of the loop) or
+  ``per step``;
 - **the schedule's share**: a computation (the step, a loop body) whose collectives take ``comm`` and whose
   kernels take ``compute`` cannot hide more than ``min(comm, compute)`` on one compute and one communication
   stream, so at least ``max(0, comm - compute)`` of it is exposed whatever the order; what is exposed beyond
@@ -56,10 +57,18 @@ def purpose(c: dict) -> str:
   return "statistics"
 
 
+def _in_micro_batch(op_name: str) -> bool:
+  return MICRO_BATCH_LOOP + "/body" in op_name
+
+
 def micro_batch_computations(mod: hlo_walk.Module) -> set[str]:
   """The computations the loop over micro-batches runs (its body and everything called from it); empty
-  when the step has one micro-batch (no such loop)."""
-  loops = [i for i in mod.comps.get(mod.entry, []) if i.opcode == "while" and MICRO_BATCH_LOOP in i.op_name]
+  when the step has one micro-batch (no such loop). The loop is the entry's while named by the scan's scope,
+  or, where XLA rewrote it (the collective pipeliner's copy has no name), whose body runs the scope's ops."""
+  def is_loop(i):
+    return i.opcode == "while" and (MICRO_BATCH_LOOP in i.op_name or any(
+        _in_micro_batch(j.op_name) for j in mod.comps.get(i.attr("body"), [])))
+  loops = [i for i in mod.comps.get(mod.entry, []) if is_loop(i)]
   inside, todo = set(), [i.attr("body") for i in loops] + [i.attr("condition") for i in loops]
   while todo:
     comp = todo.pop()
@@ -82,7 +91,8 @@ def breakdown(text: str, target: str, cluster_name: str, partition_devices=None)
   p = ruler.predict(text, target, cluster_name, partition_devices=partition_devices)
   mod = hlo_walk.Module(text)
   inside = micro_batch_computations(mod)
-  rows = [dict(c, purpose=purpose(c), crosses_nodes=c["nodes"] > 1, per_micro_batch=c["computation"] in inside)
+  rows = [dict(c, purpose=purpose(c), crosses_nodes=c["nodes"] > 1,
+               per_micro_batch=c["computation"] in inside or _in_micro_batch(c["op_name"]))
           for c in p["each_collective"]]
   schedule = collections.defaultdict(lambda: dict(compute_s=0.0, comm_s=0.0, exposed_s=0.0))
   for r in rows:
