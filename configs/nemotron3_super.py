@@ -22,12 +22,14 @@ blocks rematerialized (remat "full", set here: the 12B's save_linear_fp4 would k
 hidden) and the repeated block groups scanned. The state is
 21.61 GiB per GPU (the dense layers' too split over fsdp x expert: training.sharding). The experts' receive
 buffer is 1.5x each GPU's average traffic (model.moe_receive_factor; dropless it is 8x and the temp is
-terabytes). XLA's scheduler is told a budget (xla_options below: the slop factor per GPU kind). Compiled without a GPU (docs/PERF.md, "nemotron3_super on 64 GPUs"),
-arguments + temp per GPU and the predicted step, measured before micro-batches for a step of 64 sequences (one
-micro-batch; a step of 8 runs its forward and backward 8 times, and the float32 gradient sum carried between them
-adds about 7 GiB per GPU, 4 bytes per parameter over 64 GPUs; not yet compiled at 8):
+terabytes). XLA's latency-hiding scheduler is on, with a budget (xla_options below: the slop factor per GPU
+kind). Compiled without a GPU, arguments + temp per GPU and the predicted step (flat roofline), measured before
+micro-batches for a step of 64 sequences (one micro-batch, weights gathered per layer, the scheduler off;
+docs/PERF.md, "nemotron3_super on 64 GPUs"):
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
+and as configured (512 x 8192 in 8 micro-batches, the proved path, on the ruler; docs/PERF.md, "Super's
+communication"): 64 B200 nvfp4 99.74 GiB, 20.6 s per step, 9.3 s of it exposed communication.
 Compile it with (--batch_per_device: sequences per GPU in each micro-batch):
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
