@@ -239,18 +239,15 @@ def _weight_gathers(rows) -> list[dict]:
   return [c for c in rows if c["kind"] == "all-gather" and not _cpu_top_k(c) and not c["shape"].startswith("s32")]
 
 
-def test_with_fsdp_across_the_nodes_each_micro_batch_gathers_the_weights_over_the_network(compiled):
-  """``mesh.fsdp_gather`` "per_layer" (the default): the layers gather their weights over the network inside the
-  loop over micro-batches and over the scanned blocks, once per micro-batch and block or more (full remat gathers
-  again in the backward)."""
-  crossing = [c for c in _weight_gathers(compiled["fsdp_across"]["collectives"]) if c["crosses"]]
-  assert any(c["runs"] >= 2 * MICRO_BATCHES and "dot_general" in c["op"] for c in crossing), crossing
-
-
 def test_weights_gathered_per_step_cross_the_nodes_once_per_step(compiled):
-  """``mesh.fsdp_gather`` "per_step" on the same layout: the weights cross the nodes once per optimizer step,
-  ahead of the micro-batches (the step's ``gather_weights`` scope, run once); inside the micro-batches no weight
-  gather crosses them (the gradients' reductions still do). The expert exchange stays in the node."""
+  """With fsdp across the nodes, ``mesh.fsdp_gather`` "per_layer" (the default) gathers each layer's weights over
+  the network inside the loops over micro-batches and scanned blocks, once per micro-batch and block or more
+  (full remat gathers again in the backward); "per_step" on the same layout gathers them across the nodes once
+  per optimizer step, ahead of the micro-batches (the step's ``gather_weights`` scope, run once), and inside the
+  micro-batches no weight gather crosses them (the gradients' reductions still do). The expert exchange stays
+  in the node."""
+  per_layer = [c for c in _weight_gathers(compiled["fsdp_across"]["collectives"]) if c["crosses"]]
+  assert any(c["runs"] >= 2 * MICRO_BATCHES and "dot_general" in c["op"] for c in per_layer), per_layer
   rows = compiled["fsdp_across_per_step"]["collectives"]
   assert compiled["fsdp_across_per_step"]["order"] == compiled["fsdp_across"]["order"]
   crossing = [c for c in _weight_gathers(rows) if c["crosses"]]
