@@ -354,7 +354,8 @@ def compute_params(model: LanguageModel, params, gradient_shardings=None):
     p = _shard_gradient(p, placed.get(path, axes[path]))
     gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head" and "router" not in path
     expert = len(path) >= 3 and path[-3] == "experts"
-    if gemm_weight and p.dtype != cfg.dtype and (expert or layer_precision(cfg, model.recipe, path[:-1]) == "bf16"):
+    bf16 = expert or layer_precision(cfg, model.recipe, path[:-1]) == "bf16"
+    if gemm_weight and p.dtype != cfg.dtype and bf16:
       with scopes.part("param_cast"):
         p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
     flat[path] = p

@@ -90,6 +90,7 @@ def test_a_layout_that_does_not_fit_the_nodes_is_refused(config, devices, phrase
     ({"mesh.dcn_data": 0}, r"config.mesh.dcn_data=0 must be a positive integer"),
     ({"mesh.data": 4, "mesh.dcn_data": 3}, r"config.mesh.dcn_data=3 does not divide config.mesh.data=4"),
     ({"mesh.devices_per_node": -1}, r"config.mesh.devices_per_node=-1 must be the devices of one node"),
+    ({"mesh.fsdp_gather": "per_micro_batch"}, r"config.mesh.fsdp_gather='per_micro_batch' must be one of"),
 ])
 def test_the_config_check_refuses_bad_node_factors(overrides, phrase):
   with pytest.raises(ConfigError, match=phrase):

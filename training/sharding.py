@@ -118,14 +118,19 @@ class StepGather:
     return rules_without(self.axes)
 
 
+def check_fsdp_gather(how) -> None:
+  """A ConfigError unless ``how`` (``config.mesh.fsdp_gather``) is one of ``FSDP_GATHERS``."""
+  if how not in FSDP_GATHERS:
+    raise ConfigError(f"config.mesh.fsdp_gather={how!r} must be one of {FSDP_GATHERS}: when the weights are gathered "
+                      "over fsdp (per_step: once per optimizer step, ahead of the micro-batches; docs/TRAINING.md, "
+                      "\"Laying out a multi-node run\")")
+
+
 def step_gather(mesh_config, param_shardings) -> StepGather | None:
   """The ``StepGather`` of ``config.mesh.fsdp_gather`` "per_step" for parameters placed as ``param_shardings``,
   or None ("per_layer", or an ``fsdp`` axis of size 1: nothing to gather)."""
   how = mesh_config.get("fsdp_gather", "per_layer")
-  if how not in FSDP_GATHERS:
-    raise ConfigError(f"config.mesh.fsdp_gather={how!r}: one of {FSDP_GATHERS} (per_step: the weights gathered over "
-                      "fsdp once per optimizer step, ahead of the micro-batches; docs/TRAINING.md, \"Laying out a "
-                      "multi-node run\")")
+  check_fsdp_gather(how)
   leaves = jax.tree.leaves(param_shardings)
   if how == "per_layer" or not leaves or leaves[0].mesh.shape["fsdp"] == 1:
     return None
