@@ -29,7 +29,9 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
   mesh              (data, fsdp, expert, tensor) sizes; -1 takes the remaining devices; expert: expert
                     parallelism (a divisor of n_routed_experts; docs/TRAINING.md); dcn_<axis>: the nodes the
                     axis spans (its across-node factor, a divisor of its size; all 1: a flat mesh), their
-                    product the node count; devices_per_node (0: the devices of one process) (docs/TRAINING.md,
+                    product the node count; devices_per_node (0: the devices of one process); fsdp_gather:
+                    "per_layer" (each layer gathers its weights over fsdp, in every micro-batch) or "per_step"
+                    (once per optimizer step, ahead of the micro-batches: memory for traffic) (docs/TRAINING.md,
                     "Laying out a multi-node run")
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
@@ -142,7 +144,7 @@ def get_config() -> config_dict.ConfigDict:
 
   # Each axis's size; dcn_<axis>: how many nodes it spans (docs/TRAINING.md, "Laying out a multi-node run").
   c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_expert=1,
-                                       dcn_tensor=1, devices_per_node=0))
+                                       dcn_tensor=1, devices_per_node=0, fsdp_gather="per_layer"))
 
   c.eval = config_dict.ConfigDict()
   c.eval.every_steps = 100

@@ -10,9 +10,10 @@ The 64-GPU layout, 8 HGX nodes x 8 (docs/TRAINING.md, "Laying out a multi-node r
   gathers over it stay in the node as well;
 - across the nodes, fsdp=8 (mesh.dcn_fsdp=8): parameters and optimizer state split 8 ways more. It is there for
   memory, not for traffic: the state is 21.61 GiB per GPU split 64 ways and would be 172.71 GiB split only 8 ways
-  (data across the nodes instead of fsdp: more than a B200's 180 GB, 167.6 GiB, before any activation). So the per-layer
-  gathers of the weights over fsdp and the reduce-scatters of their gradients cross the network; only moving the
-  cross-node part of the weights' traffic to once per step would take them off it.
+  (data across the nodes instead of fsdp: more than a B200's 180 GB, 167.6 GiB, before any activation). So the
+  weights are gathered over fsdp once per step, ahead of the 8 micro-batches (mesh.fsdp_gather="per_step": 30 GiB
+  per GPU over the network per step instead of 341 GiB, for about 27 GiB more memory per GPU); the gradients are
+  still reduce-scattered over fsdp in every micro-batch, across the network (docs/PERF.md, "Super's communication").
 The flat mesh of this shape (fsdp major) puts the devices in the same order; the layout keys say it, and a
 cluster whose nodes are not 8 GPUs is refused (mesh.devices_per_node).
 Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batch_size 512) in 8 micro-batches
@@ -21,12 +22,14 @@ blocks rematerialized (remat "full", set here: the 12B's save_linear_fp4 would k
 hidden) and the repeated block groups scanned. The state is
 21.61 GiB per GPU (the dense layers' too split over fsdp x expert: training.sharding). The experts' receive
 buffer is 1.5x each GPU's average traffic (model.moe_receive_factor; dropless it is 8x and the temp is
-terabytes). XLA's scheduler is told a budget (xla_options below: the slop factor per GPU kind). Compiled without a GPU (docs/PERF.md, "nemotron3_super on 64 GPUs"),
-arguments + temp per GPU and the predicted step, measured before micro-batches for a step of 64 sequences (one
-micro-batch; a step of 8 runs its forward and backward 8 times, and the float32 gradient sum carried between them
-adds about 7 GiB per GPU, 4 bytes per parameter over 64 GPUs; not yet compiled at 8):
+terabytes). XLA's latency-hiding scheduler is on, with a budget (xla_options below: the slop factor per GPU
+kind). Compiled without a GPU, arguments + temp per GPU and the predicted step (flat roofline), measured before
+micro-batches for a step of 64 sequences (one micro-batch, weights gathered per layer, the scheduler off;
+docs/PERF.md, "nemotron3_super on 64 GPUs"):
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
+and as configured (512 x 8192 in 8 micro-batches, the proved path, on the ruler; docs/PERF.md, "Super's
+communication"): 64 B200 nvfp4 104.04 GiB, 20.4 s per step, 9.1 s of it exposed communication.
 Compile it with (--batch_per_device: sequences per GPU in each micro-batch):
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
@@ -61,6 +64,7 @@ def get_config():
   c.mesh.expert = 8            # within a node: the expert all-to-all on NVLink
   c.mesh.dcn_fsdp = 8          # fsdp (8, from -1) spans the 8 nodes: the state split 64 ways fits (docstring)
   c.mesh.devices_per_node = 8  # HGX B200 / H200 nodes
+  c.mesh.fsdp_gather = "per_step"   # the weights cross the nodes once per step, not per layer and micro-batch
   # Each block keeps its input only (remat "full"), not the 12B's save_linear_fp4: that policy keeps every
   # linear output, and an E block's expert hidden (S x 2688 bf16, 1.36 GiB per GPU at f = 1.5) alone would
   # be 56 GiB over Super's 41 E blocks (docs/PERF.md, "nemotron3_super on 64 GPUs").
@@ -70,14 +74,19 @@ def get_config():
   # load over its 64 experts is at most (1 + MaxVio) x the mean, and MaxVio after the router settles is
   # 0.43 +- 0.10 in the CPU MoE study (docs/STUDY.md; docs/PERF.md, "nemotron3_super's experts sized by traffic, and the tile rows").
   c.model.moe_receive_factor = 1.5
-  # XLA's scheduler trades memory for overlap up to io + (0.8 x device memory - io) x slop / 100 (io: the
-  # 21.6 GiB of state per GPU); XLA's default slop 95 lets it plan ~108 GiB on an H200 and ~138 on a B200.
-  # These slops plan for 66 GiB on either GPU, so a schedule never counts on memory the 80 GiB budget lacks.
-  # At this program the budget hardly binds (the compiled HLO equals XLA's default one but for B200 bf16's,
-  # 0.02 GiB apart: docs/PERF.md, "nemotron3_super on 64 GPUs"); it is the budget, kept in the config so that
-  # train.py and bench/predict/gpu_aot.py compile the same program.
+  # XLA's latency-hiding scheduler (off by default in XLA) issues each collective early and lets the kernels
+  # run while it travels; without it every collective's done directly follows its start and all the step's
+  # communication is exposed: 30.0 -> 26.6 s per step with the weights gathered per layer, 22.9 -> 20.6 s
+  # with them gathered per step (the B200 nvfp4_proved step on the ruler, docs/PERF.md, "Super's
+  # communication"). Double-buffered loops (two iterations per trip, so the scheduler can overlap one's
+  # collectives with the next's kernels): 20.6 -> 20.4 s for 4.3 GiB. The scheduler trades memory for overlap
+  # up to io + (0.8 x device memory - io) x slop / 100 (io: the 21.6 GiB of state per GPU): slop 80 plans
+  # 119.5 GiB on a B200 (the step takes 104.0 GiB, under 90% of its 180 GB); the H200's 95 is XLA's default,
+  # 107.5 GiB (not compiled at this layout). Kept in the config so that train.py and bench/predict/gpu_aot.py
+  # compile the same program.
+  overlap = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True}
   c.xla_options = config_dict.ConfigDict({
-      "h200": {"xla_gpu_memory_limit_slop_factor": 49},
-      "b200": {"xla_gpu_memory_limit_slop_factor": 36},
+      "h200": dict(overlap, xla_gpu_memory_limit_slop_factor=95),
+      "b200": dict(overlap, xla_gpu_memory_limit_slop_factor=80),
   })
   return c

@@ -313,7 +313,8 @@ def _shard_gradient(p, names):
   """Identity on a parameter; its gradient is constrained to the parameter's own (sharded) layout the
   moment it is complete, behind an optimization barrier. Without it the partitioner's all-reduce +
   dynamic-slice keeps the whole reduced gradient alive until the optimizer consumes the slice (the
-  CPU compiler fuses the slice into the update), i.e. every layer's full float32 gradient at once."""
+  CPU compiler fuses the slice into the update), i.e. every layer's full float32 gradient at once.
+  ``names``: the parameter's logical axis names, or the ``jax.sharding.Sharding`` its gradient goes to."""
   del names
   return p
 
@@ -324,28 +325,37 @@ def _shard_gradient_fwd(p, names):
 
 
 def _shard_gradient_bwd(names, _, g):
+  if isinstance(names, jax.sharding.Sharding):
+    return (jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(g, names)),)
   return (jax.lax.optimization_barrier(nn.with_logical_constraint(g, names)),)
 
 
 _shard_gradient.defvjp(_shard_gradient_fwd, _shard_gradient_bwd)
 
 
-def compute_params(model: LanguageModel, params):
-  """``params`` (float32 master weights) with the embedding and every bf16-policy linear kernel cast to
+def compute_params(model: LanguageModel, params, gradient_shardings=None):
+  """``params`` (float32 master weights) with the embedding, the routed experts' kernels (which
+  ``models.moe.ExpertLinear`` casts, quantized or not) and every bf16-policy linear kernel cast to
   ``config.dtype`` where they live: the cast is constrained to the parameter's own logical sharding, so an
   FSDP all-gather moves the compute dtype rather than float32, and the gradient comes back through the
-  cast in float32 as before (the GEMMs and their rounding are unchanged). Quantized layers keep their
+  cast in float32 as before (the GEMMs and their rounding are unchanged). Quantized dense layers keep their
   float32 kernels (fp4jax quantizes the shard and gathers the codes), as does an MoE router (float32 by
   definition); the LM head casts per vocabulary
   chunk itself; norms, conv and SSM parameters stay float32. Every parameter's gradient is reduced to its
-  shard as soon as it is complete (``_shard_gradient``)."""
+  shard as soon as it is complete (``_shard_gradient``): the parameter's logical sharding, or with
+  ``gradient_shardings`` (a tree like ``params`` of ``jax.sharding.Sharding``) the one given (a caller that
+  passes parameters gathered ahead of the layers keeps their gradients where it stores them). A parameter
+  already in ``config.dtype`` is not cast again."""
   cfg = model.config
   axes = _logical_axes(cfg)
   flat = traverse_util.flatten_dict(nn.unbox(params))
+  placed = traverse_util.flatten_dict(gradient_shardings) if gradient_shardings is not None else {}
   for path, p in flat.items():
-    p = _shard_gradient(p, axes[path])
+    p = _shard_gradient(p, placed.get(path, axes[path]))
     gemm_weight = path[-1] in ("kernel", "embedding") and path[0] != "lm_head" and "router" not in path
-    if gemm_weight and p.dtype != cfg.dtype and layer_precision(cfg, model.recipe, path[:-1]) == "bf16":
+    expert = len(path) >= 3 and path[-3] == "experts"
+    bf16 = expert or layer_precision(cfg, model.recipe, path[:-1]) == "bf16"
+    if gemm_weight and p.dtype != cfg.dtype and bf16:
       with scopes.part("param_cast"):
         p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
     flat[path] = p

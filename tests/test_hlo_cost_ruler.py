@@ -366,3 +366,124 @@ ENTRY %main (a: bf16[4096,64], b: bf16[8192,64]) -> bf16[512,64] {
 """
   (row,) = ruler.predict(text, "h200", "hgx_h200")["collectives"]
   assert row["kind"] == "reduce-scatter" and row["bytes_per_step"] == 2 * 64 * (4096 + 8192)
+
+
+def test_a_ragged_all_to_all_counts_its_smaller_buffer_once():
+  """Expert parallelism's dispatch: it sends at most its 1024 rows (every pair) into a receive buffer of 1536 (the
+  receive factor's); its async start lists both buffers, the four offset / size vectors and the result. Priced on
+  the smaller buffer alone (before: all seven arrays, 3.5x the send buffer here)."""
+  text = """HloModule m, is_scheduled=true, num_partitions=8
+
+ENTRY %main (x: bf16[1024,512], o: bf16[1536,512], a: s64[8], b: s64[8], c: s64[8], d: s64[8]) -> bf16[1536,512] {
+  %x = bf16[1024,512]{1,0} parameter(0)
+  %o = bf16[1536,512]{1,0} parameter(1)
+  %a = s64[8]{0} parameter(2)
+  %b = s64[8]{0} parameter(3)
+  %c = s64[8]{0} parameter(4)
+  %d = s64[8]{0} parameter(5)
+  %s = ((bf16[1024,512]{1,0}, bf16[1536,512]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), bf16[1536,512]{1,0}) ragged-all-to-all-start(%x, %o, %a, %b, %c, %d), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  ROOT %r = bf16[1536,512]{1,0} ragged-all-to-all-done(%s)
+}
+"""
+  p = ruler.predict(text, "b200", "hgx_b200")
+  (row,) = p["collectives"]
+  assert row["kind"] == "ragged-all-to-all" and row["bytes_per_step"] == 1024 * 512 * 2
+  (one,) = p["each_collective"]
+  assert one["dtype"] == "bf16" and one["exposed_s"] == pytest.approx(one["seconds"])   # done right after start
+
+
+def test_the_breakdown_says_what_each_collective_moves_and_how_often():
+  """bench/predict/comm_breakdown.py on a step shaped like the trainer's: a weight gather issued once (the step's
+  ``gather_weights``), a gradient reduce-scatter inside the loop over micro-batches (4 trips), nothing to hide
+  either behind: each exposed whole, the gradients once per trip, and no schedule could hide them."""
+  from bench.predict import comm_breakdown   # pylint: disable=import-outside-toplevel
+  loop = """
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+
+%cond (s: (s32[], bf16[8,4194304])) -> pred[] {
+  %s = (s32[], bf16[8,4194304]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %k = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %k), direction=LT
+}
+
+%body (s: (s32[], bf16[8,4194304])) -> (s32[], bf16[8,4194304]) {
+  %s = (s32[], bf16[8,4194304]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %w = bf16[8,4194304]{1,0} get-tuple-element(%s), index=1
+  %rs = (bf16[8,4194304]{1,0}, bf16[1,4194304]{1,0}) reduce-scatter-start(%w), channel_id=2, replica_groups={{0,8,16,24,32,40,48,56}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(train_step)/forward_backward/while/body/transpose(jvp(LanguageModel))/dot_general"}
+  %rd = bf16[1,4194304]{1,0} reduce-scatter-done(%rs)
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[8,4194304]{1,0}) tuple(%j, %w)
+}
+"""
+  text = f"""HloModule m, is_scheduled=true, num_partitions=64
+{loop}
+ENTRY %main (g: bf16[1,4194304]) -> bf16[8,4194304] {{
+  %g = bf16[1,4194304]{{1,0}} parameter(0)
+  %ags = (bf16[1,4194304]{{1,0}}, bf16[8,4194304]{{1,0}}) all-gather-start(%g), channel_id=1, replica_groups={{{{0,8,16,24,32,40,48,56}}}}, dimensions={{0}}, metadata={{op_name="jit(train_step)/gather_weights/sharding_constraint"}}
+  %agd = bf16[8,4194304]{{1,0}} all-gather-done(%ags)
+  %z = s32[] constant(0)
+  %init = (s32[], bf16[8,4194304]{{1,0}}) tuple(%z, %agd)
+  %loop = (s32[], bf16[8,4194304]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"4"}}}}, metadata={{op_name="jit(train_step)/forward_backward/while"}}
+  ROOT %r = bf16[8,4194304]{{1,0}} get-tuple-element(%loop), index=1
+}}
+"""
+  b = comm_breakdown.breakdown(text, "b200", "hgx_b200")
+  rows = {(r["purpose"], r["per_micro_batch"], r["crosses_nodes"]): r for r in b["rows"]}
+  assert set(rows) == {("weights", False, True), ("gradients", True, True)}
+  grads, weights = rows["gradients", True, True], rows["weights", False, True]
+  assert grads["count"] == 4 and weights["count"] == 1
+  assert grads["exposed_s"] == pytest.approx(4 * grads["seconds"])
+  assert weights["exposed_s"] == pytest.approx(weights["seconds"])
+  assert b["exposed_comm_s"] == pytest.approx(grads["exposed_s"] + weights["exposed_s"])
+  body = b["schedule"]["body"]
+  assert body["floor_s"] == pytest.approx(body["comm_s"] - body["compute_s"]) and body["floor_s"] > 0
+  text_report = comm_breakdown.report(b)
+  assert "| gradients | across nodes | per micro-batch | 4 |" in text_report
+
+
+def test_a_loop_without_a_stated_trip_count_runs_from_its_start_to_its_bound():
+  """XLA's collective pipeliner peels iterations out of a loop: the rest starts at 1 (a copied constant in the
+  initial tuple), its condition a fusion comparing with 7, and no known_trip_count. 6 trips (before: 1)."""
+  from bench.predict import hlo_walk   # pylint: disable=import-outside-toplevel
+  text = """HloModule m, is_scheduled=true, num_partitions=1
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %k = s32[] constant(7)
+  ROOT %lt = pred[] compare(%p, %k), direction=LT
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %c = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %v = f32[4]{0} get-tuple-element(%s), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[4]{0}) tuple(%j, %v)
+}
+
+ENTRY %main (t: f32[4]) -> f32[4] {
+  %t = f32[4]{0} parameter(0)
+  %c1 = s32[] constant(1)
+  %start = s32[] copy(%c1)
+  %init = (s32[], f32[4]{0}) tuple(%start, %t)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  ROOT %r = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+  mod = hlo_walk.Module(text)
+  assert mod.trip_count(mod.by_name["w"]) == 6
+  assert mod.multipliers()["body"] == 6

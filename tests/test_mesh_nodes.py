@@ -90,6 +90,7 @@ def test_a_layout_that_does_not_fit_the_nodes_is_refused(config, devices, phrase
     ({"mesh.dcn_data": 0}, r"config.mesh.dcn_data=0 must be a positive integer"),
     ({"mesh.data": 4, "mesh.dcn_data": 3}, r"config.mesh.dcn_data=3 does not divide config.mesh.data=4"),
     ({"mesh.devices_per_node": -1}, r"config.mesh.devices_per_node=-1 must be the devices of one node"),
+    ({"mesh.fsdp_gather": "per_micro_batch"}, r"config.mesh.fsdp_gather='per_micro_batch' must be one of"),
 ])
 def test_the_config_check_refuses_bad_node_factors(overrides, phrase):
   with pytest.raises(ConfigError, match=phrase):
@@ -117,16 +118,26 @@ SHRUNKEN_MOE_E = dict(d_model=32, pattern="E", mlp_dim=64, n_heads=2, n_kv_heads
                       ssm_head_dim=16, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, moe_latent_size=16,
                       n_group=1, topk_group=1, bf16_first_blocks=0, bf16_last_blocks=0)
+# Two of them scanned (models.lm's scan_blocks), as Super's blocks are: a layer's weights are sliced out of the
+# stacked ones inside the loop over blocks, so XLA cannot hoist their gathers out of the micro-batches' loop (it
+# does hoist those of an unscanned layer's small weights by itself).
+SCANNED_MOE_E = dict(SHRUNKEN_MOE_E, pattern="EE", scan_blocks=True)
+
+
 def node_collectives(text: str, order: list[int], node) -> list[dict]:
   """Each collective of a compiled module's text: its kind, whether its groups span nodes of the cluster
-  ``node`` (partitions placed on the devices ``order``), its op_name and shape."""
+  ``node`` (partitions placed on the devices ``order``), its op_name and shape, and how many times it runs per
+  step (its computation's executions: loop trips included)."""
+  mod = hlo_walk.Module(text)
+  runs = mod.multipliers()
   rows = []
-  for instrs in hlo_walk.Module(text).comps.values():
+  for comp, instrs in mod.comps.items():
     for ins in instrs:
       kind = hlo_text.collective(ins)
       if kind is not None:
         where = cluster.placement(cluster.replica_groups(ins.attrs, len(order)), node, order)
-        rows.append(dict(kind=kind, crosses=where.crosses_nodes, op=ins.op_name, shape=ins.shape[:80]))
+        rows.append(dict(kind=kind, crosses=where.crosses_nodes, op=ins.op_name, shape=ins.shape[:80],
+                         runs=runs.get(comp, 0)))
   return rows
 
 
@@ -134,7 +145,9 @@ NODE = 4
 LAYOUTS = {   # data 2 x fsdp 2 x expert 2 over 2 nodes of 4, one factor across them
     "data_across": {"mesh.dcn_data": 2},
     "fsdp_across": {"mesh.dcn_fsdp": 2},
+    "fsdp_across_per_step": {"mesh.dcn_fsdp": 2, "mesh.fsdp_gather": "per_step"},
 }
+MICRO_BATCHES = 2   # the driver's step: 16 rows in 2 micro-batches
 
 _DRIVER = r"""
 import json, os, sys
@@ -149,7 +162,7 @@ from test_mesh_nodes import node_collectives
 node = cluster.Cluster("simulated", {node}, 1.0, 1.0, 0.0, 0.0)
 out = {{}}
 for name, layout in {layouts!r}.items():
-  fields = {{"data.seq_len": 32, "batch_size": 16, "micro_batches": 2, "mesh.data": 2, "mesh.fsdp": 2,
+  fields = {{"data.seq_len": 32, "batch_size": 16, "micro_batches": {micro}, "mesh.data": 2, "mesh.fsdp": 2,
             "mesh.expert": 2, "mesh.tensor": 1, "mesh.devices_per_node": {node}}}
   c = shrunken.shrunken_config(steps=2, **dict(fields, **layout))
   c.model.preset = "moe_tiny"
@@ -168,7 +181,7 @@ print("RESULT " + json.dumps(out))
 def _compiled_collectives():
   env = dict(os.environ, **shrunken.compilation_cache_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
-  code = _DRIVER.format(root=ROOT, node=NODE, layouts=LAYOUTS, model=SHRUNKEN_MOE_E)
+  code = _DRIVER.format(root=ROOT, node=NODE, layouts=LAYOUTS, model=SCANNED_MOE_E, micro=MICRO_BATCHES)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
   return json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
@@ -219,4 +232,28 @@ def test_with_fsdp_across_the_nodes_the_weight_gathers_cross_them(compiled):
   assert weight_gathers and any(c["crosses"] for c in weight_gathers), weight_gathers
   dispatch = [c for c in layout["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
               and "blocks_0/mixer" in c["op"]]
+  assert dispatch and not any(c["crosses"] for c in dispatch)
+
+
+def _weight_gathers(rows) -> list[dict]:
+  """The all-gathers of weights (floats or codes): not the tokens' (s32), not the CPU's top-k."""
+  return [c for c in rows if c["kind"] == "all-gather" and not _cpu_top_k(c) and not c["shape"].startswith("s32")]
+
+
+def test_weights_gathered_per_step_cross_the_nodes_once_per_step(compiled):
+  """With fsdp across the nodes, ``mesh.fsdp_gather`` "per_layer" (the default) gathers each layer's weights over
+  the network inside the loops over micro-batches and scanned blocks, once per micro-batch and block or more
+  (full remat gathers again in the backward); "per_step" on the same layout gathers them across the nodes once
+  per optimizer step, ahead of the micro-batches (the step's ``gather_weights`` scope, run once), and inside the
+  micro-batches no weight gather crosses them (the gradients' reductions still do). The expert exchange stays
+  in the node."""
+  per_layer = [c for c in _weight_gathers(compiled["fsdp_across"]["collectives"]) if c["crosses"]]
+  assert any(c["runs"] >= 2 * MICRO_BATCHES and "dot_general" in c["op"] for c in per_layer), per_layer
+  rows = compiled["fsdp_across_per_step"]["collectives"]
+  assert compiled["fsdp_across_per_step"]["order"] == compiled["fsdp_across"]["order"]
+  crossing = [c for c in _weight_gathers(rows) if c["crosses"]]
+  assert crossing and all(c["runs"] == 1 and "gather_weights" in c["op"] for c in crossing), crossing
+  in_loop = [c for c in rows if c["crosses"] and "forward_backward/while" in c["op"]]
+  assert _weight_gathers(in_loop) == [] and any(_reduction(c) for c in in_loop), in_loop
+  dispatch = [c for c in rows if c["kind"] in ("all-to-all", "ragged-all-to-all") and "blocks_0/mixer" in c["op"]]
   assert dispatch and not any(c["crosses"] for c in dispatch)

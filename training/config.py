@@ -312,6 +312,7 @@ def validate(config) -> None:
          f"config.mesh.dcn_{axis}={nodes} does not divide config.mesh.{axis}={size}: the axis's size is its "
          f"within-node x across-node factor; choose a dcn_{axis} that divides {size}")
   need([config.mesh.get(a, 1) for a in sharding.MESH_AXES].count(-1) <= 1, "config.mesh: at most one axis may be -1")
+  sharding.check_fsdp_gather(config.mesh.get("fsdp_gather", "per_layer"))
   per_node = config.mesh.get("devices_per_node", 0)
   need(isinstance(per_node, int) and per_node >= 0,
        f"config.mesh.devices_per_node={per_node!r} must be the devices of one node, or 0 (those of one process)")

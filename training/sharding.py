@@ -5,6 +5,12 @@ sharded along it), ``expert`` (expert parallel: the routed experts split along i
 all-to-all, ``models.expert_parallel``; for every other layer a data-parallel axis), ``tensor`` (model
 parallel). The batch is split over ``(data, fsdp, expert)``.
 
+Weights gathered per step (``config.mesh.fsdp_gather``): "per_layer" (the default) gathers each layer's weights over
+``fsdp`` where the layer runs, in every micro-batch (three times with full remat); "per_step" gathers them over
+``fsdp`` once per optimizer step, ahead of the micro-batches (``StepGather``), and the layers run under
+``rules_without(("fsdp",))``: their weights arrive whole along ``fsdp``, while each gradient is still reduced to
+its ``fsdp`` shard as the backward completes it, in every micro-batch.
+
 Nodes: ``config.mesh.<axis>`` is an axis's size; ``config.mesh.dcn_<axis>`` (default 1) is how many nodes it
 spans, its across-node factor, so its within-node factor is ``<axis> / dcn_<axis>``. With a factor set, the mesh
 is laid out in nodes (``mesh_devices``): along each axis, index ``j = node_index * within + position_in_node``, so
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import os
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -29,6 +37,7 @@ from models import axes as axes_lib
 from training.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+FSDP_GATHERS = ("per_layer", "per_step")   # config.mesh.fsdp_gather: when the weights are gathered over fsdp
 NODE_KEYS = tuple(f"dcn_{a}" for a in MESH_AXES)   # each axis's across-node factor
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -70,6 +79,63 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_ssm_groups", None),
     ("activation_ssm_state", None),
 )
+
+
+def _drop(axes, mesh_axes):
+  """A dimension's mesh axes (None, a name or a tuple of names) without ``mesh_axes``."""
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in mesh_axes)
+  return kept[0] if len(kept) == 1 else kept or None
+
+
+def rules_without(mesh_axes) -> tuple:
+  """``LOGICAL_RULES`` with ``mesh_axes`` taken out of every parameter's rule (``models.axes.PARAM_AXIS_NAMES``;
+  the activations' rules unchanged): the table the layers run under when their weights arrive gathered over
+  ``mesh_axes`` (``StepGather``), so that no layer gathers them again."""
+  return tuple((name, _drop(axes, mesh_axes) if name in axes_lib.PARAM_AXIS_NAMES else axes)
+               for name, axes in LOGICAL_RULES)
+
+
+def without(named: NamedSharding, mesh_axes) -> NamedSharding:
+  """``named`` with ``mesh_axes`` taken out of its spec: the same array whole along them."""
+  return NamedSharding(named.mesh, P(*(_drop(a, mesh_axes) for a in named.spec)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGather:
+  """The weights gathered over the mesh axes ``axes`` once per optimizer step (``config.mesh.fsdp_gather``
+  "per_step"): ``stored``, the parameters' NamedShardings (a tree like the params: where they and their
+  gradients live), and ``gathered``, the same without ``axes`` (where the micro-batches read them)."""
+  axes: tuple[str, ...]
+  stored: Any
+  gathered: Any
+
+  def gather(self, params):
+    """``params`` (in the compute dtype, placed as ``stored``) placed as ``gathered``: the gather, once."""
+    return jax.tree.map(jax.lax.with_sharding_constraint, params, self.gathered)
+
+  @property
+  def rules(self) -> tuple:
+    return rules_without(self.axes)
+
+
+def check_fsdp_gather(how) -> None:
+  """A ConfigError unless ``how`` (``config.mesh.fsdp_gather``) is one of ``FSDP_GATHERS``."""
+  if how not in FSDP_GATHERS:
+    raise ConfigError(f"config.mesh.fsdp_gather={how!r} must be one of {FSDP_GATHERS}: when the weights are gathered "
+                      "over fsdp (per_step: once per optimizer step, ahead of the micro-batches; docs/TRAINING.md, "
+                      "\"Laying out a multi-node run\")")
+
+
+def step_gather(mesh_config, param_shardings) -> StepGather | None:
+  """The ``StepGather`` of ``config.mesh.fsdp_gather`` "per_step" for parameters placed as ``param_shardings``,
+  or None ("per_layer", or an ``fsdp`` axis of size 1: nothing to gather)."""
+  how = mesh_config.get("fsdp_gather", "per_layer")
+  check_fsdp_gather(how)
+  leaves = jax.tree.leaves(param_shardings)
+  if how == "per_layer" or not leaves or leaves[0].mesh.shape["fsdp"] == 1:
+    return None
+  axes = ("fsdp",)
+  return StepGather(axes, param_shardings, jax.tree.map(lambda s: without(s, axes), param_shardings))
 
 
 def use_compilation_cache(path: str) -> None:

@@ -10,6 +10,7 @@ W = L + 1 window, V vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -64,11 +65,13 @@ def model_loss(model, params, inputs_BxL, targets_BxL, key, documents=None):
                      documents=documents)[0]
 
 
-def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=None):
+def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=None, gradient_shardings=None):
   """(the training objective, stats): the MoE blocks' routing statistics ``moe_stats`` ({} without MoE
   blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
-  the objective is ``mtp.objective`` of them (plus the MoE balance loss)."""
-  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, documents=documents)
+  the objective is ``mtp.objective`` of them (plus the MoE balance loss). ``gradient_shardings``: where each
+  parameter's gradient goes (``models.lm.compute_params``; default its own logical placement)."""
+  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, documents=documents,
+                               gradient_shardings=gradient_shardings)
   return loss, stats
 
 
@@ -81,26 +84,27 @@ def _has_mtp(model) -> bool:
 
 
 def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool,
-                          with_mtp: bool = True, documents=None):
+                          with_mtp: bool = True, documents=None, gradient_shardings=None):
   """(loss, (OutControl state after the call, stats)) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
   the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came). ``with_mtp``:
-  the training objective (else the next-token loss alone, as ``model_loss``)."""
+  the training objective (else the next-token loss alone, as ``model_loss``); ``gradient_shardings`` as in
+  ``model_loss_and_stats``."""
   loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
                                      mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp,
-                                     documents=documents)
+                                     documents=documents, gradient_shardings=gradient_shardings)
   return loss, ((updated[OUTCONTROL] if record else outcontrol), stats)
 
 
 def _apply_loss(model, params, collections, inputs_BxL, targets_BxL, key, *, mutable, with_mtp: bool = True,
-                documents=None):
+                documents=None, gradient_shardings=None):
   """(loss, the mutable collections after the call, or None, stats) of ``model`` with ``params`` and the
   other variable ``collections``; see ``model_loss`` and ``model_loss_and_stats``."""
   is_lm = isinstance(model, LanguageModel)
   if documents and not is_lm:
     raise ValueError(f"document masking (segment ids in the batch) needs a models.LanguageModel, not a "
                      f"{type(model).__name__}")
-  variables = {"params": compute_params(model, params) if is_lm else params, **collections}
+  variables = {"params": compute_params(model, params, gradient_shardings) if is_lm else params, **collections}
   kwargs = dict(targets_BxL=targets_BxL, **(documents or {})) if is_lm else {}
   with_moe = _has_moe(model)
   with_mtp = with_mtp and _has_mtp(model)
@@ -243,7 +247,7 @@ def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches:
 
 
 def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
-               outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1):
+               outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1, gather: sharding.StepGather | None = None):
   """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring): ``tx``'s update
   at learning rate 1 (``optim.make_optimizer``) times ``lr_fn(applied updates)``; then OsciReset
   (with ``osci``) on the updated params, as the step of index "steps applied so far"; a step whose loss or
@@ -251,21 +255,30 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
   ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
   OutControl state, if any, passes through), "record" also accumulates the channel norms, "on" runs the
   calibrated channel split. ``micro_batches`` (static): the gradient of the batch is accumulated over that many
-  micro-batches (``accumulate_gradients``) and applied once."""
+  micro-batches (``accumulate_gradients``) and applied once. ``gather`` (``sharding.step_gather``): the weights,
+  in the compute dtype (``models.lm.compute_params``), gathered once ahead of the micro-batches, which run under
+  its rules and reduce each gradient to the parameter's own placement (the same numbers: the casts, the
+  quantization and the reductions are the per-layer gather's)."""
   key = jax.random.fold_in(state["rng"], state["step"])
+  params, rules, placed = state["params"], contextlib.nullcontext(), None
+  if gather is not None:
+    with jax.named_scope("gather_weights"):
+      narrow = compute_params(model, params) if isinstance(model, LanguageModel) else params
+      params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
 
   def loss_fn(params, outcontrol, batch, key):
     inputs_BxL, targets_BxL, documents = window(batch)
     if outcontrol_phase == optim.PLAIN:
-      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents)
+      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, placed)
       return loss, (outcontrol, stats)
     return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
-                                 record=outcontrol_phase == optim.RECORD, documents=documents)
+                                 record=outcontrol_phase == optim.RECORD, documents=documents,
+                                 gradient_shardings=placed)
 
-  with jax.named_scope("forward_backward"):
+  with jax.named_scope("forward_backward"), rules:
     (loss, (outcontrol, stats)), grads = accumulate_gradients(
-        jax.value_and_grad(loss_fn, has_aux=True), state["params"], state.get("outcontrol"), batch, key,
-        micro_batches)
+        jax.value_and_grad(loss_fn, has_aux=True), params, state.get("outcontrol"), batch, key, micro_batches)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])   # a gathered cast's: float32
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -318,19 +331,21 @@ def eval_step_outcontrol(params, outcontrol, batch, *, model):
 
 def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, osci: optim.OsciReset | None = None,
                    outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None,
-                   micro_batches: int = 1):
+                   micro_batches: int = 1, fsdp_gather: str = "per_layer"):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve. ``compiler_options``: XLA
   options for its compile (``training.config.xla_options``: the config's, for the mesh's device kind).
-  ``micro_batches``: ``config.micro_batches``. The schedule's points are an input of the program
-  (``ScheduledStep``).
+  ``micro_batches``: ``config.micro_batches``; ``fsdp_gather``: ``config.mesh.fsdp_gather`` (``sharding.step_gather``).
+  The schedule's points are an input of the program (``ScheduledStep``).
   """
+  gather = sharding.step_gather({"fsdp_gather": fsdp_gather}, state_shardings["params"])
+
   def fn(state, batch, points):
     lr_fn = functools.partial(optim.learning_rate, schedule.kind, points)
     return train_step(state, batch, model=model, tx=tx, lr_fn=lr_fn, osci=osci, outcontrol_phase=outcontrol_phase,
-                      micro_batches=micro_batches)
+                      micro_batches=micro_batches, gather=gather)
 
   fn.__name__ = fn.__qualname__ = "train_step"   # the program's name: jit_train_step (profiles, dumps, the ruler)
   repl = sharding.replicated(mesh)

@@ -27,14 +27,53 @@ class Module:
     self.by_name = {i.name: i for instrs in self.comps.values() for i in instrs}
 
   def trip_count(self, ins: Instr) -> int:
-    """Iterations of a while loop: XLA's known_trip_count, else the one s32 constant of its
-    condition (a scan's ``i < N``), else 1."""
+    """Iterations of a while loop: XLA's known_trip_count, else its condition's ``i < N`` (or ``<=``) read
+    against the induction variable's start in the loop's initial tuple (XLA's collective pipeliner peels
+    iterations out of a loop and starts the rest at 1, without a known_trip_count), else the one s32
+    constant of its condition (a scan's ``i < N``), else 1."""
     m = _TRIPS.search(ins.attrs)
     if m:
       return int(m.group(1))
+    bound, start = self._loop_bound(ins.attr("condition")), self._induction_start(ins)
+    if bound is not None and start is not None:
+      n, direction = bound
+      return max(0, n - start + (1 if direction == "LE" else 0))
     values = {int(i.args) for i in self.comps.get(ins.attr("condition"), [])
               if i.opcode == "constant" and i.shape.startswith("s32[]") and i.args.isdigit()}
     return values.pop() if len(values) == 1 else 1
+
+  def _loop_bound(self, cond: str, depth: int = 0):
+    """``(N, "LT" | "LE")`` of a loop condition whose root compares a value with an s32 constant N, in the
+    condition or in the fusion its root is; else None."""
+    instrs = self.comps.get(cond, [])
+    root = next((i for i in instrs if i.root), instrs[-1] if instrs else None)
+    if root is None:
+      return None
+    if root.opcode == "fusion" and depth < 2:
+      return self._loop_bound(root.attr("calls"), depth + 1)
+    direction = re.search(r"direction=(LT|LE)", root.attrs)
+    if root.opcode != "compare" or direction is None or len(root.operands) != 2:
+      return None
+    local = {i.name: i for i in instrs}
+    bound = local.get(root.operands[1])
+    if bound is None or bound.opcode != "constant" or not bound.args.lstrip("-").isdigit():
+      return None
+    return int(bound.args), direction.group(1)
+
+  def _induction_start(self, ins: Instr) -> int | None:
+    """The induction variable's initial value (XLA's known_induction_variable, element 0 without it) when the
+    loop's initial tuple holds a constant there (through copies), else None."""
+    index = re.search(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"(\d+)"', ins.attrs)
+    init = self.by_name.get(ins.operands[0]) if ins.operands else None
+    if init is None or init.opcode != "tuple":
+      return None
+    k = int(index.group(1)) if index else 0
+    value = self.by_name.get(init.operands[k]) if k < len(init.operands) else None
+    while value is not None and value.opcode in ("copy", "bitcast") and value.operands:
+      value = self.by_name.get(value.operands[0])
+    if value is None or value.opcode != "constant" or not value.args.lstrip("-").isdigit():
+      return None
+    return int(value.args)
 
   def multipliers(self) -> dict[str, int]:
     """``{computation: executions per step}`` for the entry and the control flow it reaches (while

@@ -63,6 +63,9 @@ class Collective:
   nodes: int
   seconds: float          # one execution
   count: int = 0          # executions per step
+  dtype: str = ""         # of the buffer it moves (several joined by "+")
+  op_name: str = ""       # the jax op it comes from (the HLO's metadata)
+  computation: str = ""   # where it is issued (the entry, a loop body)
 
 
 def _inner_collective(mod: hlo_walk.Module, ins: hlo_text.Instr):
@@ -76,19 +79,39 @@ def _inner_collective(mod: hlo_walk.Module, ins: hlo_text.Instr):
 
 def buffer_bytes(mod: hlo_walk.Module, ins: hlo_text.Instr, kind: str, group_size: int) -> int:
   """The full buffer a collective moves per GPU (bench/predict/cluster.py's ``S``): an all-gather's gathered
-  output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a
-  permute's send. An ``all-gather-start`` or ``reduce-scatter-start`` counts its results (the second half of
-  its (operands, results) tuple: XLA combines small ones into one), a ``collective-permute-start`` its
-  operand, an ``all-reduce-start`` its result."""
-  shapes = hlo_text.arrays(ins.shape)
-  if ins.opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start"):
-    shapes = shapes[len(shapes) // 2:]          # ((operands...), (results...)): XLA combines small ones
-  elif ins.opcode == "collective-permute-start":   # (operand, result, contexts...)
-    shapes = shapes[:1]
-  out = sum(hlo_text.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in shapes)
+  output, a reduce-scatter's input (its output x the group), an all-reduce's or all-to-all's buffer, a ragged
+  all-to-all's smaller buffer (``_ragged_bytes``), a permute's send. An ``all-gather-start`` or
+  ``reduce-scatter-start`` counts its results (the second half of its (operands, results) tuple: XLA combines
+  small ones into one), a ``collective-permute-start`` its operand, an ``all-reduce-start`` its result."""
+  if kind == "ragged-all-to-all":
+    return _ragged_bytes(mod, ins)
+  out = sum(hlo_text.nbytes(f"{d}[{','.join(map(str, dims))}]") for d, dims in _moved(ins))
   if kind == "reduce-scatter":
     return out * group_size
   return out
+
+
+def _moved(ins: hlo_text.Instr) -> list:
+  """The arrays a collective's size is counted from: its results (of an ``all-gather-start``,
+  ``reduce-scatter-start`` or ``all-to-all-start``, the second half of its (operands, results) tuple; of a
+  ``collective-permute-start``, its operand)."""
+  shapes = hlo_text.arrays(ins.shape)
+  if ins.opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start"):
+    return shapes[len(shapes) // 2:]          # ((operands...), (results...)): XLA combines small ones
+  if ins.opcode == "collective-permute-start":   # (operand, result, contexts...)
+    return shapes[:1]
+  return shapes
+
+
+def _ragged_bytes(mod: hlo_walk.Module, ins: hlo_text.Instr) -> int:
+  """A ragged all-to-all's ``S``: the smaller of its send buffer (operand 0) and its receive buffer (operand
+  1, the shape of its result). Both are static bounds of what it moves (the rows it sends and receives are
+  set at run time, at most each buffer); for expert parallelism's dispatch the send buffer is every (token,
+  choice) pair, T x R rows, and the receive buffer the budget (``moe_receive_factor`` x T x R), the combine
+  the reverse, so the smaller is the average traffic either way. (Its async start's shape lists its operands
+  and its result together; summed, they counted both buffers and the receive buffer again.)"""
+  send, receive = (mod.shapes.get(o, "") for o in ins.operands[:2])
+  return min(hlo_text.nbytes(send), hlo_text.nbytes(receive))
 
 
 def collective_of(mod: hlo_walk.Module, ins: hlo_text.Instr, n_devices: int, cluster: cluster_lib.Cluster,
@@ -107,7 +130,15 @@ def collective_of(mod: hlo_walk.Module, ins: hlo_text.Instr, n_devices: int, clu
   where = cluster_lib.placement(groups, cluster, partition_devices)
   size = buffer_bytes(mod, inner if inner is not ins else ins, kind, where.group_size)
   return Collective(ins.name, kind, size, where.group_size, where.nodes,
-                    cluster_lib.collective_seconds(kind, size, where, cluster))
+                    cluster_lib.collective_seconds(kind, size, where, cluster),
+                    dtype=_buffer_dtype(inner if inner is not ins else ins),
+                    op_name=(inner if inner is not ins else ins).op_name or ins.op_name)
+
+
+def _buffer_dtype(ins: hlo_text.Instr) -> str:
+  """The dtypes of what a collective moves (``_moved``; of a ragged all-to-all, its result)."""
+  shapes = hlo_text.arrays(ins.shape)[-1:] if "ragged-all-to-all" in ins.opcode else _moved(ins)
+  return "+".join(sorted({d for d, _ in shapes}))
 
 
 def _num_partitions(text: str) -> int:
@@ -122,6 +153,7 @@ class _Walk:
     self.mod, self.op_s, self.colls = mod, op_s, colls
     self.exposed = 0.0
     self.comm = 0.0
+    self.exposed_by = collections.Counter()   # collective name -> its exposed seconds per step
     self._local = {}
     self.body_s = {}        # one steady-state trip of each while body walked
 
@@ -161,12 +193,15 @@ class _Walk:
         begin = max(t, link)
         link = begin + c.seconds
         self.exposed += (link - t) * scale
+        self.exposed_by[ins.name] += (link - t) * scale
         self.comm += c.seconds * scale
         t = link
       elif ins.opcode in _ASYNC_DONE and ins.operands and self._started(comp, ins.operands[0]) in pending:
-        end = pending.pop(self._started(comp, ins.operands[0]))
+        start = self._started(comp, ins.operands[0])
+        end = pending.pop(start)
         if end > t:
           self.exposed += (end - t) * scale
+          self.exposed_by[start] += (end - t) * scale
           t = end
       elif ins.opcode == "while" and depth < 64:
         trips = self.mod.trip_count(ins)
@@ -196,8 +231,10 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
   ``partition_devices[p]`` (bench/predict/gpu_aot.py's record of the mesh; default ``p``): ``step_s`` (the schedule
   walk), ``compute_s`` (every kernel's time, no communication), ``exposed_comm_s``, ``comm_s`` (every
   collective's time), ``floor_s`` (the floor's share), ``kernels`` (launches per step, collectives
-  included), ``gemm_s``, the old roofline's ``roofline_s`` (flat 80% GEMMs, no floor, no communication)
-  and per-kind collective rows."""
+  included), ``gemm_s``, the old roofline's ``roofline_s`` (flat 80% GEMMs, no floor, no communication),
+  per-kind collective rows, ``each_collective`` (every collective instruction: a ``Collective``'s fields
+  and its ``exposed_s`` per step) and ``compute_by_computation`` (each computation's own kernels, one
+  execution, its nested loops not included)."""
   cluster = cluster_lib.get(cluster_name)
   rates = peaks(target)
   spec = spec_peaks(target)
@@ -226,7 +263,7 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
       c = collective_of(mod, ins, n, cluster, partition_devices)
       if c is None:
         continue
-      c.count = m
+      c.count, c.computation = m, comp
       colls[ins.name] = c
       row = rows[(c.kind, c.nodes > 1)]
       row["count"] += m
@@ -244,6 +281,8 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
       compute_kernels=kernels, collective_ops=sum(c.count for c in colls.values()),
       gemm_s=gemm_s, roofline_s=cost["seconds"], int_ops=cost["int_ops"], counts=cost["counts"],
       collectives=[dict(kind=k, crosses_nodes=x, **v) for (k, x), v in sorted(rows.items())],
+      each_collective=[dict(dataclasses.asdict(c), exposed_s=walk.exposed_by[name]) for name, c in colls.items()],
+      compute_by_computation={comp: sum(op_s.get(i.name, 0.0) for i in mod.comps[comp]) for comp in mult},
       body_s=walk.body_s, executions={c: m for c, m in mult.items()},
       leaf_bodies=sorted(b for b in walk.body_s if not any(i.opcode == "while" for i in mod.comps.get(b, []))))
 
