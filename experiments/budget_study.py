@@ -109,14 +109,8 @@ def main(argv=None) -> int:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
     config = quick_config(config_flag.value) if quick.value else config_flag.value
-    out = workdir.value or os.path.join("results", config.name)
-    runs = runs_dir.value or config.study.runs_dir
-    if config.study.get("compilation_cache", True):
-      study.enable_compilation_cache(os.path.join(os.path.dirname(os.path.abspath(runs)), "jax_cache"))
-    summary = run_budget_study(config, out, runs_dir=runs, train=not summarize_only.value)
-    print(f"\nsummary: {os.path.join(out, 'summary.md')} ({summary['runs_done']}/{summary['runs_total']} runs)")
-    print(render_markdown(summary))
-    return 0
+    return study.command(config, workdir.value, runs_dir.value, summarize_only.value, run_budget_study,
+                         render_markdown)
 
   app.run(_main, argv=argv)
   return 0

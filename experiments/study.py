@@ -151,6 +151,19 @@ def enable_compilation_cache(directory: str) -> None:
   sharding.use_compilation_cache(os.path.abspath(directory))
 
 
+def command(config, workdir: str | None, runs_dir: str | None, summarize_only: bool, run, render) -> int:
+  """A study's command line after its flags: ``run(config, out_dir, runs_dir=, train=)`` into ``workdir``
+  (default results/<config.name>) with the compilation cache beside the runs, then ``render(summary)``."""
+  out = workdir or os.path.join("results", config.name)
+  runs = runs_dir or config.study.runs_dir
+  if config.study.get("compilation_cache", True):
+    enable_compilation_cache(os.path.join(os.path.dirname(os.path.abspath(runs)), "jax_cache"))
+  summary = run(config, out, runs_dir=runs, train=not summarize_only)
+  print(f"\nsummary: {os.path.join(out, 'summary.md')} ({summary['runs_done']}/{summary['runs_total']} runs)")
+  print(render(summary))
+  return 0
+
+
 def main(argv=None) -> int:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   sys.path.insert(0, root)
@@ -166,15 +179,8 @@ def main(argv=None) -> int:
       raise app.UsageError(f"unexpected arguments {args[1:]}")
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
-    config = config_flag.value
-    out = workdir.value or os.path.join("results", config.name)
-    runs = runs_dir.value or config.study.runs_dir
-    if config.study.get("compilation_cache", True):
-      enable_compilation_cache(os.path.join(os.path.dirname(os.path.abspath(runs)), "jax_cache"))
-    summary = run_study(config, out, runs_dir=runs, train=not summarize_only.value)
-    print(f"\nsummary: {os.path.join(out, 'summary.md')} ({summary['runs_done']}/{summary['runs_total']} runs)")
-    print(render_markdown(summary))
-    return 0
+    return command(config_flag.value, workdir.value, runs_dir.value, summarize_only.value, run_study,
+                   render_markdown)
 
   app.run(_main, argv=argv)
   return 0
