@@ -229,3 +229,17 @@ def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int,
   b_spec = [n_entry, k_entry]
   out_spec = a_spec[:-1] + [n_entry]
   return a_spec, b_spec, out_spec, axes_of(k_entry)
+
+
+# ------------------------------------------------------------------------------------- constraints
+
+def whole_along_first(x):
+  """x constrained to be whole along its first axis on the traced mesh's automatic axes, its other axes left
+  to the partitioner; x itself without a mesh, or where every mesh axis is manual (inside ``shard_map``).
+  fp4jax.dot gathers the fprop weight tiles so, before transposing them (``dot.Dense.transpose_tiles``)."""
+  import jax   # pylint: disable=import-outside-toplevel
+  from jax import lax   # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual:
+    return x
+  return lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))
