@@ -398,7 +398,12 @@ class KeyedBits:
     lead_strides = [strides[d] for d in lead] if layout == JAX else strides[:-1]
     hi, lo = _counters(lead_shape, _U32(0), lead_strides) if lead_shape else (
         jnp.zeros((), _U32), jnp.zeros((), _U32))
-    return cls(_rows(data, hi, lo), jnp.asarray(_column_counters(shape[axis], strides[axis], layout)), layout)
+    if layout == JAX:
+      col_hi, col_lo = _mul_u32_by_const(jnp.arange(shape[axis], dtype=_U32), strides[axis])
+    else:
+      col_lo = jnp.arange(shape[axis], dtype=_U32) // _U32(GROUP)
+      col_hi = jnp.zeros_like(col_lo)
+    return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1), layout)
 
   def make(self, dtype=jnp.uint8):
     """The bits as an array (..., K) of ``dtype``, drawn in XLA: equal to ``rounding_bits`` moved as ``of``
@@ -411,16 +416,6 @@ class KeyedBits:
     b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)   # KeyedBits exist only with it
     mixed = b1 ^ b2 if self.layout == JAX else packed_bytes(b1, b2)
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
-
-
-def _column_counters(k: int, stride: int, layout: str):
-  """KeyedBits' cols, uint32 (K, 2) = (high, low) per column: column c's counter, c · stride ("jax") or its
-  group's index c // 8 ("packed"). Constants of the shape, computed here in 64 bits (an element index is below
-  2**64), so a compiled program holds them as a literal instead of computing them in a pass of their own."""
-  c = np.arange(k, dtype=np.uint64)
-  counter = c * np.uint64(stride) if layout == JAX else c // np.uint64(GROUP)
-  return np.stack([(counter >> np.uint64(32)).astype(np.uint32), (counter & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
-                  axis=-1)
 
 
 def drawn(bits, dtype=jnp.uint8):
