@@ -8,9 +8,9 @@ Each program loads (rows, P) of x and the (1, P) scale, and in registers:
   h = bf16( (x · r) · scale ),   r = 1 / sqrt( ss / D + eps ),   ss = Σ x²  (``rms_inverse``)
 then stores h and quantizes the same registers with the 1D quantize kernel's body
 (``quantize_1d.encode_rows``): codes (rows, P/2) and scale bytes (rows, P/B).
-NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in, with the
-per-row factors, from a read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a
-max is exact in any order). So the pair reads x twice and writes h and the codes once: two reads and
+NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in from a
+read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a max is exact in any order),
+and each program derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
 one write of D-wide rows, against three reads and one write for the norm, the amax and the quantize
 as separate passes.
 
