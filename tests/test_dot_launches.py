@@ -1,4 +1,4 @@
-"""The quantized dot launches few kernels besides its GEMMs (docs/PERF.md, "The kernel count"), with the same bits.
+"""The quantized dot launches few kernels besides its GEMMs (docs/PERF.md, "The kernel count of the proved step"), with the same bits.
 
 What the census of a compiled program counts (``bench.predict.launches``), and the changes that cut the proved
 B200 step's launches, each checked where it shows:

@@ -30,10 +30,12 @@ composition of every op; ``dots``: every recipe preset's dot).
 
 Printed, and written by ``--json``: per-device memory (XLA's memory analysis), compile seconds, the
 collectives by kind and dtype in bytes per step (loop trip counts applied), fusion / kernel / GEMM
-counts, the GEMMs with shapes and dtypes, the bytes of the other ops by what they belong to, and the
+counts, the launches by part and work against the twin's (``launches.py``), the GEMMs with shapes and
+dtypes, the bytes of the other ops by what they belong to, and the
 cost model of ``bench/predict/hlo_cost.py`` (what it ignores is said there: autotuning, overlap, launch
 latency, caches): the predicted time and, for ``dot`` and ``step``, its ratio to the bf16 twin of the
-same program compiled in the same run (top-level ``ratio_vs_bf16``).
+same program compiled in the same run (top-level ``ratio_vs_bf16``). ``--hlo PATH`` keeps the optimized HLO
+of the program and of its twin (``twin_hlo_path``: PATH with ".twin" before the extension).
 """
 from __future__ import annotations
 
