@@ -42,6 +42,20 @@ def to_float4(codes_u8):
   return lax.bitcast_convert_type(codes_u8.astype(jnp.uint4), jnp.float4_e2m1fn)
 
 
+def packed_float4(packed_u8):
+  """Packed E2M1 codes (uint8 (..., C/2), element 2i in the low nibble of byte i: ``e2m1.pack``) as
+  float4_e2m1fn (..., C), bit for bit, by bitcasts alone: XLA's 4-bit arrays hold element 2i in the low nibble
+  too, so on a GPU the operand is the packed buffer itself, where ``to_float4`` of the unpacked codes is a
+  pass that reads the codes and writes them again.
+
+  The barrier keeps XLA from evaluating the bitcast at compile time: its constant folder (HloEvaluator, the CPU's
+  and the GPU's) holds a 4-bit array one element per byte and folds a uint8 -> uint4 bitcast of constant codes
+  into other values (jax 0.10.2: bytes 0x21 0x43 fold to nibbles 1 3 instead of 1 2 3 4). On a computed
+  operand the barrier changes nothing."""
+  nibbles = lax.bitcast_convert_type(lax.optimization_barrier(packed_u8), jnp.uint4)   # (..., C/2, 2), low first
+  return lax.bitcast_convert_type(nibbles.reshape(*packed_u8.shape[:-1], -1), jnp.float4_e2m1fn)
+
+
 def block_scaled_matmul(a, b, a_scales, b_scales):
   """float32 (M, N) = Σ_k a[m, k]·a_scales[m, k/blk] · b[n, k]·b_scales[n, k/blk] on the hardware's
   block-scaled GEMM: NVFP4, a (M, K), b (N, K) float4_e2m1fn with float8_e4m3fn scales (M, K/16), (N, K/16);

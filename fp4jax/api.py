@@ -398,18 +398,19 @@ def scaled_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | 
 
 def transpose_packed(data_RxC2):
   """The E2M1 codes of a (R, C) matrix packed along C (``e2m1.pack``: (R, C/2) bytes) -> those of its transpose
-  packed along R ((C, R/2)), ``e2m1.pack(e2m1.unpack(data).T)`` from the packed bytes in one pass: byte (c, i)
-  takes the nibble of column c from rows 2i and 2i+1 (R even). XLA fuses it into one transpose, reading and
-  writing the packed bytes once; unpacking first writes the codes at a byte each in between."""
+  packed along R ((C, R/2)), ``e2m1.pack(e2m1.unpack(data).T)`` from the packed bytes in one pass: row 2j of the
+  result takes the low nibbles of byte column j (columns 2j of the input), row 2j + 1 the high ones, two rows of
+  the input to a byte. The bytes are transposed first and everything after is computed in the result's own
+  order, so XLA fuses it into one pass that reads the input transposed and writes the result row-major, the
+  layout the GEMM reads (a transpose left last, XLA makes it a layout change and the GEMM's operand pays a
+  transpose pass of its own)."""
   r, c2 = data_RxC2.shape
   if r % 2:
     raise ValueError(f"transpose_packed: {r} rows; packing the transpose along them needs an even count")
-  d = data_RxC2.reshape(r // 2, 2, c2)
-  pair = lambda t: jnp.repeat(t, 2, axis=-1)                 # each byte under both its columns: (R/2, C)
-  top, bottom = pair(d[:, 0, :]), pair(d[:, 1, :])           # rows 2i, 2i+1
-  shift = jnp.tile(jnp.array([0, 4], jnp.uint8), c2)         # column c's nibble: the low one for even c
-  nibble = lambda t: (t >> shift) & 0xF
-  return (nibble(top) | (nibble(bottom) << 4)).T
+  t = data_RxC2.T.reshape(c2, r // 2, 2)                     # byte column j, rows 2i and 2i + 1
+  pair = lambda n: n[..., 0] | (n[..., 1] << 4)              # two rows' nibbles, the even row low
+  low, high = pair(t & 0xF), pair(t >> 4)                    # result rows 2j and 2j + 1: (C/2, R/2)
+  return jnp.stack([low, high], axis=1).reshape(2 * c2, r // 2)
 
 
 def transpose_tiles(q: QTensor) -> QTensor:

@@ -38,6 +38,7 @@ from fp4jax import api, derivatives, eager, gemm, prequantized
 from fp4jax.numerics import eden
 from fp4jax.api import check_dot_inputs, transpose_tiles
 from fp4jax.numerics.layout import pad_to_multiple
+from fp4jax.primitives import sharding as shd
 from fp4jax.qtensor import QTensor
 from fp4jax.quantizers import TRANSPOSED, Roles, shared_amaxes
 from fp4jax.recipes import as_recipe
@@ -133,7 +134,12 @@ class Dense:
     return w.T
 
   def transpose_tiles(self, q_w):
-    return transpose_tiles(q_w)
+    """The tiles transposed, whole along their first axis first on a mesh: it becomes the transposed codes' last
+    axis, which the next GEMM contracts and needs whole. Gathered after the transpose, along that minor axis,
+    the partitioner transposes the codes to make it major, gathers, and transposes back (fprop's tiles (K, N)
+    under FSDP, which shards K: two passes over the codes and one over the scales more per fprop)."""
+    whole = dataclasses.replace(q_w, data=shd.whole_along_first(q_w.data), scale=shd.whole_along_first(q_w.scale))
+    return transpose_tiles(whole)
 
   def values(self, t):
     return values(t)

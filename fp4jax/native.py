@@ -105,15 +105,19 @@ def check(a: QTensor, b: QTensor, *, ndim: int = 2, where: str = "fp4jax.native.
                      "with one tensor amax")
 
 
+def _block_scales(q: QTensor):
+  """q's scales per 1x16 block along K: a 16x16-tiled weight's scale repeated over the tile's 16 rows."""
+  if q.tile is None:
+    return q.scale
+  return jnp.repeat(q.scale, q.tile[0], axis=-2)
+
+
 def codes_operand(q: QTensor) -> Operand:
   """``operand`` with NVFP4's E2M1 codes still uint8 (0..15): what the grouped GEMM gathers and masks.
   MXFP8's elements are float8_e4m3fn already."""
   if q.fmt in MX_FORMATS:
     return Operand(q.data, q.scale)
-  scales = q.scale
-  if q.tile is not None:   # one scale per 16x16 tile: the same scale for each of its 16 rows
-    scales = jnp.repeat(scales, q.tile[0], axis=-2)
-  return Operand(reference.codes_of(q), scales)
+  return Operand(reference.codes_of(q), _block_scales(q))
 
 
 def as_native(op: Operand) -> Operand:
@@ -124,8 +128,12 @@ def as_native(op: Operand) -> Operand:
 
 
 def operand(q: QTensor) -> Operand:
-  """The block-scaled layout of a QTensor quantized along its last axis (module docstring, 1)."""
-  return as_native(codes_operand(q))
+  """The block-scaled layout of a QTensor quantized along its last axis (module docstring, 1). NVFP4's codes
+  are packed along that axis, two to a byte, which is float4_e2m1fn's own layout: the values are the packed
+  bytes bitcast (``_native_compat.packed_float4``), no pass over them."""
+  if q.fmt in MX_FORMATS:
+    return codes_operand(q)
+  return Operand(nc.packed_float4(q.data), _block_scales(q))
 
 
 def decode(op: Operand):

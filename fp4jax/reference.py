@@ -178,7 +178,12 @@ def _pow2(e):
 
 def tensor_factor_parts(a: QTensor, b: QTensor):
   """float32 (4,): the factor and three exact powers of two that ``apply_tensor_factor`` multiplies
-  acc by, in that order (for the Pallas GEMM's epilogue, which applies them to its accumulator)."""
+  acc by, in that order (for the Pallas GEMM's epilogue, which applies them to its accumulator).
+
+  The four come back as one array through an optimization barrier: XLA otherwise folds the stack back into
+  four scalars that its fusion keeps apart (each is too costly to recompute per element of the epilogue, and
+  scalars are not worth a multi-output fusion to it), one launch each per GEMM on a GPU; behind the barrier
+  they are one fusion. No value changes."""
   if a.fmt != "nvfp4":
     return jnp.array([1.0, 1.0, 1.0, 1.0], jnp.float32)
   amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
@@ -193,7 +198,7 @@ def tensor_factor_parts(a: QTensor, b: QTensor):
   factor = product(jnp.where(keep, amax_a, m_a), jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
   e1 = e // 3
   e2 = (e - e1) // 2
-  return jnp.stack([factor, _pow2(e1), _pow2(e2), _pow2(e - e1 - e2)])
+  return lax.optimization_barrier(jnp.stack([factor, _pow2(e1), _pow2(e2), _pow2(e - e1 - e2)]))
 
 
 def apply_tensor_factor(acc, a: QTensor, b: QTensor):

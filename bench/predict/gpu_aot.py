@@ -30,10 +30,12 @@ composition of every op; ``dots``: every recipe preset's dot).
 
 Printed, and written by ``--json``: per-device memory (XLA's memory analysis), compile seconds, the
 collectives by kind and dtype in bytes per step (loop trip counts applied), fusion / kernel / GEMM
-counts, the GEMMs with shapes and dtypes, the bytes of the other ops by what they belong to, and the
+counts, the launches by part and work against the twin's (``launches.py``), the GEMMs with shapes and
+dtypes, the bytes of the other ops by what they belong to, and the
 cost model of ``bench/predict/hlo_cost.py`` (what it ignores is said there: autotuning, overlap, launch
 latency, caches): the predicted time and, for ``dot`` and ``step``, its ratio to the bf16 twin of the
-same program compiled in the same run (top-level ``ratio_vs_bf16``).
+same program compiled in the same run (top-level ``ratio_vs_bf16``). ``--hlo PATH`` keeps the optimized HLO
+of the program and of its twin (``twin_hlo_path``: PATH with ".twin" before the extension).
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def main(argv):
     shape = shape or (8192, 8192, 8192)
     results.append(_compiled(F, dot_program(F.recipe, shape, single, F.sr_bits)))
     if F.twin:
-      twin = _compiled(F, dot_program("bf16", shape, single))
+      twin = _compiled(F, dot_program("bf16", shape, single), twin=True)
     print(report(results[0], twin))
   elif F.what == "step":
     results, twin, mesh = _step(F, devices)
@@ -185,13 +187,21 @@ def _force_impl(impl: str) -> None:
 _HLO_WRITTEN: list[str] = []
 
 
-def _compiled(F, prog, mesh=None) -> dict:
-  """compile_program + summarize; --hlo keeps the first program's optimized HLO text."""
+def twin_hlo_path(path: str) -> str:
+  """Where ``--hlo PATH`` keeps the bf16 twin's HLO: PATH with ".twin" before its extension."""
+  stem, ext = os.path.splitext(path)
+  return f"{stem}.twin{ext}"
+
+
+def _compiled(F, prog, mesh=None, twin=False) -> dict:
+  """compile_program + summarize; --hlo keeps the first program's optimized HLO text, and its twin's
+  (``twin_hlo_path``)."""
   res = compile_program(prog, mesh)
-  if F.hlo and res.get("text") and not _HLO_WRITTEN:
-    with open(F.hlo, "w", encoding="utf-8") as f:
+  path = twin_hlo_path(F.hlo) if F.hlo and twin else F.hlo
+  if path and res.get("text") and path not in _HLO_WRITTEN:
+    with open(path, "w", encoding="utf-8") as f:
       f.write(res["text"])
-    _HLO_WRITTEN.append(F.hlo)
+    _HLO_WRITTEN.append(path)
   return summarize(res, F.target, F.peaks, F.int_ops, F.cluster)
 
 
@@ -217,10 +227,10 @@ def _step(F, devices):
   bpd = F.batch_per_device if F["batch_per_device"].present else max(1, config.batch_size // (micro * ranks))
   _force_impl(F.impl)
 
-  def one(cfg, name):
+  def one(cfg, name, twin=False):
     built = scale.build_step(cfg, mesh, bpd)
     prog = Program(name, built["step_fn"], (built["state_in"], built["batch_in"]))
-    out = _compiled(F, prog, mesh)
+    out = _compiled(F, prog, mesh, twin)
     out["compiler_options"] = built["compiler_options"]   # the config's xla_options for this target
     if regrouped is not None:
       out["regrouped"] = regrouped
@@ -242,7 +252,7 @@ def _step(F, devices):
     cfg = config.copy_and_resolve_references()
     with cfg.unlocked():
       cfg.recipe = "bf16"
-    twin = one(cfg, f"step {config.name} recipe bf16 (twin)")
+    twin = one(cfg, f"step {config.name} recipe bf16 (twin)", twin=True)
   print(report(res, twin))
   if twin is not None:
     print(report(twin))

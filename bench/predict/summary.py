@@ -14,6 +14,7 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
   per-kernel floor, GEMM efficiencies and collectives on ``cluster``) and the HLO text dropped."""
   from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   from bench.predict import hlo_parts   # pylint: disable=import-outside-toplevel
+  from bench.predict import launches   # pylint: disable=import-outside-toplevel
   out = {k: v for k, v in res.items() if k != "text"}
   if res.get("error"):
     return out
@@ -46,6 +47,8 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
                    read_gib=r["read_bytes"] / GiB, copy_ratio=r["copy_ratio"]) for r in hlo_parts.passes(cost)],
       # the step by the model's named parts (models.scopes) and phase, and in the issue-29 table's columns
       parts=hlo_parts.by_part(cost), columns=hlo_parts.columns(cost),
+      # the launches per step by part and by what each does (bench/predict/launches.py: the kernel count's census)
+      launches=launches.census(res["text"], cost),
       # Pallas kernels that declare their FLOPs (the SSD's): charged by FLOPs and bytes
       flop_kernels=[dict(name=o["name"], op_name=o["op_name"], count=o["count"], ms=o["seconds"] * 1e3,
                          bound=o["bound"], bytes=o["bytes"], flops=o["flops"])
@@ -78,6 +81,7 @@ def report(s: dict, twin: dict | None = None) -> str:
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
                  f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
+    lines.extend(_launch_lines(c, twin["cost"]))
   if s.get("mfu"):
     active = s.get("active_params", s["params"])
     of_total = f" of {s['params'] / 1e9:.3f}e9" if active != s["params"] else ""
@@ -117,6 +121,22 @@ def report(s: dict, twin: dict | None = None) -> str:
     lines.append("    of which all-to-all (MoE dispatch and combine, or SPMD resharding): "
                  f"{c['all_to_all_gib']:.3f} GiB")
   return "\n".join(lines)
+
+
+def _launch_lines(c: dict, t: dict, rows: int = 24) -> list[str]:
+  """The census of launches against the twin's (bench/predict/launches.py): totals, and the parts that differ most."""
+  from bench.predict import launches   # pylint: disable=import-outside-toplevel
+  if "launches" not in c or "launches" not in t:
+    return []
+  total = lambda rs: sum(r["launches"] for r in rs if r["part"] != "collective")
+  n, n_twin = total(c["launches"]), total(t["launches"])
+  lines = [f"  compute launches per step {n} against the twin's {n_twin} ({n / max(1, n_twin):.2f}x); by what they do "
+           "(this, twin): " + ", ".join(f"{w} {v} ({launches.by_work([r for r in t['launches'] if r['part'] != 'collective']).get(w, 0)})"
+                                     for w, v in launches.by_work([r for r in c["launches"] if r["part"] != "collective"]).items()),
+           "  launches by part and work, the largest differences (this, twin):"]
+  for part, work, a, b in launches.compare(c["launches"], t["launches"])[:rows]:
+    lines.append(f"    {part:<32}{work:<16}{a:>8}{b:>8}")
+  return lines
 
 
 def check_budget(s: dict, time_s: float, rss_bytes: float) -> list[str]:

@@ -17,7 +17,6 @@ from jax import lax
 
 from fp4jax import _pallas_compat as plc
 from fp4jax import random_bits
-from fp4jax._exact import div
 from fp4jax.numerics import nvfp4
 from fp4jax._pallas_compat import precise_div
 from fp4jax.numerics.scales import E4M3_MAX, FLT_MAX
@@ -90,22 +89,38 @@ def nvfp4_block_encode(amax_b, s_enc6, s_dec, *, interpret):
   return byte, enc
 
 
-def nvfp4_tensor_params(amax_g):
-  """(S_enc · f32(1/6), 1 / S_enc, p) of tensor amaxes (any shape), in XLA outside the kernels.
+def nvfp4_tensor_params(amax_g, *, interpret):
+  """(S_enc · f32(1/6), 1 / S_enc, p) of tensor amaxes (any shape), inside a kernel, from the amax the kernel
+  reads (``amax_operand``): no pass of their own before it.
 
   p = ``nvfp4.encode_shift(amax_g)`` (2^64 for a tensor amax below 2^-64, else 1): the kernel
-  multiplies x by p, and S_enc is that of amax_g · p, as ``nvfp4.quantize_blocks`` does.
+  multiplies x by p, and S_enc is that of amax_g · p, as ``nvfp4.quantize_blocks`` does. Both divisions are
+  correctly rounded (``precise_div``), as XLA's are in ``nvfp4.block_scales``: the same bits.
   """
+  divide = lambda a, b: precise_div(a, b, interpret=interpret)
   p = nvfp4.encode_shift(amax_g)
-  s_enc = nvfp4.global_encode_scale(jnp.asarray(amax_g, jnp.float32) * p)
-  return s_enc * jnp.float32(1.0 / 6.0), div(1.0, s_enc), p   # as nvfp4.block_scales
+  s_enc = nvfp4.global_encode_scale(amax_g * p, divide)
+  return s_enc * jnp.float32(1.0 / 6.0), divide(jnp.float32(1.0), s_enc), p   # as nvfp4.block_scales
 
 
-def nvfp4_factor_columns(amax_g):
-  """The per-tensor factors as the last axis of 4 (S_enc/6, 1/S_enc, p, 0): Triton blocks need a
-  power-of-two width."""
-  s_enc6, s_dec, p = nvfp4_tensor_params(amax_g)
-  return jnp.stack([s_enc6, s_dec, p, jnp.zeros_like(p)], axis=-1)
+def amax_operand(amax, rows_shape, rows: int):
+  """A kernel's NVFP4 tensor amax operand, float32 (A, 1): (1, 1) for one amax (every program reads it: no
+  pass writes anything for it), else the amax of each of the kernel's rows (``rows_shape``, the rows' leading
+  axes; amax of shape rows_shape[:n], one per vmapped slice), zero-padded to ``rows``. MXFP4 reads none:
+  pass zeros."""
+  amax = jnp.asarray(amax, jnp.float32)
+  if amax.ndim == 0:
+    return amax.reshape(1, 1)
+  a = amax.reshape(amax.shape + (1,) * (len(rows_shape) - amax.ndim))
+  return pad_axis(jnp.broadcast_to(a, tuple(rows_shape)).reshape(-1, 1), 0, rows)
+
+
+def amax_spec(amax_Ax1, block_rows: int, row_block):
+  """The BlockSpec of ``amax_operand``'s result: the one amax for every program, or the program's rows
+  (``row_block``: grid indices -> the index of its block of ``block_rows`` rows)."""
+  if amax_Ax1.shape == (1, 1):
+    return plc.BlockSpec((1, 1), lambda *g: (0, 0))
+  return plc.BlockSpec((block_rows, 1), lambda *g: (row_block(*g), 0))
 
 
 # ---------------------------------------------------------------- E8M0 (MXFP4 block scales)

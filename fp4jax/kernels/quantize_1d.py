@@ -9,8 +9,9 @@ encodes with the bit-arithmetic E2M1 encode of ``_common`` (RNE, or stochastic w
 element: an input, or hashed in the kernel from the key and the element's counter, ``random_bits.KeyedBits``;
 either way the bits of ``jax.random.bits``, so kernel and reference agree bit for bit), and packs code pairs from a
 (rows, blocks·P, 2) register view into a (rows, blocks·P) byte tile.
-The tensor amax (NVFP4) is computed before this pass (a separate reduction) and enters as per-row
-factors (S_enc/6, 1/S_enc, p) — one row of factors per amax when vmapped; p = 2^64 rescales a
+The tensor amax (NVFP4) is computed before this pass (a separate reduction) and enters as it is, one
+float32 read by every program (one per row when vmapped: ``_common.amax_operand``); each program derives
+the tensor's factors (S_enc/6, 1/S_enc, p) from it (``_common.nvfp4_tensor_params``): p = 2^64 rescales a
 tensor whose amax is below 2^-64, as the reference does.
 """
 from __future__ import annotations
@@ -40,24 +41,24 @@ class Quantize1dTiles:
 DEFAULT_TILES = Quantize1dTiles()
 
 
-def _quantize_1d_kernel(x_ref, f_ref, *refs, fmt, scale_rule, sr, interpret):
+def _quantize_1d_kernel(x_ref, a_ref, *refs, fmt, scale_rule, sr, interpret):
   *bits_refs, q_ref, s_ref = refs
   bits = C.tile_bits(sr, bits_refs)
-  q_ref[...], s_ref[...] = encode_rows(x_ref[...].astype(jnp.float32), f_ref, bits, fmt=fmt,
+  q_ref[...], s_ref[...] = encode_rows(x_ref[...].astype(jnp.float32), a_ref[...], bits, fmt=fmt,
                                        scale_rule=scale_rule, interpret=interpret)
 
 
-def encode_rows(x_RxK, f_ref, bits_RxK, *, fmt, scale_rule, interpret):
+def encode_rows(x_RxK, amax_Ax1, bits_RxK, *, fmt, scale_rule, interpret):
   """(packed codes (R, K/2), scale bytes (R, NB)) uint8 of a float32 register tile, inside a kernel:
-  the body every 1D quantize kernel shares (``fp4jax.kernels.rmsnorm_quantize`` too). ``f_ref``: the
-  (R, 4) per-row factors (``row_factors``); ``bits_RxK``: random bits (uint8, or uint32 below 256) or None."""
+  the body every 1D quantize kernel shares (``fp4jax.kernels.rmsnorm_quantize`` too). ``amax_Ax1``: the
+  NVFP4 tensor amax, (1, 1) or one per row (R, 1) (``_common.amax_operand``); ``bits_RxK``: random bits
+  (uint8, or uint32 below 256) or None."""
   b = formats.BLOCK[fmt]
   r, k = x_RxK.shape
   x_RxNxB = x_RxK.reshape(r, k // b, b)
   if fmt == "nvfp4":
-    s_enc6_Rx1 = f_ref[:, 0][:, None]       # ref reads, not register slices (Triton has no slice)
-    s_dec_Rx1 = f_ref[:, 1][:, None]
-    x_RxNxB = x_RxNxB * f_ref[:, 2][:, None, None]     # p: 2^64 for a tensor amax below 2^-64
+    s_enc6_Rx1, s_dec_Rx1, p_Rx1 = C.nvfp4_tensor_params(amax_Ax1, interpret=interpret)
+    x_RxNxB = x_RxNxB * p_Rx1[:, :, None]     # p: 2^64 for a tensor amax below 2^-64
     amax_RxN = abs_max(x_RxNxB, axis=2)
     byte_RxN, enc_RxN = C.nvfp4_block_encode(amax_RxN, s_enc6_Rx1, s_dec_Rx1, interpret=interpret)
     scaled = C.clip(x_RxNxB * enc_RxN[:, :, None], -6.0, 6.0)
@@ -70,17 +71,19 @@ def encode_rows(x_RxK, f_ref, bits_RxK, *, fmt, scale_rule, interpret):
   return C.pack_pairs(codes.reshape(r, k // 2, 2)), byte_RxN.astype(jnp.uint8)
 
 
-def _quantize_1d_call(x_RxK, factors_Rx4, bits, *, fmt, scale_rule, tiles, interpret):
+def _quantize_1d_call(x_RxK, amax, lead, bits, *, fmt, scale_rule, tiles, interpret):
   """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles.
-  ``bits``: None, uint8 (R, K), or ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
+  ``amax``: of shape lead[:n] (``lead``: x's leading axes); ``bits``: None, uint8 (R, K), or
+  ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
   r, k = x_RxK.shape
   b = formats.BLOCK[fmt]
   nb = k // b
   br, rp = C.fit(r, tiles.rows)
   bn, nbp = C.fit(nb, tiles.blocks)
   index = lambda i, j: (i, j)
-  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, rp), 1, nbp * b), C.pad_axis(factors_Rx4, 0, rp)]
-  in_specs = [plc.BlockSpec((br, bn * b), index), plc.BlockSpec((br, 4), lambda i, j: (i, 0))]
+  amax_Ax1 = C.amax_operand(amax if fmt == "nvfp4" else 0.0, lead, rp)
+  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, rp), 1, nbp * b), amax_Ax1]
+  in_specs = [plc.BlockSpec((br, bn * b), index), C.amax_spec(amax_Ax1, br, lambda i, j: i)]
   bits_ops, bits_specs = C.bits_operands(bits, r, k, rp, nbp * b, br, bn * b, index)
   kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule, sr=C.sr_mode(bits),
                              interpret=interpret)
@@ -94,19 +97,6 @@ def _quantize_1d_call(x_RxK, factors_Rx4, bits, *, fmt, scale_rule, tiles, inter
       interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}" + C.int_ops_suffix(C.sr_mode(bits), rp * nbp * b),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
   return q[:r, :k // 2], s[:r, :nb]
-
-
-def row_factors(amax, x_shape, fmt):
-  """Per-row (S_enc/6, 1/S_enc, p, 0) float32 (R, 4) for an amax of shape x_shape[:amax.ndim]."""
-  r = 1
-  for d in x_shape[:-1]:
-    r *= d
-  if fmt != "nvfp4":
-    return jnp.zeros((r, 4), jnp.float32)
-  f = C.nvfp4_factor_columns(amax)                              # amax.shape + (4,)
-  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(x_shape) - 1 - amax.ndim) + (4,)),
-                       tuple(x_shape[:-1]) + (4,))
-  return f.reshape(r, 4)
 
 
 def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TILES,
@@ -123,8 +113,7 @@ def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DE
   if k % b:
     raise ValueError(f"{k=} must be a multiple of the block {b} for fmt={fmt!r}; pad the input")
   x_RxK = x.reshape(-1, k)
-  factors = row_factors(jnp.asarray(amax, jnp.float32), x.shape, fmt)
-  q, s = _quantize_1d_call(x_RxK, factors, bits, fmt=fmt, scale_rule=scale_rule, tiles=tiles,
+  q, s = _quantize_1d_call(x_RxK, amax, tuple(lead), bits, fmt=fmt, scale_rule=scale_rule, tiles=tiles,
                            interpret=interpret)
   return q.reshape(*lead, k // 2), s.reshape(*lead, k // b)
 

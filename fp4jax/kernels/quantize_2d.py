@@ -36,15 +36,14 @@ class Quantize2dTiles:
 DEFAULT_TILES = Quantize2dTiles()
 
 
-def _quantize_2d_kernel(x_ref, f_ref, *refs, sr, interpret):
+def _quantize_2d_kernel(x_ref, a_ref, *refs, sr, interpret):
   *bits_refs, q_ref, s_ref = refs
   x_RxK = x_ref[...].astype(jnp.float32)
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
-  x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE) * f_ref[:, 2][:, None, None, None]   # p (2^64 or 1)
+  s_enc6_Gx1, s_dec_Gx1, p_Gx1 = C.nvfp4_tensor_params(a_ref[...], interpret=interpret)   # (1, 1) or per tile row
+  x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE) * p_Gx1[:, :, None, None]   # p (2^64 or 1)
   amax_GxN = abs_max(abs_max(x_Gx16xNx16, axis=3), axis=1)
-  s_enc6_Gx1 = f_ref[:, 0][:, None]
-  s_dec_Gx1 = f_ref[:, 1][:, None]
   byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
   scaled = C.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
   bits = C.tile_bits(sr, bits_refs)
@@ -54,8 +53,9 @@ def _quantize_2d_kernel(x_ref, f_ref, *refs, sr, interpret):
   s_ref[...] = byte_GxN.astype(jnp.uint8)
 
 
-def _quantize_2d_call(x_RxK, factors_Gx4, bits, *, tiles, interpret):
-  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8. ``bits``: None, uint8 (R, K), or
+def _quantize_2d_call(x_RxK, amax, tile_rows, bits, *, tiles, interpret):
+  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8. ``amax``: of shape tile_rows[:n]
+  (``tile_rows``: x's leading axes with R/16 tile rows last); ``bits``: None, uint8 (R, K), or
   ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
   r, k = x_RxK.shape
   g, nb = r // TILE, k // TILE
@@ -63,8 +63,9 @@ def _quantize_2d_call(x_RxK, factors_Gx4, bits, *, tiles, interpret):
   bn, nbp = C.fit(nb, tiles.tile_cols)
   index = lambda i, j: (i, j)
   spec = plc.BlockSpec((bg * TILE, bn * TILE), index)
-  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, gp * TILE), 1, nbp * TILE), C.pad_axis(factors_Gx4, 0, gp)]
-  in_specs = [spec, plc.BlockSpec((bg, 4), lambda i, j: (i, 0))]
+  amax_Ax1 = C.amax_operand(amax, tile_rows, gp)
+  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, gp * TILE), 1, nbp * TILE), amax_Ax1]
+  in_specs = [spec, C.amax_spec(amax_Ax1, bg, lambda i, j: i)]
   bits_ops, bits_specs = C.bits_operands(bits, r, k, gp * TILE, nbp * TILE, bg * TILE, bn * TILE, index)
   kernel = functools.partial(_quantize_2d_kernel, sr=C.sr_mode(bits), interpret=interpret)
   q, s = plc.pallas_call(
@@ -80,14 +81,6 @@ def _quantize_2d_call(x_RxK, factors_Gx4, bits, *, tiles, interpret):
   return q[:r, :k // 2], s[:g, :nb]
 
 
-def tile_row_factors(amax, x_shape):
-  """Per-tile-row (S_enc/6, 1/S_enc, p, 0) float32 (G, 4) for an amax of shape x_shape[:amax.ndim]."""
-  f = C.nvfp4_factor_columns(amax)
-  lead = tuple(x_shape[:-2]) + (x_shape[-2] // TILE,)
-  f = jnp.broadcast_to(f.reshape(amax.shape + (1,) * (len(lead) - amax.ndim) + (4,)), lead + (4,))
-  return f.reshape(-1, 4)
-
-
 def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):
   """NVFP4 16x16-tile quantization of x (..., M, K) with the Pallas kernel.
 
@@ -98,8 +91,8 @@ def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):
   *lead, m, k = x.shape
   if m % TILE or k % TILE:
     raise ValueError(f"x.shape[-2:]={(m, k)} must be multiples of {TILE} for 16x16 tiles; pad it")
-  factors = tile_row_factors(jnp.asarray(amax, jnp.float32), x.shape)
-  q, s = _quantize_2d_call(x.reshape(-1, k), factors, bits, tiles=tiles, interpret=interpret)
+  q, s = _quantize_2d_call(x.reshape(-1, k), amax, tuple(lead) + (m // TILE,), bits, tiles=tiles,
+                           interpret=interpret)
   return q.reshape(*lead, m, k // 2), s.reshape(*lead, m // TILE, k // TILE)
 
 

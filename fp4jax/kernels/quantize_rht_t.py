@@ -90,7 +90,7 @@ def _row_bits(sr, bits_refs):
   return packed
 
 
-def _quantize_rht_t_kernel(x_ref, f_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
+def _quantize_rht_t_kernel(x_ref, a_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
   *bits_refs, w_ref, s_ref = refs
   row_bits = _row_bits(sr, bits_refs)
   n, b, L = len(signs), formats.BLOCK[fmt], rows_per_unit
@@ -100,11 +100,9 @@ def _quantize_rht_t_kernel(x_ref, f_ref, *refs, fmt, scale_rule, signs, rows_per
   y = []
   for c0 in range(0, L, n):
     y += _butterfly(rows[c0:c0 + n], signs, scale)
-  s_enc6 = f_ref[0]
-  s_dec = f_ref[1]
-  if fmt == "nvfp4":
-    p = f_ref[2]                          # 2^64 for a tensor amax below 2^-64, else 1 (exact)
-    y = [r * p for r in y]
+  if fmt == "nvfp4":   # the tensor's factors from its amax (1, 1): no pass of their own before this one
+    s_enc6, s_dec, p = C.nvfp4_tensor_params(a_ref[...], interpret=interpret)
+    y = [r * p for r in y]                # p: 2^64 for a tensor amax below 2^-64, else 1 (exact)
   # 2. Quantize each block of B rows; 3. pack 8 codes per int32 word, store.
   for j in range(L // b):
     blk = y[j * b:(j + 1) * b]
@@ -125,7 +123,7 @@ def _quantize_rht_t_kernel(x_ref, f_ref, *refs, fmt, scale_rule, signs, rows_per
       w_ref[:, :, (j * b + w * 8) // 8] = word
 
 
-def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
+def _quantize_rht_t_call(x_TxC, amax_1x1, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
   """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T.
   ``bits_CxT``: None, uint8 (C, T), or ``random_bits.KeyedBits`` with rows (C, 4) and cols (T, 2)."""
   t, c = x_TxC.shape
@@ -135,9 +133,8 @@ def _quantize_rht_t_call(x_TxC, factors_4, bits_CxT, *, fmt, scale_rule, signs, 
   bu, up = C.fit(u, tiles.chunks)
   bc, cp = C.fit(c, tiles.cols)
   x_v = C.pad_axis(C.pad_axis(x_TxC.reshape(u, L, c), 0, up), 2, cp)
-  ops = [x_v, factors_4]
-  in_specs = [plc.BlockSpec((bu, L, bc), lambda i, j: (i, 0, j)),
-              plc.BlockSpec((4,), lambda i, j: (0,))]
+  ops = [x_v, amax_1x1]
+  in_specs = [plc.BlockSpec((bu, L, bc), lambda i, j: (i, 0, j)), C.amax_spec(amax_1x1, 1, None)]
   sr = C.sr_mode(bits_CxT)
   if sr == "bits":
     ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
@@ -298,12 +295,9 @@ def quantize_rht_t(x, amax, bits=None, *, fmt="nvfp4", rht_size=16, rht_seed=Non
   if t % L:
     raise ValueError(f"token axis T={t} must be a multiple of {L} (rht_size={rht_size}, block "
                      f"{formats.BLOCK[fmt]}); pad it")
-  if fmt == "nvfp4":
-    factors = C.nvfp4_factor_columns(jnp.asarray(amax, jnp.float32))
-  else:
-    factors = jnp.zeros((4,), jnp.float32)
+  amax_1x1 = C.amax_operand(jnp.asarray(amax, jnp.float32).reshape(()) if fmt == "nvfp4" else 0.0, (), 1)
   signs = hadamard.signs(rht_size, rht_seed)
-  return _quantize_rht_t_call(x, factors, bits, fmt=fmt, scale_rule=scale_rule, signs=signs,
+  return _quantize_rht_t_call(x, amax_1x1, bits, fmt=fmt, scale_rule=scale_rule, signs=signs,
                               tiles=tiles, interpret=interpret)
 
 

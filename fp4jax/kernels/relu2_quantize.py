@@ -19,16 +19,16 @@ import jax.numpy as jnp
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
 from fp4jax.kernels import _common as C
-from fp4jax.kernels.quantize_1d import DEFAULT_TILES, encode_rows, row_factors
+from fp4jax.kernels.quantize_1d import DEFAULT_TILES, encode_rows
 from fp4jax.kernels.rmsnorm_quantize import bf16_value
 
 
-def _relu2_quantize_kernel(u_ref, f_ref, h_ref, q_ref, s_ref, *, fmt, scale_rule, interpret):
+def _relu2_quantize_kernel(u_ref, a_ref, h_ref, q_ref, s_ref, *, fmt, scale_rule, interpret):
   u = u_ref[...].astype(jnp.float32)
   r = jnp.where(u < 0, jnp.float32(0.0), u)   # relu that keeps NaN (Triton's float max is maxnum)
   h = (r * r).astype(jnp.bfloat16)
   h_ref[...] = h
-  q_ref[...], s_ref[...] = encode_rows(bf16_value(h), f_ref, None, fmt=fmt, scale_rule=scale_rule,
+  q_ref[...], s_ref[...] = encode_rows(bf16_value(h), a_ref[...], None, fmt=fmt, scale_rule=scale_rule,
                                        interpret=interpret)
 
 
@@ -43,19 +43,19 @@ def relu2_quantize(u, amax, *, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TI
   r, nb = u_RxF.shape[0], f // b
   br, rp = C.fit(r, tiles.rows)
   bn, nbp = C.fit(nb, tiles.blocks)
-  factors = C.pad_axis(row_factors(jnp.asarray(amax, jnp.float32), u_RxF.shape, fmt), 0, rp)
+  amax_1x1 = C.amax_operand(jnp.asarray(amax, jnp.float32).reshape(()) if fmt == "nvfp4" else 0.0, (), 1)
   kernel = functools.partial(_relu2_quantize_kernel, fmt=fmt, scale_rule=scale_rule, interpret=interpret)
   h, q, s = plc.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((rp, nbp * b), jnp.bfloat16),
                  jax.ShapeDtypeStruct((rp, nbp * b // 2), jnp.uint8), jax.ShapeDtypeStruct((rp, nbp), jnp.uint8)),
       grid=(rp // br, nbp // bn),
-      in_specs=[plc.BlockSpec((br, bn * b), lambda i, j: (i, j)), plc.BlockSpec((br, 4), lambda i, j: (i, 0))],
+      in_specs=[plc.BlockSpec((br, bn * b), lambda i, j: (i, j)), C.amax_spec(amax_1x1, 1, None)],
       out_specs=(plc.BlockSpec((br, bn * b), lambda i, j: (i, j)),
                  plc.BlockSpec((br, bn * b // 2), lambda i, j: (i, j)), plc.BlockSpec((br, bn), lambda i, j: (i, j))),
       interpret=interpret, name=f"fp4jax_relu2_quantize_{fmt}_1x{b}",
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(
-          C.pad_axis(C.pad_axis(u_RxF, 0, rp), 1, nbp * b), factors)
+          C.pad_axis(C.pad_axis(u_RxF, 0, rp), 1, nbp * b), amax_1x1)
   return (h[:r, :f].reshape(*lead, f), q[:r, :f // 2].reshape(*lead, f // 2), s[:r, :nb].reshape(*lead, nb))
 
 

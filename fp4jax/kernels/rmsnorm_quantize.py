@@ -8,9 +8,9 @@ Each program loads (rows, P) of x and the (1, P) scale, and in registers:
   h = bf16( (x · r) · scale ),   r = 1 / sqrt( ss / D + eps ),   ss = Σ x²  (``rms_inverse``)
 then stores h and quantizes the same registers with the 1D quantize kernel's body
 (``quantize_1d.encode_rows``): codes (rows, P/2) and scale bytes (rows, P/B).
-NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in, with the
-per-row factors, from a read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a
-max is exact in any order). So the pair reads x twice and writes h and the codes once: two reads and
+NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in from a
+read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a max is exact in any order),
+and each program derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
 one write of D-wide rows, against three reads and one write for the norm, the amax and the quantize
 as separate passes.
 
@@ -34,7 +34,7 @@ from fp4jax import _pallas_compat as plc
 from fp4jax import formats
 from fp4jax._exact import div
 from fp4jax.kernels import _common as C
-from fp4jax.kernels.quantize_1d import encode_rows, row_factors
+from fp4jax.kernels.quantize_1d import encode_rows
 from fp4jax.numerics.layout import pad_to_multiple
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float16)   # x² exact in float32 (module docstring)
@@ -76,14 +76,14 @@ def _halve_in_kernel(s):
   return jnp.sum(s.reshape(r, 2, w // 2), axis=1)
 
 
-def _rmsnorm_quantize_kernel(x_ref, w_ref, f_ref, h_ref, q_ref, s_ref, *, d, eps, fmt, scale_rule, interpret):
+def _rmsnorm_quantize_kernel(x_ref, w_ref, a_ref, h_ref, q_ref, s_ref, *, d, eps, fmt, scale_rule, interpret):
   x_RxP = x_ref[...].astype(jnp.float32)
   div = functools.partial(plc.precise_div, interpret=interpret)
   sqrt = functools.partial(plc.precise_sqrt, interpret=interpret)
   r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_halve_in_kernel, div=div, sqrt=sqrt)
   h_RxP = ((x_RxP * r_Rx1) * w_ref[...].astype(jnp.float32)).astype(jnp.bfloat16)
   h_ref[...] = h_RxP
-  q_ref[...], s_ref[...] = encode_rows(bf16_value(h_RxP), f_ref, None, fmt=fmt, scale_rule=scale_rule,
+  q_ref[...], s_ref[...] = encode_rows(bf16_value(h_RxP), a_ref[...], None, fmt=fmt, scale_rule=scale_rule,
                                        interpret=interpret)
 
 
@@ -114,7 +114,7 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
   r = x_RxD.shape[0]
   p = pow2(d)
   br, rp = C.fit(r, max(1, min(32, tiles.elements // p)))
-  factors = C.pad_axis(row_factors(jnp.asarray(amax, jnp.float32), x_RxD.shape, fmt), 0, rp)
+  amax_1x1 = C.amax_operand(jnp.asarray(amax, jnp.float32).reshape(()) if fmt == "nvfp4" else 0.0, (), 1)
   kernel = functools.partial(_rmsnorm_quantize_kernel, d=d, eps=eps, fmt=fmt, scale_rule=scale_rule,
                              interpret=interpret)
   h, q, s = plc.pallas_call(
@@ -123,12 +123,12 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
                  jax.ShapeDtypeStruct((rp, p // b), jnp.uint8)),
       grid=(rp // br,),
       in_specs=[plc.BlockSpec((br, p), lambda i: (i, 0)), plc.BlockSpec((1, p), lambda i: (0, 0)),
-                plc.BlockSpec((br, 4), lambda i: (i, 0))],
+                C.amax_spec(amax_1x1, 1, None)],
       out_specs=(plc.BlockSpec((br, p), lambda i: (i, 0)), plc.BlockSpec((br, p // 2), lambda i: (i, 0)),
                  plc.BlockSpec((br, p // b), lambda i: (i, 0))),
       interpret=interpret, name=f"fp4jax_rmsnorm_quantize_{fmt}_1x{b}",
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(
-          C.pad_axis(C.pad_axis(x_RxD, 0, rp), 1, p), C.pad_axis(scale.reshape(1, d), 1, p), factors)
+          C.pad_axis(C.pad_axis(x_RxD, 0, rp), 1, p), C.pad_axis(scale.reshape(1, d), 1, p), amax_1x1)
   return (h[:r, :d].reshape(*lead, d), q[:r, :d // 2].reshape(*lead, d // 2),
           s[:r, :d // b].reshape(*lead, d // b))
 

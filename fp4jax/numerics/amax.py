@@ -13,6 +13,7 @@ NaN check, integer arithmetic on every backend (XLA on CPU and GPU, Pallas kerne
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -30,8 +31,12 @@ def from_bits(bits_i32):
 
 def abs_max(x, axis=None):
   """max |x| over ``axis`` (all axes for None), float32; NaN where any reduced element is NaN, 0 for an
-  empty reduction."""
-  return from_bits(jnp.max(magnitude_bits(x), axis=axis, initial=0))
+  empty reduction. The bits are non-negative, so a non-empty reduction needs no initial 0 (which is a
+  maximum after the reduce: an op of its own wherever the amax goes straight into a kernel)."""
+  bits = magnitude_bits(x)
+  axes = range(bits.ndim) if axis is None else [a % bits.ndim for a in ((axis,) if isinstance(axis, int) else axis)]
+  empty = math.prod(bits.shape[a] for a in axes) == 0
+  return from_bits(jnp.max(bits, axis=axis, initial=0 if empty else None))
 
 
 def abs_max_of(*xs):

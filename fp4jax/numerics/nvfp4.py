@@ -42,10 +42,11 @@ def tensor_amax(x):
   return abs_max(x)
 
 
-def global_encode_scale(amax_g):
-  """S_enc = min(448·6 / amax, FLT_MAX); 1 when amax is 0 (or inf, where the quotient is 0)."""
+def global_encode_scale(amax_g, divide=jnp.divide):
+  """S_enc = min(448·6 / amax, FLT_MAX); 1 when amax is 0 (or inf, where the quotient is 0). ``divide``: the
+  correctly rounded division to use (inside a kernel: ``fp4jax._pallas_compat.precise_div``)."""
   amax_g = jnp.asarray(amax_g, jnp.float32)
-  s_enc = jnp.minimum(jnp.float32(2688.0) / amax_g, jnp.float32(FLT_MAX))
+  s_enc = jnp.minimum(divide(jnp.float32(2688.0), amax_g), jnp.float32(FLT_MAX))
   return jnp.where((amax_g == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
 
 

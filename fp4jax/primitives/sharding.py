@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 import re
 
+import jax
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -229,3 +231,16 @@ def matmul_specs(mesh, a_shape, a_sharding, b_shape, b_sharding, *, block: int,
   b_spec = [n_entry, k_entry]
   out_spec = a_spec[:-1] + [n_entry]
   return a_spec, b_spec, out_spec, axes_of(k_entry)
+
+
+# ------------------------------------------------------------------------------------- constraints
+
+def whole_along_first(x):
+  """x constrained to be whole along its first axis on the traced mesh's automatic axes, its other axes left
+  to the partitioner; x itself without a mesh, where every mesh axis is manual (inside ``shard_map``), or on a
+  mesh with explicit axes (whose shardings are the program's types: the caller's to choose). fp4jax.dot
+  gathers the fprop weight tiles so, before transposing them (``dot.Dense.transpose_tiles``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual or mesh.explicit_axes:
+    return x
+  return lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))

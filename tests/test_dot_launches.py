@@ -1,0 +1,274 @@
+"""The quantized dot launches few kernels besides its GEMMs (docs/PERF.md, "The kernel count of the proved step"), with the same bits.
+
+What the census of a compiled program counts (``bench.predict.launches``), and the changes that cut the proved
+B200 step's launches, each checked where it shows:
+- the native GEMM reads the packed E2M1 codes as float4_e2m1fn by bitcasts (no pass unpacking them), and the
+  bitcast is never folded at compile time (XLA's constant folder gets 4-bit arrays wrong);
+- the tensor factor's four parts are one array (one pass per GEMM, not four);
+- every quantize kernel reads the tensor amax itself (no pass broadcasting its factors per row before it);
+- the fprop weight tiles are gathered along K before they are transposed on an FSDP mesh (no transposes around
+  the gather, no GEMM over a shard of K with partial sums);
+- the value_and_grad of one nvfp4 dot compiled for a B200 with every kernel proved (slow; needs jax's CUDA
+  plugin, no GPU).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from configs import shrunken
+from fp4jax import _native_compat as nc
+from fp4jax import _platform, native, reference
+from fp4jax.kernels import quantize_1d, quantize_2d, quantize_rht_t, relu2_quantize, rmsnorm_quantize
+from fp4jax.numerics import e2m1
+from fp4jax.quantizers import Quantizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------------------------- the census
+
+_MODULE = """HloModule m
+
+%fused_reduce (p0: f32[64,32]) -> f32[64] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %r = f32[64]{0} reduce(%p0, %c), dimensions={1}, to_apply=%add
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_scalar (p0: f32[64]) -> f32[4] {
+  %p0 = f32[64]{0} parameter(0)
+  %s = f32[4]{0} slice(%p0), slice={[0:4]}
+  ROOT %m = f32[4]{0} multiply(%s, %s)
+}
+
+%fused_unpack (p0: u8[64,16]) -> u8[64,16,2] {
+  %p0 = u8[64,16]{1,0} parameter(0)
+  %k = u8[] constant(4)
+  %kb = u8[64,16]{1,0} broadcast(%k), dimensions={}
+  %hi = u8[64,16]{1,0} shift-right-logical(%p0, %kb)
+  %a = u8[64,16,1]{2,1,0} bitcast(%p0)
+  %b = u8[64,16,1]{2,1,0} bitcast(%hi)
+  ROOT %c = u8[64,16,2]{2,1,0} concatenate(%a, %b), dimensions={2}
+}
+
+%fused_transpose (p0: f32[64,32]) -> f32[32,64] {
+  %p0 = f32[64,32]{1,0} parameter(0)
+  ROOT %t = f32[32,64]{1,0} transpose(%p0), dimensions={1,0}
+}
+
+ENTRY %main (x: f32[64,32], q: u8[64,16]) -> (f32[64], f32[4], u8[64,16,2], f32[32,64], f32[64,32]) {
+  %x = f32[64,32]{1,0} parameter(0)
+  %q = u8[64,16]{1,0} parameter(1)
+  %r = f32[64]{0} fusion(%x), kind=kInput, calls=%fused_reduce, metadata={op_name="jit(f)/fp4jax/quantize/reduce_max"}
+  %s = f32[4]{0} fusion(%r), kind=kLoop, calls=%fused_scalar, metadata={op_name="jit(f)/fp4jax/dot/fprop/stack"}
+  %u = u8[64,16,2]{2,1,0} fusion(%q), kind=kLoop, calls=%fused_unpack, metadata={op_name="jit(f)/fp4jax/dot/dgrad/convert_element_type"}
+  %t = f32[32,64]{1,0} fusion(%x), kind=kLoop, calls=%fused_transpose, metadata={op_name="jit(f)/models/linear/up/transpose"}
+  %g = f32[64,32]{1,0} all-reduce(%x), replica_groups={}, to_apply=%add
+  ROOT %out = (f32[64]{0}, f32[4]{0}, u8[64,16,2]{2,1,0}, f32[32,64]{1,0}, f32[64,32]{1,0}) tuple(%r, %s, %u, %t, %g)
+}
+"""
+
+
+def test_census_counts_launches_by_part_and_work():
+  from bench.predict import launches   # pylint: disable=import-outside-toplevel
+  rows = {(r["part"], r["work"]): r["launches"] for r in launches.census(_MODULE)}
+  assert rows == {("quantize", "reduce"): 1, ("fprop/other", "scalar"): 1, ("dgrad/other", "pack"): 1,
+                  ("linear", "transpose"): 1, ("collective", "all-reduce"): 1}, rows
+  twin = [dict(part="linear", work="transpose", launches=1), dict(part="linear", work="GEMM", launches=3)]
+  diff = launches.compare(launches.census(_MODULE), twin)
+  assert diff[-1] == ("linear", "GEMM", 0, 3) and ("linear", "transpose", 1, 1) in diff
+
+
+# ------------------------------------------------------------------------------- the GEMM's operands
+
+def test_packed_float4_is_the_unpacked_codes_constant_or_not():
+  """Every byte value, as an argument and as a constant of the compiled program (which XLA's constant folder
+  would evaluate wrongly without the barrier: nibbles 1 3 for bytes 0x21 0x43), against the unpacked codes."""
+  packed = np.arange(256, dtype=np.uint8).reshape(8, 32)
+  want = np.asarray(nc.to_float4(e2m1.unpack(jnp.asarray(packed))).astype(jnp.float32))
+  as_f32 = lambda p: nc.packed_float4(p).astype(jnp.float32)
+  for got in (jax.jit(as_f32)(packed), jax.jit(lambda: as_f32(jnp.asarray(packed)))(), as_f32(packed)):
+    got = np.asarray(got)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))   # -0 (code 8) too
+
+
+def test_native_operand_is_the_packed_codes_bitcast():
+  """No unpacking pass: the operand's values come from the packed bytes by bitcasts alone (no shift in the
+  lowered program), and they are the QTensor's codes; a tiled weight's scales repeat over the tile's rows."""
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  for q in (Quantizer("nvfp4")(x), fp4jax.transpose_tiles(Quantizer("nvfp4", tiled=True)(x))):
+    text = jax.jit(lambda q: native.operand(q).values).lower(q).as_text()
+    assert "shift_right" not in text and "bitcast_convert" in text, text[:2000]
+    op = native.operand(q)
+    np.testing.assert_array_equal(np.asarray(op.values.astype(jnp.float32)),
+                                  np.asarray(nc.to_float4(reference.codes_of(q)).astype(jnp.float32)))
+    assert op.scales.shape == (q.shape[0], q.shape[1] // 16)
+
+
+def test_tensor_factor_parts_are_one_array():
+  """The four parts leave ``tensor_factor_parts`` as one (4,) array behind an optimization barrier, which XLA
+  computes in one fusion (the slow test below counts it on the B200: one scalar pass per GEMM)."""
+  a = Quantizer("nvfp4")(jax.random.normal(jax.random.key(1), (32, 64)))
+  b = Quantizer("nvfp4")(jax.random.normal(jax.random.key(2), (16, 64)) * 1e30)
+  jaxpr = jax.make_jaxpr(reference.tensor_factor_parts)(a, b)
+  barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  assert [tuple(v.aval.shape) for e in barriers for v in e.outvars] == [(4,)], jaxpr
+  acc = jnp.linspace(-3.0, 3.0, 16 * 32, dtype=jnp.float32).reshape(32, 16)
+  want = acc * (np.float32(a.amax) * np.float32(b.amax) / np.float32(6 * 6 * 448 * 448))
+  np.testing.assert_allclose(np.asarray(reference.apply_tensor_factor(acc, a, b)), want, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the quantize kernels
+
+def _pallas_operands(fn, *args):
+  """The operand shapes of every pallas_call in the jaxpr of ``fn(*args)``."""
+  eqns, out = list(jax.make_jaxpr(fn)(*args).eqns), []
+  while eqns:
+    e = eqns.pop()
+    if e.primitive.name == "pallas_call":
+      out.append([tuple(v.aval.shape) for v in e.invars])
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", None)
+        inner = getattr(inner, "jaxpr", inner)
+        if inner is not None and hasattr(inner, "eqns"):
+          eqns.extend(inner.eqns)
+  return out
+
+
+def test_quantize_kernels_read_the_tensor_amax_itself():
+  """Each kernel takes the scalar amax as a (1, 1) operand and no per-row factors (R, 4): nothing runs between
+  the amax's reduction and the kernel. A vmapped amax (one per slice) comes per row, (R, 1)."""
+  x = jnp.ones((64, 128), jnp.bfloat16)
+  amax = jnp.float32(1.0)
+  calls = {
+      "quantize_1d": (lambda x, a: quantize_1d.quantize_1d(x, a, interpret=True), x, amax),
+      "quantize_2d": (lambda x, a: quantize_2d.quantize_2d(x, a, interpret=True), x, amax),
+      "quantize_rht_t": (lambda x, a: quantize_rht_t.quantize_rht_t(x, a, interpret=True), x, amax),
+      "relu2_quantize": (lambda x, a: relu2_quantize.relu2_quantize(x, a, interpret=True), x, amax),
+      "rmsnorm_quantize": (lambda x, a: rmsnorm_quantize.rmsnorm_quantize(x, jnp.ones((128,)), a, eps=1e-5,
+                                                                          interpret=True), x, amax),
+      "quantize_1d, vmapped amax": (lambda x, a: quantize_1d.quantize_1d(x, a, interpret=True),
+                                    x.reshape(4, 16, 128), jnp.ones((4,), jnp.float32)),
+  }
+  for name, (fn, *args) in calls.items():
+    (operands,) = _pallas_operands(fn, *args)
+    assert ((64, 1) if "vmapped" in name else (1, 1)) in operands, (name, operands)
+    assert not [s for s in operands if len(s) == 2 and s[1] == 4], (name, operands)
+
+
+# ------------------------------------------------------------------------------ the weight on a mesh
+
+_MESH_SCRIPT = textwrap.dedent(r"""
+    import json, re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import fp4jax
+
+    M, K, N = 256, 512, 384
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    x1 = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((K, N)) * 0.05, jnp.bfloat16)
+
+    def rows(x, w):   # y and dx: row by row, no sum across the devices (whose order the mesh changes)
+      y, vjp = jax.vjp(lambda x: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(0)), x)
+      return y, vjp(jnp.cos(y))[0]
+
+    f = jax.jit(rows)
+    with jax.set_mesh(mesh):
+      x = jax.device_put(x1, NamedSharding(mesh, P("fsdp", None)))
+      w = jax.device_put(w1, NamedSharding(mesh, P("fsdp", None)))   # FSDP: K over the devices
+      text = f.lower(x, w).compile().as_text()
+      got = f(x, w)
+    want = f(x1, w1)
+    shapes = lambda op: [s for result in re.findall(rf"= (.*?) {op}\(", text)
+                         for s in re.findall(r"\w+\[[\d,]*\]", result)]
+    print("RESULT" + json.dumps(dict(
+        gathered=shapes("all-gather"), reduced=shapes("all-reduce") + shapes("reduce-scatter"),
+        equal=all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))))))
+""")
+
+
+def test_fprop_tiles_are_gathered_whole_before_their_transpose():
+  """On an 8-device FSDP mesh (w's K over the devices) the native path (the B200's; on the CPU its twin, the
+  same program to the partitioner up to the GEMM) gathers the weight's tiles whole along K as they are quantized
+  (codes u8 (K, N/2)) and transposes them after: not the transposed operand along its minor axis (on the CPU,
+  where the twin decodes before its dot, that gathered float32 products, 8x the bytes), and no float32 (M, N)
+  partial products summed across the devices. y and dx equal one device's, bit for bit."""
+  env = dict(os.environ, **shrunken.compilation_cache_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, FP4JAX_DEFAULT_IMPL="native")
+  proc = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+  assert "u8[512,192]" in out["gathered"], out["gathered"]              # the tiles (K, N/2), whole along K
+  assert not {"f32[384,512]", "f32[512,384]"} & set(out["gathered"]), out["gathered"]
+  assert not [s for s in out["reduced"] if s.startswith("f32[256,384]") or s.startswith("f32[32,384]")], out
+  assert out["equal"], "y or dx on the mesh differ from one device's"
+
+
+# ------------------------------------------------------------------- the dot compiled for a B200 (slow)
+
+needs_plugin = pytest.mark.skipif(
+    _platform.cuda_plugin() is None, reason="jax's CUDA plugin is not installed, so XLA's GPU compiler "
+    "is absent (pip install -e '.[dev]' installs it)")
+
+_B200_SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    sys.path.insert(0, ROOT)
+    from fp4jax import _platform
+    _platform.enable_deviceless()
+    import jax
+    from bench.predict import deviceless, launches, peaks, programs
+    from bench.predict.gpu_aot import assume_proved
+    assume_proved(["all"])
+    dev = deviceless.gpu_devices("b200", 1)[0]
+    prog = programs.dot_program("nvfp4", (1024, 1024, 1024), jax.sharding.SingleDeviceSharding(dev))
+    res = deviceless.compile_program(prog)
+    if res.get("error"):
+      print("RESULT" + json.dumps(dict(error=res["error"]))); sys.exit(0)
+    print("RESULT" + json.dumps(launches.census(res["text"], peaks=peaks.peaks("b200"))))
+""")
+
+
+@needs_plugin
+@pytest.mark.slow   # a deviceless compile for sm_100: ~20 s of CPU; by default the representatives above
+def test_proved_b200_dot_launches():
+  """value_and_grad of one nvfp4 dot (1024³), every kernel proved, on a B200: 34 launches where the code
+  before this test launched 53 (the bf16 twin: its 3 GEMMs). Per GEMM pass: one scalar pass (the tensor
+  factor), no pass unpacking codes; no pass between an amax and its quantize kernel; fprop's tiles transposed
+  in one pass."""
+  env = _platform.deviceless_env()
+  env.pop("FP4JAX_DEFAULT_IMPL", None)
+  proc = subprocess.run([sys.executable, "-c", _B200_SCRIPT.replace("ROOT", repr(ROOT))], env=env, capture_output=True,
+                        text=True, timeout=900, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+  assert "error" not in rows, rows
+  count = lambda part, work=None: sum(r["launches"] for r in rows
+                                      if r["part"] == part and (work is None or r["work"] == work))
+  for gemm in ("fprop", "dgrad", "wgrad"):
+    assert count(f"{gemm}/other", "GEMM") == 1, rows
+    assert count(f"{gemm}/other", "scalar") == 1, rows
+  assert count("dgrad/other", "pack") == count("wgrad/other", "pack") == 0, rows
+  assert count("fprop/other", "pack") + count("fprop/other", "transpose") - 2 <= 1, rows   # 2: XLA's scale swizzles
+  quantize = [r for r in rows if r["part"].split("/")[-1] in ("quantize", "quantize_rht_t")]
+  assert not [r for r in quantize if r["work"] in ("broadcast", "scalar")], quantize
+  total = sum(r["launches"] for r in rows if r["part"] != "collective")
+  assert total <= 34, (total, rows)
