@@ -43,10 +43,13 @@ def tensor_amax(x):
 
 
 def global_encode_scale(amax_g, divide=jnp.divide):
-  """S_enc = min(448·6 / amax, FLT_MAX); 1 when amax is 0 (or inf, where the quotient is 0). ``divide``: the
-  correctly rounded division to use (inside a kernel: ``fp4jax._pallas_compat.precise_div``)."""
+  """S_enc = min(448·6 / amax, FLT_MAX); 1 when amax is 0 (or inf, where the quotient is 0); NaN for a NaN
+  amax. ``divide``: the correctly rounded division to use (inside a kernel:
+  ``fp4jax._pallas_compat.precise_div``). The clip is a select, not a minimum: inside a Triton kernel a
+  float minimum lowers to ``minnumf``, which returns the number and drops the NaN."""
   amax_g = jnp.asarray(amax_g, jnp.float32)
-  s_enc = jnp.minimum(divide(jnp.float32(2688.0), amax_g), jnp.float32(FLT_MAX))
+  quotient = divide(jnp.float32(2688.0), amax_g)
+  s_enc = jnp.where(quotient > jnp.float32(FLT_MAX), jnp.float32(FLT_MAX), quotient)
   return jnp.where((amax_g == 0) | (s_enc == 0), jnp.float32(1.0), s_enc)
 
 
