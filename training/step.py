@@ -257,8 +257,9 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
   calibrated channel split. ``micro_batches`` (static): the gradient of the batch is accumulated over that many
   micro-batches (``accumulate_gradients``) and applied once. ``gather`` (``sharding.step_gather``): the weights,
   in the compute dtype (``models.lm.compute_params``), gathered once ahead of the micro-batches, which run under
-  its rules and reduce each gradient to the parameter's own placement (the same numbers: the casts, the
-  quantization and the reductions are the per-layer gather's)."""
+  its rules and reduce each gradient to the parameter's own placement (the forward's numbers are the per-layer
+  gather's: the same casts and quantization; the gradients' sums over the devices are grouped otherwise, the same
+  to float32 summation order: docs/TRAINING.md, "Weights gathered once per step")."""
   key = jax.random.fold_in(state["rng"], state["step"])
   params, rules, placed = state["params"], contextlib.nullcontext(), None
   if gather is not None:
