@@ -65,5 +65,13 @@ def compilation_cache_env(path: str = TEST_COMPILATION_CACHE) -> dict:
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
+# For a process that compiles programs only to read them (their partitioned or optimized HLO) and runs none: the
+# CPU's machine code at LLVM's lowest optimization level, which leaves every HLO pass as it is and takes about a
+# quarter less CPU to compile (tests/test_sharding_wire.py with tests/test_mesh_nodes.py: 87 -> 64 s). Never for
+# a process whose results are compared: at that level LLVM contracts no multiply-add into an FMA, which the
+# users' default compile does (docs/PERF.md, "A lower LLVM optimization level, rejected").
+READ_ONLY_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes"
+
+
 def get_config():
   return shrunken_config()

@@ -34,7 +34,7 @@ from experiments.budget_config import budget_run_config, check
 from experiments.budget_render import PLOT_FILE, plot_budget, render_markdown
 from experiments.budget_summary import collect
 from experiments.study_config import set_path
-from experiments.study_records import keep_records, records_dir
+from experiments.study_records import keep_records
 
 # --quick: dotted config paths; the study's name and runs directory gain "_quick".
 QUICK = {"steps": 8, "batch_size": 8, "optim.warmup_steps": 2, "log_every": 4, "eval.every_steps": 0,
@@ -63,16 +63,16 @@ def run_budget_study(config, out_dir: str, *, runs_dir: str | None = None, log: 
   runs = check(config)
   by_name = {r.name: r for r in runs}
   seeds = [int(s) for s in config.study.seeds]
-  os.makedirs(out_dir, exist_ok=True)
-  summary = write_summary(config, out_dir, runs_dir)
-  if not train:
-    return summary
-  todo = [(r.name, s) for s in seeds for r in runs if records_dir(runs_dir, out_dir, r.name, s) is None]
-  log(f"budget study {config.name}: {len(runs)} (recipe, budget) runs x {len(seeds)} seeds; {len(todo)} to do")
 
   def make_run(name: str, seed: int):
     return budget_run_config(config, by_name[name], seed)
 
+  todo = study.to_train([(r.name, s) for s in seeds for r in runs], make_run, runs_dir, out_dir, log)
+  os.makedirs(out_dir, exist_ok=True)
+  summary = write_summary(config, out_dir, runs_dir)
+  if not train:
+    return summary
+  log(f"budget study {config.name}: {len(runs)} (recipe, budget) runs x {len(seeds)} seeds; {len(todo)} to do")
   for _ in study.train_runs(todo, make_run, runs_dir, out_dir, log):
     summary = write_summary(config, out_dir, runs_dir)
   return summary

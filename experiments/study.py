@@ -10,11 +10,13 @@ switch (the last ``study.switch_fraction`` of the steps with the forward pass in
 
 1. Each (variant, seed) trains with ``training.train_and_evaluate`` in ``<runs_dir>/<variant>/seed<k>``,
    one after the other in this process. A finished run leaves ``study_result.json`` there and is skipped
-   next time; an interrupted one resumes from its latest checkpoint (the trainer's own resume).
-   The summary keeps each finished run's small records (``study_records.KEPT_FILES``: its result and
-   ``metrics.jsonl``) under the output directory, ``<workdir>/runs/<variant>/seed<k>``, and reads a run
-   from there when the runs directory (checkpoints, git-ignored) lacks it: a committed output directory
-   survives the machine.
+   next time, if the config it was trained with is the one the study now gives it in every field that changes
+   its result or evaluation; else the study stops and names the fields (``check_finished``). An interrupted
+   run resumes from its latest checkpoint (the trainer's own resume, which checks its config the same way).
+   The summary keeps each finished run's small records (``study_records.KEPT_FILES``: its result,
+   ``metrics.jsonl`` and ``config.json``) under the output directory, ``<workdir>/runs/<variant>/seed<k>``,
+   and reads a run from there when the runs directory (checkpoints, git-ignored) lacks it: a committed output
+   directory survives the machine.
 2. After every run the summary is rewritten from all finished runs: ``summary.md`` (final validation loss,
    relative gap to bf16 per seed, mean and spread over seeds, tokens/s, wall time), ``summary.json`` and
    ``loss_gap.png`` (relative validation-loss gap to bf16 against tokens, one line per variant). A model with
@@ -48,6 +50,7 @@ from experiments.study_records import RESULT_FILE, cpu_name, keep_records, recor
 from experiments.study_render import plot_balance, plot_gaps, render_markdown
 from experiments.study_summary import collect
 from training import sharding
+from training import workdir as workdir_lib
 
 
 def train_one(run, workdir: str, log: Callable[[str], None] = print) -> dict:
@@ -82,15 +85,51 @@ def run_study(config, out_dir: str, *, runs_dir: str | None = None, log: Callabl
   runs_dir = runs_dir or config.study.runs_dir
   variants = study_variants(config)
   seeds = [int(s) for s in config.study.seeds]
+  make_run = lambda v, s: run_config(config, v, s)
+  todo = to_train([(v, s) for s in seeds for v in variants], make_run, runs_dir, out_dir, log)
   os.makedirs(out_dir, exist_ok=True)
   summary = write_summary(config, out_dir, runs_dir)
   if not train:
     return summary
-  todo = [(v, s) for s in seeds for v in variants if records_dir(runs_dir, out_dir, v, s) is None]
   log(f"study {config.name}: {len(variants)} variants x {len(seeds)} seeds; {len(todo)} run(s) to do")
-  for _ in train_runs(todo, lambda v, s: run_config(config, v, s), runs_dir, out_dir, log):
+  for _ in train_runs(todo, make_run, runs_dir, out_dir, log):
     summary = write_summary(config, out_dir, runs_dir)
   return summary
+
+
+def to_train(pairs: Sequence[tuple[str, int]], make_run: Callable[[str, int], Any], runs_dir: str, out_dir: str,
+             log: Callable[[str], None]) -> list[tuple[str, int]]:
+  """The (name, seed) pairs without a finished run's records, in order. The records of each finished one must
+  be of the config ``make_run(name, seed)`` gives (``check_finished``)."""
+  todo = []
+  for name, seed in pairs:
+    where = records_dir(runs_dir, out_dir, name, seed)
+    if where is None:
+      todo.append((name, seed))
+    else:
+      check_finished(where, make_run(name, seed), log)
+  return todo
+
+
+def check_finished(where: str, run, log: Callable[[str], None] = print) -> None:
+  """A finished run's records stand for ``run`` only if the config they were trained with is ``run``'s in every
+  field that changes the trained result or its evaluation: else ConfigChangedError, naming the fields and the
+  fixes. Records kept without their config (seeded from an earlier summary) cannot be checked; a warning says so."""
+  record = workdir_lib.last_config(where)
+  if record.config is None:
+    log(f"warning: the finished run in {where} keeps no record of its config ({workdir_lib.CONFIG_FILE}); its "
+        "results are taken as this config's unchecked")
+    return
+  changes = workdir_lib.changes_since(record.config, run)
+  differ = {k: v for k, v in changes.items() if not workdir_lib.is_free(k) or k.startswith("eval.")}
+  if differ:
+    diff = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differ.items())
+    raise training.ConfigChangedError(
+        f"the finished run in {where} was trained with another config than the study asks for: {len(differ)} "
+        f"field(s) differ from its record ({record.source}): {diff}. Its results would stand in for a run this "
+        "config does not describe. Give the study the run's values, use another output directory and "
+        "config.study.runs_dir, or delete the run's directory (and its copy kept under the output directory) "
+        "to train it again")
 
 
 def train_runs(todo: Sequence[tuple[str, int]], make_run: Callable[[str, int], Any], runs_dir: str,
@@ -102,7 +141,9 @@ def train_runs(todo: Sequence[tuple[str, int]], make_run: Callable[[str, int], A
   training (``training.WorkdirInUse``) is skipped; a run stopped by a signal ends the loop."""
   for i, (name, seed) in enumerate(todo):
     workdir = run_dir(runs_dir, name, seed)
-    if records_dir(runs_dir, out_dir, name, seed) is not None:   # finished meanwhile by another process
+    where = records_dir(runs_dir, out_dir, name, seed)
+    if where is not None:   # finished meanwhile by another process
+      check_finished(where, make_run(name, seed), log)
       log(f"\n=== [{i + 1}/{len(todo)}] {name} seed {seed}: finished meanwhile, skipped")
       continue
     log(f"\n=== [{i + 1}/{len(todo)}] {name} seed {seed} -> {workdir}")
@@ -158,7 +199,11 @@ def command(config, workdir: str | None, runs_dir: str | None, summarize_only: b
   runs = runs_dir or config.study.runs_dir
   if config.study.get("compilation_cache", True):
     enable_compilation_cache(os.path.join(os.path.dirname(os.path.abspath(runs)), "jax_cache"))
-  summary = run(config, out, runs_dir=runs, train=not summarize_only)
+  try:
+    summary = run(config, out, runs_dir=runs, train=not summarize_only)
+  except training.ConfigChangedError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return e.exit_code
   print(f"\nsummary: {os.path.join(out, 'summary.md')} ({summary['runs_done']}/{summary['runs_total']} runs)")
   print(render(summary))
   return 0

@@ -12,10 +12,13 @@ from typing import Sequence
 
 from experiments.study_balance import BALANCE_KEYS
 from training import report as report_lib
+from training import workdir as workdir_lib
 
 RESULT_FILE = "study_result.json"
 METRICS_FILE = "metrics.jsonl"
-KEPT_FILES = (RESULT_FILE, METRICS_FILE)   # a finished run's records the output directory keeps (KB-MB)
+# A finished run's records the output directory keeps (KB-MB): its result, its metrics and the config it was
+# trained with (which a later study checks against its own: study.check_finished).
+KEPT_FILES = (RESULT_FILE, METRICS_FILE, workdir_lib.CONFIG_FILE)
 KEPT_DIR = "runs"                          # under the output directory
 
 

@@ -16,7 +16,8 @@ from configs.shrunken import compilation_cache_env
 from experiments import budget_config, budget_render, budget_study, budget_summary, study, study_records
 from experiments.budget_match import AT_MOST, BRACKETED, MORE_THAN, Match, mean_ratio, t_interval, tokens_to_target
 from training import optim
-from training.errors import ConfigError
+from training import workdir as workdir_lib
+from training.errors import ConfigChangedError, ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T975_2 = 4.302652729911275   # Student's t, 97.5% quantile, 2 degrees of freedom (tables)
@@ -122,6 +123,7 @@ def test_the_study_on_fake_runs_writes_the_answer_and_skips_finished_runs(tmp_pa
     name, seed = run.name.split("/")[1], run.seed
     trained.append((name, seed, run.steps))
     os.makedirs(workdir, exist_ok=True)
+    workdir_lib.record_config(workdir, run, step=0, event="start")   # as the trainer does
     result = dict(status="done", step=run.steps, validation_loss=FAKE_LOSS[(name, seed)], nonfinite_steps=0,
                   tokens_per_second=1000.0, wall_seconds=6.0)
     with open(os.path.join(workdir, study_records.RESULT_FILE), "w", encoding="utf-8") as f:
@@ -160,8 +162,14 @@ def test_the_study_on_fake_runs_writes_the_answer_and_skips_finished_runs(tmp_pa
   budget_study.run_budget_study(c, out, runs_dir=runs, log=calls.append)
   assert trained == [] and "0 to do" in calls[0]
   assert os.path.getsize(os.path.join(out, budget_render.PLOT_FILE)) > 10_000
-  # A runs directory of another T is refused, not read as this study's.
+  # A runs directory of another T is refused, not read as this study's: by the config each run recorded, and
+  # where records were kept without it, by their step counts.
   c.steps = 9
+  with pytest.raises(ConfigChangedError, match=r"nvfp4_x1/seed0 was trained with another config .* steps: 8 -> 9"):
+    budget_study.run_budget_study(c, str(tmp_path / "out9"), runs_dir=runs, log=lambda _: None)
+  for name, seed in FAKE_LOSS:
+    for record in (workdir_lib.CONFIG_FILE, workdir_lib.HISTORY_FILE):
+      os.remove(os.path.join(study_records.run_dir(runs, name, seed), record))
   with pytest.raises(ValueError, match="a finished run of 8 steps, but nvfp4_x1 of this study has 9"):
     budget_study.run_budget_study(c, str(tmp_path / "out9"), runs_dir=runs, log=lambda _: None)
 

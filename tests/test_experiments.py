@@ -12,6 +12,8 @@ from configs import shrunken
 from configs.shrunken import shrunken_config
 from experiments import study, study_balance, study_config, study_records, study_render
 from training import sharding
+from training import workdir as workdir_lib
+from training.errors import ConfigChangedError
 
 sharding.use_compilation_cache(shrunken.TEST_COMPILATION_CACHE)  # reruns compile once
 
@@ -76,6 +78,44 @@ def test_micro_study_writes_summary_and_skips_finished_runs(tmp_path):
   study.run_study(c, out, runs_dir=runs, log=calls.append)
   assert "0 run(s) to do" in calls[0]
   assert os.path.getmtime(os.path.join(runs, "nvfp4", "seed0", study_records.RESULT_FILE)) == mtime
+
+
+def _finished(runs: str, run, **changed) -> str:
+  """A finished run's records as the trainer and the study leave them, trained with ``run`` changed by ``changed``
+  (dotted fields)."""
+  run = run.copy_and_resolve_references()
+  for field, value in changed.items():
+    *parents, leaf = field.split(".")
+    node = run
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  where = study_records.run_dir(runs, run.name.split("/")[1], run.seed)
+  os.makedirs(where)
+  workdir_lib.record_config(where, run, step=0, event="start")
+  with open(os.path.join(where, study_records.RESULT_FILE), "w", encoding="utf-8") as f:
+    json.dump(dict(status="done", step=run.steps, validation_loss=2.5, nonfinite_steps=0, tokens_per_second=100.0,
+                   wall_seconds=10.0), f)
+  return where
+
+
+def test_a_finished_run_of_another_config_stops_the_study(tmp_path, monkeypatch, capsys):
+  """A finished run stands for the study's run only if it was trained with the study's config: a changed step
+  count (or evaluation) stops the study, and its summary, with the fields named and the fixes; a free field
+  (how the run was logged) does not. Before, the study skipped such a run and summarized it as the new config's."""
+  c = micro_study_config()
+  c.study.variants, c.study.compilation_cache = "bf16", False
+  runs, out = str(tmp_path / "runs"), str(tmp_path / "out")
+  monkeypatch.setattr(study, "train_one", lambda *a: pytest.fail("a finished run was trained again"))
+  where = _finished(runs, study_config.run_config(c, "bf16", 0), **{"log_every": 3})
+  assert study.run_study(c, out, runs_dir=runs, log=lambda _: None)["runs_done"] == 1   # log_every is free
+  shutil.rmtree(where)
+  _finished(runs, study_config.run_config(c, "bf16", 0), **{"steps": 8, "eval.batches": 2})
+  for train in (True, False):   # --summarize_only too: its tables would be the other config's
+    with pytest.raises(ConfigChangedError, match=r"2 field\(s\) differ .*eval.batches: 2 -> 1; steps: 8 -> 4"):
+      study.run_study(c, out, runs_dir=runs, train=train, log=lambda _: None)
+  assert study.command(c, out, runs, False, study.run_study, str) == ConfigChangedError.exit_code
+  assert capsys.readouterr().err.startswith("error: the finished run in ")
 
 
 def test_sqnr_of_gaussian_data_orders_the_formats():
@@ -169,6 +209,7 @@ def test_kept_records_stand_in_for_a_lost_runs_directory(tmp_path, monkeypatch):
     variant, seed = run.name.split("/")[1], run.seed
     trained.append((variant, seed))
     os.makedirs(workdir, exist_ok=True)
+    workdir_lib.record_config(workdir, run, step=0, event="start")
     with open(os.path.join(workdir, study_records.METRICS_FILE), "w", encoding="utf-8") as f:
       for step in (2, 4):
         f.write(json.dumps(dict(kind="train", step=step, loss=3.0, **{"moe/blocks_1/max_vio": 0.1 * step + seed,

@@ -179,8 +179,8 @@ print("RESULT " + json.dumps(out))
 
 
 def _compiled_collectives():
-  env = dict(os.environ, **shrunken.compilation_cache_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = dict(os.environ, **shrunken.compilation_cache_env(), JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8 " + shrunken.READ_ONLY_COMPILE_XLA_FLAGS)
   code = _DRIVER.format(root=ROOT, node=NODE, layouts=LAYOUTS, model=SCANNED_MOE_E, micro=MICRO_BATCHES)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]

@@ -23,6 +23,8 @@ import textwrap
 
 import pytest
 
+from configs import shrunken
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT = 2
 # Two E blocks of 8 experts (4 per expert rank), latent 32, expert width 48: every weight shape is distinct
@@ -74,7 +76,8 @@ def compile_gathers(tmp_path, recipe: str) -> dict:
   dump = str(tmp_path / "dump")
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(f"--xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
-                        "--xla_dump_hlo_pass_re=spmd-partitioning --xla_dump_hlo_module_re=.*train_step.*"))
+                        "--xla_dump_hlo_pass_re=spmd-partitioning --xla_dump_hlo_module_re=.*train_step.* "
+                        + shrunken.READ_ONLY_COMPILE_XLA_FLAGS))
   env.pop("JAX_COMPILATION_CACHE_DIR", None)   # a cached program is not compiled, and dumps nothing
   code = _SCRIPT.format(root=ROOT, recipe=recipe, expert=EXPERT, model=MODEL, dump=dump)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)

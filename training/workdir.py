@@ -142,6 +142,17 @@ def config_changes(before: dict, config) -> dict[str, tuple]:
           and not (k not in old and k in ADDED_FIELDS and new.get(k) == ADDED_FIELDS[k])}
 
 
+def changes_since(before: dict, config) -> dict[str, tuple]:
+  """``config_changes`` of ``config`` against a run's record ``before``. What ``config`` leaves unchosen and the
+  run chose when it started is the record's, as on a resume of the run: the stochastic-rounding stream
+  (``sr_bits``) and the model's vocabulary (``config_lib.keep_recorded_vocab_size``)."""
+  config = copy.deepcopy(config)
+  if config.get("sr_bits") is None:
+    config.sr_bits = before["sr_bits"] if "sr_bits" in before else ADDED_FIELDS["sr_bits"]
+  config_lib.keep_recorded_vocab_size(config, before, tokens=0)   # with a record, the tokenizer's size is unused
+  return config_changes(before, config)
+
+
 def is_free(field: str) -> bool:
   return any(field == p or (p.endswith(".") and field.startswith(p)) for p in FREE_FIELDS)
 
@@ -181,10 +192,7 @@ def check_resume(workdir: str, config, step: int | None) -> Resume:
       messages.append(f"warning: the work directory {workdir} has checkpoints but no config record "
                       f"({CONFIG_FILE}, {HISTORY_FILE}); the resume cannot check the config")
     return Resume(step, {}, tuple(messages))
-  if config.get("sr_bits") is None:   # not chosen: the run keeps the stream its record names (as setup resumes it)
-    config = copy.deepcopy(config)
-    config.sr_bits = before["sr_bits"] if "sr_bits" in before else ADDED_FIELDS["sr_bits"]
-  changes = config_changes(before, config)
+  changes = changes_since(before, config)
   if step is None:
     return Resume(None, changes, tuple(messages))
   guarded = {k: v for k, v in changes.items() if not is_free(k)}
