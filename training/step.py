@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fp4jax import partition_cache
 from models import moe, mtp, policy
@@ -221,17 +223,8 @@ def combine_micro_batch_stats(stats_N):
   return jax.tree_util.tree_map_with_path(combine, stats_N)
 
 
-def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
-  """``((loss, (outcontrol, stats)), grads)`` of the step's batch, where ``grad_fn(params, outcontrol,
-  batch, key)`` gives them for one batch. With one micro-batch, ``grad_fn`` of the batch and ``key`` (the
-  step without micro-batches, unchanged). With N, a ``lax.scan`` over ``micro_batches_of(batch, N)``:
-  micro-batch i draws its stochastic rounding from ``fold_in(key, i)``, OutControl's state is carried from
-  one micro-batch to the next, the gradients are summed in float32 and divided by N once, the loss is the
-  mean of the micro-batches' (each a mean over its b x L targets: the batch's mean; with document masking each
-  micro-batch's mean is over its own unmasked targets), the stats ``combine_micro_batch_stats``."""
-  if micro_batches == 1:
-    return grad_fn(params, outcontrol, batch, key)
-
+def _summed_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
+  """``((loss, (outcontrol, stats)), summed grads)``: ``accumulate_gradients`` before the division by N."""
   def one(carry, xs):
     sum_grads, outcontrol = carry
     index, micro_batch = xs
@@ -242,8 +235,56 @@ def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches:
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   xs = (jnp.arange(micro_batches), micro_batches_of(batch, micro_batches))
   (sum_grads, outcontrol), (loss_N, stats_N) = jax.lax.scan(one, (zeros, outcontrol), xs)
-  grads = jax.tree.map(lambda s: s / micro_batches, sum_grads)
-  return (jnp.mean(loss_N), (outcontrol, combine_micro_batch_stats(stats_N))), grads
+  return (jnp.mean(loss_N), (outcontrol, combine_micro_batch_stats(stats_N))), sum_grads
+
+
+def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
+  """``((loss, (outcontrol, stats)), grads)`` of the step's batch, where ``grad_fn(params, outcontrol,
+  batch, key)`` gives them for one batch. With one micro-batch, ``grad_fn`` of the batch and ``key`` (the
+  step without micro-batches, unchanged). With N, a ``lax.scan`` over ``micro_batches_of(batch, N)``:
+  micro-batch i draws its stochastic rounding from ``fold_in(key, i)``, OutControl's state is carried from
+  one micro-batch to the next, the gradients are summed in float32 and divided by N once, the loss is the
+  mean of the micro-batches' (each a mean over its b x L targets: the batch's mean; with document masking each
+  micro-batch's mean is over its own unmasked targets), the stats ``combine_micro_batch_stats``."""
+  if micro_batches == 1:
+    return grad_fn(params, outcontrol, batch, key)
+  (loss, aux), sum_grads = _summed_gradients(grad_fn, params, outcontrol, batch, key, micro_batches)
+  return (loss, aux), jax.tree.map(lambda s: s / micro_batches, sum_grads)
+
+
+def accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches: int, gather: sharding.StepGather):
+  """``accumulate_gradients`` (without OutControl's state) with each gradient reduced over the mesh axes
+  ``gather.unreduced`` once, after the micro-batches: they run inside a ``shard_map`` manual over those axes,
+  on ``params`` whole along them, each device on its own rows of every micro-batch (the same rows as without:
+  ``micro_batches_of``), under ``gather.rules``; device d's float32 sum over its micro-batches leaves the
+  ``shard_map`` as row d of a stack along a new leading axis, whose sum, constrained to ``gather.stored``, is the
+  one reduction (a reduce-scatter to the fsdp shard). ``grad_fn(params, outcontrol, batch, key)`` is called
+  with the device's rows, so every statistic of the batch is the device's: its loss a mean over its targets
+  (the step's loss and gradient the mean over devices: the same to float32 summation order when every device
+  has as many targets, as without document masking), and with an FP4 recipe the activations' tensor amaxes
+  over its rows and its stochastic rounding drawn from ``fold_in(micro-batch key, device index along the
+  axes)``; the MoE counts (``_COUNTS``) are summed over the devices, the other stats averaged
+  (docs/TRAINING.md, "Gradients reduced once per step")."""
+  axes = gather.unreduced
+  devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+  def local(params, batch, key):
+    key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+    (loss, (_, stats)), sum_grads = _summed_gradients(grad_fn, params, None, batch, key, micro_batches)
+
+    def combine(path, x):
+      counts = any(getattr(k, "key", None) in _COUNTS for k in path)
+      return jax.lax.psum(x, axes) if counts else jax.lax.pmean(x, axes)
+    stats = jax.tree_util.tree_map_with_path(combine, stats)
+    return jax.lax.pmean(loss, axes), stats, jax.tree.map(lambda s: s[None], sum_grads)
+
+  rows = P(axes)
+  loss, stats, sums = jax.shard_map(local, in_specs=(P(), rows, P()), out_specs=(P(), P(), rows),
+                                    axis_names=set(axes), check_vma=False)(params, batch, key)
+  with jax.named_scope("reduce_gradients"):
+    grads = jax.tree.map(lambda s_D, placed: jax.lax.with_sharding_constraint(jnp.sum(s_D, axis=0), placed),
+                         sums, gather.stored)
+  return (loss, (None, stats)), jax.tree.map(lambda g: g / (micro_batches * devices), grads)
 
 
 def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
@@ -267,18 +308,34 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
       narrow = compute_params(model, params) if isinstance(model, LanguageModel) else params
       params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
 
+  unreduced = gather is not None and bool(gather.unreduced)
+  if unreduced and "outcontrol" in state:
+    raise ValueError("OutControl's state with gradients reduced once per step (config.mesh.grad_reduce='per_step'): "
+                     "its channel norms are over the whole batch, which the per-step reduction splits by device; "
+                     "use grad_reduce='per_micro_batch'")
+
   def loss_fn(params, outcontrol, batch, key):
     inputs_BxL, targets_BxL, documents = window(batch)
+    gradient_shardings = placed
+    if unreduced:   # inside the shard_map: each gradient reduced within the other axes, onto its gathered spec
+      mesh = jax.sharding.get_abstract_mesh()
+      gradient_shardings = jax.tree.map(lambda s: NamedSharding(mesh, sharding.without(s, gather.unreduced).spec),
+                                        gather.gathered)
     if outcontrol_phase == optim.PLAIN:
-      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, placed)
+      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, gradient_shardings)
       return loss, (outcontrol, stats)
     return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
                                  record=outcontrol_phase == optim.RECORD, documents=documents,
-                                 gradient_shardings=placed)
+                                 gradient_shardings=gradient_shardings)
 
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   with jax.named_scope("forward_backward"), rules:
-    (loss, (outcontrol, stats)), grads = accumulate_gradients(
-        jax.value_and_grad(loss_fn, has_aux=True), params, state.get("outcontrol"), batch, key, micro_batches)
+    if unreduced:
+      (loss, (outcontrol, stats)), grads = accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches,
+                                                                          gather)
+    else:
+      (loss, (outcontrol, stats)), grads = accumulate_gradients(grad_fn, params, state.get("outcontrol"), batch, key,
+                                                                micro_batches)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])   # a gathered cast's: float32
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
@@ -332,16 +389,18 @@ def eval_step_outcontrol(params, outcontrol, batch, *, model):
 
 def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, osci: optim.OsciReset | None = None,
                    outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None,
-                   micro_batches: int = 1, fsdp_gather: str = "per_layer"):
+                   micro_batches: int = 1, fsdp_gather: str = "per_layer", grad_reduce: str = "per_micro_batch"):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve. ``compiler_options``: XLA
   options for its compile (``training.config.xla_options``: the config's, for the mesh's device kind).
-  ``micro_batches``: ``config.micro_batches``; ``fsdp_gather``: ``config.mesh.fsdp_gather`` (``sharding.step_gather``).
+  ``micro_batches``: ``config.micro_batches``; ``fsdp_gather`` and ``grad_reduce``: ``config.mesh.fsdp_gather`` and
+  ``config.mesh.grad_reduce`` (``sharding.step_gather``).
   The schedule's points are an input of the program (``ScheduledStep``).
   """
-  gather = sharding.step_gather({"fsdp_gather": fsdp_gather}, state_shardings["params"])
+  gather = sharding.step_gather({"fsdp_gather": fsdp_gather, "grad_reduce": grad_reduce}, state_shardings["params"],
+                                micro_batches)
 
   def fn(state, batch, points):
     lr_fn = functools.partial(optim.learning_rate, schedule.kind, points)
