@@ -287,20 +287,11 @@ def accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches: i
   return (loss, (None, stats)), jax.tree.map(lambda g: g / (micro_batches * devices), grads)
 
 
-def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
-               outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1, gather: sharding.StepGather | None = None):
-  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring): ``tx``'s update
-  at learning rate 1 (``optim.make_optimizer``) times ``lr_fn(applied updates)``; then OsciReset
-  (with ``osci``) on the updated params, as the step of index "steps applied so far"; a step whose loss or
-  gradient norm is non-finite leaves params, moments and OsciReset's and OutControl's state untouched.
-  ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
-  OutControl state, if any, passes through), "record" also accumulates the channel norms, "on" runs the
-  calibrated channel split. ``micro_batches`` (static): the gradient of the batch is accumulated over that many
-  micro-batches (``accumulate_gradients``) and applied once. ``gather`` (``sharding.step_gather``): the weights,
-  in the compute dtype (``models.lm.compute_params``), gathered once ahead of the micro-batches, which run under
-  its rules and reduce each gradient to the parameter's own placement (the forward's numbers are the per-layer
-  gather's: the same casts and quantization; the gradients' sums over the devices are grouped otherwise, the same
-  to float32 summation order: docs/TRAINING.md, "Weights gathered once per step")."""
+def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1,
+                   gather: sharding.StepGather | None = None):
+  """``((loss, (OutControl state, stats)), grads)`` of ``train_step``'s batch (its arguments of the same names),
+  each gradient in its parameter's dtype and placement: the micro-batches' accumulation
+  (``accumulate_gradients``), or with ``gather.unreduced`` ``accumulate_gradients_unreduced``."""
   key = jax.random.fold_in(state["rng"], state["step"])
   params, rules, placed = state["params"], contextlib.nullcontext(), None
   if gather is not None:
@@ -336,7 +327,26 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
     else:
       (loss, (outcontrol, stats)), grads = accumulate_gradients(grad_fn, params, state.get("outcontrol"), batch, key,
                                                                 micro_batches)
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])   # a gathered cast's: float32
+  return (loss, (outcontrol, stats)), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+
+
+def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
+               outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1, gather: sharding.StepGather | None = None):
+  """One AdamW step on ``batch`` (``tokens_BxW``, or with segment ids: the module's docstring): ``tx``'s update
+  at learning rate 1 (``optim.make_optimizer``) times ``lr_fn(applied updates)``; then OsciReset
+  (with ``osci``) on the updated params, as the step of index "steps applied so far"; a step whose loss or
+  gradient norm is non-finite leaves params, moments and OsciReset's and OutControl's state untouched.
+  ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
+  OutControl state, if any, passes through), "record" also accumulates the channel norms, "on" runs the
+  calibrated channel split. ``micro_batches`` (static): the gradient of the batch is accumulated over that many
+  micro-batches (``step_gradients``) and applied once. ``gather`` (``sharding.step_gather``): the weights,
+  in the compute dtype (``models.lm.compute_params``), gathered once ahead of the micro-batches, which run under
+  its rules and reduce each gradient to the parameter's own placement (the forward's numbers are the per-layer
+  gather's: the same casts and quantization; the gradients' sums over the devices are grouped otherwise, the same
+  to float32 summation order: docs/TRAINING.md, "Weights gathered once per step"); with ``gather.unreduced`` the
+  gradients are reduced over those axes once per step (``accumulate_gradients_unreduced``)."""
+  (loss, (outcontrol, stats)), grads = step_gradients(state, batch, model=model, outcontrol_phase=outcontrol_phase,
+                                                      micro_batches=micro_batches, gather=gather)
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
