@@ -19,6 +19,7 @@ import fp4jax
 from fp4jax import osci_reset
 from models import presets, rules
 from training import optim, sharding, trackers
+from training import step as step_lib
 from training.errors import ConfigError
 
 
@@ -323,10 +324,12 @@ def validate(config) -> None:
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")
   recipe, _, _ = resolve_recipes(config)
   resolve_osci_reset(config, recipe)
-  need(resolve_outcontrol(config, recipe) is None or config.mesh.get("grad_reduce", "per_micro_batch") != "per_step",
-       "config.outcontrol.enabled=True with config.mesh.grad_reduce='per_step': OutControl's channel norms are "
-       "accumulated over the whole batch, which the per-step reduction splits by device; use grad_reduce="
-       "'per_micro_batch'")
+  outcontrol = resolve_outcontrol(config, recipe)
+  if config.mesh.get("grad_reduce", "per_micro_batch") == "per_step":
+    try:
+      step_lib.check_unreduced(step_lib.build_model(resolve_model_config(config.model), recipe), outcontrol is not None)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   sharding.check_experts(config.mesh, resolve_model_config(config.model))
   check_xla_options(config)
 

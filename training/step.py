@@ -25,7 +25,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fp4jax import partition_cache
-from models import moe, mtp, policy
+from models import attention, moe, mtp, policy
 from models.layers import OUTCONTROL
 from models.lm import LanguageModel, compute_params
 from training import optim
@@ -287,6 +287,29 @@ def accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches: i
   return (loss, (None, stats)), jax.tree.map(lambda g: g / (micro_batches * devices), grads)
 
 
+def check_unreduced(model, outcontrol: bool = False) -> None:
+  """A ValueError unless ``model`` can run its micro-batches with the gradients reduced once per step
+  (``accumulate_gradients_unreduced``): inside a ``shard_map`` manual over some mesh axes, jax 0.10.2 hands a
+  ``custom_partitioning`` op no mesh, so fp4jax's quantized ops would run replicated over the other axes (XLA
+  gathers their operands) and jax's own (cuDNN attention, the block-scaled GEMM) fail to compile. So: the bf16
+  recipe, attention not on cuDNN, and no OutControl state (its channel norms are over the whole batch)."""
+  fix = "or set config.mesh.grad_reduce='per_micro_batch'"
+  recipe = getattr(model, "recipe", "bf16")
+  name = recipe if isinstance(recipe, str) else recipe.name
+  if name != "bf16":
+    raise ValueError(f"config.mesh.grad_reduce='per_step' with the {name} recipe: its quantized ops are "
+                     "custom-partitioned, which jax 0.10.2 cannot partition inside the shard_map that keeps the "
+                     f"gradients unreduced (docs/TRAINING.md, \"Gradients reduced once per step\"); use the bf16 recipe {fix}")
+  if outcontrol:
+    raise ValueError("OutControl's state with config.mesh.grad_reduce='per_step': its channel norms are over the "
+                     f"whole batch, which the per-step reduction splits by device; {fix}")
+  cfg = getattr(model, "config", None)
+  if cfg is not None and "*" in cfg.all_patterns and attention.resolve_attention_impl(cfg, cfg.dtype) == "cudnn":
+    raise ValueError("config.mesh.grad_reduce='per_step' with cuDNN attention: jax partitions it with "
+                     "custom_partitioning, which jax 0.10.2 cannot do inside the shard_map that keeps the gradients "
+                     f"unreduced; set config.model.attention_impl='chunked' {fix}")
+
+
 def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1,
                    gather: sharding.StepGather | None = None):
   """``((loss, (OutControl state, stats)), grads)`` of ``train_step``'s batch (its arguments of the same names),
@@ -300,10 +323,8 @@ def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, 
       params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
 
   unreduced = gather is not None and bool(gather.unreduced)
-  if unreduced and "outcontrol" in state:
-    raise ValueError("OutControl's state with gradients reduced once per step (config.mesh.grad_reduce='per_step'): "
-                     "its channel norms are over the whole batch, which the per-step reduction splits by device; "
-                     "use grad_reduce='per_micro_batch'")
+  if unreduced:
+    check_unreduced(model, "outcontrol" in state)
 
   def loss_fn(params, outcontrol, batch, key):
     inputs_BxL, targets_BxL, documents = window(batch)
