@@ -230,6 +230,7 @@ def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(t
   if recipe == "bf16":
     np.testing.assert_allclose(losses, _train_losses(str(tmp_path / "one_batch")), rtol=1e-5, atol=0)
     assert out["reduced"] == [["halted", 1], ["done", 2]]
+    assert "weights gathered over fsdp once per step; gradients reduced over data x fsdp once per step" in p.stdout
     np.testing.assert_allclose(_train_losses(str(tmp_path / "reduced")), per_step, rtol=1e-5, atol=0)
 
 

@@ -173,15 +173,33 @@ def step_gather(mesh_config, param_shardings, micro_batches: int = 1) -> StepGat
   reduce = mesh_config.get("grad_reduce", "per_micro_batch")
   check_grad_reduce(reduce, how)
   leaves = jax.tree.leaves(param_shardings)
-  if how == "per_layer" or not leaves:
+  if not leaves:
     return None
-  shape = leaves[0].mesh.shape
-  axes = ("fsdp",) if shape["fsdp"] > 1 else ()
-  unreduced = (tuple(a for a in UNREDUCED_AXES if shape[a] > 1)
-               if reduce == "per_step" and micro_batches > 1 else ())
+  axes, unreduced = _step_axes(how, reduce, leaves[0].mesh.shape, micro_batches)
   if not axes and not unreduced:
     return None
   return StepGather(axes, param_shardings, jax.tree.map(lambda s: without(s, axes), param_shardings), unreduced)
+
+
+def _step_axes(how, reduce, shape, micro_batches: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the axes the weights are gathered over once per step, the axes the gradients are reduced over once per
+  step) of ``fsdp_gather`` ``how`` and ``grad_reduce`` ``reduce`` on a mesh of ``shape`` (axis -> size)."""
+  if how == "per_layer":
+    return (), ()
+  axes = ("fsdp",) if shape["fsdp"] > 1 else ()
+  unreduced = (tuple(a for a in UNREDUCED_AXES if shape[a] > 1)
+               if reduce == "per_step" and micro_batches > 1 else ())
+  return axes, unreduced
+
+
+def describe_step(mesh_config, shape, micro_batches: int) -> str:
+  """"" when every weight is gathered per layer and every gradient reduced per micro-batch; else what is done
+  once per step (``step_gather``) on a mesh of ``shape`` (axis -> size)."""
+  axes, unreduced = _step_axes(mesh_config.get("fsdp_gather", "per_layer"),
+                               mesh_config.get("grad_reduce", "per_micro_batch"), shape, micro_batches)
+  parts = ([f"weights gathered over {' x '.join(axes)} once per step"] if axes else []) + \
+      ([f"gradients reduced over {' x '.join(unreduced)} once per step"] if unreduced else [])
+  return "; ".join(parts)
 
 
 def use_compilation_cache(path: str) -> None:
