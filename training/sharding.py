@@ -150,7 +150,7 @@ def check_fsdp_gather(how) -> None:
                       "\"Laying out a multi-node run\")")
 
 
-def check_grad_reduce(how, fsdp_gather="per_step") -> None:
+def check_grad_reduce(how, fsdp_gather) -> None:
   """A ConfigError unless ``how`` (``config.mesh.grad_reduce``) is one of ``GRAD_REDUCES`` and, for "per_step",
   the weights are gathered per step (``fsdp_gather``): the micro-batches must find them whole along ``fsdp``."""
   if how not in GRAD_REDUCES:

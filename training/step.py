@@ -214,13 +214,16 @@ def micro_batches_of(batch, micro_batches: int):
 _COUNTS = ("load", "dropped")   # the MoE blocks' per-step counts (models.moe); every other stat is a loss
 
 
+def _is_count(path) -> bool:
+  """Whether the stat at ``path`` is a count (summed over the batch's parts) rather than a loss (averaged)."""
+  return any(getattr(k, "key", None) in _COUNTS for k in path)
+
+
 def combine_micro_batch_stats(stats_N):
   """The step's stats from its micro-batches' (every leaf with a leading axis of N): the MoE counts summed (the
   whole batch's loads and dropped pairs), the losses (MTP's, the balance loss) averaged as the loss is."""
-  def combine(path, x_N):
-    counts = any(getattr(k, "key", None) in _COUNTS for k in path)
-    return jnp.sum(x_N, axis=0) if counts else jnp.mean(x_N, axis=0)
-  return jax.tree_util.tree_map_with_path(combine, stats_N)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x_N: jnp.sum(x_N, axis=0) if _is_count(path) else jnp.mean(x_N, axis=0), stats_N)
 
 
 def _summed_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
@@ -261,10 +264,10 @@ def accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches: i
   one reduction (a reduce-scatter to the fsdp shard). ``grad_fn(params, outcontrol, batch, key)`` is called
   with the device's rows, so every statistic of the batch is the device's: its loss a mean over its targets
   (the step's loss and gradient the mean over devices: the same to float32 summation order when every device
-  has as many targets, as without document masking), and with an FP4 recipe the activations' tensor amaxes
-  over its rows and its stochastic rounding drawn from ``fold_in(micro-batch key, device index along the
-  axes)``; the MoE counts (``_COUNTS``) are summed over the devices, the other stats averaged
-  (docs/TRAINING.md, "Gradients reduced once per step")."""
+  has as many targets, as without document masking), its random bits drawn from ``fold_in(micro-batch key,
+  device index along the axes)`` (so that no two devices draw the same), the MoE counts summed over the devices
+  and the other stats averaged (docs/TRAINING.md, "Gradients reduced once per step"). What the model may hold
+  inside: ``check_unreduced``."""
   axes = gather.unreduced
   devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
 
@@ -272,10 +275,8 @@ def accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches: i
     key = jax.random.fold_in(key, jax.lax.axis_index(axes))
     (loss, (_, stats)), sum_grads = _summed_gradients(grad_fn, params, None, batch, key, micro_batches)
 
-    def combine(path, x):
-      counts = any(getattr(k, "key", None) in _COUNTS for k in path)
-      return jax.lax.psum(x, axes) if counts else jax.lax.pmean(x, axes)
-    stats = jax.tree_util.tree_map_with_path(combine, stats)
+    stats = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.lax.psum(x, axes) if _is_count(path) else jax.lax.pmean(x, axes), stats)
     return jax.lax.pmean(loss, axes), stats, jax.tree.map(lambda s: s[None], sum_grads)
 
   rows = P(axes)
