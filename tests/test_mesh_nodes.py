@@ -95,6 +95,8 @@ def test_a_layout_that_does_not_fit_the_nodes_is_refused(config, devices, phrase
     ({"mesh.grad_reduce": "per_step"}, r"grad_reduce='per_step' needs config.mesh.fsdp_gather='per_step'"),
     ({"mesh.grad_reduce": "per_step", "mesh.fsdp_gather": "per_step", "recipe": "nvfp4"},
      r"grad_reduce='per_step' with the nvfp4 recipe: .* use the bf16 recipe or set config.mesh.grad_reduce="),
+    ({"mesh.grad_reduce": "per_step", "mesh.fsdp_gather": "per_step", "model.attention_impl": "cudnn"},
+     r"grad_reduce='per_step' with cuDNN attention: .* set config.model.attention_impl='chunked'"),
 ])
 def test_the_config_check_refuses_bad_node_factors(overrides, phrase):
   with pytest.raises(ConfigError, match=phrase):
