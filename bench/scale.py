@@ -289,7 +289,8 @@ def build_step(config, mesh, batch_per_device: int = 1) -> dict:
               else tokens_in)
   options = config_lib.xla_options(config, fp4jax.target.Target.of(mesh).device_kind)
   step_fn = step_lib.jit_train_step(model, tx, schedule, state_sh, mesh, compiler_options=options, micro_batches=micro,
-                                    fsdp_gather=config.mesh.get("fsdp_gather", "per_layer"))
+                                    fsdp_gather=config.mesh.get("fsdp_gather", "per_layer"),
+                                    grad_reduce=config.mesh.get("grad_reduce", "per_micro_batch"))
   return dict(step_fn=step_fn, state_in=state_in, tokens_in=tokens_in, batch_in=batch_in, abstract=abstract,
               model_config=model_config, recipe=recipe, compiler_options=options)
 

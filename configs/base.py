@@ -32,7 +32,10 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
                     product the node count; devices_per_node (0: the devices of one process); fsdp_gather:
                     "per_layer" (each layer gathers its weights over fsdp, in every micro-batch) or "per_step"
                     (once per optimizer step, ahead of the micro-batches: memory for traffic) (docs/TRAINING.md,
-                    "Laying out a multi-node run")
+                    "Laying out a multi-node run"); grad_reduce: "per_micro_batch" (each micro-batch's
+                    gradients reduced over every batch axis) or "per_step" (with fsdp_gather "per_step": summed
+                    unreduced over data and fsdp, reduced over them once per step; docs/TRAINING.md,
+                    "Gradients reduced once per step")
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
   init_from         a run's work directory: a new run starts from its latest checkpoint's params (fresh
@@ -144,7 +147,8 @@ def get_config() -> config_dict.ConfigDict:
 
   # Each axis's size; dcn_<axis>: how many nodes it spans (docs/TRAINING.md, "Laying out a multi-node run").
   c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1, dcn_data=1, dcn_fsdp=1, dcn_expert=1,
-                                       dcn_tensor=1, devices_per_node=0, fsdp_gather="per_layer"))
+                                       dcn_tensor=1, devices_per_node=0, fsdp_gather="per_layer",
+                                       grad_reduce="per_micro_batch"))
 
   c.eval = config_dict.ConfigDict()
   c.eval.every_steps = 100

@@ -13,7 +13,9 @@ The 64-GPU layout, 8 HGX nodes x 8 (docs/TRAINING.md, "Laying out a multi-node r
   (data across the nodes instead of fsdp: more than a B200's 180 GB, 167.6 GiB, before any activation). So the
   weights are gathered over fsdp once per step, ahead of the 8 micro-batches (mesh.fsdp_gather="per_step": 30 GiB
   per GPU over the network per step instead of 341 GiB, for about 27 GiB more memory per GPU); the gradients are
-  still reduce-scattered over fsdp in every micro-batch, across the network (docs/PERF.md, "Super's communication").
+  still reduce-scattered over fsdp in every micro-batch, across the network (docs/PERF.md, "Super's communication";
+  mesh.grad_reduce="per_step", once per step, is refused for NVFP4 under jax 0.10.2 and in bf16 takes 181.7 GiB
+  per GPU: docs/PERF.md, "Super's gradients reduced once per step").
 The flat mesh of this shape (fsdp major) puts the devices in the same order; the layout keys say it, and a
 cluster whose nodes are not 8 GPUs is refused (mesh.devices_per_node).
 Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batch_size 512) in 8 micro-batches

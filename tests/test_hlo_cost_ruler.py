@@ -392,10 +392,13 @@ ENTRY %main (x: bf16[1024,512], o: bf16[1536,512], a: s64[8], b: s64[8], c: s64[
   assert one["dtype"] == "bf16" and one["exposed_s"] == pytest.approx(one["seconds"])   # done right after start
 
 
-def test_the_breakdown_says_what_each_collective_moves_and_how_often():
+@pytest.mark.parametrize("scope", ["forward_backward", "forward_backward/shard_map"])
+def test_the_breakdown_says_what_each_collective_moves_and_how_often(scope):
   """bench/predict/comm_breakdown.py on a step shaped like the trainer's: a weight gather issued once (the step's
   ``gather_weights``), a gradient reduce-scatter inside the loop over micro-batches (4 trips), nothing to hide
-  either behind: each exposed whole, the gradients once per trip, and no schedule could hide them."""
+  either behind: each exposed whole, the gradients once per trip, and no schedule could hide them. The loop is
+  found in its scope, or one level deeper inside the shard_map of the gradients reduced once per step
+  (``config.mesh.grad_reduce``)."""
   from bench.predict import comm_breakdown   # pylint: disable=import-outside-toplevel
   loop = """
 %add (x: bf16[], y: bf16[]) -> bf16[] {
@@ -415,7 +418,7 @@ def test_the_breakdown_says_what_each_collective_moves_and_how_often():
   %s = (s32[], bf16[8,4194304]{1,0}) parameter(0)
   %i = s32[] get-tuple-element(%s), index=0
   %w = bf16[8,4194304]{1,0} get-tuple-element(%s), index=1
-  %rs = (bf16[8,4194304]{1,0}, bf16[1,4194304]{1,0}) reduce-scatter-start(%w), channel_id=2, replica_groups={{0,8,16,24,32,40,48,56}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(train_step)/forward_backward/while/body/transpose(jvp(LanguageModel))/dot_general"}
+  %rs = (bf16[8,4194304]{1,0}, bf16[1,4194304]{1,0}) reduce-scatter-start(%w), channel_id=2, replica_groups={{0,8,16,24,32,40,48,56}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(train_step)/SCOPE/while/body/transpose(jvp(LanguageModel))/dot_general"}
   %rd = bf16[1,4194304]{1,0} reduce-scatter-done(%rs)
   %one = s32[] constant(1)
   %j = s32[] add(%i, %one)
@@ -423,14 +426,14 @@ def test_the_breakdown_says_what_each_collective_moves_and_how_often():
 }
 """
   text = f"""HloModule m, is_scheduled=true, num_partitions=64
-{loop}
+{loop.replace("SCOPE", scope)}
 ENTRY %main (g: bf16[1,4194304]) -> bf16[8,4194304] {{
   %g = bf16[1,4194304]{{1,0}} parameter(0)
   %ags = (bf16[1,4194304]{{1,0}}, bf16[8,4194304]{{1,0}}) all-gather-start(%g), channel_id=1, replica_groups={{{{0,8,16,24,32,40,48,56}}}}, dimensions={{0}}, metadata={{op_name="jit(train_step)/gather_weights/sharding_constraint"}}
   %agd = bf16[8,4194304]{{1,0}} all-gather-done(%ags)
   %z = s32[] constant(0)
   %init = (s32[], bf16[8,4194304]{{1,0}}) tuple(%z, %agd)
-  %loop = (s32[], bf16[8,4194304]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"4"}}}}, metadata={{op_name="jit(train_step)/forward_backward/while"}}
+  %loop = (s32[], bf16[8,4194304]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"4"}}}}, metadata={{op_name="jit(train_step)/{scope}/while"}}
   ROOT %r = bf16[8,4194304]{{1,0}} get-tuple-element(%loop), index=1
 }}
 """

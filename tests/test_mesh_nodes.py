@@ -91,6 +91,12 @@ def test_a_layout_that_does_not_fit_the_nodes_is_refused(config, devices, phrase
     ({"mesh.data": 4, "mesh.dcn_data": 3}, r"config.mesh.dcn_data=3 does not divide config.mesh.data=4"),
     ({"mesh.devices_per_node": -1}, r"config.mesh.devices_per_node=-1 must be the devices of one node"),
     ({"mesh.fsdp_gather": "per_micro_batch"}, r"config.mesh.fsdp_gather='per_micro_batch' must be one of"),
+    ({"mesh.grad_reduce": "per_layer"}, r"config.mesh.grad_reduce='per_layer' must be one of"),
+    ({"mesh.grad_reduce": "per_step"}, r"grad_reduce='per_step' needs config.mesh.fsdp_gather='per_step'"),
+    ({"mesh.grad_reduce": "per_step", "mesh.fsdp_gather": "per_step", "recipe": "nvfp4"},
+     r"grad_reduce='per_step' with the nvfp4 recipe: .* use the bf16 recipe or set config.mesh.grad_reduce="),
+    ({"mesh.grad_reduce": "per_step", "mesh.fsdp_gather": "per_step", "model.attention_impl": "cudnn"},
+     r"grad_reduce='per_step' with cuDNN attention: .* set config.model.attention_impl='chunked'"),
 ])
 def test_the_config_check_refuses_bad_node_factors(overrides, phrase):
   with pytest.raises(ConfigError, match=phrase):
@@ -146,6 +152,7 @@ LAYOUTS = {   # data 2 x fsdp 2 x expert 2 over 2 nodes of 4, one factor across 
     "data_across": {"mesh.dcn_data": 2},
     "fsdp_across": {"mesh.dcn_fsdp": 2},
     "fsdp_across_per_step": {"mesh.dcn_fsdp": 2, "mesh.fsdp_gather": "per_step"},
+    "fsdp_across_reduced_per_step": {"mesh.dcn_fsdp": 2, "mesh.fsdp_gather": "per_step", "mesh.grad_reduce": "per_step"},
 }
 MICRO_BATCHES = 2   # the driver's step: 16 rows in 2 micro-batches
 
@@ -256,4 +263,24 @@ def test_weights_gathered_per_step_cross_the_nodes_once_per_step(compiled):
   in_loop = [c for c in rows if c["crosses"] and "forward_backward/while" in c["op"]]
   assert _weight_gathers(in_loop) == [] and any(_reduction(c) for c in in_loop), in_loop
   dispatch = [c for c in rows if c["kind"] in ("all-to-all", "ragged-all-to-all") and "blocks_0/mixer" in c["op"]]
+  assert dispatch and not any(c["crosses"] for c in dispatch)
+
+
+def test_gradients_reduced_per_step_cross_the_nodes_once_per_step(compiled):
+  """With fsdp across the nodes and the weights gathered per step, ``mesh.grad_reduce`` "per_micro_batch" (the
+  default) reduces the gradients across the nodes inside the loop over micro-batches, in every one of them;
+  "per_step" sums them unreduced over data and fsdp through the loop and reduces them once, after it (the
+  step's ``reduce_gradients`` scope): no collective inside the micro-batches crosses the nodes, and every one
+  that does runs once per step. The expert exchange stays in the node."""
+  per_micro_batch = [c for c in compiled["fsdp_across_per_step"]["collectives"]
+                     if c["crosses"] and _reduction(c) and "forward_backward/while" in c["op"]]
+  assert per_micro_batch and all(c["runs"] >= MICRO_BATCHES for c in per_micro_batch), per_micro_batch
+  layout = compiled["fsdp_across_reduced_per_step"]
+  assert layout["order"] == compiled["fsdp_across"]["order"]
+  crossing = [c for c in layout["collectives"] if c["crosses"]]
+  assert [c for c in crossing if c["runs"] != 1 or "/while" in c["op"]] == [], crossing
+  reduced = [c for c in crossing if "reduce_gradients" in c["op"]]
+  assert any(_reduction(c) for c in reduced), crossing
+  dispatch = [c for c in layout["collectives"] if c["kind"] in ("all-to-all", "ragged-all-to-all")
+              and "blocks_0/mixer" in c["op"]]
   assert dispatch and not any(c["crosses"] for c in dispatch)

@@ -180,6 +180,10 @@ RESUME_RUNS = (("straight", {}), ("split", dict(NODES, halt_after=1)), ("split",
 # The same layout with the weights gathered over fsdp once per step, ahead of the micro-batches: the same forward,
 # the gradients' sums over the devices grouped otherwise (float32 summation order).
 PER_STEP = ("per_step", dict(NODES, **{"mesh.fsdp_gather": "per_step"}))
+# And with the gradients summed unreduced over data and fsdp through the micro-batches, reduced once per step
+# (bf16 only: training.step.check_unreduced), halted after the first step and resumed.
+REDUCED = dict(PER_STEP[1], **{"mesh.grad_reduce": "per_step"})
+REDUCED_RUNS = (("reduced", dict(REDUCED, halt_after=1)), ("reduced", REDUCED))
 
 
 def _train_losses(workdir):
@@ -199,10 +203,12 @@ def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(t
   step's program does not reach the compilation cache: about 35 s per start). The split layout with the weights
   gathered once per step (``PER_STEP``, ``mesh.fsdp_gather``) computes the first loss bit for bit and the second to
   float32 summation order (its gradients' sums over the devices are grouped otherwise: measured 1e-7 relative in
-  the updated weights; 1e-5 allowed, as for the one batch)."""
+  the updated weights; 1e-5 allowed, as for the one batch). In bf16 the same layout with the gradients reduced once
+  per step (``REDUCED``, ``mesh.grad_reduce``), halted after its first step and resumed, trains to the same losses
+  to float32 summation order."""
   env = dict(os.environ, **shrunken.compilation_cache_env(),
              XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  runs = RESUME_RUNS + (PER_STEP,) + ((("one_batch", {"micro_batches": 1}),) if recipe == "bf16" else ())
+  runs = RESUME_RUNS + (PER_STEP,) + ((("one_batch", {"micro_batches": 1}),) + REDUCED_RUNS if recipe == "bf16" else ())
   code = _DRIVER.format(root=ROOT, model=dict(SHRUNKEN_MOE, pattern=pattern), base=str(tmp_path), recipe=recipe,
                         runs=runs)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -223,6 +229,9 @@ def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(t
   np.testing.assert_allclose(per_step, losses, rtol=1e-5, atol=0)
   if recipe == "bf16":
     np.testing.assert_allclose(losses, _train_losses(str(tmp_path / "one_batch")), rtol=1e-5, atol=0)
+    assert out["reduced"] == [["halted", 1], ["done", 2]]
+    assert "weights gathered over fsdp once per step; gradients reduced over data x fsdp once per step" in p.stdout
+    np.testing.assert_allclose(_train_losses(str(tmp_path / "reduced")), per_step, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("overrides, phrase", [
@@ -303,3 +312,62 @@ def test_document_masked_micro_batches_split_the_segment_ids_with_the_tokens():
   for g, g0, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(each[0][1]), jax.tree.leaves(each[1][1])):
     want = (g0 + g1) / 2
     np.testing.assert_allclose(g, want, rtol=0, atol=m * U * float(jnp.max(jnp.abs(want))))
+
+
+_GRADS_DRIVER = r"""
+import functools, json, os, sys
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+from flax import traverse_util
+from configs import shrunken
+from training import config as config_lib, optim, sharding, step as step_lib
+
+fields = {{"data.seq_len": 32, "batch_size": 16, "micro_batches": 2, "mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2,
+          "mesh.tensor": 1, "mesh.dcn_fsdp": 2, "mesh.devices_per_node": 4, "mesh.fsdp_gather": "per_step"}}
+c = shrunken.shrunken_config(steps=2, **fields)
+c.model.preset = "moe_tiny"
+for k, v in {model!r}.items():
+  c.model[k] = v
+recipe, _, _ = config_lib.resolve_recipes(c)
+model = step_lib.build_model(config_lib.resolve_model_config(c.model), recipe)
+tx, _ = optim.make_optimizer(c.optim, c.steps)
+mesh = sharding.make_mesh(c.mesh)
+init = lambda: step_lib.init_state(model, tx, 0, 32)
+with sharding.mesh_context(mesh):
+  abstract = jax.eval_shape(init)
+_, state_sh = sharding.train_state_shardings(abstract, tx, mesh)
+out = {{}}
+with sharding.mesh_context(mesh):
+  state = jax.jit(lambda: (lambda s: dict(s, params=nn.unbox(s["params"])))(init()), out_shardings=state_sh)()
+  tokens = jax.device_put(np.random.default_rng(0).integers(0, 256, (16, 33), dtype=np.int32),
+                          sharding.batch_sharding(mesh))
+  for reduce in ("per_micro_batch", "per_step"):
+    gather = sharding.step_gather({{"fsdp_gather": "per_step", "grad_reduce": reduce}}, state_sh["params"], 2)
+    (loss, _), grads = jax.jit(functools.partial(step_lib.step_gradients, model=model, micro_batches=2,
+                                                 gather=gather))(state, tokens)
+    flat = traverse_util.flatten_dict(jax.tree.map(lambda g: np.asarray(g).tolist(), grads))
+    out[reduce] = dict(loss=float(loss), grads={{"/".join(k): v for k, v in flat.items()}})
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("pattern", ["-", pytest.param("E", marks=pytest.mark.slow)])
+def test_gradients_reduced_once_per_step_are_the_gradients_to_float32_summation_order(pattern):
+  """On data 2 x fsdp 2 x expert 2 simulated CPU devices in 2 nodes of 4 (fsdp across them), 16 rows in 2
+  micro-batches, bf16: the step's loss and every gradient with ``mesh.grad_reduce`` "per_step" (each device's
+  float32 sum over its micro-batches, reduced over data and fsdp once) against "per_micro_batch" (each
+  micro-batch's gradient reduced over every device, then summed). Both sum the same B x L = 512 per-position
+  terms in another order, so each leaf is compared to m u of its largest gradient, m = 512 (measured: at most
+  2.3 u). By default an MLP block; slow: moe_tiny's E block (the experts' bf16 gradients: at most 1.9 u)."""
+  env = dict(os.environ, **shrunken.compilation_cache_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  code = _GRADS_DRIVER.format(root=ROOT, model=dict(SHRUNKEN_MOE, pattern=pattern))
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
+  out = json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+  want, got = out["per_micro_batch"], out["per_step"]
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=512 * U, atol=0)
+  assert set(got["grads"]) == set(want["grads"])
+  for path, g in want["grads"].items():
+    g, h = np.asarray(g), np.asarray(got["grads"][path])
+    assert np.max(np.abs(h - g)) <= 512 * U * np.max(np.abs(g)), path

@@ -19,6 +19,7 @@ import fp4jax
 from fp4jax import osci_reset
 from models import presets, rules
 from training import optim, sharding, trackers
+from training import step as step_lib
 from training.errors import ConfigError
 
 
@@ -313,6 +314,8 @@ def validate(config) -> None:
          f"within-node x across-node factor; choose a dcn_{axis} that divides {size}")
   need([config.mesh.get(a, 1) for a in sharding.MESH_AXES].count(-1) <= 1, "config.mesh: at most one axis may be -1")
   sharding.check_fsdp_gather(config.mesh.get("fsdp_gather", "per_layer"))
+  sharding.check_grad_reduce(config.mesh.get("grad_reduce", "per_micro_batch"),
+                             config.mesh.get("fsdp_gather", "per_layer"))
   per_node = config.mesh.get("devices_per_node", 0)
   need(isinstance(per_node, int) and per_node >= 0,
        f"config.mesh.devices_per_node={per_node!r} must be the devices of one node, or 0 (those of one process)")
@@ -321,7 +324,12 @@ def validate(config) -> None:
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")
   recipe, _, _ = resolve_recipes(config)
   resolve_osci_reset(config, recipe)
-  resolve_outcontrol(config, recipe)
+  outcontrol = resolve_outcontrol(config, recipe)
+  if config.mesh.get("grad_reduce", "per_micro_batch") == "per_step":
+    try:
+      step_lib.check_unreduced(step_lib.build_model(resolve_model_config(config.model), recipe), outcontrol is not None)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   sharding.check_experts(config.mesh, resolve_model_config(config.model))
   check_xla_options(config)
 

@@ -54,7 +54,8 @@ class Loop:
     options = config_lib.xla_options(run.config, fp4jax.target.Target.of(mesh).device_kind)
     self._train = {(name, phase): jit_train_step(m, run.tx, run.schedule, run.state_shardings, mesh, run.osci, phase,
                                                  compiler_options=options, micro_batches=run.config.micro_batches,
-                                                 fsdp_gather=run.config.mesh.get("fsdp_gather", "per_layer"))
+                                                 fsdp_gather=run.config.mesh.get("fsdp_gather", "per_layer"),
+                                                 grad_reduce=run.config.mesh.get("grad_reduce", "per_micro_batch"))
                    for name, m in models.items() for phase in phases}  # jit compiles on first use only
     self._eval = {name: CompiledAtFirstCall(jax.jit(functools.partial(eval_step, model=m),
                                                     in_shardings=(run.state_shardings["params"], batch_sh),

@@ -189,10 +189,12 @@ def _build(config, workdir, model_fn, stop, *, model_config, recipe, late_recipe
         f"then {_outcontrol_summary(abstract['outcontrol'], outcontrol.ratio)} in MXFP8 from step "
         f"{outcontrol.on_step}")
   nodes = sharding.describe_nodes(config.mesh, dict(mesh.shape))
+  once = sharding.describe_step(config.mesh, dict(mesh.shape), config.micro_batches)
   say(f"mesh: {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s), "
       f"{nproc} process(es)" + (f" ({nodes})" if nodes else "") + f"; batch {config.batch_size} x {seq_len} tokens"
       + (f" in {config.micro_batches} micro-batches of {config.batch_size // config.micro_batches}"
-         if config.micro_batches > 1 else "") + f"; workdir {workdir}")
+         if config.micro_batches > 1 else "")
+      + (f"; {once}" if once else "") + f"; workdir {workdir}")
   if reporter.writers:
     say("metrics: " + ", ".join(writer.where for writer in reporter.writers))
   # The run record changes only when the run does: a resume at or past config.steps trains nothing and writes

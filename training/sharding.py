@@ -11,6 +11,15 @@ Weights gathered per step (``config.mesh.fsdp_gather``): "per_layer" (the defaul
 ``rules_without(("fsdp",))``: their weights arrive whole along ``fsdp``, while each gradient is still reduced to
 its ``fsdp`` shard as the backward completes it, in every micro-batch.
 
+Gradients reduced per step (``config.mesh.grad_reduce``, with micro-batches and ``fsdp_gather`` "per_step"):
+"per_micro_batch" (the default) reduces each gradient over every batch axis in every micro-batch, as above;
+"per_step" accumulates the micro-batches' gradients unreduced over ``data`` and ``fsdp`` (``UNREDUCED_AXES``, the
+axes a multi-node layout puts across the nodes) and reduces them over those axes once, after the last
+micro-batch: the micro-batches run inside a ``shard_map`` manual over those axes (``StepGather.unreduced``),
+each device's share of the batch its own, under ``manual_rules``; the reductions within the other axes
+(``expert``, ``tensor``: inside a node) stay per micro-batch. The float32 sum is then whole along ``fsdp`` on
+every device: memory for traffic (docs/TRAINING.md, "Gradients reduced once per step").
+
 Nodes: ``config.mesh.<axis>`` is an axis's size; ``config.mesh.dcn_<axis>`` (default 1) is how many nodes it
 spans, its across-node factor, so its within-node factor is ``<axis> / dcn_<axis>``. With a factor set, the mesh
 is laid out in nodes (``mesh_devices``): along each axis, index ``j = node_index * within + position_in_node``, so
@@ -38,6 +47,8 @@ from training.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 FSDP_GATHERS = ("per_layer", "per_step")   # config.mesh.fsdp_gather: when the weights are gathered over fsdp
+GRAD_REDUCES = ("per_micro_batch", "per_step")   # config.mesh.grad_reduce: when gradients are reduced over nodes
+UNREDUCED_AXES = ("data", "fsdp")   # the batch axes a "per_step" reduction defers (expert parallel: per layer)
 NODE_KEYS = tuple(f"dcn_{a}" for a in MESH_AXES)   # each axis's across-node factor
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -95,6 +106,13 @@ def rules_without(mesh_axes) -> tuple:
                for name, axes in LOGICAL_RULES)
 
 
+def manual_rules(mesh_axes) -> tuple:
+  """``LOGICAL_RULES`` with ``mesh_axes`` taken out of every rule, the activations' too: the table inside a
+  ``shard_map`` manual over ``mesh_axes``, where each device's share of the batch is its own and no constraint
+  may name them."""
+  return tuple((name, _drop(axes, mesh_axes)) for name, axes in LOGICAL_RULES)
+
+
 def without(named: NamedSharding, mesh_axes) -> NamedSharding:
   """``named`` with ``mesh_axes`` taken out of its spec: the same array whole along them."""
   return NamedSharding(named.mesh, P(*(_drop(a, mesh_axes) for a in named.spec)))
@@ -104,10 +122,14 @@ def without(named: NamedSharding, mesh_axes) -> NamedSharding:
 class StepGather:
   """The weights gathered over the mesh axes ``axes`` once per optimizer step (``config.mesh.fsdp_gather``
   "per_step"): ``stored``, the parameters' NamedShardings (a tree like the params: where they and their
-  gradients live), and ``gathered``, the same without ``axes`` (where the micro-batches read them)."""
+  gradients live), and ``gathered``, the same without ``axes`` (where the micro-batches read them).
+  ``unreduced`` (``config.mesh.grad_reduce`` "per_step"; () otherwise): the mesh axes over which the
+  micro-batches' gradients are summed unreduced, each device its own, and reduced once per step
+  (``training.step.accumulate_gradients_unreduced``)."""
   axes: tuple[str, ...]
   stored: Any
   gathered: Any
+  unreduced: tuple[str, ...] = ()
 
   def gather(self, params):
     """``params`` (in the compute dtype, placed as ``stored``) placed as ``gathered``: the gather, once."""
@@ -115,7 +137,9 @@ class StepGather:
 
   @property
   def rules(self) -> tuple:
-    return rules_without(self.axes)
+    """The rules table the micro-batches run under: inside the ``shard_map`` (``manual_rules``) with
+    ``unreduced``, else ``rules_without(axes)``."""
+    return manual_rules(self.axes + self.unreduced) if self.unreduced else rules_without(self.axes)
 
 
 def check_fsdp_gather(how) -> None:
@@ -126,16 +150,56 @@ def check_fsdp_gather(how) -> None:
                       "\"Laying out a multi-node run\")")
 
 
-def step_gather(mesh_config, param_shardings) -> StepGather | None:
+def check_grad_reduce(how, fsdp_gather) -> None:
+  """A ConfigError unless ``how`` (``config.mesh.grad_reduce``) is one of ``GRAD_REDUCES`` and, for "per_step",
+  the weights are gathered per step (``fsdp_gather``): the micro-batches must find them whole along ``fsdp``."""
+  if how not in GRAD_REDUCES:
+    raise ConfigError(f"config.mesh.grad_reduce={how!r} must be one of {GRAD_REDUCES}: when the gradients are reduced "
+                      "over data and fsdp (per_step: once per optimizer step, after the micro-batches; "
+                      "docs/TRAINING.md, \"Gradients reduced once per step\")")
+  if how == "per_step" and fsdp_gather != "per_step":
+    raise ConfigError(f"config.mesh.grad_reduce='per_step' needs config.mesh.fsdp_gather='per_step' (got "
+                      f"{fsdp_gather!r}): the micro-batches then run on weights gathered whole along fsdp once per "
+                      "step; set both, or leave grad_reduce='per_micro_batch'")
+
+
+def step_gather(mesh_config, param_shardings, micro_batches: int = 1) -> StepGather | None:
   """The ``StepGather`` of ``config.mesh.fsdp_gather`` "per_step" for parameters placed as ``param_shardings``,
-  or None ("per_layer", or an ``fsdp`` axis of size 1: nothing to gather)."""
+  or None ("per_layer", or an ``fsdp`` axis of size 1 without unreduced axes: nothing to gather). With
+  ``config.mesh.grad_reduce`` "per_step" and more than one micro-batch, its ``unreduced`` are the
+  ``UNREDUCED_AXES`` of size > 1 (with one micro-batch every reduction is once per step already)."""
   how = mesh_config.get("fsdp_gather", "per_layer")
   check_fsdp_gather(how)
+  reduce = mesh_config.get("grad_reduce", "per_micro_batch")
+  check_grad_reduce(reduce, how)
   leaves = jax.tree.leaves(param_shardings)
-  if how == "per_layer" or not leaves or leaves[0].mesh.shape["fsdp"] == 1:
+  if not leaves:
     return None
-  axes = ("fsdp",)
-  return StepGather(axes, param_shardings, jax.tree.map(lambda s: without(s, axes), param_shardings))
+  axes, unreduced = _step_axes(how, reduce, leaves[0].mesh.shape, micro_batches)
+  if not axes and not unreduced:
+    return None
+  return StepGather(axes, param_shardings, jax.tree.map(lambda s: without(s, axes), param_shardings), unreduced)
+
+
+def _step_axes(how, reduce, shape, micro_batches: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the axes the weights are gathered over once per step, the axes the gradients are reduced over once per
+  step) of ``fsdp_gather`` ``how`` and ``grad_reduce`` ``reduce`` on a mesh of ``shape`` (axis -> size)."""
+  if how == "per_layer":
+    return (), ()
+  axes = ("fsdp",) if shape["fsdp"] > 1 else ()
+  unreduced = (tuple(a for a in UNREDUCED_AXES if shape[a] > 1)
+               if reduce == "per_step" and micro_batches > 1 else ())
+  return axes, unreduced
+
+
+def describe_step(mesh_config, shape, micro_batches: int) -> str:
+  """"" when every weight is gathered per layer and every gradient reduced per micro-batch; else what is done
+  once per step (``step_gather``) on a mesh of ``shape`` (axis -> size)."""
+  axes, unreduced = _step_axes(mesh_config.get("fsdp_gather", "per_layer"),
+                               mesh_config.get("grad_reduce", "per_micro_batch"), shape, micro_batches)
+  parts = ([f"weights gathered over {' x '.join(axes)} once per step"] if axes else []) + \
+      ([f"gradients reduced over {' x '.join(unreduced)} once per step"] if unreduced else [])
+  return "; ".join(parts)
 
 
 def use_compilation_cache(path: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -21,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fp4jax import partition_cache
-from models import moe, mtp, policy
+from models import attention, moe, mtp, policy
 from models.layers import OUTCONTROL
 from models.lm import LanguageModel, compute_params
 from training import optim
@@ -212,13 +214,31 @@ def micro_batches_of(batch, micro_batches: int):
 _COUNTS = ("load", "dropped")   # the MoE blocks' per-step counts (models.moe); every other stat is a loss
 
 
+def _is_count(path) -> bool:
+  """Whether the stat at ``path`` is a count (summed over the batch's parts) rather than a loss (averaged)."""
+  return any(getattr(k, "key", None) in _COUNTS for k in path)
+
+
 def combine_micro_batch_stats(stats_N):
   """The step's stats from its micro-batches' (every leaf with a leading axis of N): the MoE counts summed (the
   whole batch's loads and dropped pairs), the losses (MTP's, the balance loss) averaged as the loss is."""
-  def combine(path, x_N):
-    counts = any(getattr(k, "key", None) in _COUNTS for k in path)
-    return jnp.sum(x_N, axis=0) if counts else jnp.mean(x_N, axis=0)
-  return jax.tree_util.tree_map_with_path(combine, stats_N)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x_N: jnp.sum(x_N, axis=0) if _is_count(path) else jnp.mean(x_N, axis=0), stats_N)
+
+
+def _summed_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
+  """``((loss, (outcontrol, stats)), summed grads)``: ``accumulate_gradients`` before the division by N."""
+  def one(carry, xs):
+    sum_grads, outcontrol = carry
+    index, micro_batch = xs
+    (loss, (outcontrol, stats)), grads = grad_fn(params, outcontrol, micro_batch, jax.random.fold_in(key, index))
+    sum_grads = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), sum_grads, grads)
+    return (sum_grads, outcontrol), (loss, stats)
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  xs = (jnp.arange(micro_batches), micro_batches_of(batch, micro_batches))
+  (sum_grads, outcontrol), (loss_N, stats_N) = jax.lax.scan(one, (zeros, outcontrol), xs)
+  return (jnp.mean(loss_N), (outcontrol, combine_micro_batch_stats(stats_N))), sum_grads
 
 
 def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches: int):
@@ -231,19 +251,105 @@ def accumulate_gradients(grad_fn, params, outcontrol, batch, key, micro_batches:
   micro-batch's mean is over its own unmasked targets), the stats ``combine_micro_batch_stats``."""
   if micro_batches == 1:
     return grad_fn(params, outcontrol, batch, key)
+  (loss, aux), sum_grads = _summed_gradients(grad_fn, params, outcontrol, batch, key, micro_batches)
+  return (loss, aux), jax.tree.map(lambda s: s / micro_batches, sum_grads)
 
-  def one(carry, xs):
-    sum_grads, outcontrol = carry
-    index, micro_batch = xs
-    (loss, (outcontrol, stats)), grads = grad_fn(params, outcontrol, micro_batch, jax.random.fold_in(key, index))
-    sum_grads = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), sum_grads, grads)
-    return (sum_grads, outcontrol), (loss, stats)
 
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  xs = (jnp.arange(micro_batches), micro_batches_of(batch, micro_batches))
-  (sum_grads, outcontrol), (loss_N, stats_N) = jax.lax.scan(one, (zeros, outcontrol), xs)
-  grads = jax.tree.map(lambda s: s / micro_batches, sum_grads)
-  return (jnp.mean(loss_N), (outcontrol, combine_micro_batch_stats(stats_N))), grads
+def accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches: int, gather: sharding.StepGather):
+  """``accumulate_gradients`` (without OutControl's state) with each gradient reduced over the mesh axes
+  ``gather.unreduced`` once, after the micro-batches: they run inside a ``shard_map`` manual over those axes,
+  on ``params`` whole along them, each device on its own rows of every micro-batch (the same rows as without:
+  ``micro_batches_of``), under ``gather.rules``; device d's float32 sum over its micro-batches leaves the
+  ``shard_map`` as row d of a stack along a new leading axis, whose sum, constrained to ``gather.stored``, is the
+  one reduction (a reduce-scatter to the fsdp shard). ``grad_fn(params, outcontrol, batch, key)`` is called
+  with the device's rows, so every statistic of the batch is the device's: its loss a mean over its targets
+  (the step's loss and gradient the mean over devices: the same to float32 summation order when every device
+  has as many targets, as without document masking), its random bits drawn from ``fold_in(micro-batch key,
+  device index along the axes)`` (so that no two devices draw the same), the MoE counts summed over the devices
+  and the other stats averaged (docs/TRAINING.md, "Gradients reduced once per step"). What the model may hold
+  inside: ``check_unreduced``."""
+  axes = gather.unreduced
+  devices = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+  def local(params, batch, key):
+    key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+    (loss, (_, stats)), sum_grads = _summed_gradients(grad_fn, params, None, batch, key, micro_batches)
+
+    stats = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.lax.psum(x, axes) if _is_count(path) else jax.lax.pmean(x, axes), stats)
+    return jax.lax.pmean(loss, axes), stats, jax.tree.map(lambda s: s[None], sum_grads)
+
+  rows = P(axes)
+  loss, stats, sums = jax.shard_map(local, in_specs=(P(), rows, P()), out_specs=(P(), P(), rows),
+                                    axis_names=set(axes), check_vma=False)(params, batch, key)
+  with jax.named_scope("reduce_gradients"):
+    grads = jax.tree.map(lambda s_D, placed: jax.lax.with_sharding_constraint(jnp.sum(s_D, axis=0), placed),
+                         sums, gather.stored)
+  return (loss, (None, stats)), jax.tree.map(lambda g: g / (micro_batches * devices), grads)
+
+
+def check_unreduced(model, outcontrol: bool = False) -> None:
+  """A ValueError unless ``model`` can run its micro-batches with the gradients reduced once per step
+  (``accumulate_gradients_unreduced``): inside a ``shard_map`` manual over some mesh axes, jax 0.10.2 hands a
+  ``custom_partitioning`` op no mesh, so fp4jax's quantized ops would run replicated over the other axes (XLA
+  gathers their operands) and jax's own (cuDNN attention, the block-scaled GEMM) fail to compile. So: the bf16
+  recipe, attention not on cuDNN, and no OutControl state (its channel norms are over the whole batch)."""
+  fix = "or set config.mesh.grad_reduce='per_micro_batch'"
+  recipe = getattr(model, "recipe", "bf16")
+  name = recipe if isinstance(recipe, str) else recipe.name
+  if name != "bf16":
+    raise ValueError(f"config.mesh.grad_reduce='per_step' with the {name} recipe: its quantized ops are "
+                     "custom-partitioned, which jax 0.10.2 cannot partition inside the shard_map that keeps the "
+                     f"gradients unreduced (docs/TRAINING.md, \"Gradients reduced once per step\"); use the bf16 recipe {fix}")
+  if outcontrol:
+    raise ValueError("OutControl's state with config.mesh.grad_reduce='per_step': its channel norms are over the "
+                     f"whole batch, which the per-step reduction splits by device; {fix}")
+  cfg = getattr(model, "config", None)
+  if cfg is not None and "*" in cfg.all_patterns and attention.resolve_attention_impl(cfg, cfg.dtype) == "cudnn":
+    raise ValueError("config.mesh.grad_reduce='per_step' with cuDNN attention: jax partitions it with "
+                     "custom_partitioning, which jax 0.10.2 cannot do inside the shard_map that keeps the gradients "
+                     f"unreduced; set config.model.attention_impl='chunked' {fix}")
+
+
+def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, micro_batches: int = 1,
+                   gather: sharding.StepGather | None = None):
+  """``((loss, (OutControl state, stats)), grads)`` of ``train_step``'s batch (its arguments of the same names),
+  each gradient in its parameter's dtype and placement: the micro-batches' accumulation
+  (``accumulate_gradients``), or with ``gather.unreduced`` ``accumulate_gradients_unreduced``."""
+  key = jax.random.fold_in(state["rng"], state["step"])
+  params, rules, placed = state["params"], contextlib.nullcontext(), None
+  if gather is not None:
+    with jax.named_scope("gather_weights"):
+      narrow = compute_params(model, params) if isinstance(model, LanguageModel) else params
+      params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
+
+  unreduced = gather is not None and bool(gather.unreduced)
+  if unreduced:
+    check_unreduced(model, "outcontrol" in state)
+
+  def loss_fn(params, outcontrol, batch, key):
+    inputs_BxL, targets_BxL, documents = window(batch)
+    gradient_shardings = placed
+    if unreduced:   # inside the shard_map: each gradient reduced within the other axes, onto its gathered spec
+      mesh = jax.sharding.get_abstract_mesh()
+      gradient_shardings = jax.tree.map(lambda s: NamedSharding(mesh, sharding.without(s, gather.unreduced).spec),
+                                        gather.gathered)
+    if outcontrol_phase == optim.PLAIN:
+      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, gradient_shardings)
+      return loss, (outcontrol, stats)
+    return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
+                                 record=outcontrol_phase == optim.RECORD, documents=documents,
+                                 gradient_shardings=gradient_shardings)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  with jax.named_scope("forward_backward"), rules:
+    if unreduced:
+      (loss, (outcontrol, stats)), grads = accumulate_gradients_unreduced(grad_fn, params, batch, key, micro_batches,
+                                                                          gather)
+    else:
+      (loss, (outcontrol, stats)), grads = accumulate_gradients(grad_fn, params, state.get("outcontrol"), batch, key,
+                                                                micro_batches)
+  return (loss, (outcontrol, stats)), jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
 
 
 def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None = None,
@@ -255,31 +361,14 @@ def train_step(state, batch, *, model, tx, lr_fn, osci: optim.OsciReset | None =
   ``outcontrol_phase`` (static, ``optim.OutControl.phase_at``): "plain" runs the recipe's forward (the
   OutControl state, if any, passes through), "record" also accumulates the channel norms, "on" runs the
   calibrated channel split. ``micro_batches`` (static): the gradient of the batch is accumulated over that many
-  micro-batches (``accumulate_gradients``) and applied once. ``gather`` (``sharding.step_gather``): the weights,
+  micro-batches (``step_gradients``) and applied once. ``gather`` (``sharding.step_gather``): the weights,
   in the compute dtype (``models.lm.compute_params``), gathered once ahead of the micro-batches, which run under
   its rules and reduce each gradient to the parameter's own placement (the forward's numbers are the per-layer
   gather's: the same casts and quantization; the gradients' sums over the devices are grouped otherwise, the same
-  to float32 summation order: docs/TRAINING.md, "Weights gathered once per step")."""
-  key = jax.random.fold_in(state["rng"], state["step"])
-  params, rules, placed = state["params"], contextlib.nullcontext(), None
-  if gather is not None:
-    with jax.named_scope("gather_weights"):
-      narrow = compute_params(model, params) if isinstance(model, LanguageModel) else params
-      params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
-
-  def loss_fn(params, outcontrol, batch, key):
-    inputs_BxL, targets_BxL, documents = window(batch)
-    if outcontrol_phase == optim.PLAIN:
-      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, placed)
-      return loss, (outcontrol, stats)
-    return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
-                                 record=outcontrol_phase == optim.RECORD, documents=documents,
-                                 gradient_shardings=placed)
-
-  with jax.named_scope("forward_backward"), rules:
-    (loss, (outcontrol, stats)), grads = accumulate_gradients(
-        jax.value_and_grad(loss_fn, has_aux=True), params, state.get("outcontrol"), batch, key, micro_batches)
-  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])   # a gathered cast's: float32
+  to float32 summation order: docs/TRAINING.md, "Weights gathered once per step"); with ``gather.unreduced`` the
+  gradients are reduced over those axes once per step (``accumulate_gradients_unreduced``)."""
+  (loss, (outcontrol, stats)), grads = step_gradients(state, batch, model=model, outcontrol_phase=outcontrol_phase,
+                                                      micro_batches=micro_batches, gather=gather)
   with jax.named_scope("grad_norm"):
     grad_norm = optim.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -332,16 +421,18 @@ def eval_step_outcontrol(params, outcontrol, batch, *, model):
 
 def jit_train_step(model, tx, schedule: optim.Schedule, state_shardings, mesh, osci: optim.OsciReset | None = None,
                    outcontrol_phase: str = optim.PLAIN, compiler_options: dict | None = None,
-                   micro_batches: int = 1, fsdp_gather: str = "per_layer"):
+                   micro_batches: int = 1, fsdp_gather: str = "per_layer", grad_reduce: str = "per_micro_batch"):
   """``train_step`` jitted as the trainer runs it: explicit in/out shardings, the state donated.
 
   ``state_shardings`` from ``sharding.train_state_shardings``; call (or ``.lower``) it under
   ``sharding.mesh_context(mesh)`` so the model's logical constraints resolve. ``compiler_options``: XLA
   options for its compile (``training.config.xla_options``: the config's, for the mesh's device kind).
-  ``micro_batches``: ``config.micro_batches``; ``fsdp_gather``: ``config.mesh.fsdp_gather`` (``sharding.step_gather``).
+  ``micro_batches``: ``config.micro_batches``; ``fsdp_gather`` and ``grad_reduce``: ``config.mesh.fsdp_gather`` and
+  ``config.mesh.grad_reduce`` (``sharding.step_gather``).
   The schedule's points are an input of the program (``ScheduledStep``).
   """
-  gather = sharding.step_gather({"fsdp_gather": fsdp_gather}, state_shardings["params"])
+  gather = sharding.step_gather({"fsdp_gather": fsdp_gather, "grad_reduce": grad_reduce}, state_shardings["params"],
+                                micro_batches)
 
   def fn(state, batch, points):
     lr_fn = functools.partial(optim.learning_rate, schedule.kind, points)

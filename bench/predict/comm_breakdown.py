@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 
 if __name__ == "__main__":
@@ -37,7 +38,9 @@ from bench.predict import hlo_walk
 from bench.predict import ruler
 
 GiB = 2 ** 30
-MICRO_BATCH_LOOP = "forward_backward/while"   # training.step: the scan over micro-batches, in its named scope
+# training.step: the scan over micro-batches, in its named scope (inside the shard_map of the gradients reduced
+# once per step, config.mesh.grad_reduce "per_step", one level deeper)
+MICRO_BATCH_LOOP = re.compile(r"forward_backward/(?:shard_map/)?while")
 
 
 def purpose(c: dict) -> str:
@@ -58,7 +61,7 @@ def purpose(c: dict) -> str:
 
 
 def _in_micro_batch(op_name: str) -> bool:
-  return MICRO_BATCH_LOOP + "/body" in op_name
+  return any(op_name.startswith("/body", m.end()) for m in MICRO_BATCH_LOOP.finditer(op_name))
 
 
 def micro_batch_computations(mod: hlo_walk.Module) -> set[str]:
@@ -66,7 +69,7 @@ def micro_batch_computations(mod: hlo_walk.Module) -> set[str]:
   when the step has one micro-batch (no such loop). The loop is the entry's while named by the scan's scope,
   or, where XLA rewrote it (the collective pipeliner's copy has no name), whose body runs the scope's ops."""
   def is_loop(i):
-    return i.opcode == "while" and (MICRO_BATCH_LOOP in i.op_name or any(
+    return i.opcode == "while" and (MICRO_BATCH_LOOP.search(i.op_name) or any(
         _in_micro_batch(j.op_name) for j in mod.comps.get(i.attr("body"), [])))
   loops = [i for i in mod.comps.get(mod.entry, []) if is_loop(i)]
   inside, todo = set(), [i.attr("body") for i in loops] + [i.attr("condition") for i in loops]
