@@ -2,8 +2,8 @@
 
 The kernels under ``fp4jax.kernels`` only use ``pl.BlockSpec``, ``pl.ds``, ``pl.program_id``, ref
 indexing and plain jnp/lax ops inside kernels; the rest (which GPU backend compiles a pallas_call,
-its compiler parameters, the exact division the Triton backend lacks, lowering a function for CUDA
-on a machine without a GPU) goes through here.
+its compiler parameters, the exact division the Triton backend lacks, a block's columns read and written
+under a mask, lowering a function for CUDA on a machine without a GPU) goes through here.
 
 Written against jax 0.10 (Triton selected by passing ``triton.CompilerParams``; without it jax
 picks Mosaic GPU on some versions).
@@ -123,6 +123,30 @@ def precise_sqrt(a, *, interpret: bool):
       "sqrt.rn.f32 $0, $1;", args=[a], constraints="=r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
   return out
+
+
+def _columns_below(ref, width: int):
+  """A mask (1, ..., C) of a block's columns below ``width`` (C the block's last axis)."""
+  *lead, cols = ref.shape
+  return jax.lax.broadcasted_iota(jnp.int32, (1,) * len(lead) + (cols,), len(lead)) < width
+
+
+def load_columns(ref, width: int):
+  """A kernel's block with only its first ``width`` columns read, the rest zeros: a block wider than its
+  array's last axis (a power-of-two block over a row that is not) reads no memory past the row's end, and
+  the array needs no zero-padded copy. ``ref[...]`` when the block is ``width`` wide."""
+  if width >= ref.shape[-1]:
+    return ref[...]
+  return _pltriton.load(ref, mask=_columns_below(ref, width), other=0)
+
+
+def store_columns(ref, value, width: int):
+  """``ref[...] = value`` for the block's first ``width`` columns only (``load_columns``'s store): the
+  array's last axis ends there, so the kernel writes no padded columns that a slice would then drop."""
+  if width >= ref.shape[-1]:
+    ref[...] = value
+  else:
+    _pltriton.store(ref, value, mask=_columns_below(ref, width))
 
 
 def multiple_of(x, m: int):

@@ -135,13 +135,13 @@ def test_tensor_factor_parts_are_one_array():
 
 # ----------------------------------------------------------------------------- the quantize kernels
 
-def _pallas_operands(fn, *args):
-  """The operand shapes of every pallas_call in the jaxpr of ``fn(*args)``."""
+def _pallas_calls(fn, *args):
+  """Every pallas_call equation in the jaxpr of ``fn(*args)``, nested jaxprs included."""
   eqns, out = list(jax.make_jaxpr(fn)(*args).eqns), []
   while eqns:
     e = eqns.pop()
     if e.primitive.name == "pallas_call":
-      out.append([tuple(v.aval.shape) for v in e.invars])
+      out.append(e)
     for p in e.params.values():
       for sub in (p if isinstance(p, (list, tuple)) else [p]):
         inner = getattr(sub, "jaxpr", None)
@@ -149,6 +149,11 @@ def _pallas_operands(fn, *args):
         if inner is not None and hasattr(inner, "eqns"):
           eqns.extend(inner.eqns)
   return out
+
+
+def _pallas_operands(fn, *args):
+  """The operand shapes of every pallas_call in the jaxpr of ``fn(*args)``."""
+  return [[tuple(v.aval.shape) for v in e.invars] for e in _pallas_calls(fn, *args)]
 
 
 def test_quantize_kernels_read_the_tensor_amax_itself():
@@ -170,6 +175,24 @@ def test_quantize_kernels_read_the_tensor_amax_itself():
     (operands,) = _pallas_operands(fn, *args)
     assert ((64, 1) if "vmapped" in name else (1, 1)) in operands, (name, operands)
     assert not [s for s in operands if len(s) == 2 and s[1] == 4], (name, operands)
+
+
+def test_rmsnorm_quantize_kernel_reads_and_writes_rows_of_d():
+  """D = 96, not a power of two: the kernel's blocks are 128 wide, but it reads x and the scale as they are and
+  writes h, the codes and the scales D wide (masked columns), so nothing pads x before it or slices its outputs
+  after (5120 -> 8192 on the 12B: two pads and three slices per call). Its results are the twin's, bit for bit."""
+  x = jax.random.normal(jax.random.key(3), (8, 96), jnp.float32).astype(jnp.bfloat16) * 3
+  scale = 1 + 0.1 * jax.random.normal(jax.random.key(4), (96,))
+  run = lambda x, s: rmsnorm_quantize.rmsnorm_quantize(x, s, jnp.float32(20.0), eps=1e-5, interpret=True)
+  (call,) = _pallas_calls(run, x, scale)
+  assert [tuple(v.aval.shape) for v in call.invars][:2] == [(8, 96), (1, 96)], call.invars
+  assert [tuple(v.aval.shape) for v in call.outvars] == [(8, 96), (8, 48), (8, 6)], call.outvars
+  outside = {e.primitive.name for e in jax.make_jaxpr(run)(x, scale).eqns}
+  assert not outside & {"pad", "slice", "dynamic_slice"}, outside
+  h = rmsnorm_quantize.rmsnorm_reference(x, scale, eps=1e-5, dtype=jnp.bfloat16)
+  q, s = quantize_1d.quantize_1d_reference(h, jnp.float32(20.0))
+  for got, want in zip(run(x, scale), (h, q, s)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
 # ------------------------------------------------------------------------------ the weight on a mesh
