@@ -125,28 +125,34 @@ def precise_sqrt(a, *, interpret: bool):
   return out
 
 
-def _columns_below(ref, width: int):
-  """A mask (1, ..., C) of a block's columns below ``width`` (C the block's last axis)."""
-  *lead, cols = ref.shape
-  return jax.lax.broadcasted_iota(jnp.int32, (1,) * len(lead) + (cols,), len(lead)) < width
+def _below(ref, width, axis: int):
+  """A mask of a block's indices below ``width`` along ``axis``, broadcastable to the block."""
+  axis %= len(ref.shape)
+  shape = tuple(n if a == axis else 1 for a, n in enumerate(ref.shape))
+  return jax.lax.broadcasted_iota(jnp.int32, shape, axis) < width
 
 
-def load_columns(ref, width: int):
-  """A kernel's block with only its first ``width`` columns read, the rest zeros: a block wider than its
-  array's last axis (a power-of-two block over a row that is not) reads no memory past the row's end, and
-  the array needs no zero-padded copy. ``ref[...]`` when the block is ``width`` wide."""
-  if width >= ref.shape[-1]:
+def _whole(ref, width, axis: int) -> bool:
+  return isinstance(width, int) and width >= ref.shape[axis]
+
+
+def load_columns(ref, width, axis: int = -1):
+  """A kernel's block with only its first ``width`` indices along ``axis`` read, the rest zeros: a block that
+  runs past its array's end (a power-of-two block over an axis that is not, or the last of a grid's blocks
+  over it) reads no memory beyond, and the array needs no zero-padded copy. ``width``: a Python int, or
+  traced (the valid part of this program's block). ``ref[...]`` when the block is ``width`` wide."""
+  if _whole(ref, width, axis):
     return ref[...]
-  return _pltriton.load(ref, mask=_columns_below(ref, width), other=0)
+  return _pltriton.load(ref, mask=_below(ref, width, axis), other=0)
 
 
-def store_columns(ref, value, width: int):
-  """``ref[...] = value`` for the block's first ``width`` columns only (``load_columns``'s store): the
-  array's last axis ends there, so the kernel writes no padded columns that a slice would then drop."""
-  if width >= ref.shape[-1]:
+def store_columns(ref, value, width, axis: int = -1):
+  """``ref[...] = value`` for the block's first ``width`` indices along ``axis`` only (``load_columns``'s
+  store): the array ends there, so the kernel writes no padded columns that a slice would then drop."""
+  if _whole(ref, width, axis):
     ref[...] = value
   else:
-    _pltriton.store(ref, value, mask=_columns_below(ref, width))
+    _pltriton.store(ref, value, mask=_below(ref, width, axis))
 
 
 def multiple_of(x, m: int):

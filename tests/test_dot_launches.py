@@ -6,6 +6,8 @@ B200 step's launches, each checked where it shows:
   bitcast is never folded at compile time (XLA's constant folder gets 4-bit arrays wrong);
 - the tensor factor's four parts are one array (one pass per GEMM, not four);
 - every quantize kernel reads the tensor amax itself (no pass broadcasting its factors per row before it);
+- the kernels whose power-of-two blocks run past a row's end (rmsnorm_quantize's D, the 1D and 2D quantize's
+  last column block) mask it: no padded copy of x before them, no slice of their results after;
 - the fprop weight tiles are gathered along K before they are transposed on an FSDP mesh (no transposes around
   the gather, no GEMM over a shard of K with partial sums);
 - the value_and_grad of one nvfp4 dot compiled for a B200 with every kernel proved (slow; needs jax's CUDA
@@ -25,7 +27,7 @@ import pytest
 import fp4jax
 from configs import shrunken
 from fp4jax import _native_compat as nc
-from fp4jax import _platform, native, reference
+from fp4jax import _platform, native, random_bits, reference
 from fp4jax.kernels import quantize_1d, quantize_2d, quantize_rht_t, relu2_quantize, rmsnorm_quantize
 from fp4jax.numerics import e2m1
 from fp4jax.quantizers import Quantizer
@@ -177,21 +179,41 @@ def test_quantize_kernels_read_the_tensor_amax_itself():
     assert not [s for s in operands if len(s) == 2 and s[1] == 4], (name, operands)
 
 
-def test_rmsnorm_quantize_kernel_reads_and_writes_rows_of_d():
-  """D = 96, not a power of two: the kernel's blocks are 128 wide, but it reads x and the scale as they are and
-  writes h, the codes and the scales D wide (masked columns), so nothing pads x before it or slices its outputs
-  after (5120 -> 8192 on the 12B: two pads and three slices per call). Its results are the twin's, bit for bit."""
-  x = jax.random.normal(jax.random.key(3), (8, 96), jnp.float32).astype(jnp.bfloat16) * 3
+def _masked_cases():
+  """(name, kernel call, twin call, operand shapes the kernel reads, result shapes it writes): widths whose
+  power-of-two blocks run past the row's end (D = 96: a 128-wide block; K = 304: 19 blocks of 16 in blocks of 4)."""
+  key = jax.random.key(5)
+  x96 = (jax.random.normal(jax.random.key(3), (8, 96)) * 3).astype(jnp.bfloat16)
+  x304 = (jax.random.normal(jax.random.key(6), (48, 304)) * 3).astype(jnp.bfloat16)
   scale = 1 + 0.1 * jax.random.normal(jax.random.key(4), (96,))
-  run = lambda x, s: rmsnorm_quantize.rmsnorm_quantize(x, s, jnp.float32(20.0), eps=1e-5, interpret=True)
-  (call,) = _pallas_calls(run, x, scale)
-  assert [tuple(v.aval.shape) for v in call.invars][:2] == [(8, 96), (1, 96)], call.invars
-  assert [tuple(v.aval.shape) for v in call.outvars] == [(8, 96), (8, 48), (8, 6)], call.outvars
-  outside = {e.primitive.name for e in jax.make_jaxpr(run)(x, scale).eqns}
+  amax = jnp.float32(20.0)
+  keyed, drawn = random_bits.KeyedBits.of(key, x304.shape, -1), jax.random.bits(key, x304.shape, jnp.uint8)
+  h = rmsnorm_quantize.rmsnorm_reference(x96, scale, eps=1e-5, dtype=jnp.bfloat16)
+  return {
+      "rmsnorm_quantize": (lambda: rmsnorm_quantize.rmsnorm_quantize(x96, scale, amax, eps=1e-5, interpret=True),
+                           lambda: (h, *quantize_1d.quantize_1d_reference(h, amax)),
+                           [(8, 96), (1, 96)], [(8, 96), (8, 48), (8, 6)]),
+      "quantize_1d, keyed SR": (lambda: quantize_1d.quantize_1d(x304, amax, keyed, interpret=True),
+                                lambda: quantize_1d.quantize_1d_reference(x304, amax, drawn),
+                                [(48, 304)], [(48, 152), (48, 19)]),
+      "quantize_2d": (lambda: quantize_2d.quantize_2d(x304, amax, interpret=True),
+                      lambda: quantize_2d.quantize_2d_reference(x304, amax), [(48, 304)], [(48, 152), (3, 19)]),
+  }
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_quantize", "quantize_1d, keyed SR", "quantize_2d"])
+def test_kernels_read_and_write_rows_unpadded(name):
+  """The kernels' last column block is masked: they read x (and the norm's scale) as it is and write their
+  results at their own widths, so nothing pads x before them or slices their results after (the 12B's
+  rmsnorm_quantize pads D = 5120 to 8192: two pads and three slices per call; in_proj's 22,688 columns are
+  1,418 blocks of 16, cut into blocks of 16 blocks: a pad and two slices per quantize). The bits are the twin's."""
+  run, twin, reads, writes = _masked_cases()[name]
+  (call,) = _pallas_calls(run)
+  assert [tuple(v.aval.shape) for v in call.invars][:len(reads)] == reads, call.invars
+  assert [tuple(v.aval.shape) for v in call.outvars] == writes, call.outvars
+  outside = {e.primitive.name for e in jax.make_jaxpr(run)().eqns}
   assert not outside & {"pad", "slice", "dynamic_slice"}, outside
-  h = rmsnorm_quantize.rmsnorm_reference(x, scale, eps=1e-5, dtype=jnp.bfloat16)
-  q, s = quantize_1d.quantize_1d_reference(h, jnp.float32(20.0))
-  for got, want in zip(run(x, scale), (h, q, s)):
+  for got, want in zip(run(), twin()):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
