@@ -8,6 +8,7 @@ B200 step's launches, each checked where it shows:
 - every quantize kernel reads the tensor amax itself (no pass broadcasting its factors per row before it);
 - the kernels whose power-of-two blocks run past a row's end (rmsnorm_quantize's D, the 1D and 2D quantize's
   last column block) mask it: no padded copy of x before them, no slice of their results after;
+- the dgrad weight's and the wgrad x's tensor amaxes are saved as one array (one residual per layer, not two);
 - the fprop weight tiles are gathered along K before they are transposed on an FSDP mesh (no transposes around
   the gather, no GEMM over a shard of K with partial sums);
 - the value_and_grad of one nvfp4 dot compiled for a B200 with every kernel proved (slow; needs jax's CUDA
@@ -215,6 +216,29 @@ def test_kernels_read_and_write_rows_unpadded(name):
   assert not outside & {"pad", "slice", "dynamic_slice"}, outside
   for got, want in zip(run(), twin()):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+# ----------------------------------------------------------------------------------- the residuals
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_two_tensor_amaxes_are_saved_as_one_array(remat):
+  """What the backward pass keeps of one nvfp4 dot (plain, and under a remat policy that keeps the FP4 operands,
+  as the 12B's save_linear_fp4): the codes and scales, and the tensor amaxes of the dgrad weight and the wgrad x
+  as one float32 (2,) array, no float32 scalar. In a scanned model each saved array is a write per layer in the
+  forward loop and a read per layer in the backward one: two arrays were 4 launches per quantized linear.
+  Read back from the residuals they are each QTensor's own amax."""
+  x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (128, 96), jnp.bfloat16) * 0.1
+  f = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(2))
+  if remat:
+    f = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(fp4jax.FP4_OPERAND))
+  leaves = jax.tree.leaves(jax.eval_shape(lambda x, w: jax.vjp(f, x, w)[1], x, w))
+  floats = [tuple(l.shape) for l in leaves if l.dtype == jnp.float32]
+  assert floats == [(2,)], floats
+  res = sys.modules["fp4jax.dot"].residuals("nvfp4", x, w, jax.random.key(2))
+  roles = fp4jax.recipes.get("nvfp4").roles
+  assert float(res.w_dgrad.amax) == float(roles.fprop_w(w).amax)
+  assert float(res.x_wgrad.amax) == float(roles.wgrad_x.quantize_t(x).amax)
 
 
 # ------------------------------------------------------------------------------ the weight on a mesh
