@@ -2,8 +2,8 @@
 
 The kernels under ``fp4jax.kernels`` only use ``pl.BlockSpec``, ``pl.ds``, ``pl.program_id``, ref
 indexing and plain jnp/lax ops inside kernels; the rest (which GPU backend compiles a pallas_call,
-its compiler parameters, the exact division the Triton backend lacks, lowering a function for CUDA
-on a machine without a GPU) goes through here.
+its compiler parameters, the exact division the Triton backend lacks, a block's columns read and written
+under a mask, lowering a function for CUDA on a machine without a GPU) goes through here.
 
 Written against jax 0.10 (Triton selected by passing ``triton.CompilerParams``; without it jax
 picks Mosaic GPU on some versions).
@@ -123,6 +123,36 @@ def precise_sqrt(a, *, interpret: bool):
       "sqrt.rn.f32 $0, $1;", args=[a], constraints="=r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
   return out
+
+
+def _below(ref, width, axis: int):
+  """A mask of a block's indices below ``width`` along ``axis``, broadcastable to the block."""
+  axis %= len(ref.shape)
+  shape = tuple(n if a == axis else 1 for a, n in enumerate(ref.shape))
+  return jax.lax.broadcasted_iota(jnp.int32, shape, axis) < width
+
+
+def _whole(ref, width, axis: int) -> bool:
+  return isinstance(width, int) and width >= ref.shape[axis]
+
+
+def load_columns(ref, width, axis: int = -1):
+  """A kernel's block with only its first ``width`` indices along ``axis`` read, the rest zeros: a block that
+  runs past its array's end (a power-of-two block over an axis that is not, or the last of a grid's blocks
+  over it) reads no memory beyond, and the array needs no zero-padded copy. ``width``: a Python int, or
+  traced (the valid part of this program's block). ``ref[...]`` when the block is ``width`` wide."""
+  if _whole(ref, width, axis):
+    return ref[...]
+  return _pltriton.load(ref, mask=_below(ref, width, axis), other=0)
+
+
+def store_columns(ref, value, width, axis: int = -1):
+  """``ref[...] = value`` for the block's first ``width`` indices along ``axis`` only (``load_columns``'s
+  store): the array ends there, so the kernel writes no padded columns that a slice would then drop."""
+  if _whole(ref, width, axis):
+    ref[...] = value
+  else:
+    _pltriton.store(ref, value, mask=_below(ref, width, axis))
 
 
 def multiple_of(x, m: int):

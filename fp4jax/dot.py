@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax import api, derivatives, eager, gemm, prequantized
 from fp4jax.numerics import eden
@@ -74,25 +75,53 @@ def values(t):
 # The custom_vjp on aligned 2-D operands x_MxK, w_KxN, for any Roles
 # ---------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "w_dgrad", "x_wgrad", "groups"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("key", "w_saved", "x_saved", "groups", "amaxes"),
                    meta_fields=("x_dtype", "w_dtype"))
 @dataclasses.dataclass(frozen=True)
 class Residuals:
   """What the forward pass saves: the FP4 operands the backward pass reads, never x or w unquantized
-  unless a GEMM that needs them runs in bf16."""
+  unless a GEMM that needs them runs in bf16. ``save`` builds it; ``w_dgrad`` and ``x_wgrad`` read it."""
   key: Any        # None unless the backward pass draws random bits
-  w_dgrad: Any    # QTensor (K, N) along N (the weight tiles themselves when ``tiles_in_place``); or the
-                  # fprop QTensor (N, K) (tiles to transpose, or ŵ to re-quantize); or w (dgrad in bf16;
-                  # wᵀ when fprop is bf16 and dgrad re-quantizes)
-  x_wgrad: Any    # QTensor (K, M) along M; or the fprop QTensor x̂ (M, K) to re-quantize; or x
+  w_saved: Any    # ``w_dgrad`` as saved: its amax in ``amaxes`` where they are one array
+  x_saved: Any    # ``x_wgrad`` as saved, likewise
   x_dtype: Any
   w_dtype: Any
   groups: Any = None   # the layout's traced operand (fp4jax.grouped: the group sizes); None for one dot
+  amaxes: Any = None   # float32 (2,): the tensor amaxes of w_dgrad and x_wgrad, or None (each in its QTensor)
+
+  @classmethod
+  def save(cls, key, w_dgrad, x_wgrad, x_dtype, w_dtype, groups=None):
+    """The residuals, the two operands' tensor amaxes (where both are float32 scalars) in one array named as
+    the FP4 operands are (``api.FP4_OPERAND``): a scanned layer saves one amax array, not two, each of which
+    was a write per layer in the forward loop and a read per layer in the backward one (docs/PERF.md, "The
+    kernel count of the proved step")."""
+    scalar = lambda t: isinstance(t, QTensor) and t.amax is not None and jnp.shape(t.amax) == () and \
+        jnp.result_type(t.amax) == jnp.float32
+    if not (scalar(w_dgrad) and scalar(x_wgrad)):
+      return cls(key, w_dgrad, x_wgrad, x_dtype, w_dtype, groups)
+    amaxes = checkpoint_name(jnp.stack([w_dgrad.amax, x_wgrad.amax]), api.FP4_OPERAND)
+    return cls(key, _without_amax(w_dgrad), _without_amax(x_wgrad), x_dtype, w_dtype, groups, amaxes)
+
+  @property
+  def w_dgrad(self):
+    """QTensor (K, N) along N (the weight tiles themselves when ``tiles_in_place``); or the fprop QTensor
+    (N, K) (tiles to transpose, or ŵ to re-quantize); or w (dgrad in bf16; wᵀ when fprop is bf16 and dgrad
+    re-quantizes)."""
+    return self.w_saved if self.amaxes is None else dataclasses.replace(self.w_saved, amax=self.amaxes[0])
+
+  @property
+  def x_wgrad(self):
+    """QTensor (K, M) along M; or the fprop QTensor x̂ (M, K) to re-quantize; or x."""
+    return self.x_saved if self.amaxes is None else dataclasses.replace(self.x_saved, amax=self.amaxes[1])
 
   @property
   def nbytes(self) -> int:
-    leaves = jax.tree.leaves((self.w_dgrad, self.x_wgrad))
+    leaves = jax.tree.leaves((self.w_saved, self.x_saved, self.amaxes))
     return sum(int(a.size) * a.dtype.itemsize for a in leaves)
+
+
+def _without_amax(q: QTensor) -> QTensor:
+  return dataclasses.replace(q, amax=None)
 
 
 def gemm_keys(key, rht_size):
@@ -249,7 +278,7 @@ def _qdot_fwd(roles, precision, out_dtype, layout, x_MxK, w_KxN, key, groups, pr
       x_wgrad = x_MxK if q_x is None else q_x
     else:
       x_wgrad = ops.tokens(roles.wgrad_x, x_MxK, amax=amax_xt)                       # (K, M) along M
-  res = Residuals(key if roles.needs_key else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype, groups)
+  res = Residuals.save(key if roles.needs_key else None, w_dgrad, x_wgrad, x_MxK.dtype, w_KxN.dtype, groups)
   return y_MxN, res
 
 

@@ -6,6 +6,9 @@ B200 step's launches, each checked where it shows:
   bitcast is never folded at compile time (XLA's constant folder gets 4-bit arrays wrong);
 - the tensor factor's four parts are one array (one pass per GEMM, not four);
 - every quantize kernel reads the tensor amax itself (no pass broadcasting its factors per row before it);
+- the kernels whose power-of-two blocks run past a row's end (rmsnorm_quantize's D, the 1D and 2D quantize's
+  last column block) mask it: no padded copy of x before them, no slice of their results after;
+- the dgrad weight's and the wgrad x's tensor amaxes are saved as one array (one residual per layer, not two);
 - the fprop weight tiles are gathered along K before they are transposed on an FSDP mesh (no transposes around
   the gather, no GEMM over a shard of K with partial sums);
 - the value_and_grad of one nvfp4 dot compiled for a B200 with every kernel proved (slow; needs jax's CUDA
@@ -25,7 +28,7 @@ import pytest
 import fp4jax
 from configs import shrunken
 from fp4jax import _native_compat as nc
-from fp4jax import _platform, native, reference
+from fp4jax import _platform, native, random_bits, reference
 from fp4jax.kernels import quantize_1d, quantize_2d, quantize_rht_t, relu2_quantize, rmsnorm_quantize
 from fp4jax.numerics import e2m1
 from fp4jax.quantizers import Quantizer
@@ -135,13 +138,13 @@ def test_tensor_factor_parts_are_one_array():
 
 # ----------------------------------------------------------------------------- the quantize kernels
 
-def _pallas_operands(fn, *args):
-  """The operand shapes of every pallas_call in the jaxpr of ``fn(*args)``."""
+def _pallas_calls(fn, *args):
+  """Every pallas_call equation in the jaxpr of ``fn(*args)``, nested jaxprs included."""
   eqns, out = list(jax.make_jaxpr(fn)(*args).eqns), []
   while eqns:
     e = eqns.pop()
     if e.primitive.name == "pallas_call":
-      out.append([tuple(v.aval.shape) for v in e.invars])
+      out.append(e)
     for p in e.params.values():
       for sub in (p if isinstance(p, (list, tuple)) else [p]):
         inner = getattr(sub, "jaxpr", None)
@@ -149,6 +152,11 @@ def _pallas_operands(fn, *args):
         if inner is not None and hasattr(inner, "eqns"):
           eqns.extend(inner.eqns)
   return out
+
+
+def _pallas_operands(fn, *args):
+  """The operand shapes of every pallas_call in the jaxpr of ``fn(*args)``."""
+  return [[tuple(v.aval.shape) for v in e.invars] for e in _pallas_calls(fn, *args)]
 
 
 def test_quantize_kernels_read_the_tensor_amax_itself():
@@ -170,6 +178,67 @@ def test_quantize_kernels_read_the_tensor_amax_itself():
     (operands,) = _pallas_operands(fn, *args)
     assert ((64, 1) if "vmapped" in name else (1, 1)) in operands, (name, operands)
     assert not [s for s in operands if len(s) == 2 and s[1] == 4], (name, operands)
+
+
+def _masked_cases():
+  """(name, kernel call, twin call, operand shapes the kernel reads, result shapes it writes): widths whose
+  power-of-two blocks run past the row's end (D = 96: a 128-wide block; K = 304: 19 blocks of 16 in blocks of 4)."""
+  key = jax.random.key(5)
+  x96 = (jax.random.normal(jax.random.key(3), (8, 96)) * 3).astype(jnp.bfloat16)
+  x304 = (jax.random.normal(jax.random.key(6), (48, 304)) * 3).astype(jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(jax.random.key(4), (96,))
+  amax = jnp.float32(20.0)
+  keyed, drawn = random_bits.KeyedBits.of(key, x304.shape, -1), jax.random.bits(key, x304.shape, jnp.uint8)
+  h = rmsnorm_quantize.rmsnorm_reference(x96, scale, eps=1e-5, dtype=jnp.bfloat16)
+  return {
+      "rmsnorm_quantize": (lambda: rmsnorm_quantize.rmsnorm_quantize(x96, scale, amax, eps=1e-5, interpret=True),
+                           lambda: (h, *quantize_1d.quantize_1d_reference(h, amax)),
+                           [(8, 96), (1, 96)], [(8, 96), (8, 48), (8, 6)]),
+      "quantize_1d, keyed SR": (lambda: quantize_1d.quantize_1d(x304, amax, keyed, interpret=True),
+                                lambda: quantize_1d.quantize_1d_reference(x304, amax, drawn),
+                                [(48, 304)], [(48, 152), (48, 19)]),
+      "quantize_2d": (lambda: quantize_2d.quantize_2d(x304, amax, interpret=True),
+                      lambda: quantize_2d.quantize_2d_reference(x304, amax), [(48, 304)], [(48, 152), (3, 19)]),
+  }
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_quantize", "quantize_1d, keyed SR", "quantize_2d"])
+def test_kernels_read_and_write_rows_unpadded(name):
+  """The kernels' last column block is masked: they read x (and the norm's scale) as it is and write their
+  results at their own widths, so nothing pads x before them or slices their results after (the 12B's
+  rmsnorm_quantize pads D = 5120 to 8192: two pads and three slices per call; in_proj's 22,688 columns are
+  1,418 blocks of 16, cut into blocks of 16 blocks: a pad and two slices per quantize). The bits are the twin's."""
+  run, twin, reads, writes = _masked_cases()[name]
+  (call,) = _pallas_calls(run)
+  assert [tuple(v.aval.shape) for v in call.invars][:len(reads)] == reads, call.invars
+  assert [tuple(v.aval.shape) for v in call.outvars] == writes, call.outvars
+  outside = {e.primitive.name for e in jax.make_jaxpr(run)().eqns}
+  assert not outside & {"pad", "slice", "dynamic_slice"}, outside
+  for got, want in zip(run(), twin()):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+# ----------------------------------------------------------------------------------- the residuals
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_two_tensor_amaxes_are_saved_as_one_array(remat):
+  """What the backward pass keeps of one nvfp4 dot (plain, and under a remat policy that keeps the FP4 operands,
+  as the 12B's save_linear_fp4): the codes and scales, and the tensor amaxes of the dgrad weight and the wgrad x
+  as one float32 (2,) array, no float32 scalar. In a scanned model each saved array is a write per layer in the
+  forward loop and a read per layer in the backward one: two arrays were 4 launches per quantized linear.
+  Read back from the residuals they are each QTensor's own amax."""
+  x = jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (128, 96), jnp.bfloat16) * 0.1
+  f = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(2))
+  if remat:
+    f = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(fp4jax.FP4_OPERAND))
+  leaves = jax.tree.leaves(jax.eval_shape(lambda x, w: jax.vjp(f, x, w)[1], x, w))
+  floats = [tuple(l.shape) for l in leaves if l.dtype == jnp.float32]
+  assert floats == [(2,)], floats
+  res = sys.modules["fp4jax.dot"].residuals("nvfp4", x, w, jax.random.key(2))
+  roles = fp4jax.recipes.get("nvfp4").roles
+  assert float(res.w_dgrad.amax) == float(roles.fprop_w(w).amax)
+  assert float(res.x_wgrad.amax) == float(roles.wgrad_x.quantize_t(x).amax)
 
 
 # ------------------------------------------------------------------------------ the weight on a mesh

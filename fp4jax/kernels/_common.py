@@ -278,15 +278,17 @@ def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
   return random_bits.hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo) & jnp.uint32(0xFF)
 
 
-def tile_bits(mode, refs):
+def tile_bits(mode, refs, width=None):
   """The rounding bits of a (R, K) tile: None, the loaded tile (``mode`` "bits": refs = (bits_ref,)), or
   hashed from refs = (rows_ref (R, 4), cols_ref (K, 2)) (``mode`` "key"), or (rows_ref (R, 4), cols_ref
   (K/8, 2)) (``mode`` "packed": one hash per 8 columns, its 8 bytes spread over them). Ref reads, not register
-  slices (Triton has no slice)."""
+  slices (Triton has no slice). ``width``: the tile's columns inside the array (``plc.load_columns``), None for
+  all: the loaded bits of the columns past it are zeros (never stored; KeyedBits' cols are padded whole,
+  ``bits_operands``)."""
   if mode is None:
     return None
   if mode == "bits":
-    return refs[0][...]
+    return refs[0][...] if width is None else plc.load_columns(refs[0], width)
   rows_ref, cols_ref = refs
   row = lambda i: rows_ref[:, i][:, None]
   args = (row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
@@ -311,16 +313,18 @@ def packed_cols(bits):
 
 
 def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_block: int, col_block: int,
-                  index):
+                  index, masked: bool = False):
   """(operands, BlockSpecs) of the rounding bits of an x viewed as (rows, cols) in (row_block, col_block)
   blocks on the grid position ``index(i, j) -> (row block, col block)``, zero-padded to (row_pad, col_pad):
   nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2) (packed: (cols / 8, 2);
-  col_block and col_pad are multiples of 8 there)."""
+  col_block and col_pad are multiples of 8 there). ``masked``: the kernel masks its last column block
+  (``tile_bits``' width), so the uint8 bits keep their cols; KeyedBits' cols are padded still (the counters'
+  own fusion writes them, a few bytes per column)."""
   mode = sr_mode(bits)
   if mode is None:
     return [], []
   if mode == "bits":
-    b = pad_axis(pad_axis(bits.reshape(rows, cols), 0, row_pad), 1, col_pad)
+    b = pad_axis(pad_axis(bits.reshape(rows, cols), 0, row_pad), 1, cols if masked else col_pad)
     return [b], [plc.BlockSpec((row_block, col_block), index)]
   g = random_bits.GROUP if mode == "packed" else 1
   r = pad_axis(bits.rows.reshape(rows, 4), 0, row_pad)
@@ -363,6 +367,16 @@ def fit_dot(dim: int, pref: int) -> tuple[int, int]:
     b = MIN_DOT
     padded = -(-dim // b) * b
   return b, padded
+
+
+def block_columns(ref, cols: int | None):
+  """The columns of this program's block that lie inside an array of ``cols`` columns, the grid's second
+  axis running over column blocks (traced: the last block's are fewer); the block's width for None (every
+  block whole)."""
+  width = ref.shape[-1]
+  if cols is None:
+    return width
+  return cols - plc.program_id(1) * width
 
 
 def pad_axis(x, axis: int, new_len: int):

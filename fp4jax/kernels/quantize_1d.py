@@ -41,11 +41,15 @@ class Quantize1dTiles:
 DEFAULT_TILES = Quantize1dTiles()
 
 
-def _quantize_1d_kernel(x_ref, a_ref, *refs, fmt, scale_rule, sr, interpret):
+def _quantize_1d_kernel(x_ref, a_ref, *refs, fmt, scale_rule, sr, k, interpret):
   *bits_refs, q_ref, s_ref = refs
-  bits = C.tile_bits(sr, bits_refs)
-  q_ref[...], s_ref[...] = encode_rows(x_ref[...].astype(jnp.float32), a_ref[...], bits, fmt=fmt,
-                                       scale_rule=scale_rule, interpret=interpret)
+  b = formats.BLOCK[fmt]
+  width = C.block_columns(x_ref, k)
+  bits = C.tile_bits(sr, bits_refs, None if k is None else width)
+  q, s = encode_rows(plc.load_columns(x_ref, width).astype(jnp.float32), a_ref[...], bits, fmt=fmt,
+                     scale_rule=scale_rule, interpret=interpret)
+  plc.store_columns(q_ref, q, width // 2)
+  plc.store_columns(s_ref, s, width // b)
 
 
 def encode_rows(x_RxK, amax_Ax1, bits_RxK, *, fmt, scale_rule, interpret):
@@ -72,7 +76,8 @@ def encode_rows(x_RxK, amax_Ax1, bits_RxK, *, fmt, scale_rule, interpret):
 
 
 def _quantize_1d_call(x_RxK, amax, lead, bits, *, fmt, scale_rule, tiles, interpret):
-  """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles.
+  """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles, the
+  blocks past K masked (``plc.load_columns``: no padded copy of x, no slice of the results).
   ``amax``: of shape lead[:n] (``lead``: x's leading axes); ``bits``: None, uint8 (R, K), or
   ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
   r, k = x_RxK.shape
@@ -82,21 +87,20 @@ def _quantize_1d_call(x_RxK, amax, lead, bits, *, fmt, scale_rule, tiles, interp
   bn, nbp = C.fit(nb, tiles.blocks)
   index = lambda i, j: (i, j)
   amax_Ax1 = C.amax_operand(amax if fmt == "nvfp4" else 0.0, lead, rp)
-  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, rp), 1, nbp * b), amax_Ax1]
+  ops = [C.pad_axis(x_RxK, 0, rp), amax_Ax1]   # K not padded: the last column block is masked
   in_specs = [plc.BlockSpec((br, bn * b), index), C.amax_spec(amax_Ax1, br, lambda i, j: i)]
-  bits_ops, bits_specs = C.bits_operands(bits, r, k, rp, nbp * b, br, bn * b, index)
+  bits_ops, bits_specs = C.bits_operands(bits, r, k, rp, nbp * b, br, bn * b, index, masked=True)
   kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule, sr=C.sr_mode(bits),
-                             interpret=interpret)
+                             k=None if nbp == nb else k, interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((rp, nbp * b // 2), jnp.uint8),
-                 jax.ShapeDtypeStruct((rp, nbp), jnp.uint8)),
+      out_shape=(jax.ShapeDtypeStruct((rp, k // 2), jnp.uint8), jax.ShapeDtypeStruct((rp, nb), jnp.uint8)),
       grid=(rp // br, nbp // bn), in_specs=in_specs + bits_specs,
       out_specs=(plc.BlockSpec((br, bn * b // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((br, bn), lambda i, j: (i, j))),
       interpret=interpret, name=f"fp4jax_quantize_{fmt}_1x{b}" + C.int_ops_suffix(C.sr_mode(bits), rp * nbp * b),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
-  return q[:r, :k // 2], s[:r, :nb]
+  return q[:r], s[:r]
 
 
 def quantize_1d(x, amax, bits=None, *, fmt="nvfp4", scale_rule="rceil", tiles=DEFAULT_TILES,

@@ -36,25 +36,26 @@ class Quantize2dTiles:
 DEFAULT_TILES = Quantize2dTiles()
 
 
-def _quantize_2d_kernel(x_ref, a_ref, *refs, sr, interpret):
+def _quantize_2d_kernel(x_ref, a_ref, *refs, sr, k, interpret):
   *bits_refs, q_ref, s_ref = refs
-  x_RxK = x_ref[...].astype(jnp.float32)
-  r, k = x_RxK.shape
-  g, nb = r // TILE, k // TILE
+  width = C.block_columns(x_ref, k)
+  x_RxK = plc.load_columns(x_ref, width).astype(jnp.float32)
+  r, k_block = x_RxK.shape
+  g, nb = r // TILE, k_block // TILE
   s_enc6_Gx1, s_dec_Gx1, p_Gx1 = C.nvfp4_tensor_params(a_ref[...], interpret=interpret)   # (1, 1) or per tile row
   x_Gx16xNx16 = x_RxK.reshape(g, TILE, nb, TILE) * p_Gx1[:, :, None, None]   # p (2^64 or 1)
   amax_GxN = abs_max(abs_max(x_Gx16xNx16, axis=3), axis=1)
   byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
   scaled = C.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
-  bits = C.tile_bits(sr, bits_refs)
+  bits = C.tile_bits(sr, bits_refs, None if k is None else width)
   bits = None if bits is None else bits.reshape(g, TILE, nb, TILE)
   codes = C.encode(scaled, bits)
-  q_ref[...] = C.pack_pairs(codes.reshape(r, k // 2, 2))
-  s_ref[...] = byte_GxN.astype(jnp.uint8)
+  plc.store_columns(q_ref, C.pack_pairs(codes.reshape(r, k_block // 2, 2)), width // 2)
+  plc.store_columns(s_ref, byte_GxN.astype(jnp.uint8), width // TILE)
 
 
 def _quantize_2d_call(x_RxK, amax, tile_rows, bits, *, tiles, interpret):
-  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8. ``amax``: of shape tile_rows[:n]
+  """Packed codes (R, K/2) and tile scale bytes (R/16, K/16), uint8, the tile columns past K masked. ``amax``: of shape tile_rows[:n]
   (``tile_rows``: x's leading axes with R/16 tile rows last); ``bits``: None, uint8 (R, K), or
   ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
   r, k = x_RxK.shape
@@ -64,21 +65,22 @@ def _quantize_2d_call(x_RxK, amax, tile_rows, bits, *, tiles, interpret):
   index = lambda i, j: (i, j)
   spec = plc.BlockSpec((bg * TILE, bn * TILE), index)
   amax_Ax1 = C.amax_operand(amax, tile_rows, gp)
-  ops = [C.pad_axis(C.pad_axis(x_RxK, 0, gp * TILE), 1, nbp * TILE), amax_Ax1]
+  ops = [C.pad_axis(x_RxK, 0, gp * TILE), amax_Ax1]   # K not padded: the last column block is masked
   in_specs = [spec, C.amax_spec(amax_Ax1, bg, lambda i, j: i)]
-  bits_ops, bits_specs = C.bits_operands(bits, r, k, gp * TILE, nbp * TILE, bg * TILE, bn * TILE, index)
-  kernel = functools.partial(_quantize_2d_kernel, sr=C.sr_mode(bits), interpret=interpret)
+  bits_ops, bits_specs = C.bits_operands(bits, r, k, gp * TILE, nbp * TILE, bg * TILE, bn * TILE, index,
+                                         masked=True)
+  kernel = functools.partial(_quantize_2d_kernel, sr=C.sr_mode(bits), k=None if nbp == nb else k,
+                             interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((gp * TILE, nbp * TILE // 2), jnp.uint8),
-                 jax.ShapeDtypeStruct((gp, nbp), jnp.uint8)),
+      out_shape=(jax.ShapeDtypeStruct((gp * TILE, k // 2), jnp.uint8), jax.ShapeDtypeStruct((gp, nb), jnp.uint8)),
       grid=(gp // bg, nbp // bn), in_specs=in_specs + bits_specs,
       out_specs=(plc.BlockSpec((bg * TILE, bn * TILE // 2), lambda i, j: (i, j)),
                  plc.BlockSpec((bg, bn), lambda i, j: (i, j))),
       interpret=interpret,
       name="fp4jax_quantize_nvfp4_16x16" + C.int_ops_suffix(C.sr_mode(bits), gp * nbp * TILE * TILE),
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(*ops, *bits_ops)
-  return q[:r, :k // 2], s[:g, :nb]
+  return q[:r], s[:g]
 
 
 def quantize_2d(x, amax, bits=None, *, tiles=DEFAULT_TILES, interpret=False):

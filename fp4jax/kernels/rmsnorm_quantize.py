@@ -4,10 +4,12 @@ are made in the pass that makes its input.
 Axis legend: R rows (tokens), D the normalized (and quantized) axis, P = D padded to a power of two,
 NB = D/B blocks of B elements (B = 16 nvfp4, 32 mxfp4).
 
-Each program loads (rows, P) of x and the (1, P) scale, and in registers:
+Each program loads (rows, P) of x and the (1, P) scale, the P - D columns past the row's end as zeros
+under a mask (``_pallas_compat.load_columns``: no padded copy of x before the kernel), and in registers:
   h = bf16( (x · r) · scale ),   r = 1 / sqrt( ss / D + eps ),   ss = Σ x²  (``rms_inverse``)
 then stores h and quantizes the same registers with the 1D quantize kernel's body
-(``quantize_1d.encode_rows``): codes (rows, P/2) and scale bytes (rows, P/B).
+(``quantize_1d.encode_rows``): codes and scale bytes, each stored for the row's D columns only (h (R, D),
+codes (R, D/2), scales (R, D/B): no slice after the kernel).
 NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in from a
 read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a max is exact in any order),
 and each program derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
@@ -77,14 +79,15 @@ def _halve_in_kernel(s):
 
 
 def _rmsnorm_quantize_kernel(x_ref, w_ref, a_ref, h_ref, q_ref, s_ref, *, d, eps, fmt, scale_rule, interpret):
-  x_RxP = x_ref[...].astype(jnp.float32)
+  x_RxP = plc.load_columns(x_ref, d).astype(jnp.float32)
   div = functools.partial(plc.precise_div, interpret=interpret)
   sqrt = functools.partial(plc.precise_sqrt, interpret=interpret)
   r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_halve_in_kernel, div=div, sqrt=sqrt)
-  h_RxP = ((x_RxP * r_Rx1) * w_ref[...].astype(jnp.float32)).astype(jnp.bfloat16)
-  h_ref[...] = h_RxP
-  q_ref[...], s_ref[...] = encode_rows(bf16_value(h_RxP), a_ref[...], None, fmt=fmt, scale_rule=scale_rule,
-                                       interpret=interpret)
+  h_RxP = ((x_RxP * r_Rx1) * plc.load_columns(w_ref, d).astype(jnp.float32)).astype(jnp.bfloat16)
+  plc.store_columns(h_ref, h_RxP, d)
+  q, s = encode_rows(bf16_value(h_RxP), a_ref[...], None, fmt=fmt, scale_rule=scale_rule, interpret=interpret)
+  plc.store_columns(q_ref, q, d // 2)
+  plc.store_columns(s_ref, s, d // formats.BLOCK[fmt])
 
 
 def bf16_value(h):
@@ -119,8 +122,8 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
                              interpret=interpret)
   h, q, s = plc.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((rp, p), jnp.bfloat16), jax.ShapeDtypeStruct((rp, p // 2), jnp.uint8),
-                 jax.ShapeDtypeStruct((rp, p // b), jnp.uint8)),
+      out_shape=(jax.ShapeDtypeStruct((rp, d), jnp.bfloat16), jax.ShapeDtypeStruct((rp, d // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct((rp, d // b), jnp.uint8)),
       grid=(rp // br,),
       in_specs=[plc.BlockSpec((br, p), lambda i: (i, 0)), plc.BlockSpec((1, p), lambda i: (0, 0)),
                 C.amax_spec(amax_1x1, 1, None)],
@@ -128,9 +131,8 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
                  plc.BlockSpec((br, p // b), lambda i: (i, 0))),
       interpret=interpret, name=f"fp4jax_rmsnorm_quantize_{fmt}_1x{b}",
       num_warps=tiles.num_warps, num_stages=tiles.num_stages)(
-          C.pad_axis(C.pad_axis(x_RxD, 0, rp), 1, p), C.pad_axis(scale.reshape(1, d), 1, p), amax_1x1)
-  return (h[:r, :d].reshape(*lead, d), q[:r, :d // 2].reshape(*lead, d // 2),
-          s[:r, :d // b].reshape(*lead, d // b))
+          C.pad_axis(x_RxD, 0, rp), scale.reshape(1, d), amax_1x1)   # blocks (br, P) over rows of D: masked
+  return h[:r].reshape(*lead, d), q[:r].reshape(*lead, d // 2), s[:r].reshape(*lead, d // b)
 
 
 def _halve(s):
