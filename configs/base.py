@@ -194,3 +194,24 @@ def get_config() -> config_dict.ConfigDict:
   # as "h200": {option: value}}; empty: XLA's defaults.
   c.xla_options = config_dict.ConfigDict()
   return c
+
+
+# Sections whose fields are checked elsewhere or are not fp4jax's: the model's by training.config's
+# resolve_model_config (against models.ModelConfig), XLA's options by name for XLA.
+_OPEN_SECTIONS = ("model", "xla_options")
+
+
+def unknown_fields(config, sections: tuple[str, ...] = ()) -> list[str]:
+  """The dotted names of ``config``'s fields that the base config lacks, sorted: a misspelt or retired name that
+  nothing reads, which would otherwise be ignored. Not looked into: the model's fields and XLA's options
+  (``_OPEN_SECTIONS``) and the extra sections a tool names (``sections``, e.g. a study's ``study``)."""
+  def extra(given, known, prefix):
+    out = []
+    for key, value in given.items():
+      if key not in known:
+        out.append(prefix + key)
+      elif isinstance(value, config_dict.ConfigDict) and isinstance(known[key], config_dict.ConfigDict):
+        out += extra(value, known[key], f"{prefix}{key}.")
+    return out
+  skip = set(_OPEN_SECTIONS) | set(sections)
+  return sorted(extra({k: v for k, v in config.items() if k not in skip}, get_config(), ""))

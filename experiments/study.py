@@ -45,6 +45,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import training
+from configs import base as base_config
 from experiments.study_config import run_config, study_variants
 from experiments.study_records import RESULT_FILE, cpu_name, keep_records, records_dir, run_dir
 from experiments.study_render import plot_balance, plot_gaps, render_markdown
@@ -195,6 +196,11 @@ def enable_compilation_cache(directory: str) -> None:
 def command(config, workdir: str | None, runs_dir: str | None, summarize_only: bool, run, render) -> int:
   """A study's command line after its flags: ``run(config, out_dir, runs_dir=, train=)`` into ``workdir``
   (default results/<config.name>) with the compilation cache beside the runs, then ``render(summary)``."""
+  unknown = base_config.unknown_fields(config, ("study",))
+  if unknown:
+    print(f"error: the study's config sets {len(unknown)} field(s) that fp4jax's config does not have: "
+          f"{', '.join('config.' + f for f in unknown)}; nothing would read them", file=sys.stderr)
+    return 2
   out = workdir or os.path.join("results", config.name)
   runs = runs_dir or config.study.runs_dir
   if config.study.get("compilation_cache", True):

@@ -118,6 +118,14 @@ def test_a_finished_run_of_another_config_stops_the_study(tmp_path, monkeypatch,
   assert capsys.readouterr().err.startswith("error: the finished run in ")
 
 
+def test_a_study_config_field_the_config_lacks_is_refused(tmp_path, capsys):
+  c = micro_study_config()
+  c.study.compilation_cache = False
+  c.optim.warmup = 5
+  assert study.command(c, str(tmp_path / "out"), str(tmp_path / "runs"), False, study.run_study, str) == 2
+  assert "config.optim.warmup" in capsys.readouterr().err and not os.path.exists(tmp_path / "out")
+
+
 def test_sqnr_of_gaussian_data_orders_the_formats():
   import numpy as np
   from experiments import numerics_study as ns

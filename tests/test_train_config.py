@@ -123,6 +123,32 @@ def test_unknown_field_is_one_clear_line():
   assert "Traceback" not in result.stderr
 
 
+def test_a_config_file_field_the_config_lacks_is_refused(tmp_path):
+  """A config file that sets a field fp4jax's config does not have (a misspelling, a field of another version) is
+  refused before anything runs, naming each such field: before, nothing read it and the run went on without it."""
+  path = tmp_path / "mine.py"
+  path.write_text("from configs import tiny\n\n\ndef get_config():\n  c = tiny.get_config()\n"
+                  "  c.mesh.fsdp_gathr = 'per_step'\n  c.warmup = 5\n  return c\n")
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--config={path}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "sets 2 field(s) that fp4jax's config does not have: config.mesh.fsdp_gathr, config.warmup" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_the_config_files_set_only_the_base_configs_fields():
+  from configs import base   # pylint: disable=import-outside-toplevel
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    name = os.path.basename(path)[:-3]
+    module = __import__(f"configs.{name}", fromlist=["get_config"])
+    if hasattr(module, "get_config"):
+      assert base.unknown_fields(module.get_config(), ("study",)) == [], name
+  c = shrunken.shrunken_config()
+  c.report.nested = {"field": 1}
+  c.model.anything = 1   # the model's own check refuses it (resolve_model_config)
+  assert base.unknown_fields(c) == ["report.nested"]
+
+
 def test_rules_table_covers_every_model_axis_name():
   rules = dict(sharding.LOGICAL_RULES)
   assert set(models.LOGICAL_AXIS_NAMES) <= set(rules), set(models.LOGICAL_AXIS_NAMES) - set(rules)

@@ -250,6 +250,13 @@ def _load_config():
   if not is_training_config:
     sys.exit(_fail(f"the config file {path!r} did not return a training config from get_config(); start from "
                    "configs/base.py", EXIT_USAGE))
+  from configs import base   # pylint: disable=import-outside-toplevel  (configs/ is on the path from here on)
+  unknown = base.unknown_fields(config)
+  if unknown:
+    sys.exit(_fail(f"the config file {path!r} sets {len(unknown)} field(s) that fp4jax's config does not have: "
+                   f"{', '.join('config.' + f for f in unknown)} (misspelt, or from another version?); nothing "
+                   "would read them. List the fields with `python -c \"from configs import base; "
+                   "print(base.get_config())\"`", EXIT_USAGE))
   return config
 
 
