@@ -28,6 +28,7 @@ S sorted and padded rows, F expert width, Q latent width (D without the latent p
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -152,24 +153,28 @@ class RoutedExperts(nn.Module):
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("kernel", "key"),
-                   meta_fields=("recipe", "dtype", "observe"))
+                   meta_fields=("recipe", "dtype", "observe", "scope"))
 @dataclasses.dataclass(frozen=True)
 class ExpertGemm:
   """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype (or a ``fp4jax.grouped.QuantizedExperts``
   of it: the kernel with its fprop codes), its recipe, and its key (one
   key, or (E,) keys: fold_in(key, e), which expert parallelism splits with the kernel), or None.
-  ``observe(x_SxK)``, where set, sees each input (the export's calibration reads its amax)."""
+  ``observe(x_SxK)``, where set, sees each input (the export's calibration reads its amax). ``scope``: the
+  layer's name (``experts/up``), a named scope around the GEMM, so that its ops are named by their layer
+  wherever ``mlp`` runs them (the module that made the operands has returned by then); metadata only."""
   kernel: jax.Array
   key: Any
   recipe: Any
   dtype: Any
   observe: Any = None
+  scope: str = ""
 
   def __call__(self, x_SxK, sizes_E):
     if self.observe is not None:
       self.observe(x_SxK)
-    return grouped.grouped_dot(x_SxK.astype(self.dtype), self.kernel, sizes_E, recipe=self.recipe, key=self.key,
-                               preferred_element_type=self.dtype)
+    with jax.named_scope(self.scope) if self.scope else contextlib.nullcontext():
+      return grouped.grouped_dot(x_SxK.astype(self.dtype), self.kernel, sizes_E, recipe=self.recipe, key=self.key,
+                                 preferred_element_type=self.dtype)
 
   def per_expert_keys(self):
     """The same GEMM with its key as (E,) keys fold_in(key, e) (what grouped_dot derives from one key)."""
@@ -214,7 +219,7 @@ class ExpertLinear(nn.Module):
       kernel = grouped.quantize_experts(kernel, recipe=recipe)
       kernel = dataclasses.replace(kernel, q=jax.tree.map(
           lambda a: axes_lib.as_param(a, self.axes[:1] + (None,) * (a.ndim - 1)), kernel.q))
-    return ExpertGemm(kernel, key, recipe, cfg.dtype)
+    return ExpertGemm(kernel, key, recipe, cfg.dtype, scope="/".join(self.path[-2:]))   # experts/up, experts/down
 
 
 def expert_recipe(config: ModelConfig, recipe, path):

@@ -174,7 +174,7 @@ cost = hlo_cost.analyze(res["text"], peaks.peaks("b200"))
 out = collections.defaultdict(lambda: collections.defaultdict(int))
 for o in cost["ops"]:
   if o["kind"] == "gemm":
-    m = re.search(LAYER, o["op_name"])
+    m = re.search(LAYER, re.sub(r"/models/\w+", "", o["op_name"]))   # the parts' scopes (models.scopes) are no layer
     passes = re.findall(r"\b(fprop|dgrad|wgrad)\b", o["op_name"])
     out[m.group(1) if m else "other"][o["dtype"] + (f" {passes[-1] if passes else '?'}" if PASSES else "")] += o["count"]
 print(json.dumps(dict(gemms=out, predicted_ms=cost["seconds"] * 1e3)))
@@ -183,8 +183,8 @@ print(json.dumps(dict(gemms=out, predicted_ms=cost["seconds"] * 1e3)))
 
 def _step(config: str, layer: str, passes: bool, timeout: int) -> dict:
   """The deviceless B200 train-step program of configs/<config>.py, compiled in a subprocess with the
-  target deciding every impl: its GEMMs per layer (``layer``: a regex whose group names it) and dtype
-  pair, and per pass when ``passes``."""
+  target deciding every impl: its GEMMs per layer (``layer``: a regex whose group names it, matched in the
+  op_name without the model parts' scopes ``models/<part>``) and dtype pair, and per pass when ``passes``."""
   code = (_STEP.replace("ROOT", repr(ROOT)).replace("CONFIG", config).replace("LAYER", repr(layer))
           .replace("PASSES", repr(passes)))
   return _run_report(code, timeout)
