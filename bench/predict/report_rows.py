@@ -95,8 +95,10 @@ ROWS = {r.name: r for r in (
         REGROUPED, reference=MEGATRON_SUPER_B200),
     # the same compiles as super_b200, priced as if the 64 GPUs shared one NVLink domain (no network)
     Row("super_b200_nvl", "nemotron3_super, 64 B200 in one NVLink domain (what-if)", "b200", 64, "gb200_nvl72",
-        "configs/nemotron3_super.py", REGROUPED, variants=("bf16", "mxfp8", "nvfp4")),
+        "configs/nemotron3_super.py", REGROUPED),
     Row("llama8b_b200", "Llama-3-8B shape, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
         ("--config.mesh.fsdp=8",) + LLAMA3_8B, variants=("bf16", "mxfp8", "nvfp4", "nvfp4_proved"),
         reference=TORCHTITAN_B200),
+    Row("llama8b_h200", "Llama-3-8B shape, 8 H200", "h200", 8, "hgx_h200", "configs/nemotron_h_12b.py",
+        ("--config.mesh.fsdp=8",) + LLAMA3_8B, variants=("bf16", "mxfp8", "nvfp4", "nvfp4_proved")),
 )}
