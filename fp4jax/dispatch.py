@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
-
 from fp4jax import _mosaic_compat as mc
 from fp4jax import _pallas_compat as plc
 from fp4jax import formats
@@ -169,8 +167,8 @@ def native_kernel(fmt: str, *, target: target_lib.Target | None = None) -> str:
   """Which GEMM impl="native" runs for ``fmt`` (``fp4jax.native.matmul``'s kernel): "mosaic" (fp4jax's
   tcgen05 kernel) on the program's devices (``target``) when FP4JAX_NATIVE_KERNEL=mosaic, or where they
   have compute capability 10.x, this jax has the block-scaled Mosaic GPU MMA, and this device proved it
-  exact and faster (without a device verdict: a VERIFIED_KERNELS entry), outside a multi-device mesh (the
-  kernel has no partitioning rule: XLA would gather its operands); else "cudnn". The native path takes
+  exact and faster (without a device verdict: a VERIFIED_KERNELS entry), on one device or a mesh (an fp4jax
+  op: each device runs it on its shards); else "cudnn". The native path takes
   the Mosaic kernel only for the pairs it computes (``native.mosaic_takes``), cuDNN's for the rest."""
   forced = os.environ.get(NATIVE_KERNEL_ENV, "").strip().lower()
   if forced not in ("", "mosaic", "cudnn"):
@@ -178,8 +176,6 @@ def native_kernel(fmt: str, *, target: target_lib.Target | None = None) -> str:
   if forced:
     return forced if fmt in MOSAIC_FORMATS else "cudnn"
   if fmt not in MOSAIC_FORMATS or not native_device(target=target) or not mc.has_block_scaled_mma():
-    return "cudnn"
-  if jax.sharding.get_abstract_mesh().size > 1:   # no partitioning rule yet: XLA would gather its operands
     return "cudnn"
   proved = _device_verdict(MOSAIC_GEMM, fmt, target)   # None: no verdict; False revokes a VERIFIED entry
   return "mosaic" if ((MOSAIC_GEMM, fmt) in VERIFIED_KERNELS if proved is None else proved) else "cudnn"

@@ -52,6 +52,7 @@ from fp4jax import _native_compat as nc
 from fp4jax import epilogue, formats, reference, tiles
 from fp4jax.kernels import mosaic_gemm
 from fp4jax.numerics import dbq, mxfp8
+from fp4jax.primitives import matmul as primitive_matmul
 from fp4jax.qtensor import QTensor, validate
 
 NVFP4_FORMATS = ("nvfp4", "nvfp4_eden", "nvfp4_dbq")   # E2M1 codes, E4M3 scales per 16
@@ -105,19 +106,12 @@ def check(a: QTensor, b: QTensor, *, ndim: int = 2, where: str = "fp4jax.native.
                      "with one tensor amax")
 
 
-def _block_scales(q: QTensor):
-  """q's scales per 1x16 block along K: a 16x16-tiled weight's scale repeated over the tile's 16 rows."""
-  if q.tile is None:
-    return q.scale
-  return jnp.repeat(q.scale, q.tile[0], axis=-2)
-
-
 def codes_operand(q: QTensor) -> Operand:
   """``operand`` with NVFP4's E2M1 codes still uint8 (0..15): what the grouped GEMM gathers and masks.
   MXFP8's elements are float8_e4m3fn already."""
   if q.fmt in MX_FORMATS:
     return Operand(q.data, q.scale)
-  return Operand(reference.codes_of(q), _block_scales(q))
+  return Operand(reference.codes_of(q), reference.block_scales(q))
 
 
 def as_native(op: Operand) -> Operand:
@@ -133,7 +127,7 @@ def operand(q: QTensor) -> Operand:
   bytes bitcast (``_native_compat.packed_float4``), no pass over them."""
   if q.fmt in MX_FORMATS:
     return codes_operand(q)
-  return Operand(nc.packed_float4(q.data), _block_scales(q))
+  return Operand(nc.packed_float4(q.data), reference.block_scales(q))
 
 
 def decode(op: Operand):
@@ -202,15 +196,15 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, kernel: str = "cudn
   float32 result as the XLA path applies it (``fp4jax.epilogue``).
 
   kernel: "cudnn" (``jax.nn.scaled_matmul``, then the epilogue as an XLA pass) or "mosaic" (fp4jax's
-  tcgen05 kernel with the epilogue and the cast inside, ``kernels.mosaic_gemm``) where ``mosaic_takes``
+  tcgen05 kernel with the epilogue and the cast inside, ``kernels.mosaic_gemm``, as the partitioned op
+  ``primitives.matmul.mosaic_matmul``: on a mesh each device runs it on its shards) where ``mosaic_takes``
   the pair, else cuDNN's. ``dispatch.native_kernel`` says which one impl=None runs."""
   if kernel not in NATIVE_KERNELS:
     raise ValueError(f"kernel={kernel!r}; one of {NATIVE_KERNELS}")
   check(a, b)
-  oa, ob = operand(a), operand(b)
   if kernel == "mosaic" and mosaic_takes(a, b, out_dtype):
-    return mosaic_gemm.mosaic_gemm(oa.values, oa.scales, ob.values, ob.scales, reference.tensor_factor_parts(a, b),
-                                   out_dtype=out_dtype)
+    return primitive_matmul.mosaic_matmul(a, b, out_dtype=out_dtype)
+  oa, ob = operand(a), operand(b)
   if a.fmt == "nvfp4_dbq":
     return _dbq(a, b, oa, ob).astype(out_dtype)
   return epilogue.apply(block_scaled_matmul(oa, ob), a, b).astype(out_dtype)

@@ -78,6 +78,14 @@ def codes_of(q: QTensor):
   return unpack_along(q.data, q.axis)
 
 
+def block_scales(q: QTensor):
+  """q's scales per 1x16 block along its last axis: a 16x16-tiled weight's scale repeated over the tile's 16
+  rows (the same product e2m1·s for every element); what a block-scaled GEMM reads."""
+  if q.tile is None:
+    return q.scale
+  return jnp.repeat(q.scale, q.tile[0], axis=-2)
+
+
 def _dequantize_last(q: QTensor):
   """float32 values of the formats quantized by ``fp4jax.quantizers`` (along the last axis), each in
   its own module's order: 4/6 (``bound`` 256), MS-EDEN, DBQ, MXFP8."""

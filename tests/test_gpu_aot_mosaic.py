@@ -6,7 +6,7 @@ tests/test_gpu_aot.py's, with ``MOSAIC_GPU_DUMP_TO`` set: the Mosaic kernel's co
 ptxas report and SASS (docs/KERNELS.md, "What a Mosaic GPU kernel shows without a GPU"). What only a device
 shows (the barriers, the scale and nibble layouts, the numbers, the speed) is tools.prove's
 "mosaic_gemm/nvfp4". The default run lowers the kernel in-process (tests/test_kernels_mosaic_gemm.py) and
-prices a hand-written custom call here; the compile (about 15 s) is slow-marked.
+prices a hand-written custom call here; the compiles (about 15 s, and 8 s on a mesh of 8) are slow-marked.
 """
 import json
 import os
@@ -49,6 +49,22 @@ def test_compiles_for_sm100_to_the_block_scaled_mma(tmp_path):
     assert art["sass_utcomma"] == art["ptx_block_scaled_mma"] and art["sass_ffma"] == 0
   # the epilogue inside: no float32 (M, N) leaves the kernel, so fewer passes than cuDNN's route
   assert mosaic["fusions"] < cudnn["fusions"] and mosaic["predicted_ms"] < cudnn["predicted_ms"]
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_on_a_mesh_each_device_runs_the_kernel_on_its_rows(tmp_path):
+  """x's rows sharded over 8 B200s: the Mosaic GEMM is a partitioned op, so each device's kernel is a GEMM of
+  M/8 rows (its name carries the shape), and no collective moves x or the result."""
+  out = tmp_path / "out.json"
+  env = _platform.deviceless_env()
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "mosaic_gemm_aot.py"), "--shape", "2048,1024,512",
+         "--devices", "8", "--json", str(out)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  mosaic = json.loads(out.read_text())["routes"]["mosaic"]
+  assert mosaic["mosaic_gemms"] == ["256x1024x512"] and mosaic["collectives"] == 0
 
 
 MOSAIC = """HloModule mosaic, entry_computation_layout={()->bf16[1024,512]}

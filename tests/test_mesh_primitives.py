@@ -12,6 +12,8 @@
    128-row chunks, starts from a carry that varies over the manual axes its chunks vary over
    (``fp4jax._native_compat.vary_like``), and each device's experts equal the unsharded result.
 4. A kernel that does not lower for a layout runs as its XLA twin, with a warning (``fp4jax.primitives.pair``).
+5. fp4jax.dot on the native path with fp4jax's Mosaic GEMM (its twin on the CPU), row-sharded x: the three GEMMs
+   are the partitioned op, forward and gradients equal the unsharded results.
 """
 import json
 import os
@@ -78,6 +80,16 @@ def experts(x, w, k):
 put = lambda a: jax.device_put(a, NamedSharding(e, P("e")))
 sharded = jax.jit(jax.shard_map(experts, mesh=e, in_specs=P("e"), out_specs=P("e")))(put(xg), put(wg), put(keys))
 out["shard_map grouped_dot tetrajet2, forward and gradients"] = close(sharded, jax.jit(experts)(xg, wg, keys))
+# fp4jax's Mosaic GEMM (its twin on the CPU) as the native path's GEMM: a partitioned op, so row-sharded x stays
+# sharded through fprop, dgrad and wgrad (a K-sharded contraction: float32 partials summed across the shards).
+import os
+os.environ.update(FP4JAX_DEFAULT_IMPL="native", FP4JAX_NATIVE_KERNEL="mosaic")
+x = jax.random.normal(jax.random.key(8), (64, 64))
+w = jax.random.normal(jax.random.key(9), (64, 32))
+f = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3))
+g = jax.jit(lambda x, w: (f(x, w), jax.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)))
+out["dot nvfp4 on the Mosaic GEMM op, rows, forward and gradients"] = (
+    str(jax.make_jaxpr(g)(x, w)).count("impl=mosaic") == 4 and close(g(rows(x), w), g(x, w)))   # 2 fprops
 print("RESULT " + json.dumps(out))
 """
 
@@ -90,7 +102,7 @@ def test_sharded_one_block_axes_and_kernels_in_shard_map():
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 7
+  assert len(results) == 8
   assert all(results.values()), {k: v for k, v in results.items() if not v}
 
 

@@ -90,10 +90,11 @@ def _flags():
                     "compile; identical kernels compiled once); the others compile program by program.")
   flags.DEFINE_boolean("one_pass_rht_amax", False, "what-if: the RHT amax as one pass "
                        "(kernels.quantize_rht_t.rht_amax(one_pass=True)) where fp4jax.api takes it.")
-  flags.DEFINE_list("what_if_proved", [], "what-if: these kernel ops (of fp4jax.dispatch.KERNEL_OPS, "
-                    "or 'all') count as proved exact and faster on --target, as the on-device proof "
-                    "(tools.prove) would record them, so --impl auto picks them (on b200 beside the native "
-                    "GEMMs).")
+  flags.DEFINE_list("what_if_proved", [], "what-if: these kernel ops (of fp4jax.dispatch.KERNEL_OPS and "
+                    "mosaic_gemm, or 'all') count as proved exact and faster on --target, as the on-device "
+                    "proof (tools.prove) would record them, so --impl auto picks them (on b200 beside the "
+                    "native GEMMs; mosaic_gemm: fp4jax's GEMM instead of cuDNN's behind them, unless "
+                    "FP4JAX_NATIVE_KERNEL=cudnn).")
   flags.DEFINE_boolean("int_ops", True, INT_OPS_HELP)
   flags.DEFINE_string("cluster", "", "the cluster that prices the step's collectives (bench/predict/cluster.py: "
                       "hgx_h200, "
@@ -168,13 +169,14 @@ def assume_proved(ops: list[str]) -> None:
   that found them exact and faster would (the evidence says it is a what-if)."""
   from fp4jax import formats   # pylint: disable=import-outside-toplevel
   from fp4jax import dispatch   # pylint: disable=import-outside-toplevel
-  ops = list(dispatch.KERNEL_OPS) if ops == ["all"] else ops
-  unknown = sorted(set(ops) - set(dispatch.KERNEL_OPS))
+  known = {**{op: formats.KERNEL_FORMATS for op in dispatch.KERNEL_OPS}, dispatch.MOSAIC_GEMM: dispatch.MOSAIC_FORMATS}
+  ops = list(known) if ops == ["all"] else ops
+  unknown = sorted(set(ops) - set(known))
   if unknown:
-    raise ValueError(f"--what_if_proved: unknown kernel ops {unknown}; use some of {dispatch.KERNEL_OPS} or 'all'")
+    raise ValueError(f"--what_if_proved: unknown kernel ops {unknown}; use some of {list(known)} or 'all'")
   what_if = dispatch.Evidence(date="what-if", device="--what_if_proved", jax_version="", speedup=float("nan"))
   for op in ops:
-    for fmt in formats.KERNEL_FORMATS:
+    for fmt in known[op]:
       dispatch.VERIFIED_KERNELS[(op, fmt)] = what_if
 
 

@@ -2,7 +2,10 @@
 (x (M, K) 1x16 · w (N, K) 16x16 tiles, bf16 out) through ``fp4jax.native.matmul`` with each kernel.
 
   python bench/predict/mosaic_gemm_aot.py --shape 65536,20480,5120 --dump /tmp/mosaic_dump --json out.json
+  python bench/predict/mosaic_gemm_aot.py --shape 65536,20480,5120 --devices 8   # x's rows over 8 B200s
 
+With ``--devices N`` x's rows are sharded over N GPUs of one HGX node (w whole on each): each device runs the
+GEMM on its M/N rows, which the Mosaic kernel's name in the program shows (``mosaic_gemms``), with no collective.
 Per route: lowering and XLA compile seconds, the custom calls and fusions of the optimized HLO, the ruler's
 predicted ms (bench/predict/ruler.py on the B200 HGX node) and, for the Mosaic kernel, what its compile wrote
 (``MOSAIC_GPU_DUMP_TO``): the PTX and SASS sizes, ptxas's registers and spills, and whether the PTX holds
@@ -41,8 +44,8 @@ def _artifacts(dump: str) -> dict:
               sm=target.group(1) if target else None)
 
 
-def compile_routes(shape, dump: str | None) -> dict:
-  """Both routes compiled for one B200: {"mosaic": {...}, "cudnn": {...}}."""
+def compile_routes(shape, dump: str | None, devices: int = 1) -> dict:
+  """Both routes compiled for ``devices`` B200s (x's rows sharded over them): {"mosaic": {...}, "cudnn": {...}}."""
   from fp4jax import _platform   # pylint: disable=import-outside-toplevel
   _platform.enable_deviceless()
   if dump:
@@ -55,11 +58,11 @@ def compile_routes(shape, dump: str | None) -> dict:
   from fp4jax import native   # pylint: disable=import-outside-toplevel
   from fp4jax.qtensor import QTensor   # pylint: disable=import-outside-toplevel
   m, n, k = shape
-  dev = deviceless.gpu_devices("b200", 1)[0]
-  single = jax.sharding.SingleDeviceSharding(dev)
-  spec = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=single)
-  a = QTensor(spec((m, k // 2), jnp.uint8), spec((m, k // 16), jnp.float8_e4m3fn), spec((), jnp.float32),
-              "nvfp4", -1, 16, None, jnp.bfloat16)
+  from jax.sharding import NamedSharding, PartitionSpec as P   # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(deviceless.gpu_devices("b200", devices), ("rows",))
+  spec = lambda s, dt, *rows: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(mesh, P(*rows)))
+  a = QTensor(spec((m, k // 2), jnp.uint8, "rows"), spec((m, k // 16), jnp.float8_e4m3fn, "rows"),
+              spec((), jnp.float32), "nvfp4", -1, 16, None, jnp.bfloat16)
   b = QTensor(spec((n, k // 2), jnp.uint8), spec((n // 16, k // 16), jnp.float8_e4m3fn), spec((), jnp.float32),
               "nvfp4", -1, None, (16, 16), jnp.bfloat16)
   out = {}
@@ -75,6 +78,9 @@ def compile_routes(shape, dump: str | None) -> dict:
     calls = re.findall(r'custom_call_target="([^"]+)"', text)
     out[kernel] = dict(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), custom_calls=sorted(set(calls)),
                        mosaic_calls=calls.count(mc.MOSAIC_CUSTOM_CALL),
+                       mosaic_gemms=sorted(set(re.findall(r"fp4jax_mosaic_gemm_nvfp4_(\d+x\d+x\d+)", text))),
+                       collectives=len(re.findall(r"= \S+ (?:all-gather|all-reduce|reduce-scatter|all-to-all|"
+                                                  r"collective-permute)(?:-start)?\(", text)),
                        fusions=len(re.findall(r"= \S+ fusion\(", text)),
                        predicted_ms=round(p["step_s"] * 1e3, 3), gemm_ms=round(p["gemm_s"] * 1e3, 3),
                        kernels=p["compute_kernels"])
@@ -88,11 +94,13 @@ def main(argv=None) -> int:
   parser.add_argument("--shape", default="65536,20480,5120", help="M,N,K of the GEMM (x (M, K) · w (N, K)ᵀ)")
   parser.add_argument("--dump", default="", help="directory for the Mosaic kernel's PTX/SASS (empty: none)")
   parser.add_argument("--json", default="", help="write the result here")
+  parser.add_argument("--devices", type=int, default=1, help="B200s of one node, x's rows sharded over them")
   args = parser.parse_args(argv)
   shape = tuple(int(v) for v in args.shape.split(","))
   if len(shape) != 3:
     parser.error(f"--shape={args.shape!r}; give M,N,K")
-  result = dict(shape=list(shape), routes=compile_routes(shape, args.dump or None))
+  result = dict(shape=list(shape), devices=args.devices,
+                routes=compile_routes(shape, args.dump or None, args.devices))
   text = json.dumps(result, indent=1)
   print(text)
   if args.json:

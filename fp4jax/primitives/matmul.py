@@ -3,8 +3,9 @@ along K (1D blocks, or nvfp4 16x16 tiles per operand).
 
 Operands: a_data, a_scale, a_amax, b_data, b_scale, b_amax (amax zeros for MXFP4). Params: fmt,
 a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (the pair, ``kernels.scaled_matmul``: dequantize
-passes, then a bf16 GEMM) or "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads). A K-sharded
-contraction sums float32 partial products (psum).
+passes, then a bf16 GEMM), "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads) or "mosaic"
+(``kernels.mosaic_gemm``: Blackwell's block-scaled tensor cores, the tensor factor and the cast in its epilogue;
+its twin, the XLA path's GEMM, off CUDA). A K-sharded contraction sums float32 partial products (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import dispatch, formats
+from fp4jax import _native_compat as nc
+from fp4jax import dispatch, formats, reference
 from fp4jax.kernels import mixed_matmul as mixed_kernel
+from fp4jax.kernels import mosaic_gemm as mosaic_kernel
 from fp4jax.kernels import scaled_matmul as kernel
 from fp4jax.primitives import pair
 from fp4jax.primitives import sharding as shd
@@ -31,11 +34,23 @@ def _bytes(s):
   return lax.bitcast_convert_type(s, jnp.uint8)
 
 
+def _mosaic(a: QTensor, b: QTensor, out_dtype):
+  """fp4jax's tcgen05 GEMM on a's rows (leading axes folded into M): the packed codes as float4_e2m1fn, the
+  scales per 1x16 block, the tensor factor's parts to its epilogue."""
+  rows = lambda x: x.reshape(-1, x.shape[-1])
+  out = mosaic_kernel.mosaic_gemm(nc.packed_float4(rows(a.data)), rows(reference.block_scales(a)),
+                                  nc.packed_float4(b.data), reference.block_scales(b),
+                                  tensor_factor_parts(a, b), out_dtype=out_dtype)
+  return out.reshape(a.data.shape[:-1] + (b.data.shape[0],))
+
+
 def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled, out_dtype,
            impl, platform):
   a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
   b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
-  if impl in ("pallas", "mixed") and platform in ("cuda", "cpu"):
+  if impl == "mosaic":   # the kernel on CUDA, its twin elsewhere (``mosaic_gemm`` chooses by platform)
+    out = _mosaic(a, b, out_dtype)
+  elif impl in ("pallas", "mixed") and platform in ("cuda", "cpu"):
     gemm = mixed_kernel.mixed_matmul if impl == "mixed" else kernel.pallas_matmul
     out = gemm(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b), fmt=fmt,
                a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype, interpret=platform != "cuda")
@@ -90,6 +105,14 @@ def mixed_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32):
   whatever the default: what the proof and the kernel's tests compare against the XLA path."""
   dispatch.choose("scaled_matmul", a.fmt, "pallas")   # validates the format
   return _bind(a, b, out_dtype, "mixed")
+
+
+def mosaic_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.bfloat16):
+  """a (..., M, K) · b (N, K)ᵀ on fp4jax's Mosaic GPU GEMM (``kernels.mosaic_gemm``) as an fp4jax op: on a
+  mesh each device runs the kernel on its shards, as for the other kernels (a K-sharded contraction: float32
+  partial products summed across the shards, then the cast). What ``fp4jax.native.matmul(kernel="mosaic")``
+  runs for the pairs ``native.mosaic_takes`` (plain nvfp4, validated there)."""
+  return _bind(a, b, out_dtype, "mosaic")
 
 
 def _bind(a: QTensor, b: QTensor, out_dtype, kernel: str):
