@@ -60,6 +60,14 @@ def code_hash(paths=PROGRAM_PATHS) -> str:
     return ",".join(f"{p}={run('rev-parse', f'{tree}:{p}')}" for p in paths)
 
 
+def code_commit(paths=PROGRAM_PATHS) -> str:
+  """The commit whose programs the cached rows are (short hash), "+ uncommitted changes" when ``paths`` differ
+  from it: every row the report prices was compiled from this code (its key holds the code's hash)."""
+  head = _git("rev-parse", "--short", "HEAD").strip()
+  dirty = _git("status", "--porcelain", "--", *paths).strip()
+  return head + (" + uncommitted changes" if dirty else "")
+
+
 def entry_key(code: str, argv: list[str], env: dict) -> str:
   payload = json.dumps(dict(code=code, argv=argv, env=sorted(env.items())), sort_keys=True)
   return hashlib.sha256(payload.encode()).hexdigest()[:24]

@@ -103,7 +103,8 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
                                         c["tokens_per_s"]))
   b = calibration.bias(points)
   lines = [f"**Predictions, not measurements** (no GPU ran these programs): `python bench/predict/report.py`, "
-           f"{time.strftime('%Y-%m-%d', time.gmtime())}, {_versions()}; each program compiled without a GPU "
+           f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {report_cache.code_commit()}, {_versions()}; each "
+           f"program compiled without a GPU "
            f"(bench/predict/gpu_aot.py; tokens per GPU per step: {tokens_per_step(cells)}) and priced by "
            f"bench/predict/ruler.py. Calibration bias: {calibration.describe(b)}.",
            "",
