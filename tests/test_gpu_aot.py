@@ -536,3 +536,24 @@ def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
   gpu_aot.assume_proved(["all"])   # fp4jax's kernels and its Mosaic GEMM (for nvfp4)
   assert {op for op, _ in dispatch.VERIFIED_KERNELS} == set(dispatch.KERNEL_OPS) | {dispatch.MOSAIC_GEMM}
   assert [fmt for op, fmt in dispatch.VERIFIED_KERNELS if op == dispatch.MOSAIC_GEMM] == ["nvfp4"]
+
+
+def test_a_kernel_that_ran_its_twin_is_recorded(monkeypatch, capsys):
+  """A kernel that did not lower runs its XLA twin (fp4jax.primitives.pair warns): the compile's result lists it,
+  so a prediction that prices the twin says so."""
+  import types   # pylint: disable=import-outside-toplevel
+  import warnings   # pylint: disable=import-outside-toplevel
+  from bench.predict import gpu_aot   # pylint: disable=import-outside-toplevel
+
+  def compile_program(prog, mesh):
+    warnings.warn("fp4jax: the scaled_matmul kernel (impl='mosaic', fmt='nvfp4') did not lower on one device "
+                  "(ValueError: too big); this op runs the XLA path there.", RuntimeWarning)
+    warnings.warn("something else", UserWarning)
+    return {}
+
+  monkeypatch.setattr(gpu_aot, "compile_program", compile_program)
+  monkeypatch.setattr(gpu_aot, "summarize", lambda *a: {})
+  flags = types.SimpleNamespace(hlo="", target="b200", peaks="derated", int_ops=True, cluster="")
+  out = gpu_aot._compiled(flags, None)   # pylint: disable=protected-access
+  assert len(out["kernel_fallbacks"]) == 1 and "impl='mosaic'" in out["kernel_fallbacks"][0]
+  assert "something else" in capsys.readouterr().err

@@ -78,6 +78,9 @@ def test_lowers_for_cuda_to_one_block_scaled_custom_call():
   assert text.count(f"@{mc.MOSAIC_CUSTOM_CALL}(") == 1
   assert "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.scale_vec::4X" in text
   assert "fp4jax_mosaic_gemm_nvfp4_256x256x512" in text
+  # a float32 result without a residual (the wgrad's, and a contraction split over devices) fits shared memory
+  f32 = jax.jit(lambda *a: mg.mosaic_gemm(*a, out_dtype=jnp.float32)).trace(*args[:5])
+  assert f32.lower(lowering_platforms=("cuda",)).as_text().count(f"@{mc.MOSAIC_CUSTOM_CALL}(") == 1
 
 
 def test_bad_input_says_what_and_how():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,6 +61,8 @@ from bench.predict.deviceless import PER_HOST, TARGETS, Program, compile_program
 from bench.predict.peaks import INT_OPS_HELP, peaks
 from bench.predict.programs import batch_programs, combined, dot_program, op_program
 from bench.predict.summary import GiB, check_budget, report, summarize
+
+KERNEL_FALLBACK = "did not lower"   # fp4jax.primitives.pair's warning: a kernel ran its XLA twin instead
 
 
 def _flags():
@@ -197,14 +200,21 @@ def twin_hlo_path(path: str) -> str:
 
 def _compiled(F, prog, mesh=None, twin=False) -> dict:
   """compile_program + summarize; --hlo keeps the first program's optimized HLO text, and its twin's
-  (``twin_hlo_path``)."""
-  res = compile_program(prog, mesh)
+  (``twin_hlo_path``). A kernel that did not lower runs its XLA twin in the program (``fp4jax.primitives.pair``
+  warns): the result lists those warnings (``kernel_fallbacks``), since the prediction then prices the twin."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    res = compile_program(prog, mesh)
+  for w in caught:
+    print(f"{w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
   path = twin_hlo_path(F.hlo) if F.hlo and twin else F.hlo
   if path and res.get("text") and path not in _HLO_WRITTEN:
     with open(path, "w", encoding="utf-8") as f:
       f.write(res["text"])
     _HLO_WRITTEN.append(path)
-  return summarize(res, F.target, F.peaks, F.int_ops, F.cluster)
+  out = summarize(res, F.target, F.peaks, F.int_ops, F.cluster)
+  out["kernel_fallbacks"] = sorted({str(w.message) for w in caught if KERNEL_FALLBACK in str(w.message)})
+  return out
 
 
 def _step(F, devices):

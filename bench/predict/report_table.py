@@ -54,7 +54,8 @@ def priced(cache: report_cache.Cache, row: report_rows.Row, variant: str) -> dic
   active = res.get("active_params", res["params"])
   peak = ruler.spec_peaks(row.target)["flops"]["bf16"]
   mem = res["memory"]
-  out = dict(state="ok", date=meta.get("date", ""), step_ms=pred["step_s"] * 1e3,
+  out = dict(state="ok", date=meta.get("date", ""), fallbacks=len(res.get("kernel_fallbacks", [])),
+             step_ms=pred["step_s"] * 1e3,
              tokens_per_s=tokens / pred["step_s"], mfu=6 * active * tokens / (pred["step_s"] * peak),
              kernels=pred["kernels"], exposed_comm_ms=pred["exposed_comm_s"] * 1e3, comm_ms=pred["comm_s"] * 1e3,
              floor_ms=pred["floor_s"] * 1e3, memory_gib=(mem["argument_bytes"] + mem["temp_bytes"]) / GiB,
@@ -119,6 +120,8 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
       lines.append(f"| {row.title} | {v} | does not compile: {c['reason'][:140].replace('|', '/')} | | | | | | | |")
     else:
       corrected = f"{c['tokens_per_s'] / b:,.0f}" if b else ""
+      if c.get("fallbacks"):   # a kernel that did not lower ran its XLA twin: the row prices that
+        v = f"{v} ({c['fallbacks']} kernel shapes ran their XLA twin: the compile's log says which)"
       lines.append(f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f} (optimistic)"
                    if b and b > 1 else
                    f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f}")

@@ -163,7 +163,9 @@ def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles):
   tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
   e4m3 = jnp.float8_e4m3fn
   sk = tk // (4 * BLOCK)
-  r_dtype = residual.dtype if residual is not None else out_dtype
+  # the residual's two buffers: without a residual a token pair of 8 rows (shared memory binds: a float32 result
+  # beside full-size float32 buffers would take 232,532 bytes of the 232,448 a CTA may have)
+  r_dtype, r_rows = (residual.dtype, tm) if residual is not None else (jnp.bfloat16, 8)
   scales_tmem = lambda rows: tuple(plgpu.TMEM((rows, tk // BLOCK), e4m3, layout=plgpu.TMEMLayout.SCALES_LAYOUT)
                                    for _ in range(stages))
   scratch = (
@@ -173,7 +175,7 @@ def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles):
       plgpu.SMEM((stages, tn // SCALE_ROWS, sk, 32, 16), e4m3),
       plgpu.SMEM((FACTOR_WORDS,), jnp.float32),
       plgpu.SMEM((2, tm, en), out_dtype, transforms=_swizzled(out_dtype, en)),
-      plgpu.SMEM((2, tm, en), r_dtype, transforms=_swizzled(r_dtype, en)),
+      plgpu.SMEM((2, r_rows, en), r_dtype, transforms=_swizzled(r_dtype, en)),
       plgpu.TMEM((tm, tn), jnp.float32),
       scales_tmem(tm),
       scales_tmem(tn),
