@@ -86,6 +86,12 @@ def _check(a, b):
     raise ValueError(f"scaled_matmul operands must share a format; got {a.fmt!r} and {b.fmt!r}")
 
 
+def _pallas_takes(a: QTensor, b: QTensor) -> bool:
+  """Whether the Pallas GEMMs compute this pair (``_dense`` refuses impl="pallas" for the others)."""
+  return (not (a.row_scaled and not b.row_scaled) and a.fmt in formats.NAMES
+          and a.bound == b.bound == formats.NVFP4_BOUND)
+
+
 def _dense(a: QTensor, b: QTensor, out_dtype, impl):
   if impl == "native":
     return native.matmul(a, b, out_dtype=out_dtype, kernel=dispatch.native_kernel(a.fmt))
@@ -112,7 +118,10 @@ def matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str | None = 
   """a (M, K) · b (N, K)ᵀ -> (M, N) in ``out_dtype`` for any pair of QTensors of one format quantized
   along K (the module docstring has the impls)."""
   _check(a, b)
-  impl = dispatch.choose("scaled_matmul", a.fmt, impl)
+  chosen = dispatch.choose("scaled_matmul", a.fmt, impl)
+  if impl is None and chosen == "pallas" and not _pallas_takes(a, b):   # the default: a kernel only where one is
+    chosen = "xla"
+  impl = chosen
   out_dtype = api.as_float_dtype(out_dtype, "fp4jax.gemm.matmul", "out_dtype")
   return _dense(a, b, out_dtype, impl)
 

@@ -10,7 +10,7 @@ import pytest
 
 import inputs
 import fp4jax
-from fp4jax import formats, gemm, recipes
+from fp4jax import dispatch, formats, gemm, recipes
 from fp4jax.numerics import dbq, eden, four_over_six as fos, mxfp8
 from fp4jax.qtensor import validate
 from fp4jax.quantizers import TRANSPOSED, Quantizer, Roles
@@ -89,12 +89,18 @@ def test_bad_quantizers_and_bounds_fail_at_construction():
     Roles(Quantizer("nvfp4"), None, None, None, None, None)
 
 
-def test_gemm_backends():
+def test_gemm_backends(monkeypatch):
   qx, qw = QUANTIZERS["eden"](X, jax.random.key(1)), QUANTIZERS["eden"](W, jax.random.key(2))
   # the native backend (on the CPU its exact twin): the XLA path's bits (tests/test_native.py)
   assert jnp.array_equal(gemm.matmul(qx, qw, impl="native"), gemm.matmul(qx, qw, impl="xla"))
   with pytest.raises(ValueError, match="no Pallas kernels"):
     gemm.matmul(qx, qw, impl="pallas")
+  # the kernels as the default (FP4JAX_DEFAULT_IMPL=pallas) run a kernel where there is one, else the XLA path:
+  # MS-EDEN and a Four Over Six pair (a producer's pre-quantized input, e.g. quartet2's) have none
+  four_over_six = Quantizer("nvfp4", four_over_six=(256, "mse"))
+  monkeypatch.setenv(dispatch.DEFAULT_IMPL_ENV, "pallas")
+  for a, b in ((qx, qw), (four_over_six(X, None), four_over_six(W, None))):
+    assert jnp.array_equal(gemm.matmul(a, b), gemm.matmul(a, b, impl="xla"))
   with pytest.raises(ValueError, match="share a format"):
     gemm.matmul(qx, QUANTIZERS["dbq"](W))
 

@@ -140,6 +140,8 @@ def calibration_amax(model, params, tokens_BxL, paths: set[tuple[str, ...]]) -> 
   seen: dict[tuple, float] = {}
 
   def see(path, x):
+    if isinstance(x, fp4jax.PreQuantized):   # a producer quantized it in its pass: its values before that
+      x = x.x
     amax = float(np.max(np.abs(np.asarray(x, np.float32)), initial=0.0))   # numpy's max keeps NaN
     if not np.isfinite(amax):
       raise ConversionError(f"calibration: the input of {'/'.join(path)} is not finite (max |x| = {amax}) on "
