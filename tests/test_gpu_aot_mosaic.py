@@ -90,3 +90,9 @@ def test_cost_model_charges_the_mosaic_gemm_as_an_fp4_gemm():
   assert g["bytes"] == 1024 * 128 + 8 * 4 * 32 * 16 + 512 * 128 + 4 * 4 * 32 * 16 + 32 * 4 + 1024 * 512 * 2
   other = MOSAIC.replace("fp4jax_mosaic_gemm_nvfp4", "some_kernel")
   assert hlo_kernels.mosaic_gemm_shape(hlo_text.parse_instr(other.splitlines()[-3])) is None
+  # partitioned (an fp4jax op on a mesh): the op_name ends at custom_partitioning; the kernel's module holds the name
+  sharded = MOSAIC.replace("fp4jax_mosaic_gemm_nvfp4_1024x512x256/mpmd_map", "fp4jax/dot/custom_partitioning").replace(
+      'module = "ML"', 'module = "ML\\EFR\\01fp4jax_mosaic_gemm_nvfp4_1024x512x256_mosaic_gpu\\00"')
+  assert "fp4jax_mosaic_gemm_nvfp4_1024x512x256/" not in sharded
+  (g2,) = hlo_cost.analyze(sharded, PEAKS)["ops"]
+  assert g2["kind"] == "gemm" and g2["mnk"] == (1024, 512, 256) and g2["flops"] == g["flops"]

@@ -12,7 +12,9 @@
    128-row chunks, starts from a carry that varies over the manual axes its chunks vary over
    (``fp4jax._native_compat.vary_like``), and each device's experts equal the unsharded result.
 4. A kernel that does not lower for a layout runs as its XLA twin, with a warning (``fp4jax.primitives.pair``).
-5. fp4jax.dot on the native path with fp4jax's Mosaic GEMM (its twin on the CPU), row-sharded x: the three GEMMs
+5. A contraction split over the mesh whose result is wanted split over the same axis (a weight gradient over token
+   shards): its float32 partial products are reduce-scattered (``fp4jax.primitives.pair``), not all-reduced.
+6. fp4jax.dot on the native path with fp4jax's Mosaic GEMM (its twin on the CPU), row-sharded x: the three GEMMs
    are the partitioned op, forward and gradients equal the unsharded results.
 """
 import json
@@ -80,6 +82,23 @@ def experts(x, w, k):
 put = lambda a: jax.device_put(a, NamedSharding(e, P("e")))
 sharded = jax.jit(jax.shard_map(experts, mesh=e, in_specs=P("e"), out_specs=P("e")))(put(xg), put(wg), put(keys))
 out["shard_map grouped_dot tetrajet2, forward and gradients"] = close(sharded, jax.jit(experts)(xg, wg, keys))
+# a contraction split over the mesh (a wgrad over token shards) whose result is wanted split over the same axis
+# (sharded as its weight): the float32 partial products are reduce-scattered, not all-reduced and sliced
+import re
+from fp4jax import api
+auto = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+cols = lambda a: jax.device_put(a, NamedSharding(auto, P(None, "x")))
+def wgrad_like(a, b):
+  y = fp4jax.scaled_matmul(api.quantize(a, "nvfp4"), api.quantize(b, "nvfp4"), out_dtype=jnp.float32)
+  return jax.lax.with_sharding_constraint(y, NamedSharding(auto, P("x", None)))
+a, b = jax.random.normal(jax.random.key(10), (64, 256)), jax.random.normal(jax.random.key(11), (32, 256))
+with jax.sharding.set_mesh(auto):
+  hlo = jax.jit(wgrad_like).lower(cols(a), cols(b)).compile().as_text()
+  got = jax.jit(wgrad_like)(cols(a), cols(b))
+out["contraction over the shards reduce-scattered"] = (
+    re.findall(r"= (\S+) reduce-scatter(?:-start)?\(", hlo) == ["f32[16,32]{{1,0}}"]
+    and not re.findall(r"= f32\[64,32\]\S* all-reduce", hlo) and close(got, jax.jit(wgrad_like)(a, b)))
+
 # fp4jax's Mosaic GEMM (its twin on the CPU) as the native path's GEMM: a partitioned op, so row-sharded x stays
 # sharded through fprop, dgrad and wgrad (a K-sharded contraction: float32 partials summed across the shards).
 import os
@@ -102,7 +121,7 @@ def test_sharded_one_block_axes_and_kernels_in_shard_map():
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 8
+  assert len(results) == 9
   assert all(results.values()), {k: v for k, v in results.items() if not v}
 
 

@@ -108,7 +108,7 @@ def mixed_gemm_shape(ins: Instr):
 
 
 MOSAIC_TARGET = 'custom_call_target="mosaic_gpu_v2"'
-_MOSAIC_GEMM = re.compile(r"fp4jax_mosaic_gemm_nvfp4_(\d+)x(\d+)x(\d+)/")
+_MOSAIC_GEMM = re.compile(r"fp4jax_mosaic_gemm_nvfp4_(\d+)x(\d+)x(\d+)(?!\d)")
 
 
 def mosaic_gemm_shape(ins: Instr):
@@ -116,10 +116,12 @@ def mosaic_gemm_shape(ins: Instr):
   a ``mosaic_gpu_v2`` custom call named ``fp4jax_mosaic_gemm_nvfp4_<M>x<N>x<K>``): block-scaled FP4 MMAs, so
   ``gemm_peak`` charges the FP4 rate, as for cuDNN's block-scaled GEMM; its bytes are its operands' (codes,
   scales, factor, residual) and its output's (bf16 or float32, the epilogue inside). The Mosaic GPU lowering
-  drops ``pl.CostEstimate``, so the name carries the shape. None for any other instruction."""
+  drops ``pl.CostEstimate``, so the name carries the shape: in the op_name, or, where the op is partitioned
+  (custom_partitioning's per-shard call keeps no kernel scope in its op_name), in the kernel's serialized
+  module (backend_config). None for any other instruction."""
   if ins.opcode != "custom-call" or MOSAIC_TARGET not in ins.attrs:
     return None
-  m = _MOSAIC_GEMM.search(ins.op_name)
+  m = _MOSAIC_GEMM.search(ins.op_name) or _MOSAIC_GEMM.search(ins.attrs)
   if not m:
     return None
   mm, nn, kk = (int(g) for g in m.groups())

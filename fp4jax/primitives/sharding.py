@@ -174,6 +174,16 @@ def axes_of(entry) -> tuple:
   return entry if isinstance(entry, tuple) else (entry,)
 
 
+def scatter_dim(mesh, out_spec, wanted_spec, out_shape, contracted) -> int | None:
+  """The dimension along which a contraction's float32 partial sums are reduce-scattered rather than all-reduced:
+  the one the partitioner wants split over exactly the contracted mesh axes (a weight gradient summed over the
+  token shards and sharded as its weight), unsplit in ``out_spec`` and divisible; None: all-reduce them."""
+  for d, (have, want) in enumerate(zip(out_spec, wanted_spec)):
+    if have is None and axes_of(want) == tuple(contracted) and out_shape[d] % shards(mesh, want) == 0:
+      return d
+  return None
+
+
 def keep_if_divides(mesh, entry, length: int, unit: int):
   """``entry`` if every shard of an axis of ``length`` holds a whole number of ``unit``s, else None."""
   n = shards(mesh, entry)
