@@ -54,3 +54,21 @@ def test_the_table_from_the_cache(tmp_path, monkeypatch):
   out = perf.read_text()
   assert out.count(report_table.BEGIN) == 1 and "second" in out and "first" not in out
   assert out.startswith("# Performance log") and out.endswith("older entries\n")
+
+
+def test_rows_that_share_a_compile_are_priced_on_their_own_clusters(tmp_path, monkeypatch):
+  """super_b200 and its one-NVLink-domain what-if are one compile, priced twice: on 8 HGX nodes and on NVL72."""
+  from bench.predict import ruler   # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(report_cache.Cache, "code", "fixed")
+  real = ruler.predict
+  monkeypatch.setattr(ruler, "predict", lambda text, target, cluster, **kw: dict(
+      real(text, target, "hgx_b200", **kw), step_s={"hgx_b200": 2.0, "gb200_nvl72": 1.0}[cluster]))
+  cache = report_cache.Cache(str(tmp_path))
+  hgx, nvl = report_rows.ROWS["super_b200"], report_rows.ROWS["super_b200_nvl"]
+  assert cache.key(hgx.argv("bf16"), hgx.target) == cache.key(nvl.argv("bf16"), nvl.target)
+  _put(cache, hgx, "bf16", dict(date="2026-12-06", results=[dict(
+      tokens_per_device=65536, params=1.2e11, active_params=1.2e10, compile_s=1.0,
+      memory=dict(argument_bytes=2 ** 33, temp_bytes=2 ** 34, output_bytes=0, alias_bytes=0))]), HLO)
+  assert report_table.priced(cache, hgx, "bf16")["step_ms"] == 2000.0
+  assert report_table.priced(cache, nvl, "bf16")["step_ms"] == 1000.0
+  assert report_table.priced(cache, hgx, "bf16")["step_ms"] == 2000.0   # each read back from its own entry

@@ -42,7 +42,8 @@ def priced(cache: report_cache.Cache, row: report_rows.Row, variant: str) -> dic
     meta = json.load(f)
   if meta.get("error"):
     return dict(state="error", reason=meta["error"], date=meta.get("date", ""))
-  priced_path = os.path.join(cache.dir, f"{key}.ruler-{ruler_hash()}.json")
+  # rows that share a compile (super_b200 and its NVLink what-if) are priced on their own clusters
+  priced_path = os.path.join(cache.dir, f"{key}.ruler-{ruler_hash()}.{row.cluster}.json")
   if os.path.exists(priced_path):
     with open(priced_path, encoding="utf-8") as f:
       return json.load(f)
