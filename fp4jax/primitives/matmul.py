@@ -5,7 +5,8 @@ Operands: a_data, a_scale, a_amax, b_data, b_scale, b_amax (amax zeros for MXFP4
 a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (the pair, ``kernels.scaled_matmul``: dequantize
 passes, then a bf16 GEMM), "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads) or "mosaic"
 (``kernels.mosaic_gemm``: Blackwell's block-scaled tensor cores, the tensor factor and the cast in its epilogue;
-its twin, the XLA path's GEMM, off CUDA). A K-sharded contraction sums float32 partial products (psum).
+its twin, the XLA path's GEMM, off CUDA). A K-sharded contraction sums float32 partial products across the
+shards: reduce-scattered where the result is wanted split over the same mesh axes, else all-reduced (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
 from __future__ import annotations
