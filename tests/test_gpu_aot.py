@@ -540,20 +540,28 @@ def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
 
 def test_a_kernel_that_ran_its_twin_is_recorded(monkeypatch, capsys):
   """A kernel that did not lower runs its XLA twin (fp4jax.primitives.pair warns): the compile's result lists it,
-  so a prediction that prices the twin says so."""
+  so a prediction that prices the twin says so. The warning is pair's own (a quantize kernel made to fail)."""
   import types   # pylint: disable=import-outside-toplevel
   import warnings   # pylint: disable=import-outside-toplevel
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
   from bench.predict import gpu_aot   # pylint: disable=import-outside-toplevel
+  from fp4jax.kernels import quantize_1d   # pylint: disable=import-outside-toplevel
+  from fp4jax.primitives.quantize import quantize_last   # pylint: disable=import-outside-toplevel
+
+  def broken(*args, **kwargs):
+    raise NotImplementedError("no tiling for this shape")
 
   def compile_program(prog, mesh):
-    warnings.warn("fp4jax: the scaled_matmul kernel (impl='mosaic', fmt='nvfp4') did not lower on one device "
-                  "(ValueError: too big); this op runs the XLA path there.", RuntimeWarning)
+    x = jnp.ones((48, 80), jnp.float32)
+    jax.jit(lambda x: quantize_last(x, jnp.max(jnp.abs(x)), fmt="nvfp4", impl="pallas")).lower(x).compile()
     warnings.warn("something else", UserWarning)
     return {}
 
+  monkeypatch.setattr(quantize_1d, "quantize_1d", broken)
   monkeypatch.setattr(gpu_aot, "compile_program", compile_program)
   monkeypatch.setattr(gpu_aot, "summarize", lambda *a: {})
   flags = types.SimpleNamespace(hlo="", target="b200", peaks="derated", int_ops=True, cluster="")
   out = gpu_aot._compiled(flags, None)   # pylint: disable=protected-access
-  assert len(out["kernel_fallbacks"]) == 1 and "impl='mosaic'" in out["kernel_fallbacks"][0]
+  assert len(out["kernel_fallbacks"]) == 1 and "quantize kernel (impl='pallas'" in out["kernel_fallbacks"][0]
   assert "something else" in capsys.readouterr().err
