@@ -2,9 +2,10 @@
 
 Not meant to be run directly; see ``configs/tiny.py``. Fields:
   recipe            fp4jax.recipes name: nvfp4, mxfp4, fp8, bf16, nvfp4_no_sr, nvfp4_no_rht, nvfp4_no_2d, ...
-  sr_bits           the bits of stochastic rounding in the recipe: "packed" (one hash per 8 elements, fp4jax's
-                    default) or "jax" (jax.random.bits, one hash per element: ~7x the integer work in the
-                    quantize kernels, the same statistics, other bits; docs/NUMERICS.md); None: a new run takes
+  sr_bits           the bits of stochastic rounding in the recipe: "philox" (one philox4x32-10 per 16 elements,
+                    fp4jax's default), "packed" (one threefry2x32 per 8: 2.3x the integer work in the quantize
+                    kernels) or "jax" (jax.random.bits, one hash per element: 16x), the same statistics, other
+                    bits (docs/NUMERICS.md); None: a new run takes
                     the default, a resumed run the stream its record names ("jax" for a record without the
                     field); rules of ``model.precision`` that name another recipe keep its default
   model             a models.presets name (``model.preset``) and overrides of any ModelConfig field;
@@ -106,7 +107,7 @@ def get_config() -> config_dict.ConfigDict:
   c.name = "base"
   c.seed = 0
   c.recipe = "nvfp4"
-  c.sr_bits = config_dict.placeholder(str)   # stochastic rounding's bits: None, "packed" or "jax" (docstring)
+  c.sr_bits = config_dict.placeholder(str)   # stochastic rounding's bits: None, "philox", "packed" or "jax" (docstring)
   c.model = model_section("tiny")
   c.steps = 1000
   c.batch_size = 16

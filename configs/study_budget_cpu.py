@@ -22,4 +22,5 @@ def get_config():
   c.study.fractions = (1.0, 1.2, 1.4, 1.6)   # of T, for every recipe but the reference; add 0.8 to bracket one
   c.study.confidence = 0.95                  # of the t-interval over seeds
   c.study.runs_dir = "runs/study_budget_cpu"
+  c.sr_bits = "packed"   # the stream its first runs (2026-12-06) were recorded with: every run of the study draws alike
   return c

@@ -113,6 +113,23 @@ def precise_div(a, b, *, interpret: bool):
   return out
 
 
+def mulhi(*, interpret: bool):
+  """``f(a, b)``: the high word of the 64-bit product of uint32 arrays, inside a kernel. The Triton backend has
+  no lowering of ``lax.mulhi``, so the compiled kernel asks for PTX ``mul.hi.u32``; the interpreter's kernel
+  body is compiled by XLA, which lowers ``lax.mulhi``."""
+  if interpret:
+    return lambda a, b: jax.lax.mulhi(*jnp.broadcast_arrays(a, b))
+
+  def f(a, b):   # int32 in and out (Triton's integers are signless), the bits unchanged
+    a, b = (jax.lax.bitcast_convert_type(v, jnp.int32)
+            for v in jnp.broadcast_arrays(jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32)))
+    (out,) = _pltriton.elementwise_inline_asm(
+        "mul.hi.u32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return jax.lax.bitcast_convert_type(out, jnp.uint32)
+  return f
+
+
 def precise_sqrt(a, *, interpret: bool):
   """sqrt(a) rounded to nearest even (IEEE), elementwise float32, inside a kernel: PTX ``sqrt.rn.f32``
   asked for explicitly (Triton's own sqrt may lower to ``sqrt.approx``); the interpreter is exact."""

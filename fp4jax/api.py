@@ -207,8 +207,9 @@ def quantize(x, fmt, *, axis=-1, tile=None, rounding="nearest", key=None, bits=N
     last two axes. rounding: "nearest" (ties to even) or "stochastic" with ``key`` (or explicit 8-bit
     ``bits`` of the input's shape, for bit-exact comparisons; with the Pallas kernels the bits of ``key`` are
     hashed inside the kernel, ``random_bits.KeyedBits``: the same bits, none in HBM). sr_bits: how ``key``
-    makes them (``random_bits.SR_BITS``): "packed", the default, one threefry2x32 per 8 consecutive elements
-    along the packed axis, or "jax", the bytes of ``jax.random.bits(key, x.shape, uint8)`` (docs/NUMERICS.md).
+    makes them (``random_bits.SR_BITS``): "philox", the default, one philox4x32-10 per 16 consecutive elements
+    along the packed axis; "packed", one threefry2x32 per 8; or "jax", the bytes of ``jax.random.bits(key,
+    x.shape, uint8)`` (docs/NUMERICS.md).
     amax: the NVFP4 tensor amax to use instead of max|x| (e.g. a global amax across shards). scale_rule:
     MXFP4 "rceil" or "floor".
     scaling: "tensor" for plain per-tensor FP8. impl: "pallas" (the Pallas kernels; interpreted on
@@ -308,7 +309,7 @@ def quantize_rht_transposed(x, fmt, *, rht_size=16, rht_seed=None, rounding="nea
   tensor amax after the transform is a separate one-pass reduction before it (``rht_amax``), unless
   ``amax`` (nvfp4) gives it: max |RHT(x)|, from a pass that reads x anyway (``rht_amaxes``: fp4jax.dot's
   fprop and dgrad quantizes), so that this pass reads x once. impl, stored, sr_bits: as for ``quantize`` (the
-  packed layout's groups of 8 run along T, in the output's (C, T) orientation).
+  grouped layouts' groups of 8 or 16 run along T, in the output's (C, T) orientation).
   """
   x = as_array(x, "fp4jax.api.quantize_rht_transposed")
   if x.ndim != 2:

@@ -56,7 +56,7 @@ class Quantizer:
   scale_rule: str = "rceil"             # MXFP4's and MXFP8's E8M0 rule
   eden_group: int = 128                 # MS-EDEN's correction group
   row_scaled: bool = False              # nvfp4: one tensor amax per row (R,) instead of one per tensor
-  sr_bits: str = random_bits.DEFAULT    # stochastic rounding's bits: "packed" (the default) or "jax"
+  sr_bits: str = random_bits.DEFAULT    # stochastic rounding's bits: "philox" (the default), "packed" or "jax"
 
   def __post_init__(self):
     if self.fmt not in formats.ALL:

@@ -18,10 +18,11 @@ array as a kernel sees it, a counter per column, so that a Pallas kernel hashes 
 cannot be guaranteed (another PRNG implementation, a 64-bit width, ``jax_threefry_partitionable=False``, a
 zero-size or symbolic shape, a JAX without the primitive) ``bits`` returns ``jax.random.bits`` itself. This module is the only place that relies on JAX's threefry layout.
 
-Two layouts of stochastic-rounding bits (``SR_BITS``, chosen by ``Recipe.sr_bits`` / ``Quantizer.sr_bits`` /
-``fp4jax.quantize(sr_bits=)``): "packed", the default (``DEFAULT``), one threefry2x32 per 8 consecutive elements
-along the quantized axis, all 64 bits used; and "jax", the bytes of ``jax.random.bits(key, shape, uint8)`` (one
-threefry2x32 per element, 8 of its 64 bits kept), for runs recorded with it (``rounding_bits``; the contract,
+Three layouts of stochastic-rounding bits (``SR_BITS``, chosen by ``Recipe.sr_bits`` / ``Quantizer.sr_bits`` /
+``fp4jax.quantize(sr_bits=)``): "philox", the default (``DEFAULT``), one philox4x32-10 per 16 consecutive
+elements along the quantized axis, all 128 bits used (the least integer work per element); "packed", one
+threefry2x32 per 8, all 64 bits used; and "jax", the bytes of ``jax.random.bits(key, shape, uint8)`` (one
+threefry2x32 per element, 8 of its 64 bits kept); the last two for runs recorded with them (``rounding_bits``; the contract,
 with test vectors and the integer work of each, in docs/NUMERICS.md; the statistics in tests/test_sr_stream.py).
 The low-level functions here (``rounding_bits``, ``KeyedBits``) name their layout explicitly and read "jax"
 when none is given.
@@ -45,10 +46,16 @@ except ImportError:   # pragma: no cover - older/newer JAX without it: jax.rando
 
 _U32 = jnp.uint32
 _WIDTHS = {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16, np.dtype(np.uint32): 32}
-JAX, PACKED = "jax", "packed"
-SR_BITS = (JAX, PACKED)   # layouts of stochastic-rounding bits (module docstring)
-DEFAULT = PACKED          # the stream of every recipe, quantizer and fp4jax.quantize that names none
+JAX, PACKED, PHILOX = "jax", "packed", "philox"
+SR_BITS = (JAX, PACKED, PHILOX)   # layouts of stochastic-rounding bits (module docstring)
+DEFAULT = PHILOX          # the stream of every recipe, quantizer and fp4jax.quantize that names none
 GROUP = 8                 # "packed": elements per hash (8 bytes of its two uint32 words)
+GROUPS = {PACKED: GROUP, PHILOX: 16}   # elements per hash of the grouped layouts (philox: 16 bytes of 4 words)
+
+
+def group(layout: str) -> int:
+  """Elements per hash: 1 for "jax", else the layout's group (``GROUPS``)."""
+  return GROUPS.get(layout, 1)
 
 
 def bits(key, shape, dtype=jnp.uint32):
@@ -75,53 +82,57 @@ def rounding_bits(key, shape, axis: int = -1, layout: str = JAX):
   last, (..., K), and its groups of GROUP = 8 consecutive elements along K as an array (..., K/8); group g's
   counter is its row-major index in that array (a 64-bit number, high and low uint32 words), its hash the
   two words (w0, w1) of threefry2x32(key, counter), and element 8g + e takes byte e of the 64-bit w0 | w1 <<
-  32 (``packed_bytes``). K must be a multiple of 8. ``key``: one threefry2x32 key, or a ``Window`` (its
-  rectangle along its last axis; its column start and width multiples of 8)."""
+  32 (``packed_bytes``). K must be a multiple of 8. "philox": the same with groups of 16 and philox4x32-10
+  (``philox4x32``) of the key's two words and the counter (low, high, 0, 0); element 16g + e takes byte e % 4
+  of word e // 4 (``group_bytes``); K a multiple of 16. ``key``: one threefry2x32 key, or a ``Window`` (its
+  rectangle along its last axis; its column start and width multiples of the group)."""
   shape = tuple(shape)
   check_layout(layout)
   if layout == JAX:
     return bits(key, shape, jnp.uint8)
-  axis = _check_packed(shape, axis)
-  moved = shape[:axis] + shape[axis + 1:] + (shape[axis] // GROUP,)
+  axis = _check_packed(shape, axis, layout)
+  moved = shape[:axis] + shape[axis + 1:] + (shape[axis] // group(layout),)
   if isinstance(key, Window):
     if axis != len(shape) - 1:
-      raise ValueError(f"sr_bits='packed' of a Window draws along its last axis; got axis={axis} of {shape}")
-    w0, w1 = key.words(moved)
+      raise ValueError(f"sr_bits={layout!r} of a Window draws along its last axis; got axis={axis} of {shape}")
+    words = key.words(moved, layout)
   else:
-    data = _packed_key_data(key)
+    data = _packed_key_data(key, layout)
     if math.prod(shape) == 0:
       return jnp.zeros(shape, jnp.uint8)
     if not _tied_form_applies(moved, jnp.uint8):
-      raise ValueError(f"sr_bits='packed' needs a static shape with each axis below 2**32; got {shape}")
+      raise ValueError(f"sr_bits={layout!r} needs a static shape with each axis below 2**32; got {shape}")
     hi, lo = _counters(moved, _opaque_zero(data[0], data[1]))
-    w0, w1 = _THREEFRY2X32_P.bind(data[0], data[1], hi, lo)
-  return jnp.moveaxis(packed_bytes(w0, w1).astype(jnp.uint8), -1, axis)
+    words = group_words(layout, data[0], data[1], hi, lo)
+  return jnp.moveaxis(group_bytes(words).astype(jnp.uint8), -1, axis)
 
 
 def check_layout(layout):
   if layout not in SR_BITS:
-    raise ValueError(f"sr_bits={layout!r}; use one of {SR_BITS} ('packed': one threefry2x32 per 8 elements, "
-                     "the default; 'jax': jax.random.bits' bytes, one threefry2x32 per element; docs/NUMERICS.md)")
+    raise ValueError(f"sr_bits={layout!r}; use one of {SR_BITS} ('philox': one philox4x32-10 per 16 elements, "
+                     "the default; 'packed': one threefry2x32 per 8 elements; 'jax': jax.random.bits' bytes, one "
+                     "threefry2x32 per element; docs/NUMERICS.md)")
 
 
-def _check_packed(shape, axis: int) -> int:
-  """``axis`` normalized, after checking that the packed layout applies to ``shape``."""
+def _check_packed(shape, axis: int, layout: str = PACKED) -> int:
+  """``axis`` normalized, after checking that the grouped ``layout`` applies to ``shape``."""
   if not shape:
-    raise ValueError("sr_bits='packed' draws along an axis; got a scalar shape")
-  axis = axis % len(shape)
-  if shape[axis] % GROUP:
-    raise ValueError(f"sr_bits='packed' takes {GROUP} consecutive elements along the quantized axis from one "
-                     f"hash; axis {axis} of {shape} has length {shape[axis]}, not a multiple of {GROUP}: pad it "
+    raise ValueError(f"sr_bits={layout!r} draws along an axis; got a scalar shape")
+  axis, n = axis % len(shape), group(layout)
+  if shape[axis] % n:
+    raise ValueError(f"sr_bits={layout!r} takes {n} consecutive elements along the quantized axis from one "
+                     f"hash; axis {axis} of {shape} has length {shape[axis]}, not a multiple of {n}: pad it "
                      "(fp4jax.dot pads to the block) or use sr_bits='jax'")
   return axis
 
 
-def _packed_key_data(key):
-  """The key's two uint32 words for the packed layout (threefry2x32 keys only), else a ValueError."""
+def _packed_key_data(key, layout: str = PACKED):
+  """The key's two uint32 words for a grouped layout (threefry2x32 keys only), else a ValueError."""
   data = _threefry_key_data(key, partitionable=False)
   if data is None:
-    raise ValueError("sr_bits='packed' hashes with threefry2x32: pass one jax.random.key(seed) (or a legacy "
-                     "PRNGKey) of the default threefry2x32 implementation, or use sr_bits='jax'")
+    raise ValueError(f"sr_bits={layout!r} hashes the two words of a threefry2x32 key: pass one "
+                     "jax.random.key(seed) (or a legacy PRNGKey) of the default threefry2x32 implementation, or "
+                     "use sr_bits='jax'")
   return data
 
 
@@ -135,9 +146,69 @@ def packed_bytes(w0, w1):
   return b.reshape(w0.shape[:-1] + (w0.shape[-1] * GROUP,))
 
 
-def packed_byte(w0, w1, e: int):
-  """Byte ``e`` (a Python int, 0..7) of the hash words, as ``packed_bytes`` takes it (uint32 < 256)."""
-  return ((w0 if e < 4 else w1) >> _U32(8 * (e % 4))) & _U32(0xFF)
+def group_bytes(words):
+  """A grouped layout's bytes, uint32 < 256 (..., 4n·G), of its n hash words (a tuple of arrays (..., G)):
+  element 4n·g + e of the group takes byte e % 4 of word e // 4, low byte first ("packed", n = 2:
+  ``packed_bytes``; "philox", n = 4). The words are first laid side by side (..., G, n) (a select per word
+  position), then each byte is a shift and a mask. Plain uint32 ops: a kernel body or XLA."""
+  if len(words) == 2:
+    return packed_bytes(*words)
+  n, w0 = len(words), words[0]
+  i = lax.broadcasted_iota(jnp.int32, (1,) * w0.ndim + (n,), w0.ndim)
+  word = words[-1][..., None]
+  for j in range(n - 2, -1, -1):
+    word = jnp.where(i == j, words[j][..., None], word)
+  e = lax.broadcasted_iota(jnp.int32, (1,) * word.ndim + (4,), word.ndim)
+  b = (word[..., None] >> (e * 8).astype(_U32)) & _U32(0xFF)
+  return b.reshape(w0.shape[:-1] + (w0.shape[-1] * 4 * n,))
+
+
+def group_byte(words, e: int):
+  """Byte ``e`` (a Python int) of a group's hash words, as ``group_bytes`` takes it (uint32 < 256)."""
+  return (words[e // 4] >> _U32(8 * (e % 4))) & _U32(0xFF)
+
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)   # philox4x32's multipliers (Salmon et al. 2011, Random123)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)   # its key schedule's increments (golden ratio, sqrt(3) - 1)
+PHILOX_ROUNDS = 10
+
+
+def _mulhi(a, b):
+  return lax.mulhi(*jnp.broadcast_arrays(a, b))
+
+
+def philox4x32(k0, k1, x0, x1, x2, x3, mulhi=_mulhi):
+  """philox4x32-10 (Salmon et al. 2011, Random123; the generator of cuRAND's Philox4_32_10 and of jax's
+  "philox4x32" PRNG) of the counter words (x0, x1, x2, x3) under the key (k0, k1): four uint32 words.
+  ``mulhi(a, b)``: the high word of the 64-bit product of uint32 arrays (``lax.mulhi``; a compiled kernel
+  passes PTX's mul.hi.u32, ``fp4jax._pallas_compat.mulhi``). Per counter 80 uint32 ops: 10 rounds of two
+  products (low and high words) and four xors; the key's increments are per key, not per counter."""
+  m0, m1 = _U32(_PHILOX_M[0]), _U32(_PHILOX_M[1])
+  for r in range(PHILOX_ROUNDS):
+    if r:
+      k0, k1 = k0 + _U32(_PHILOX_W[0]), k1 + _U32(_PHILOX_W[1])
+    lo0, hi0 = x0 * m0, mulhi(x0, m0)
+    lo1, hi1 = x2 * m1, mulhi(x2, m1)
+    x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+  return x0, x1, x2, x3
+
+
+def _group_hash(layout: str, k1, k2, hi, lo, mulhi=_mulhi):
+  """The hash words of a grouped layout at the 64-bit counters (hi, lo) under the key (k1, k2): threefry2x32's
+  two ("packed"; plain uint32 ops, as a kernel runs them) or philox4x32-10's four of the counter (lo, hi, 0, 0)
+  ("philox")."""
+  if layout == PHILOX:
+    zero = jnp.zeros_like(lo)
+    return philox4x32(k1, k2, lo, hi, zero, zero, mulhi)
+  return threefry2x32(k1, k2, hi, lo)
+
+
+def group_words(layout: str, k1, k2, hi, lo):
+  """``_group_hash`` drawn in XLA: "packed" through jax's threefry2x32 primitive (the bits ``jax.random.bits``
+  would make there), "philox" in plain uint32 ops."""
+  if layout == PACKED:
+    return tuple(_THREEFRY2X32_P.bind(k1, k2, hi, lo))
+  return _group_hash(layout, k1, k2, hi, lo)
 
 
 def _threefry_key_data(key, partitionable: bool = True):
@@ -258,9 +329,9 @@ class Window:
     mixed = bits1 ^ bits2
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
 
-  def words(self, shape):
-    """The two uint32 words of threefry2x32 at each counter of a (rows, cols / r) request (``bits`` xors
-    them; the packed layout, r = 8, keeps both)."""
+  def words(self, shape, layout: str = PACKED):
+    """The hash words at each counter of a (rows, cols / r) request: threefry2x32's two (``bits`` xors them;
+    the packed layout, r = 8, keeps both), or ``layout`` "philox"'s four (r = 16)."""
     shape = tuple(int(d) for d in shape)
     rows, cols = self.shape
     if len(shape) != 2 or shape[0] != rows or cols % shape[1]:
@@ -270,16 +341,17 @@ class Window:
     i = lax.broadcasted_iota(_U32, shape, 0) + start_r
     j = lax.broadcasted_iota(_U32, shape, 1) + start_c
     hi, lo = _add_u64(_mul_u32(i, full_c), (jnp.zeros_like(j), j))
-    return _THREEFRY2X32_P.bind(self.key_data[0], self.key_data[1], hi, lo)
+    return group_words(layout, self.key_data[0], self.key_data[1], hi, lo)
 
   def keyed(self, layout: str = JAX):
     """``KeyedBits`` of the rectangle. "jax" (one draw per element): row r's counter (start_r + r)·full_c +
-    start_c under the window's key, column k's counter k. "packed": the same of the (rows, cols / 8) group
-    grid, column k's counter k // 8."""
+    start_c under the window's key, column k's counter k. "packed" ("philox"): the same of the (rows, cols / n)
+    group grid, n = 8 (16), column k's counter k // n."""
     rows, cols = self.shape
     full_c, start_c, j = self.full[1], self.start[1], jnp.arange(cols, dtype=_U32)
-    if layout == PACKED:
-      full_c, start_c, j = full_c // _U32(GROUP), start_c // _U32(GROUP), j // _U32(GROUP)
+    if layout != JAX:
+      n = _U32(group(layout))
+      full_c, start_c, j = full_c // n, start_c // n, j // n
     i = lax.broadcasted_iota(_U32, (rows,), 0) + self.start[0]
     hi, lo = _add_u64(_mul_u32(i, full_c), (jnp.zeros_like(i), jnp.broadcast_to(start_c, (rows,))))
     return KeyedBits(_rows(self.key_data, hi, lo), jnp.stack([jnp.zeros_like(j), j], axis=-1), layout)
@@ -310,12 +382,18 @@ HASH_OPS = 126
 # The packed layout: per group of GROUP elements the 64-bit counter sum (5) and threefry2x32 (119), both words
 # kept; per element the byte's word select, shift and mask of ``packed_bytes`` (3): 18.5 per element.
 PACKED_GROUP_OPS, PACKED_BYTE_OPS = 124, 3
+# The philox layout: per group of 16 the 64-bit counter sum (5), philox4x32-10 (80) and the four words laid
+# side by side (3 selects per word position: 12); per element the byte's shift and mask of ``group_bytes``
+# (2): 8.1 per element.
+PHILOX_GROUP_OPS, PHILOX_BYTE_OPS = 97, 2
+_GROUP_OPS = {PACKED: (PACKED_GROUP_OPS, PACKED_BYTE_OPS), PHILOX: (PHILOX_GROUP_OPS, PHILOX_BYTE_OPS)}
 
 
 def hash_ops(layout: str, elements: int) -> int:
   """uint32 ops spent hashing the rounding bits of ``elements`` elements in ``layout``, as written."""
-  if layout == PACKED:
-    return elements // GROUP * PACKED_GROUP_OPS + elements * PACKED_BYTE_OPS
+  if layout in _GROUP_OPS:
+    per_group, per_byte = _GROUP_OPS[layout]
+    return elements // group(layout) * per_group + elements * per_byte
   return elements * HASH_OPS
 _KS_PARITY = 0x1BD11BDA   # threefry's key-schedule constant (Salmon et al. 2011, Random123)
 
@@ -350,11 +428,12 @@ def hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
   return b1 ^ b2
 
 
-def hashed_words(k1, k2, row_hi, row_lo, col_hi, col_lo):
-  """The two uint32 words of threefry2x32 at the 64-bit counter row + col: ``hashed_bits`` before its xor,
-  and a group's hash in the packed layout (``packed_bytes``)."""
+def hashed_words(k1, k2, row_hi, row_lo, col_hi, col_lo, layout: str = PACKED, mulhi=_mulhi):
+  """The hash words at the 64-bit counter row + col: threefry2x32's two (``hashed_bits`` before its xor, and a
+  group's hash in the packed layout, ``packed_bytes``), or with ``layout`` "philox" philox4x32-10's four
+  (``group_bytes``; ``mulhi`` as ``philox4x32`` takes it)."""
   hi, lo = _add_u64((row_hi, row_lo), (col_hi, col_lo))
-  return threefry2x32(k1, k2, hi, lo)
+  return _group_hash(layout, k1, k2, hi, lo, mulhi)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=("layout",))
@@ -363,11 +442,12 @@ class KeyedBits:
   """The draw ``rounding_bits`` would make for an array x (..., K), unmade: element (r..., k) of x gets the bits
   of counter ``rows[r..., 2:4] + cols[k]`` under key ``rows[r..., 0:2]``: in ``layout`` "jax" the low byte of
   the xor of threefry2x32's two words (``hashed_bits``, what ``bits`` draws), in "packed" byte k % 8 of the
-  two words (``packed_bytes``), the 8 elements of a group sharing their counter.
+  two words (``packed_bytes``), the 8 elements of a group sharing their counter, in "philox" byte k % 16 of
+  philox4x32's four words (``group_bytes``), 16 elements per counter.
 
   rows: uint32 (..., 4) = (k1, k2, counter high, counter low) per row of x; cols: uint32 (K, 2) = (counter
   high, low) per column. 12 bytes per row and 8 per column describe R·K elements: a kernel loads its tile of
-  each and hashes (``hashed_bits``; packed: ``hashed_words`` once per 8 columns, ``cols[::8]``). The columns
+  each and hashes (``hashed_bits``; grouped: ``hashed_words`` once per group of columns, ``cols[::n]``). The columns
   are constants of the shape (never vmapped: a window's start or a vmapped key lives in ``rows``), so they
   shard along K as x does and carry global counters. ``make(dtype)`` draws the same bits in XLA (the twin's
   side)."""
@@ -384,16 +464,16 @@ class KeyedBits:
     rectangle of a Window (the caller then draws with ``rounding_bits``)."""
     shape = tuple(int(d) for d in shape)
     check_layout(layout)
-    axis = axis % len(shape) if layout == JAX else _check_packed(shape, axis)
+    axis = axis % len(shape) if layout == JAX else _check_packed(shape, axis, layout)
     if isinstance(key, Window):   # its own rectangle, along its last axis; else the caller draws
       return key.keyed(layout) if shape == key.shape and axis == 1 else None
-    data = _threefry_key_data(key) if layout == JAX else _packed_key_data(key)
+    data = _threefry_key_data(key) if layout == JAX else _packed_key_data(key, layout)
     if data is None or not _tied_form_applies(shape, jnp.uint8):
       return None
     lead = tuple(d for d in range(len(shape)) if d != axis)
     lead_shape = tuple(shape[d] for d in lead)
     # "jax": the row-major strides of shape; "packed": those of the group grid lead_shape + (K/8,)
-    grid = shape if layout == JAX else lead_shape + (shape[axis] // GROUP,)
+    grid = shape if layout == JAX else lead_shape + (shape[axis] // group(layout),)
     strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
     lead_strides = [strides[d] for d in lead] if layout == JAX else strides[:-1]
     hi, lo = _counters(lead_shape, _U32(0), lead_strides) if lead_shape else (
@@ -401,20 +481,23 @@ class KeyedBits:
     if layout == JAX:
       col_hi, col_lo = _mul_u32_by_const(jnp.arange(shape[axis], dtype=_U32), strides[axis])
     else:
-      col_lo = jnp.arange(shape[axis], dtype=_U32) // _U32(GROUP)
+      col_lo = jnp.arange(shape[axis], dtype=_U32) // _U32(group(layout))
       col_hi = jnp.zeros_like(col_lo)
     return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1), layout)
 
   def make(self, dtype=jnp.uint8):
     """The bits as an array (..., K) of ``dtype``, drawn in XLA: equal to ``rounding_bits`` moved as ``of``
-    says (tests/test_random_bits.py); "jax" draws 32 bits per element (``bits``), "packed" 8."""
+    says (tests/test_random_bits.py); "jax" draws 32 bits per element (``bits``), the grouped layouts 8."""
     r = self.rows
-    cols = self.cols if self.layout == JAX else self.cols[::GROUP]   # packed: one counter per group
+    cols = self.cols[::group(self.layout)]   # the grouped layouts: one counter per group
     k = cols.shape[0]
     bcast = lambda v: jnp.broadcast_to(v[..., None], r.shape[:-1] + (k,))
     hi, lo = _add_u64((bcast(r[..., 2]), bcast(r[..., 3])), (cols[:, 0], cols[:, 1]))
-    b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)   # KeyedBits exist only with it
-    mixed = b1 ^ b2 if self.layout == JAX else packed_bytes(b1, b2)
+    if self.layout == JAX:   # KeyedBits exist only with jax's threefry2x32 primitive
+      b1, b2 = _THREEFRY2X32_P.bind(bcast(r[..., 0]), bcast(r[..., 1]), hi, lo)
+      mixed = b1 ^ b2
+    else:
+      mixed = group_bytes(group_words(self.layout, bcast(r[..., 0]), bcast(r[..., 1]), hi, lo))
     return mixed if np.dtype(dtype) == np.dtype(np.uint32) else lax.convert_element_type(mixed, dtype)
 
 

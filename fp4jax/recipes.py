@@ -18,9 +18,9 @@ Presets and ablations are keywords: ``nvfp4(rht=False)``, ``nvfp4(stochastic_gra
 ``nvfp4(weight_2d=False)``, ``nvfp4(row_scaled_activation=True)`` (one amax per token of the fprop
 activation); ``mxfp8()`` is MXFP8 on all three GEMMs. Beyond the paper (docs/RECIPES.md): ``nvfp4(four_over_six="all")`` (Four
 Over Six block scales), ``quartet2()`` (MS-EDEN backward), ``tetrajet2()`` (double-block scales). ``get(name)`` parses the names the training configs use (``NAMES``).
-A recipe that rounds stochastically draws its rounding bits one threefry2x32 per 8 elements
-(``sr_bits="packed"``, the default) or, with ``sr_bits="jax"``, one per element, as ``jax.random.bits`` does
-(``fp4jax.random_bits``; docs/NUMERICS.md): the same statistics, other bits.
+A recipe that rounds stochastically draws its rounding bits one philox4x32-10 per 16 elements
+(``sr_bits="philox"``, the default), one threefry2x32 per 8 (``"packed"``) or, with ``sr_bits="jax"``, one per
+element, as ``jax.random.bits`` does (``fp4jax.random_bits``; docs/NUMERICS.md): the same statistics, other bits.
 """
 from __future__ import annotations
 
@@ -65,11 +65,11 @@ class Recipe:
   # NVFP4 fprop activations with one float32 amax per row (token) instead of one per tensor; the GEMM's
   # second-level factor is then per output row (docs/NUMERICS.md, "Row-scaled NVFP4 activations").
   row_scaled_activation: bool = False
-  # The bits of stochastic rounding (random_bits.SR_BITS): "packed", the default, one threefry2x32 per 8
-  # elements, all 64 bits used, or "jax", the bytes of jax.random.bits (one threefry2x32 per element: runs
-  # recorded with it). Spec §4: the stream is not part of the arithmetic (docs/NUMERICS.md has the cost of each).
+  # The bits of stochastic rounding (random_bits.SR_BITS): "philox", the default, one philox4x32-10 per 16
+  # elements, all 128 bits used; "packed", one threefry2x32 per 8, all 64 bits used; or "jax", the bytes of
+  # jax.random.bits (one threefry2x32 per element); the last two for runs recorded with them. Spec §4: the stream is not part of the arithmetic (docs/NUMERICS.md has the cost of each).
   # Where no operand rounds stochastically it draws nothing, and either name is accepted.
-  sr_bits: Literal["jax", "packed"] = random_bits.DEFAULT
+  sr_bits: Literal["jax", "packed", "philox"] = random_bits.DEFAULT
   name: str = "custom"
 
   def __post_init__(self):

@@ -19,6 +19,7 @@ from fp4jax.kernels import quantize_rht_t as KR
 from fp4jax.numerics.scales import e4m3_rne_satfinite, e8m0_exponent, e8m0_from_exponent
 
 DTYPES = (jnp.float32, jnp.bfloat16)
+GROUPED = tuple(random_bits.GROUPS)   # the layouts that hash once per group of elements
 
 
 def make_input(shape, dtype, seed=0):
@@ -143,16 +144,17 @@ class _Quantize1dCases:
 
 
   @pytest.mark.slow   # the default representative: test_quantize_with_packed_bits_hashes_them_in_the_kernel
+  @pytest.mark.parametrize("layout", GROUPED)
   @pytest.mark.parametrize("fmt,shape,axis", [("nvfp4", (2, 24, 48), -1), ("mxfp4", (64, 3, 16), 0)])
-  def test_packed_bits_match_twin(self, fmt, shape, axis):
+  def test_packed_bits_match_twin(self, fmt, shape, axis, layout):
     """SR bits of the packed layout (one hash per 8 elements along the quantized axis) hashed in the kernel ==
     the twin with random_bits.rounding_bits drawn in XLA."""
     key = jax.random.key(16)
     x = jnp.moveaxis(make_input(shape, jnp.bfloat16), axis, -1)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    got = K1.quantize_1d(x, amax, random_bits.KeyedBits.of(key, shape, axis, "packed"), fmt=fmt,
+    got = K1.quantize_1d(x, amax, random_bits.KeyedBits.of(key, shape, axis, layout), fmt=fmt,
                          interpret=self.INTERPRET)
-    bits = jnp.moveaxis(random_bits.rounding_bits(key, shape, axis, "packed"), axis, -1)
+    bits = jnp.moveaxis(random_bits.rounding_bits(key, shape, axis, layout), axis, -1)
     assert_bits_equal(got, K1.quantize_1d_reference(x, amax, bits, fmt=fmt))
 
 
@@ -160,12 +162,13 @@ class _Quantize2dCases:
   INTERPRET = True
 
   @pytest.mark.slow   # the default representative: test_quantize_with_packed_bits_hashes_them_in_the_kernel
-  def test_packed_bits_match_twin(self):
+  @pytest.mark.parametrize("layout", GROUPED)
+  def test_packed_bits_match_twin(self, layout):
     key = jax.random.key(17)
     x = make_input((48, 80), jnp.float32)
     amax = jnp.max(jnp.abs(x))
-    got = K2.quantize_2d(x, amax, random_bits.KeyedBits.of(key, x.shape, -1, "packed"), interpret=self.INTERPRET)
-    assert_bits_equal(got, K2.quantize_2d_reference(x, amax, random_bits.rounding_bits(key, x.shape, -1, "packed")))
+    got = K2.quantize_2d(x, amax, random_bits.KeyedBits.of(key, x.shape, -1, layout), interpret=self.INTERPRET)
+    assert_bits_equal(got, K2.quantize_2d_reference(x, amax, random_bits.rounding_bits(key, x.shape, -1, layout)))
 
   @pytest.mark.slow
   def test_keyed_bits_match_reference(self):
@@ -228,16 +231,17 @@ class _QuantizeRhtTCases:
     assert_bits_equal(got, KR.quantize_rht_t_reference(x, amax, jax.random.bits(key, (40, 48), jnp.uint8)))
 
   @pytest.mark.slow   # the default representative: test_quantize_with_packed_bits_hashes_them_in_the_kernel
+  @pytest.mark.parametrize("layout", GROUPED)
   @pytest.mark.parametrize("fmt,shape", [("nvfp4", (48, 40)), ("mxfp4", (64, 24))])
-  def test_packed_bits_match_twin(self, fmt, shape):
-    """The packed layout's bits (C, T), 8 tokens per hash, hashed row by row in the kernel == the twin's."""
+  def test_packed_bits_match_twin(self, fmt, shape, layout):
+    """A grouped layout's bits (C, T), 8 or 16 tokens per hash, hashed row by row in the kernel == the twin's."""
     key = jax.random.key(18)
     x = make_input(shape, jnp.bfloat16)
     amax = KR.rht_amax(x)
     t, c = shape
-    got = KR.quantize_rht_t(x, amax, random_bits.KeyedBits.of(key, (c, t), -1, "packed"), fmt=fmt,
+    got = KR.quantize_rht_t(x, amax, random_bits.KeyedBits.of(key, (c, t), -1, layout), fmt=fmt,
                             interpret=self.INTERPRET)
-    bits = random_bits.rounding_bits(key, (c, t), -1, "packed")
+    bits = random_bits.rounding_bits(key, (c, t), -1, layout)
     assert_bits_equal(got, KR.quantize_rht_t_reference(x, amax, bits, fmt=fmt))
 
   @pytest.mark.slow
@@ -297,16 +301,17 @@ def test_quantize_with_key_hashes_in_the_kernel():
   assert_bits_equal((got.data, got.scale.view(jnp.uint8)), (want.data, want.scale.view(jnp.uint8)))
 
 
-def test_quantize_with_packed_bits_hashes_them_in_the_kernel():
-  """fp4jax.quantize(sr_bits="packed") hands the kernel the packed KeyedBits (cols: one counter per 8 columns
-  reach the kernel) and gives the XLA path's codes, which differ from the default layout's."""
+@pytest.mark.parametrize("layout", GROUPED)
+def test_quantize_with_packed_bits_hashes_them_in_the_kernel(layout):
+  """fp4jax.quantize(sr_bits=a grouped layout) hands the kernel that layout's KeyedBits (cols: one counter per
+  8 or 16 columns reach the kernel) and gives the XLA path's codes, which differ from the "jax" layout's."""
   key = jax.random.key(19)
   x = make_input((64, 48), jnp.bfloat16)
   q = lambda impl, sr_bits: fp4jax.quantize(x, "nvfp4", axis=0, rounding="stochastic", key=key, impl=impl,
                                             sr_bits=sr_bits)
-  eqn = [e for e in jax.make_jaxpr(lambda: q("pallas", "packed"))().eqns if str(e.primitive) == "fp4jax_quantize"][0]
-  assert eqn.params["keyed"] == "packed" and all(v.aval.size < x.size for v in eqn.invars[1:])
-  got, want = q("pallas", "packed"), q("xla", "packed")
+  eqn = [e for e in jax.make_jaxpr(lambda: q("pallas", layout))().eqns if str(e.primitive) == "fp4jax_quantize"][0]
+  assert eqn.params["keyed"] == layout and all(v.aval.size < x.size for v in eqn.invars[1:])
+  got, want = q("pallas", layout), q("xla", layout)
   assert_bits_equal((got.data, got.scale.view(jnp.uint8)), (want.data, want.scale.view(jnp.uint8)))
   default = q("xla", "jax")
   assert np.mean(np.asarray(default.data) != np.asarray(want.data)) > 0.2
@@ -314,17 +319,18 @@ def test_quantize_with_packed_bits_hashes_them_in_the_kernel():
 
 
 @pytest.mark.slow
-def test_packed_bits_under_vmap_over_keys_and_of_a_window():
+@pytest.mark.parametrize("layout", GROUPED)
+def test_packed_bits_under_vmap_over_keys_and_of_a_window(layout):
   """The packed KeyedBits through the primitive's batching (a key per slice in the rows, the cols shared) and
   of a Window (fp4jax.grouped's piece of an expert's draw): kernel == XLA path."""
   keys = jax.random.split(jax.random.key(5), 3)
   x = make_input((3, 32, 48), jnp.float32)
   q = lambda impl: jax.vmap(lambda x, k: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=k, impl=impl,
-                                                         sr_bits="packed").data)(x, keys)
+                                                         sr_bits=layout).data)(x, keys)
   np.testing.assert_array_equal(np.asarray(q("pallas")), np.asarray(q("xla")))
   window = random_bits.Window.of(jax.random.key(9), (40, 96), (8, 16), (8, 32))
   x = make_input((8, 32), jnp.float32)
-  q = lambda impl: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=window, impl=impl, sr_bits="packed").data
+  q = lambda impl: fp4jax.quantize(x, "nvfp4", rounding="stochastic", key=window, impl=impl, sr_bits=layout).data
   np.testing.assert_array_equal(np.asarray(q("pallas")), np.asarray(q("xla")))
 
 

@@ -45,17 +45,18 @@ def test_quantize_rht_t_lowers(fmt, rounding):
   assert _kernels_in(fn, S((1024, 256), jnp.bfloat16), key) == 1
 
 
+@pytest.mark.parametrize("layout", ["packed", "philox"])
 @pytest.mark.parametrize("op", ["1d", "2d", "rht_t"])
-def test_packed_sr_bits_lower(op):
-  # sr_bits="packed": one hash per 8 elements, its bytes spread over them (random_bits.packed_bytes in the
-  # 1d/2d kernels, packed_byte row by row in the RHT kernel)
+def test_packed_sr_bits_lower(op, layout):
+  # the grouped layouts: one hash per 8 or 16 elements, its bytes spread over them (random_bits.group_bytes in
+  # the 1d/2d kernels, group_byte row by row in the RHT kernel; philox's high products by inline PTX)
   key = jax.eval_shape(lambda: jax.random.key(0))
   if op == "rht_t":
     fn = lambda x, k: quantize_rht_transposed(x, "nvfp4", rounding="stochastic", key=k, impl="pallas",
-                                              sr_bits="packed").data
+                                              sr_bits=layout).data
   else:
     fn = lambda x, k: fp4jax.quantize(x, "nvfp4", tile=(16, 16) if op == "2d" else None, rounding="stochastic",
-                                      key=k, impl="pallas", sr_bits="packed").data
+                                      key=k, impl="pallas", sr_bits=layout).data
   assert _kernels_in(fn, S((1024, 256) if op == "rht_t" else (304, 304), jnp.bfloat16), key) == 1
 
 

@@ -173,11 +173,11 @@ def test_stochastic_rounding_api(fmt):
   np.testing.assert_array_equal(bits_of(q1.scale), bits_of(fp4jax.quantize(x, fmt).scale))
 
 
-@pytest.mark.parametrize("sr_bits", ["jax", "packed"])
+@pytest.mark.parametrize("sr_bits", ["jax", "packed", "philox"])
 def test_stochastic_rounding_unbiased_through_nvfp4(sr_bits):
   """The mean of dequantized SR draws converges to the scaled-and-saturated value (bound from the
   variance); every draw lies within one grid step of it; round-to-nearest is visibly further off. With
-  either layout of the bits ("packed": 8 elements' bytes from one hash)."""
+  every layout of the bits ("packed": 8 elements' bytes from one hash; "philox": 16)."""
   n = 2000
   x = normal((16, 32), seed=4)
   keys = jax.random.split(jax.random.key(0), n)

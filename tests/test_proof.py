@@ -104,7 +104,7 @@ def test_exact_kernel_is_proved_cached_and_used(fake_gpu, kernel_faster, monkeyp
   cases = [c["case"] for v in entry["evidence"]["variants"] for c in v["cases"]]
   assert {"random", "tiny 2^-120", "huge 2^118", "nan/inf, finite amax", "nan/inf, amax inf", "amax nan",
           "zeros"} <= set(cases)
-  assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16", "1x16 SR", "1x16 SR packed"]
+  assert [v["variant"] for v in entry["evidence"]["variants"]] == ["1x16", "1x16 SR", "1x16 SR packed", "1x16 SR philox"]
   assert all(c["mismatches"] == 0 and c["compared"] > 0 for v in entry["evidence"]["variants"] for c in v["cases"])
   # ... once: the same process asks again without proving again,
   assert dispatch.default_impl(OP, FMT) == "pallas" and calls == [(OP, FMT)]

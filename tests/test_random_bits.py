@@ -231,7 +231,7 @@ def test_packed_twin_kernel_hash_and_oracle_agree(shape, axis):
   words = random_bits.hashed_words(r[..., 0, None], r[..., 1, None], r[..., 2, None], r[..., 3, None],
                                    c[:, 0], c[:, 1])
   _assert_same(random_bits.packed_bytes(*words).astype(jnp.uint8), moved)
-  assert [random_bits.packed_byte(*words, e)[..., 0].astype(jnp.uint8).tolist() for e in range(8)] == \
+  assert [random_bits.group_byte(words, e)[..., 0].astype(jnp.uint8).tolist() for e in range(8)] == \
       [moved[..., e].tolist() for e in range(8)]
 
 
@@ -249,12 +249,77 @@ def test_packed_under_vmap_and_of_a_window():
   _assert_same(window.keyed().make(), jax.random.bits(key, (40, 96), jnp.uint8)[5:13, 16:48])
 
 
+# Random123's known answers for philox4x32-10 (kat_vectors): (counter x0..x3, key k0 k1) -> four words.
+PHILOX_KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+              ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+              ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+               (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+
+
+def test_philox4x32_gives_random123s_known_answers():
+  u32 = lambda v: jnp.array([v], jnp.uint32)
+  for x, k, want in PHILOX_KAT:
+    got = jax.jit(random_bits.philox4x32)(*map(u32, k), *map(u32, x))
+    assert [int(w[0]) for w in got] == list(want)
+
+
+def _philox_oracle(key, shape, axis):
+  """The philox layout by its definition (docs/NUMERICS.md), in numpy: group g (16 consecutive elements along
+  ``axis``, numbered row-major) hashed at the counter (g mod 2^32, g >> 32, 0, 0) under the key's two words;
+  element 16g + e takes byte e of the 128 bits, low word and low byte first."""
+  moved = tuple(np.moveaxis(np.empty(shape), axis, -1).shape)
+  g = np.arange(int(np.prod(moved)) // 16, dtype=np.uint64)
+  k = np.asarray(jax.random.key_data(key))
+  words = random_bits.philox4x32(*(jnp.full(g.shape, v, jnp.uint32) for v in k),
+                                 jnp.asarray(g & np.uint64(0xFFFFFFFF), jnp.uint32),
+                                 jnp.asarray(g >> np.uint64(32), jnp.uint32),
+                                 jnp.zeros(g.shape, jnp.uint32), jnp.zeros(g.shape, jnp.uint32))
+  b = np.stack([np.asarray(w) for w in words], axis=-1).astype("<u4").view(np.uint8)
+  return np.moveaxis(b.reshape(moved), -1, axis)
+
+
+PHILOX_VECTOR = [[11, 23, 45, 64, 31, 247, 119, 9, 219, 41, 158, 163, 89, 154, 227, 161],
+                 [30, 223, 143, 21, 161, 23, 76, 139, 71, 87, 235, 43, 118, 253, 113, 37]]
+
+
+def test_philox_layout_test_vector():   # docs/NUMERICS.md's vector: key jax.random.key(42), shape (2, 16)
+  got = random_bits.rounding_bits(jax.random.key(42), (2, 16), layout="philox")
+  np.testing.assert_array_equal(np.asarray(got), np.array(PHILOX_VECTOR, np.uint8))
+  np.testing.assert_array_equal(np.asarray(got), _philox_oracle(jax.random.key(42), (2, 16), -1))
+
+
+@pytest.mark.parametrize("shape,axis", [((16,), 0), ((3, 32), -1), ((48, 5), 0), ((2, 32, 3), 1)])
+def test_philox_twin_kernel_hash_and_oracle_agree(shape, axis):
+  # rounding_bits, KeyedBits.make and the plain-op hash a kernel runs (hashed_words + group_bytes on rows and
+  # cols[::16]) against the definition
+  key = jax.random.fold_in(jax.random.key(8), len(shape))
+  want = _philox_oracle(key, shape, axis)
+  _assert_same(jax.jit(lambda k: random_bits.rounding_bits(k, shape, axis, "philox"))(key), jnp.asarray(want))
+  kb = random_bits.KeyedBits.of(key, shape, axis, "philox")
+  moved = jnp.asarray(np.moveaxis(want, axis, -1))
+  _assert_same(kb.make(), moved)
+  r, c = kb.rows, kb.cols[::16]
+  words = random_bits.hashed_words(r[..., 0, None], r[..., 1, None], r[..., 2, None], r[..., 3, None],
+                                   c[:, 0], c[:, 1], layout="philox")
+  _assert_same(random_bits.group_bytes(words).astype(jnp.uint8), moved)
+  assert [random_bits.group_byte(words, e)[..., 0].astype(jnp.uint8).tolist() for e in range(16)] == \
+      [moved[..., e].tolist() for e in range(16)]
+  # a window's rectangle (fp4jax.grouped): column start and width multiples of 16
+  if len(shape) == 2 and axis == -1:
+    full = random_bits.rounding_bits(key, (8, 64), layout="philox")
+    window = random_bits.Window.of(key, (8, 64), (2, 16), (3, 32))
+    _assert_same(random_bits.rounding_bits(window, (3, 32), layout="philox"), full[2:5, 16:48])
+    _assert_same(window.keyed("philox").make(), full[2:5, 16:48])
+
+
 def test_packed_refuses_what_it_cannot_draw():
   key = jax.random.key(0)
   with pytest.raises(ValueError, match="multiple of 8"):
     random_bits.rounding_bits(key, (4, 20), layout="packed")
   with pytest.raises(ValueError, match="multiple of 8"):
     random_bits.KeyedBits.of(key, (20, 16), 0, "packed")
+  with pytest.raises(ValueError, match="multiple of 16"):
+    random_bits.rounding_bits(key, (4, 24), layout="philox")
   with pytest.raises(ValueError, match="threefry2x32"):
     random_bits.rounding_bits(jax.random.key(0, impl="rbg"), (4, 16), layout="packed")
   with pytest.raises(ValueError, match="sr_bits='pack'"):
@@ -268,3 +333,5 @@ def test_packed_hash_ops_are_fewer():
   assert random_bits.hash_ops("jax", n) == 126 * n
   assert random_bits.hash_ops("packed", n) == n // 8 * 124 + 3 * n
   assert random_bits.hash_ops("jax", n) / random_bits.hash_ops("packed", n) > 6.5
+  assert random_bits.hash_ops("philox", n) == n // 16 * 97 + 2 * n
+  assert random_bits.hash_ops("packed", n) / random_bits.hash_ops("philox", n) > 2.2

@@ -60,10 +60,10 @@ def test_sr_bits_reach_every_stochastic_rounding_and_only_those():
   r = recipes.nvfp4(sr_bits="jax")
   q = r.roles
   assert q.dgrad_dy.sr_bits == q.wgrad_dy.sr_bits == "jax" and q.dgrad_dy.stochastic
-  assert all(x.sr_bits == "packed" for x in (q.fprop_x, q.fprop_w, q.wgrad_x))   # nearest: the default's name
-  # The default stream is the packed one (spec §4: the cheapest uniform, independent stream).
-  assert recipes.nvfp4().roles.wgrad_dy.sr_bits == "packed" and recipes.nvfp4().sr_bits == "packed"
-  assert random_bits.DEFAULT == "packed" and Quantizer("nvfp4", stochastic=True).sr_bits == "packed"
+  assert all(x.sr_bits == "philox" for x in (q.fprop_x, q.fprop_w, q.wgrad_x))   # nearest: the default's name
+  # The default stream is philox's (spec §4: the cheapest uniform, independent stream).
+  assert recipes.nvfp4().roles.wgrad_dy.sr_bits == "philox" and recipes.nvfp4().sr_bits == "philox"
+  assert random_bits.DEFAULT == "philox" and Quantizer("nvfp4", stochastic=True).sr_bits == "philox"
   assert recipes.tetrajet2(sr_bits="jax").roles.dgrad_dy.sr_bits == "jax"
   assert recipes.mxfp4(sr_bits="jax").roles.wgrad_dy.sr_bits == "jax"
   assert r != recipes.nvfp4() and hash(r) != hash(recipes.nvfp4())
@@ -73,11 +73,11 @@ def test_sr_bits_named_where_nothing_rounds_stochastically():
   # A recipe names the stream its stochastic rounding would draw; where nothing rounds stochastically either
   # name is accepted (a run recorded with "jax" resumes with any recipe) and every quantizer is the same.
   for make in (lambda **k: recipes.nvfp4(stochastic_grad=False, **k), recipes.fp8, recipes.quartet2, recipes.bf16):
-    assert make(sr_bits="jax").roles == make(sr_bits="packed").roles
+    assert make(sr_bits="jax").roles == make(sr_bits="packed").roles == make(sr_bits="philox").roles
   with pytest.raises(ValueError, match="sr_bits='per_group'"):
     recipes.nvfp4(sr_bits="per_group")
   # A quantizer and fp4jax.quantize refuse a stream other than the default where they do not round stochastically.
-  with pytest.raises(ValueError, match="set stochastic=True or leave sr_bits='packed'"):
+  with pytest.raises(ValueError, match="set stochastic=True or leave sr_bits='philox'"):
     Quantizer("nvfp4", sr_bits="jax")
   x = jnp.ones((4, 32))
   with pytest.raises(ValueError, match="needs rounding='stochastic'"):
@@ -86,9 +86,10 @@ def test_sr_bits_named_where_nothing_rounds_stochastically():
     fp4jax.quantize(x, "nvfp4", rounding="stochastic", bits=jnp.zeros((4, 32), jnp.uint8), sr_bits="jax")
 
 
-def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
-  """With the kernels, the dot's two SR quantizes (dgrad dy 1x16, wgrad dy RHT-16 transposed) get the packed
-  KeyedBits; on the XLA path its gradients differ from the "jax" layout's (the bits are really used)."""
+@pytest.mark.parametrize("layout", ["packed", "philox"])
+def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch, layout):
+  """With the kernels, the dot's two SR quantizes (dgrad dy 1x16, wgrad dy RHT-16 transposed) get a grouped
+  layout's KeyedBits; on the XLA path its gradients differ from the "jax" layout's (the bits are really used)."""
   import jax   # pylint: disable=import-outside-toplevel
   x = inputs.normal(jax.random.key(0), (32, 64), jnp.float32)
   w = inputs.normal(jax.random.key(1), (64, 32), jnp.float32)
@@ -97,7 +98,7 @@ def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
 
   def grads(recipe):
     return jax.grad(lambda x, w: (fp4jax.dot(x, w, recipe=recipe, key=key) * dy).sum(), argnums=(0, 1))(x, w)
-  packed = recipes.nvfp4(sr_bits="packed")
+  packed = recipes.nvfp4(sr_bits=layout)
   dx, dw = jax.jit(lambda: grads(packed))()
   dx0, dw0 = jax.jit(lambda: grads(recipes.nvfp4(sr_bits="jax")))()
   assert not jnp.array_equal(dx, dx0) and not jnp.array_equal(dw, dw0)
@@ -115,5 +116,5 @@ def test_dot_with_packed_sr_bits_hashes_them_in_its_kernels(monkeypatch):
           if hasattr(inner, "eqns"):
             yield from keyed(inner.eqns)
   found = set(keyed(eqns))
-  assert ("fp4jax_quantize", "packed") in found and ("fp4jax_quantize_rht_t", "packed") in found
-  assert all(k in (False, "packed") for _, k in found)
+  assert ("fp4jax_quantize", layout) in found and ("fp4jax_quantize_rht_t", layout) in found
+  assert all(k in (False, layout) for _, k in found)

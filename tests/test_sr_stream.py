@@ -18,7 +18,7 @@ from fp4jax.numerics import e2m1
 
 SIGMAS = 6
 ROWS, COLS = 256, 512                 # 131072 elements: 512 per byte value
-STREAMS = [random_bits.DEFAULT, random_bits.JAX]
+STREAMS = list(random_bits.SR_BITS)   # philox (the default), packed, jax
 
 
 def draw(key, layout, shape=(ROWS, COLS), axis=-1):
@@ -53,8 +53,9 @@ def check_independent(a, b, what):
 def test_every_byte_position_is_uniform(layout):
   r = draw(jax.random.key(11), layout)
   check_uniform(r, layout)
-  for e in range(random_bits.GROUP):   # each element of a hash's group of 8 (packed: byte e of its 64 bits)
-    stat = chi2_uniform(r[:, e::random_bits.GROUP], 256)
+  n = max(random_bits.group(layout), random_bits.GROUP)
+  for e in range(n):   # each element of a hash's group (byte e of its 64 or 128 bits)
+    stat = chi2_uniform(r[:, e::n], 256)
     assert stat <= chi2_bound(255), f"{layout}: byte {e} of each group, chi-square {stat:.0f}"
   for bit in range(8):                 # every bit a fair coin
     ones = float((r >> bit & 1).mean())
@@ -64,7 +65,8 @@ def test_every_byte_position_is_uniform(layout):
 @pytest.mark.parametrize("layout", STREAMS)
 def test_elements_of_one_tensor_are_independent(layout):
   r = draw(jax.random.key(12), layout)
-  for lag in range(1, random_bits.GROUP + 1):   # inside a group, and across the boundary to the next
+  for lag in range(1, max(random_bits.group(layout), random_bits.GROUP) + 1):   # inside a group, and across
+    # the boundary to the next
     check_independent(r[:, :-lag], r[:, lag:], f"{layout}: elements {lag} apart along the quantized axis")
   check_independent(r[:-1], r[1:], f"{layout}: the same column of neighbouring rows")
   # the rows a device's shard holds against another shard's rows (the counters are global)

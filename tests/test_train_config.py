@@ -65,14 +65,14 @@ def test_sr_bits_chooses_the_recipes_rounding_bits_and_an_old_run_resumes_withou
   recipe, late, _ = config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=jax",
                                                      "--config.precision_switch.fraction=0.2"))
   assert (recipe.name, recipe.sr_bits, late.sr_bits) == ("nvfp4", "jax", "jax")
-  assert config_lib.resolve_recipes(_load(tiny))[0].sr_bits == "packed"   # not chosen: fp4jax's default
+  assert config_lib.resolve_recipes(_load(tiny))[0].sr_bits == "philox"   # not chosen: fp4jax's default
   assert config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=jax", "--config.recipe=bf16"))[0].name == "bf16"
-  with pytest.raises(ConfigError, match=r"sr_bits='per_8'; use one of \('jax', 'packed'\)"):
+  with pytest.raises(ConfigError, match=r"sr_bits='per_8'; use one of \('jax', 'packed', 'philox'\)"):
     config_lib.resolve_recipes(_load(tiny, "--config.sr_bits=per_8"))
   # Not chosen (None): a new run takes the default, and its record names it.
   fresh = _load(tiny)
   config_lib.keep_recorded_sr_bits(fresh, None)
-  assert fresh.sr_bits == "packed" and config_lib.to_plain(fresh)["sr_bits"] == "packed"
+  assert fresh.sr_bits == "philox" and config_lib.to_plain(fresh)["sr_bits"] == "philox"
   # A run recorded before the field existed (the stream was "jax") resumes with "jax", and sees no change.
   before = config_lib.to_plain(config)
   del before["sr_bits"]
@@ -80,7 +80,7 @@ def test_sr_bits_chooses_the_recipes_rounding_bits_and_an_old_run_resumes_withou
   config_lib.keep_recorded_sr_bits(resumed, before)
   assert resumed.sr_bits == "jax" and config_lib.resolve_recipes(resumed)[0].sr_bits == "jax"
   assert workdir.config_changes(before, resumed) == {}
-  # A run recorded with "jax" (the former default) or "packed" keeps it; a stream chosen on the command line
+  # A run recorded with "jax" or "packed" (former defaults) keeps it; a stream chosen on the command line
   # that differs from the record is a change a resume refuses.
   for recorded in ("jax", "packed"):
     again = _load(tiny)

@@ -71,7 +71,7 @@ def _flags():
   flags.FLAGS.set_default("devices", 1)   # scale.py's flag; here: GPUs of the topology (--what step)
   flags.DEFINE_enum("target", "h200", TARGETS, "GPU target (bench/predict/gpu_targets/<target>.txtpb).")
   flags.DEFINE_string("what", "dot", "quantize | quantize_sr | quantize_2d | quantize_rht_t | "
-                      "quantize_rht_t_sr | (quantize_sr | quantize_2d_sr | quantize_rht_t_sr)_packed | dequantize | "
+                      "quantize_rht_t_sr | (quantize_sr | quantize_2d_sr | quantize_rht_t_sr)_(packed | philox) | dequantize | "
                       "scaled_matmul | mixed_matmul | ssd | gated_norm | dot | step | kernels | ops | dots "
                       "(the last three: a comma-separated list compiles them in one process)")
   flags.DEFINE_string("shape", None, "M,K for an op (T,C for quantize_rht_t), M,N,K for "
@@ -84,8 +84,8 @@ def _flags():
                     "FP4JAX_DEFAULT_IMPL for the run; native (dot, step): every GEMM that has one "
                     "block-scaled, FP4JAX_DEFAULT_IMPL=native.")
   flags.DEFINE_string("recipe", "nvfp4", "recipe preset of --what dot.")
-  flags.DEFINE_enum("sr_bits", None, ("jax", "packed"), "--what dot: the recipe with this Recipe.sr_bits (the "
-                    "layout of its stochastic-rounding bits; default: the preset's, 'packed').")
+  flags.DEFINE_enum("sr_bits", None, ("jax", "packed", "philox"), "--what dot: the recipe with this "
+                    "Recipe.sr_bits (the layout of its stochastic-rounding bits; default: the preset's, 'philox').")
   flags.DEFINE_enum("peaks", "derated", ("derated", "spec"), "peak rates of the cost model.")
   flags.DEFINE_boolean("twin", True, "also compile the bf16 twin (dot, step) and print the ratio.")
   flags.DEFINE_boolean("small", True, "kernels/ops/dots at small shapes.")

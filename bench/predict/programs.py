@@ -18,7 +18,7 @@ def _with(sharding, tree):
 
 def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
   """One fp4jax op on bf16 inputs of ``shape`` ((M, K); (M, N, K) for scaled_matmul). An SR quantize op
-  ending in ``_packed`` draws its bits in the packed layout (``sr_bits="packed"``)."""
+  ending in ``_packed`` or ``_philox`` draws its bits in that layout (``sr_bits=``), else in "jax"'s."""
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
   import fp4jax   # pylint: disable=import-outside-toplevel
@@ -26,8 +26,8 @@ def op_program(what: str, shape, fmt: str, impl: str, sharding) -> Program:
   key = _with(sharding, jax.eval_shape(lambda: jax.random.key(0)))
   kern = 1 if impl == "pallas" else 0
   tag = f"{what}_{fmt}_{impl or 'auto'}"
-  sr_bits = "packed" if what.endswith("_sr_packed") else "jax"
-  what = what.removesuffix("_packed") if sr_bits == "packed" else what
+  sr_bits = next((g for g in ("packed", "philox") if what.endswith(f"_sr_{g}")), "jax")
+  what = what.removesuffix(f"_{sr_bits}") if sr_bits != "jax" else what
   if what in ("quantize", "quantize_sr", "quantize_2d", "quantize_2d_sr"):
     m, k = shape
     tile = (16, 16) if what.startswith("quantize_2d") else None
@@ -146,7 +146,8 @@ KERNEL_OPS = (("quantize", "nvfp4"), ("quantize_sr", "nvfp4"), ("quantize_2d", "
               ("quantize_rht_t_sr", "nvfp4"), ("quantize_rht_t", "mxfp4"),
               ("scaled_matmul", "nvfp4"), ("scaled_matmul", "mxfp4"), ("mixed_matmul", "nvfp4"),
               ("mixed_matmul", "mxfp4"), ("quantize_sr_packed", "nvfp4"), ("quantize_2d_sr_packed", "nvfp4"),
-              ("quantize_rht_t_sr_packed", "nvfp4"))
+              ("quantize_rht_t_sr_packed", "nvfp4"), ("quantize_sr_philox", "nvfp4"),
+              ("quantize_2d_sr_philox", "nvfp4"), ("quantize_rht_t_sr_philox", "nvfp4"))
 XLA_OPS = tuple(o for o in KERNEL_OPS if o[0] != "mixed_matmul") + (("dequantize", "nvfp4"), ("dequantize", "mxfp4"))
 
 

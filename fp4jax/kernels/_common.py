@@ -263,13 +263,24 @@ def encode(scaled_f32, bits):
 def sr_mode(bits):
   """How a kernel gets its rounding bits: None (nearest even), "bits" (a uint8 array of x's shape, loaded),
   "key" (``random_bits.KeyedBits`` in the "jax" layout: two small operands, rows (R, 4) and cols (K, 2),
-  one hash per element in the kernel; no bits array in HBM) or "packed" (KeyedBits in the packed layout: rows
-  (R, 4) and cols (K/8, 2), one hash per 8 elements)."""
+  one hash per element in the kernel; no bits array in HBM), or a grouped layout's name, "packed" or "philox"
+  (KeyedBits in that layout: rows (R, 4) and cols (K/n, 2), one hash per n = 8 or 16 elements)."""
   if bits is None:
     return None
   if not isinstance(bits, random_bits.KeyedBits):
     return "bits"
-  return "key" if bits.layout == random_bits.JAX else "packed"
+  return "key" if bits.layout == random_bits.JAX else bits.layout
+
+
+def grouped(mode) -> bool:
+  """Whether ``sr_mode`` is a grouped layout (one hash per group of columns)."""
+  return mode in random_bits.GROUPS
+
+
+def group_hash(mode, *args, interpret: bool):
+  """The hash words of grouped layout ``mode`` at (k1, k2, row_hi, row_lo, col_hi, col_lo), inside a kernel:
+  ``random_bits.hashed_words`` with the kernel's high-word product (``plc.mulhi``)."""
+  return random_bits.hashed_words(*args, layout=mode, mulhi=plc.mulhi(interpret=interpret))
 
 
 def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
@@ -278,10 +289,10 @@ def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
   return random_bits.hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo) & jnp.uint32(0xFF)
 
 
-def tile_bits(mode, refs, width=None):
+def tile_bits(mode, refs, width=None, *, interpret: bool):
   """The rounding bits of a (R, K) tile: None, the loaded tile (``mode`` "bits": refs = (bits_ref,)), or
   hashed from refs = (rows_ref (R, 4), cols_ref (K, 2)) (``mode`` "key"), or (rows_ref (R, 4), cols_ref
-  (K/8, 2)) (``mode`` "packed": one hash per 8 columns, its 8 bytes spread over them). Ref reads, not register
+  (K/n, 2)) (a grouped ``mode``: one hash per n columns, its bytes spread over them). Ref reads, not register
   slices (Triton has no slice). ``width``: the tile's columns inside the array (``plc.load_columns``), None for
   all: the loaded bits of the columns past it are zeros (never stored; KeyedBits' cols are padded whole,
   ``bits_operands``)."""
@@ -292,32 +303,32 @@ def tile_bits(mode, refs, width=None):
   rows_ref, cols_ref = refs
   row = lambda i: rows_ref[:, i][:, None]
   args = (row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
-  if mode == "packed":
-    return random_bits.packed_bytes(*random_bits.hashed_words(*args))
+  if grouped(mode):
+    return random_bits.group_bytes(group_hash(mode, *args, interpret=interpret))
   return keyed_bits(*args)
 
 
 def int_ops_suffix(mode, elements: int) -> str:
-  """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key" or "packed"), n =
+  """``_<n>iop`` for a kernel that hashes its bits (``mode`` "key" or a grouped layout), n =
   ``random_bits.hash_ops`` of ``elements``, else "": appended to the pallas_call name, it tells
   bench/predict/hlo_kernels.py the integer work the kernel does beside its bytes (the Triton backend drops
   ``pl.CostEstimate``)."""
-  if mode not in ("key", "packed"):
+  if mode != "key" and not grouped(mode):
     return ""
-  return f"_{random_bits.hash_ops(random_bits.PACKED if mode == 'packed' else random_bits.JAX, elements)}iop"
+  return f"_{random_bits.hash_ops(random_bits.JAX if mode == 'key' else mode, elements)}iop"
 
 
 def packed_cols(bits):
-  """The column counters a packed-layout kernel loads: one per group of 8 columns (``cols[::8]``)."""
-  return bits.cols[::random_bits.GROUP]
+  """The column counters a grouped-layout kernel loads: one per group of n columns (``cols[::n]``)."""
+  return bits.cols[::random_bits.group(bits.layout)]
 
 
 def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_block: int, col_block: int,
                   index, masked: bool = False):
   """(operands, BlockSpecs) of the rounding bits of an x viewed as (rows, cols) in (row_block, col_block)
   blocks on the grid position ``index(i, j) -> (row block, col block)``, zero-padded to (row_pad, col_pad):
-  nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2) (packed: (cols / 8, 2);
-  col_block and col_pad are multiples of 8 there). ``masked``: the kernel masks its last column block
+  nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2) (grouped: (cols / n, 2);
+  col_block and col_pad are multiples of n there). ``masked``: the kernel masks its last column block
   (``tile_bits``' width), so the uint8 bits keep their cols; KeyedBits' cols are padded still (the counters'
   own fusion writes them, a few bytes per column)."""
   mode = sr_mode(bits)
@@ -326,9 +337,9 @@ def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_bl
   if mode == "bits":
     b = pad_axis(pad_axis(bits.reshape(rows, cols), 0, row_pad), 1, cols if masked else col_pad)
     return [b], [plc.BlockSpec((row_block, col_block), index)]
-  g = random_bits.GROUP if mode == "packed" else 1
+  g = random_bits.group(bits.layout)
   r = pad_axis(bits.rows.reshape(rows, 4), 0, row_pad)
-  c = pad_axis(packed_cols(bits) if mode == "packed" else bits.cols, 0, col_pad // g)
+  c = pad_axis(packed_cols(bits), 0, col_pad // g)
   return [r, c], [plc.BlockSpec((row_block, 4), lambda i, j: (index(i, j)[0], 0)),
                   plc.BlockSpec((col_block // g, 2), lambda i, j: (index(i, j)[1], 0))]
 

@@ -45,7 +45,7 @@ def _quantize_1d_kernel(x_ref, a_ref, *refs, fmt, scale_rule, sr, k, interpret):
   *bits_refs, q_ref, s_ref = refs
   b = formats.BLOCK[fmt]
   width = C.block_columns(x_ref, k)
-  bits = C.tile_bits(sr, bits_refs, None if k is None else width)
+  bits = C.tile_bits(sr, bits_refs, None if k is None else width, interpret=interpret)
   q, s = encode_rows(plc.load_columns(x_ref, width).astype(jnp.float32), a_ref[...], bits, fmt=fmt,
                      scale_rule=scale_rule, interpret=interpret)
   plc.store_columns(q_ref, q, width // 2)

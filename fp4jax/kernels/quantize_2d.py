@@ -47,7 +47,7 @@ def _quantize_2d_kernel(x_ref, a_ref, *refs, sr, k, interpret):
   amax_GxN = abs_max(abs_max(x_Gx16xNx16, axis=3), axis=1)
   byte_GxN, enc_GxN = C.nvfp4_block_encode(amax_GxN, s_enc6_Gx1, s_dec_Gx1, interpret=interpret)
   scaled = C.clip(x_Gx16xNx16 * enc_GxN[:, None, :, None], -6.0, 6.0)
-  bits = C.tile_bits(sr, bits_refs, None if k is None else width)
+  bits = C.tile_bits(sr, bits_refs, None if k is None else width, interpret=interpret)
   bits = None if bits is None else bits.reshape(g, TILE, nb, TILE)
   codes = C.encode(scaled, bits)
   plc.store_columns(q_ref, C.pack_pairs(codes.reshape(r, k_block // 2, 2)), width // 2)

@@ -67,10 +67,10 @@ def _butterfly(rows, signs, scale):
   return rows if scale is None else [r * jnp.float32(scale) for r in rows]
 
 
-def _row_bits(sr, bits_refs):
+def _row_bits(sr, bits_refs, interpret):
   """Row i's rounding bits (C-tile, chunks) as a function of i: loaded from the (C-tile, chunks, L) bits
-  tile, or hashed from the key rows (C-tile, 4) and the counter columns (chunks, L, 2) ("key"; packed:
-  (chunks, L/8, 2), byte i % 8 of group i // 8's hash)."""
+  tile, or hashed from the key rows (C-tile, 4) and the counter columns (chunks, L, 2) ("key"; a grouped
+  layout of n: (chunks, L/n, 2), byte i % n of group i // n's hash)."""
   if sr is None:
     return lambda i: None
   if sr == "bits":
@@ -79,20 +79,21 @@ def _row_bits(sr, bits_refs):
   k1, k2, hi, lo = (rows_ref[:, c][:, None] for c in range(4))
   if sr == "key":
     return lambda i: C.keyed_bits(k1, k2, hi, lo, cols_ref[:, i, 0][None, :], cols_ref[:, i, 1][None, :])
-  # "packed": cols (chunks, L/8, 2), one hash per 8 rows, hashed at the first of them (rows run in order)
+  # grouped: cols (chunks, L/n, 2), one hash per n rows, hashed at the first of them (rows run in order)
   words = {}
 
-  def packed(i):
-    g, e = divmod(i, random_bits.GROUP)
+  def grouped(i):
+    g, e = divmod(i, random_bits.group(sr))
     if g not in words:
-      words[g] = random_bits.hashed_words(k1, k2, hi, lo, cols_ref[:, g, 0][None, :], cols_ref[:, g, 1][None, :])
-    return random_bits.packed_byte(*words[g], e)
-  return packed
+      words[g] = C.group_hash(sr, k1, k2, hi, lo, cols_ref[:, g, 0][None, :], cols_ref[:, g, 1][None, :],
+                              interpret=interpret)
+    return random_bits.group_byte(words[g], e)
+  return grouped
 
 
 def _quantize_rht_t_kernel(x_ref, a_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
   *bits_refs, w_ref, s_ref = refs
-  row_bits = _row_bits(sr, bits_refs)
+  row_bits = _row_bits(sr, bits_refs, interpret)
   n, b, L = len(signs), formats.BLOCK[fmt], rows_per_unit
   scale = float(np.float32(1.0 / np.sqrt(n)))
   # 1. RHT of every n-row chunk, rows as (C-tile, chunks) float32 tiles (transposed at the load).
@@ -139,9 +140,9 @@ def _quantize_rht_t_call(x_TxC, amax_1x1, bits_CxT, *, fmt, scale_rule, signs, t
   if sr == "bits":
     ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
     in_specs.append(plc.BlockSpec((bc, bu, L), lambda i, j: (j, i, 0)))
-  elif sr in ("key", "packed"):   # packed: one column counter per 8 tokens
-    g = random_bits.GROUP if sr == "packed" else 1
-    cols = C.packed_cols(bits_CxT) if sr == "packed" else bits_CxT.cols
+  elif sr == "key" or C.grouped(sr):   # grouped: one column counter per group of tokens
+    g = random_bits.group(bits_CxT.layout)
+    cols = C.packed_cols(bits_CxT)
     ops += [C.pad_axis(bits_CxT.rows, 0, cp), C.pad_axis(cols.reshape(u, L // g, 2), 0, up)]
     in_specs += [plc.BlockSpec((bc, 4), lambda i, j: (j, 0)),
                  plc.BlockSpec((bu, L // g, 2), lambda i, j: (i, 0, 0))]

@@ -3,7 +3,7 @@ axis in 1D blocks or (nvfp4) 16x16 tiles over the last two axes.
 
 Operands: x, the NVFP4 tensor amax (a scalar, or one per vmapped slice: its shape is a prefix of x's;
 reduced by the caller; zeros for MXFP4), and for stochastic rounding either the 8-bit random bits of x's
-shape, or (param ``keyed``: their layout, "jax" or "packed") the two small operands of ``random_bits.KeyedBits``,
+shape, or (param ``keyed``: their layout, "jax", "packed" or "philox") the two small operands of ``random_bits.KeyedBits``,
 rows (..., 4) per row of x and cols (K, 2), from which the kernel hashes the same bits (the XLA side draws them
 as an array).
 Params: fmt, tiled, scale_rule, keyed, impl, stored (the XLA side reads x as its dtype stores it,
@@ -37,14 +37,14 @@ def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored):
 
 def sr_bits(bits, keyed):
   """The op's rounding-bits operands as the kernels take them: None, the array, or KeyedBits (``keyed``: its
-  layout, "jax" or "packed")."""
+  layout, "jax", "packed" or "philox")."""
   if not bits:
     return None
   return random_bits.KeyedBits(*bits, layout=keyed) if keyed else bits[0]
 
 
 def keyed_param(bits):
-  """The ops' param ``keyed``: the layout of KeyedBits ("jax" | "packed"), False for an array or None."""
+  """The ops' param ``keyed``: the layout of KeyedBits ("jax" | "packed" | "philox"), False for an array or None."""
   return bits.layout if isinstance(bits, random_bits.KeyedBits) else False
 
 
