@@ -113,12 +113,10 @@ def precise_div(a, b, *, interpret: bool):
   return out
 
 
-def mulhi(*, interpret: bool):
-  """``f(a, b)``: the high word of the 64-bit product of uint32 arrays, inside a kernel. The Triton backend has
-  no lowering of ``lax.mulhi``, so the compiled kernel asks for PTX ``mul.hi.u32``; the interpreter's kernel
-  body is compiled by XLA, which lowers ``lax.mulhi``."""
-  if interpret:
-    return lambda a, b: jax.lax.mulhi(*jnp.broadcast_arrays(a, b))
+def mulhi():
+  """``f(a, b)``: the high word of the 64-bit product of uint32 arrays, inside a compiled kernel: PTX
+  ``mul.hi.u32`` (the Triton backend has no lowering of ``lax.mulhi``). An interpreted kernel uses the plain
+  uint32 ops of ``random_bits`` instead."""
 
   def f(a, b):   # int32 in and out (Triton's integers are signless), the bits unchanged
     a, b = (jax.lax.bitcast_convert_type(v, jnp.int32)

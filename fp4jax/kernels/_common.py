@@ -279,8 +279,10 @@ def grouped(mode) -> bool:
 
 def group_hash(mode, *args, interpret: bool):
   """The hash words of grouped layout ``mode`` at (k1, k2, row_hi, row_lo, col_hi, col_lo), inside a kernel:
-  ``random_bits.hashed_words`` with the kernel's high-word product (``plc.mulhi``)."""
-  return random_bits.hashed_words(*args, layout=mode, mulhi=plc.mulhi(interpret=interpret))
+  ``random_bits.hashed_words``, compiled with PTX's high-word product (``plc.mulhi``)."""
+  if interpret:
+    return random_bits.hashed_words(*args, layout=mode)
+  return random_bits.hashed_words(*args, layout=mode, mulhi=plc.mulhi())
 
 
 def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
