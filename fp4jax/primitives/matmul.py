@@ -83,10 +83,17 @@ def _batch_leading(dims):
   return (True, True, False, False, False, False) if all(d is None for d in dims[2:]) else None
 
 
+def _transposed(ndims, *, a_tiled, b_tiled, **params):
+  """out(a, b)ᵀ = out(b, a): both operands are contracted along their last axes (2-D a only)."""
+  if ndims[0] != 2:
+    return None
+  return (3, 4, 5, 0, 1, 2), {**params, "a_tiled": b_tiled, "b_tiled": a_tiled}
+
+
 scaled_matmul_p = pair.define(pair.OpSpec(
     "scaled_matmul", _abstract, _local, _shardings, _rule, batch_leading=_batch_leading,
     multiple_results=False,
-    partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}))
+    partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}, transposed=_transposed))
 
 
 def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str):

@@ -54,6 +54,10 @@ class OpSpec:
   batch_leading(dims): per operand, whether it takes the vmapped axis as a new leading axis
     (unbatched ones are broadcast); None: loop over the batch with ``lax.map``.
   partial_params(params): params of the per-shard op that returns float32 partial sums.
+  transposed(ndims, **params): (operand order, params) of the op whose result is this one's transposed, for
+    2-D results; None where there is none. A result reduce-scattered along its last dimension is then summed
+    as that op's partials along their first (a reduce-scatter wants its dimension major: no transpose of the
+    whole partial), and only the shard is transposed back.
   """
 
   name: str
@@ -64,6 +68,7 @@ class OpSpec:
   batch_leading: Callable
   multiple_results: bool = True
   partial_params: Callable | None = None
+  transposed: Callable | None = None
 
 
 def define(spec: OpSpec) -> Primitive:
@@ -195,8 +200,14 @@ def _partitioned(spec, local_prim, ndims, params_items):
     out_spec = shd.spec_of(outs, ndim)
     wanted = shd.spec_of(named_or_replicated(mesh, result_shape.sharding, ndim), ndim)
     dim = shd.scatter_dim(mesh, out_spec, wanted, result_shape.shape, contracted)
+    flip = spec.transposed(ndims, **params) if dim == 1 and ndim == 2 and spec.transposed else None
 
     def local_sum(*ops):
+      if flip is not None:
+        order, flipped = flip
+        part_t = local_prim.bind(*(ops[i] for i in order), **spec.partial_params(flipped))
+        shard_t = lax.psum_scatter(part_t, contracted, scatter_dimension=0, tiled=True)
+        return shard_t.astype(result_shape.dtype).T
       part = local_prim.bind(*ops, **spec.partial_params(params))
       if dim is None:
         return lax.psum(part, contracted).astype(result_shape.dtype)
