@@ -174,17 +174,19 @@ PHILOX_ROUNDS = 10
 
 
 def _mulhi(a, b):
-  """The high word of the 64-bit product of uint32 arrays, from 16-bit halves (``_mul_u32``): plain uint32 ops
-  that every lowering takes (``lax.mulhi``'s CHLO op does not survive the partitioner's round trip of a
-  custom-partitioned op, jax 0.10)."""
+  """The high word of the 64-bit product of uint32 arrays: the product in uint64 (64-bit types for these three
+  ops only, ``jax.enable_x64``), shifted. Not ``lax.mulhi``: its CHLO op does not survive the partitioner's
+  round trip of a custom-partitioned op on a mesh (jax 0.10: "Unable to convert MHLO to StableHLO")."""
   a, b = jnp.broadcast_arrays(jnp.asarray(a, _U32), jnp.asarray(b, _U32))
-  return _mul_u32(a, b)[0]
+  with jax.enable_x64(True):
+    wide = lax.convert_element_type(a, jnp.uint64) * lax.convert_element_type(b, jnp.uint64)
+    return lax.convert_element_type(wide >> jnp.uint64(32), _U32)
 
 
 def philox4x32(k0, k1, x0, x1, x2, x3, mulhi=_mulhi):
   """philox4x32-10 (Salmon et al. 2011, Random123; the generator of cuRAND's Philox4_32_10 and of jax's
   "philox4x32" PRNG) of the counter words (x0, x1, x2, x3) under the key (k0, k1): four uint32 words.
-  ``mulhi(a, b)``: the high word of the 64-bit product of uint32 arrays (``_mulhi``, from 16-bit halves; a
+  ``mulhi(a, b)``: the high word of the 64-bit product of uint32 arrays (``_mulhi``, a uint64 product; a
   compiled kernel passes PTX's mul.hi.u32, ``fp4jax._pallas_compat.mulhi``). Per counter 80 uint32 ops: 10 rounds of two
   products (low and high words) and four xors; the key's increments are per key, not per counter."""
   m0, m1 = _U32(_PHILOX_M[0]), _U32(_PHILOX_M[1])

@@ -13,7 +13,9 @@
    (``fp4jax._native_compat.vary_like``), and each device's experts equal the unsharded result.
 4. A kernel that does not lower for a layout runs as its XLA twin, with a warning (``fp4jax.primitives.pair``).
 5. A contraction split over the mesh whose result is wanted split over the same axis (a weight gradient over token
-   shards): its float32 partial products are reduce-scattered (``fp4jax.primitives.pair``), not all-reduced.
+   shards): its float32 partial products are reduce-scattered (``fp4jax.primitives.pair``), not all-reduced; a
+   result split along its last dimension (a weight sharded along N) as the GEMM's transposed partials along their
+   first, the dimension a reduce-scatter wants major (``OpSpec.transposed``).
 6. fp4jax.dot on the native path with fp4jax's Mosaic GEMM (its twin on the CPU), row-sharded x: the three GEMMs
    are the partitioned op, forward and gradients equal the unsharded results.
 """
@@ -98,6 +100,19 @@ with jax.sharding.set_mesh(auto):
 out["contraction over the shards reduce-scattered"] = (
     re.findall(r"= (\S+) reduce-scatter(?:-start)?\(", hlo) == ["f32[16,32]{{1,0}}"]
     and not re.findall(r"= f32\[64,32\]\S* all-reduce", hlo) and close(got, jax.jit(wgrad_like)(a, b)))
+# fp4jax.dot's weight gradient with w (K, N) sharded along N and x along the tokens: the wgrad GEMM's partials are
+# computed transposed, dwᵀ (N, K), and reduce-scattered along N, their first dimension (no transpose of the whole
+# partial on a GPU, whose reduce-scatter wants its dimension major)
+x, w = jax.random.normal(jax.random.key(12), (64, 64)), jax.random.normal(jax.random.key(13), (64, 128))
+dw = lambda x, w: jax.grad(lambda w: (fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3)) ** 2).sum())(w)
+by_cols = NamedSharding(auto, P(None, "x"))
+xs, ws = jax.device_put(x, NamedSharding(auto, P("x", None))), jax.device_put(w, by_cols)
+with jax.sharding.set_mesh(auto):
+  hlo = jax.jit(dw, out_shardings=by_cols).lower(xs, ws).compile().as_text()
+  got = jax.jit(dw, out_shardings=by_cols)(xs, ws)
+scattered = re.findall(r"= (f32\[[\d,]+\])\S* reduce-scatter(?:-start)?\(.*?dimensions=\{{(\d+)\}}", hlo)
+out["wgrad of a weight sharded along N reduce-scattered along N of dwᵀ"] = (
+    scattered == [("f32[32,64]", "0")] and close(got, jax.jit(dw)(x, w)))
 
 # fp4jax's Mosaic GEMM (its twin on the CPU) as the native path's GEMM: a partitioned op, so row-sharded x stays
 # sharded through fprop, dgrad and wgrad (a K-sharded contraction: float32 partials summed across the shards).
@@ -121,7 +136,7 @@ def test_sharded_one_block_axes_and_kernels_in_shard_map():
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 9
+  assert len(results) == 10
   assert all(results.values()), {k: v for k, v in results.items() if not v}
 
 
