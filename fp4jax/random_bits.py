@@ -22,8 +22,9 @@ Three layouts of stochastic-rounding bits (``SR_BITS``, chosen by ``Recipe.sr_bi
 ``fp4jax.quantize(sr_bits=)``): "philox", the default (``DEFAULT``), one philox4x32-10 per 16 consecutive
 elements along the quantized axis, all 128 bits used (the least integer work per element); "packed", one
 threefry2x32 per 8, all 64 bits used; and "jax", the bytes of ``jax.random.bits(key, shape, uint8)`` (one
-threefry2x32 per element, 8 of its 64 bits kept); the last two for runs recorded with them (``rounding_bits``; the contract,
-with test vectors and the integer work of each, in docs/NUMERICS.md; the statistics in tests/test_sr_stream.py).
+threefry2x32 per element, 8 of its 64 bits kept); the last two for runs recorded with them (``rounding_bits``;
+the contract, with test vectors and the integer work of each, in docs/NUMERICS.md; the statistics in
+tests/test_sr_stream.py).
 The low-level functions here (``rounding_bits``, ``KeyedBits``) name their layout explicitly and read "jax"
 when none is given.
 """
@@ -187,8 +188,9 @@ def philox4x32(k0, k1, x0, x1, x2, x3, mulhi=_mulhi):
   """philox4x32-10 (Salmon et al. 2011, Random123; the generator of cuRAND's Philox4_32_10 and of jax's
   "philox4x32" PRNG) of the counter words (x0, x1, x2, x3) under the key (k0, k1): four uint32 words.
   ``mulhi(a, b)``: the high word of the 64-bit product of uint32 arrays (``_mulhi``, a uint64 product; a
-  compiled kernel passes PTX's mul.hi.u32, ``fp4jax._pallas_compat.mulhi``). Per counter 80 uint32 ops: 10 rounds of two
-  products (low and high words) and four xors; the key's increments are per key, not per counter."""
+  compiled kernel passes PTX's mul.hi.u32, ``fp4jax._pallas_compat.mulhi``). Per counter 80 uint32 ops: 10
+  rounds of two products (low and high words) and four xors; the key's increments are per key, not per
+  counter."""
   m0, m1 = _U32(_PHILOX_M[0]), _U32(_PHILOX_M[1])
   for r in range(PHILOX_ROUNDS):
     if r:

@@ -82,13 +82,13 @@ def _row_bits(sr, bits_refs, interpret):
   # grouped: cols (chunks, L/n, 2), one hash per n rows, hashed at the first of them (rows run in order)
   words = {}
 
-  def grouped(i):
+  def hashed(i):
     g, e = divmod(i, random_bits.group(sr))
     if g not in words:
       words[g] = C.group_hash(sr, k1, k2, hi, lo, cols_ref[:, g, 0][None, :], cols_ref[:, g, 1][None, :],
                               interpret=interpret)
     return random_bits.group_byte(words[g], e)
-  return grouped
+  return hashed
 
 
 def _quantize_rht_t_kernel(x_ref, a_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
