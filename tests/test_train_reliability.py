@@ -410,3 +410,10 @@ def test_error_log_of_an_unusable_workdir(tmp_path):
     assert_clear(result, 4, "is a file", f"(traceback: {temp / 'fp4jax_error.log'})")
   assert os.listdir(temp) == ["fp4jax_error.log"]
   assert (temp / "fp4jax_error.log").read_text().count("\n--- traceback ---\n") == 2
+
+
+def test_a_stop_agreed_before_this_process_had_its_signal_exits_as_sigterm():
+  # On several processes the stop is agreed collectively (training.loop: sharding.any_process), so a process can
+  # save and exit on another one's signal before its own arrives: its exit status is SIGTERM's, not an error.
+  from training import preempt   # pylint: disable=import-outside-toplevel
+  assert preempt.exit_code(None) == preempt.exit_code("SIGTERM") == 143 and preempt.exit_code("SIGINT") == 130

@@ -150,20 +150,21 @@ class Loop:
     """The save after a stop signal: skipped (False) when the last save of this start took longer than the
     time left before ``config.preemption_grace_s`` (with a margin), else saved and waited for (True)."""
     run, stop, step = self.run, self.stop, self.step
+    name = stop.signal_name or "another process's stop signal"   # the stop is agreed before this one's came
     estimate = run.checkpoints.last_save_seconds
     left = stop.seconds_left()
     skip = estimate is not None and 1.5 * estimate + 1.0 > left
     if run.process_count > 1:
       skip = sharding.any_process(skip)
     if skip:
-      run.say(f"{stop.signal_name}: not saving step {step}: the last save took {estimate:.1f} s and "
+      run.say(f"{name}: not saving step {step}: the last save took {estimate:.1f} s and "
               f"{max(left, 0):.1f} s are left of config.preemption_grace_s={stop.grace_s:g}; "
               f"{stop.intact()}; exiting (exit {preempt.exit_code(stop.signal_name)})")
       return False
     start = time.monotonic()
     self.save()
     run.checkpoints.wait()
-    run.say(f"{stop.signal_name}: saved checkpoint {step} in {time.monotonic() - start:.1f} s; exiting "
+    run.say(f"{name}: saved checkpoint {step} in {time.monotonic() - start:.1f} s; exiting "
             f"(exit {preempt.exit_code(stop.signal_name)})")
     return True
 

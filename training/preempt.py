@@ -28,7 +28,11 @@ EXIT_CODES = {signal.Signals(s).name: 128 + int(s) for s in SIGNALS}   # SIGTERM
 SET_UP, COMPILE, TRAINING, FINISHING = "set-up", "compile", "training", "finishing"
 
 
-def exit_code(signal_name: str) -> int:
+def exit_code(signal_name: str | None) -> int:
+  """128 + the signal's number. None: a stop this process has not had a signal for yet (the processes agree on a
+  stop, ``sharding.any_process``, and another one's signal came first): SIGTERM's, the stop's usual signal."""
+  if signal_name is None:
+    return EXIT_CODES["SIGTERM"]
   return EXIT_CODES.get(signal_name, 128 + int(getattr(signal, signal_name, 15)))
 
 
