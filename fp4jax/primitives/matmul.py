@@ -6,7 +6,8 @@ a_tiled, b_tiled, out_dtype, impl: "xla", "pallas" (the pair, ``kernels.scaled_m
 passes, then a bf16 GEMM), "mixed" (``kernels.mixed_matmul``: one GEMM that decodes as it loads) or "mosaic"
 (``kernels.mosaic_gemm``: Blackwell's block-scaled tensor cores, the tensor factor and the cast in its epilogue;
 its twin, the XLA path's GEMM, off CUDA). A K-sharded contraction sums float32 partial products across the
-shards: reduce-scattered where the result is wanted split over the same mesh axes, else all-reduced (psum).
+shards: reduce-scattered where the result is wanted split over the same mesh axes (split along N: as the partials
+of b · aᵀ along their first dimension, then the shard transposed), else all-reduced (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
 from __future__ import annotations
