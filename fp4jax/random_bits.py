@@ -91,14 +91,14 @@ def rounding_bits(key, shape, axis: int = -1, layout: str = JAX):
   check_layout(layout)
   if layout == JAX:
     return bits(key, shape, jnp.uint8)
-  axis = _check_packed(shape, axis, layout)
+  axis = _check_grouped(shape, axis, layout)
   moved = shape[:axis] + shape[axis + 1:] + (shape[axis] // group(layout),)
   if isinstance(key, Window):
     if axis != len(shape) - 1:
       raise ValueError(f"sr_bits={layout!r} of a Window draws along its last axis; got axis={axis} of {shape}")
     words = key.words(moved, layout)
   else:
-    data = _packed_key_data(key, layout)
+    data = _grouped_key_data(key, layout)
     if math.prod(shape) == 0:
       return jnp.zeros(shape, jnp.uint8)
     if not _tied_form_applies(moved, jnp.uint8):
@@ -115,7 +115,7 @@ def check_layout(layout):
                      "threefry2x32 per element; docs/NUMERICS.md)")
 
 
-def _check_packed(shape, axis: int, layout: str = PACKED) -> int:
+def _check_grouped(shape, axis: int, layout: str = PACKED) -> int:
   """``axis`` normalized, after checking that the grouped ``layout`` applies to ``shape``."""
   if not shape:
     raise ValueError(f"sr_bits={layout!r} draws along an axis; got a scalar shape")
@@ -127,7 +127,7 @@ def _check_packed(shape, axis: int, layout: str = PACKED) -> int:
   return axis
 
 
-def _packed_key_data(key, layout: str = PACKED):
+def _grouped_key_data(key, layout: str = PACKED):
   """The key's two uint32 words for a grouped layout (threefry2x32 keys only), else a ValueError."""
   data = _threefry_key_data(key, partitionable=False)
   if data is None:
@@ -472,10 +472,10 @@ class KeyedBits:
     rectangle of a Window (the caller then draws with ``rounding_bits``)."""
     shape = tuple(int(d) for d in shape)
     check_layout(layout)
-    axis = axis % len(shape) if layout == JAX else _check_packed(shape, axis, layout)
+    axis = axis % len(shape) if layout == JAX else _check_grouped(shape, axis, layout)
     if isinstance(key, Window):   # its own rectangle, along its last axis; else the caller draws
       return key.keyed(layout) if shape == key.shape and axis == 1 else None
-    data = _threefry_key_data(key) if layout == JAX else _packed_key_data(key, layout)
+    data = _threefry_key_data(key) if layout == JAX else _grouped_key_data(key, layout)
     if data is None or not _tied_form_applies(shape, jnp.uint8):
       return None
     lead = tuple(d for d in range(len(shape)) if d != axis)

@@ -3,9 +3,9 @@ axis in 1D blocks or (nvfp4) 16x16 tiles over the last two axes.
 
 Operands: x, the NVFP4 tensor amax (a scalar, or one per vmapped slice: its shape is a prefix of x's;
 reduced by the caller; zeros for MXFP4), and for stochastic rounding either the 8-bit random bits of x's
-shape, or (param ``keyed``: their layout, "jax", "packed" or "philox") the two small operands of ``random_bits.KeyedBits``,
-rows (..., 4) per row of x and cols (K, 2), from which the kernel hashes the same bits (the XLA side draws them
-as an array).
+shape, or (param ``keyed``: their layout, "jax", "packed" or "philox") the two small operands of
+``random_bits.KeyedBits``, rows (..., 4) per row of x and cols (K, 2), from which the kernel hashes the same bits
+(the XLA side draws them as an array).
 Params: fmt, tiled, scale_rule, keyed, impl, stored (the XLA side reads x as its dtype stores it,
 ``_exact.stored``; a kernel reads x from memory, where it is stored already).
 """
