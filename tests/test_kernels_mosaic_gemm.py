@@ -83,6 +83,26 @@ def test_lowers_for_cuda_to_one_block_scaled_custom_call():
   assert f32.lower(lowering_platforms=("cuda",)).as_text().count(f"@{mc.MOSAIC_CUSTOM_CALL}(") == 1
 
 
+def test_padded_columns_are_zeros_beyond_n():
+  """n_multiple: the columns padded with zeros (a reduce-scatter's partials, sliced as shards); the kernel's own
+  tile columns need no slice on CUDA, a larger multiple pads further."""
+  a, b = _pair()
+  oa, ob = native.operand(a), native.operand(b)
+  ops = (oa.values, oa.scales, ob.values, ob.scales, reference.tensor_factor_parts(a, b))
+  got = mg.mosaic_gemm(*ops, out_dtype=jnp.float32, n_multiple=256)
+  assert got.shape == (48, 256)
+  np.testing.assert_array_equal(_bits(got[:, :32]), _bits(mg.mosaic_gemm(*ops, out_dtype=jnp.float32)))
+  assert not np.asarray(got[:, 32:]).any()
+  S = jax.ShapeDtypeStruct
+  args = [S((256, 512), jnp.float4_e2m1fn), S((256, 32), jnp.float8_e4m3fn), S((200, 512), jnp.float4_e2m1fn),
+          S((200, 32), jnp.float8_e4m3fn), S((4,), jnp.float32)]
+  for n_multiple, cols in ((256, 256), (512, 512), (8, 200)):
+    f = jax.jit(lambda *a: mg.mosaic_gemm(*a, out_dtype=jnp.float32, n_multiple=n_multiple))
+    assert f.trace(*args).lower(lowering_platforms=("cuda",)).out_info.shape == (256, cols)
+  with pytest.raises(ValueError, match="n_multiple must be >= 1"):
+    mg.mosaic_gemm(*ops, n_multiple=0)
+
+
 def test_bad_input_says_what_and_how():
   a, b = _pair()
   oa, ob = native.operand(a), native.operand(b)

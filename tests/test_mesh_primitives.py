@@ -17,7 +17,8 @@
    result split along its last dimension (a weight sharded along N) as the GEMM's transposed partials along their
    first, the dimension a reduce-scatter wants major (``OpSpec.transposed``).
 6. fp4jax.dot on the native path with fp4jax's Mosaic GEMM (its twin on the CPU), row-sharded x: the three GEMMs
-   are the partitioned op, forward and gradients equal the unsharded results.
+   are the partitioned op, forward and gradients equal the unsharded results; the wgrad's partials keep the GEMM's
+   padded columns through the reduce-scatter, and only the shard is sliced (``OpSpec.padded``).
 """
 import json
 import os
@@ -124,6 +125,18 @@ f = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3))
 g = jax.jit(lambda x, w: (f(x, w), jax.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)))
 out["dot nvfp4 on the Mosaic GEMM op, rows, forward and gradients"] = (
     str(jax.make_jaxpr(g)(x, w)).count("impl=mosaic") == 4 and close(g(rows(x), w), g(x, w)))   # 2 fprops
+# its wgrad over token shards keeps the GEMM's padded columns (N = 32 -> 256, zeros) through the reduce-scatter and
+# slices only the shard (``OpSpec.padded``), for w sharded along K and, computed transposed (dwᵀ: K = 64 -> 256),
+# along N
+xs = jax.device_put(x, NamedSharding(auto, P("x", None)))
+for name, spec, want in (("K", P("x", None), ("f32[16,256]", "0")), ("N", P(None, "x"), ("f32[8,256]", "0"))):
+  by = NamedSharding(auto, spec)
+  with jax.sharding.set_mesh(auto):
+    hlo = jax.jit(dw, out_shardings=by).lower(xs, jax.device_put(w, by)).compile().as_text()
+    got = jax.jit(dw, out_shardings=by)(xs, jax.device_put(w, by))
+  scattered = re.findall(r"= (f32\[[\d,]+\])\S* reduce-scatter(?:-start)?\(.*?dimensions=\{{(\d+)\}}", hlo)
+  out[f"Mosaic wgrad, w sharded along {{name}}: padded partials reduce-scattered"] = (
+      scattered == [want] and close(got, jax.jit(dw)(x, w)))
 print("RESULT " + json.dumps(out))
 """
 
@@ -136,7 +149,7 @@ def test_sharded_one_block_axes_and_kernels_in_shard_map():
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 10
+  assert len(results) == 12
   assert all(results.values()), {k: v for k, v in results.items() if not v}
 
 

@@ -227,7 +227,12 @@ def _check(a, a_scales, b, b_scales, factor, residual, out_dtype):
     raise ValueError(f"mosaic_gemm writes {OUT_DTYPES}; got out_dtype={out_dtype}")
 
 
-def _kernel_path(a, a_scales, b, b_scales, factor, residual, *, out_dtype, tiles):
+def padded_columns(n: int, n_multiple: int) -> int:
+  """n rounded up to a multiple of n_multiple: the result's columns with ``mosaic_gemm(n_multiple=...)``."""
+  return -(-n // n_multiple) * n_multiple
+
+
+def _kernel_path(a, a_scales, b, b_scales, factor, residual, *, out_dtype, tiles, n_multiple):
   """The kernel on operands padded to its tiles (zero codes and zero scales: products 0, exact)."""
   (m, k), n = a.shape, b.shape[0]
   up = lambda d, t: -(-d // t) * t
@@ -239,22 +244,27 @@ def _kernel_path(a, a_scales, b, b_scales, factor, residual, *, out_dtype, tiles
     residual = _pad(residual, mp, np_)
   factor = jnp.pad(factor, (0, FACTOR_WORDS - 4))
   out = _gemm_call(a, b, a_tc, b_tc, factor, residual, out_dtype=out_dtype, tiles=tiles)
-  return out[:m, :n]
+  cols = padded_columns(n, n_multiple)
+  return out[:m, :cols] if cols <= np_ else _pad(out[:m], m, cols)
 
 
 def mosaic_gemm(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jnp.bfloat16,
-                tiles: GemmTiles = DEFAULT_TILES):
+                tiles: GemmTiles = DEFAULT_TILES, n_multiple: int = 1):
   """out (M, N) = cast(apply_factor_parts(Σ_k (a·s_a)[m, k] (b·s_b)[n, k], factor) [+ residual]).
 
   a (M, K), b (N, K) float4_e2m1fn; a_scales (M, K/16), b_scales (N, K/16) float8_e4m3fn; factor float32
   (4,) (``reference.tensor_factor_parts``); residual (M, N) of any float dtype or None; out_dtype bf16 or
   float32. The kernel on CUDA (compute capability 10.x: ``fp4jax.dispatch.native_kernel`` decides when), the
-  twin elsewhere.
+  twin elsewhere. n_multiple: the result's columns padded with zeros to a multiple of it (``tiles.tn``: the
+  kernel's own columns, no slice of the result), for a caller that slices later (a reduce-scatter's shard).
   """
   factor = jnp.asarray(factor, jnp.float32)
   _check(a, a_scales, b, b_scales, factor, residual, out_dtype)
-  kernel = functools.partial(_kernel_path, out_dtype=out_dtype, tiles=tiles)
-  twin = functools.partial(mosaic_gemm_reference, out_dtype=out_dtype)
+  if n_multiple < 1:
+    raise ValueError(f"mosaic_gemm: n_multiple must be >= 1; got {n_multiple}")
+  kernel = functools.partial(_kernel_path, out_dtype=out_dtype, tiles=tiles, n_multiple=n_multiple)
+  cols = padded_columns(b.shape[0], n_multiple)
+  twin = lambda *ops: _pad(mosaic_gemm_reference(*ops, out_dtype=out_dtype), a.shape[0], cols)
   return lax.platform_dependent(a, a_scales, b, b_scales, factor, residual, cuda=kernel, default=twin)
 
 

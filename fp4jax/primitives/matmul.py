@@ -7,7 +7,8 @@ passes, then a bf16 GEMM), "mixed" (``kernels.mixed_matmul``: one GEMM that deco
 (``kernels.mosaic_gemm``: Blackwell's block-scaled tensor cores, the tensor factor and the cast in its epilogue;
 its twin, the XLA path's GEMM, off CUDA). A K-sharded contraction sums float32 partial products across the
 shards: reduce-scattered where the result is wanted split over the same mesh axes (split along N: as the partials
-of b · aᵀ along their first dimension, then the shard transposed), else all-reduced (psum).
+of b · aᵀ along their first dimension, then the shard transposed; the Mosaic GEMM's partials with its padded
+columns, param n_multiple, sliced as shards), else all-reduced (psum).
 vmapped calls take the batch as leading axes of a when only a is batched, else loop over it.
 """
 from __future__ import annotations
@@ -28,31 +29,34 @@ from fp4jax.reference import scaled_matmul_reference, tensor_factor_parts
 
 
 def _abstract(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled,
-              out_dtype, impl):
-  return pair.ShapedArray(a_data.shape[:-1] + (b_data.shape[0],), out_dtype)
+              out_dtype, impl, n_multiple):
+  return pair.ShapedArray(a_data.shape[:-1] + (mosaic_kernel.padded_columns(b_data.shape[0], n_multiple),), out_dtype)
 
 
 def _bytes(s):
   return lax.bitcast_convert_type(s, jnp.uint8)
 
 
-def _mosaic(a: QTensor, b: QTensor, out_dtype):
+def _mosaic(a: QTensor, b: QTensor, out_dtype, n_multiple):
   """fp4jax's tcgen05 GEMM on a's rows (leading axes folded into M): the packed codes as float4_e2m1fn, the
   scales per 1x16 block, the tensor factor's parts to its epilogue."""
   rows = lambda x: x.reshape(-1, x.shape[-1])
   out = mosaic_kernel.mosaic_gemm(nc.packed_float4(rows(a.data)), rows(reference.block_scales(a)),
                                   nc.packed_float4(b.data), reference.block_scales(b),
-                                  tensor_factor_parts(a, b), out_dtype=out_dtype)
-  return out.reshape(a.data.shape[:-1] + (b.data.shape[0],))
+                                  tensor_factor_parts(a, b), out_dtype=out_dtype, n_multiple=n_multiple)
+  return out.reshape(a.data.shape[:-1] + out.shape[-1:])
 
 
 def _local(a_data, a_scale, a_amax, b_data, b_scale, b_amax, *, fmt, a_tiled, b_tiled, out_dtype,
-           impl, platform):
+           impl, n_multiple, platform):
   a = along_last(a_data, a_scale, a_amax, fmt=fmt, tiled=a_tiled)
   b = along_last(b_data, b_scale, b_amax, fmt=fmt, tiled=b_tiled)
   if impl == "mosaic":   # the kernel on CUDA, its twin elsewhere (``mosaic_gemm`` chooses by platform)
-    out = _mosaic(a, b, out_dtype)
-  elif impl in ("pallas", "mixed") and platform in ("cuda", "cpu"):
+    return (_mosaic(a, b, out_dtype, n_multiple),)
+  if n_multiple != 1:
+    raise ValueError(f"fp4jax_scaled_matmul pads its result's columns (n_multiple={n_multiple}) with impl "
+                     f"'mosaic' only; got impl={impl!r}")
+  if impl in ("pallas", "mixed") and platform in ("cuda", "cpu"):
     gemm = mixed_kernel.mixed_matmul if impl == "mixed" else kernel.pallas_matmul
     out = gemm(a_data, _bytes(a_scale), b_data, _bytes(b_scale), tensor_factor_parts(a, b), fmt=fmt,
                a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=out_dtype, interpret=platform != "cuda")
@@ -84,6 +88,14 @@ def _batch_leading(dims):
   return (True, True, False, False, False, False) if all(d is None for d in dims[2:]) else None
 
 
+def _padded(ndims, *, impl, **params):
+  """The Mosaic GEMM's partials with its own padded columns (a multiple of its tile's): a reduce-scatter of them
+  along the rows, then the slice of the shard, instead of a slice of the whole partial."""
+  if impl != "mosaic":
+    return None
+  return {**params, "impl": impl, "n_multiple": mosaic_kernel.DEFAULT_TILES.tn}
+
+
 def _transposed(ndims, *, a_tiled, b_tiled, **params):
   """out(a, b)ᵀ = out(b, a): both operands are contracted along their last axes (2-D a only)."""
   if ndims[0] != 2:
@@ -94,7 +106,8 @@ def _transposed(ndims, *, a_tiled, b_tiled, **params):
 scaled_matmul_p = pair.define(pair.OpSpec(
     "scaled_matmul", _abstract, _local, _shardings, _rule, batch_leading=_batch_leading,
     multiple_results=False,
-    partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}, transposed=_transposed))
+    partial_params=lambda params: {**params, "out_dtype": jnp.dtype(jnp.float32)}, transposed=_transposed,
+    padded=_padded))
 
 
 def fp4_matmul(a: QTensor, b: QTensor, *, out_dtype=jnp.float32, impl: str):
@@ -132,4 +145,4 @@ def _bind(a: QTensor, b: QTensor, out_dtype, kernel: str):
     b_amax = zero if b.amax is None else jnp.asarray(b.amax, jnp.float32)
     return scaled_matmul_p.bind(a.data, a.scale, a_amax, b.data, b.scale, b_amax, fmt=a.fmt,
                                 a_tiled=a_tiled, b_tiled=b_tiled, out_dtype=jnp.dtype(out_dtype),
-                                impl=kernel)
+                                impl=kernel, n_multiple=1)

@@ -58,6 +58,9 @@ class OpSpec:
     2-D results; None where there is none. A result reduce-scattered along its last dimension is then summed
     as that op's partials along their first (a reduce-scatter wants its dimension major: no transpose of the
     whole partial), and only the shard is transposed back.
+  padded(ndims, **params): params of the per-shard op whose float32 partials carry its kernel's padding along
+    their last dimension (zeros), or None: a result reduce-scattered along another dimension is then summed
+    padded and only the shard is sliced (a slice of the whole partial is a pass over it).
   """
 
   name: str
@@ -69,6 +72,7 @@ class OpSpec:
   multiple_results: bool = True
   partial_params: Callable | None = None
   transposed: Callable | None = None
+  padded: Callable | None = None
 
 
 def define(spec: OpSpec) -> Primitive:
@@ -202,16 +206,21 @@ def _partitioned(spec, local_prim, ndims, params_items):
     dim = shd.scatter_dim(mesh, out_spec, wanted, result_shape.shape, contracted)
     flip = spec.transposed(ndims, **params) if dim == 1 and ndim == 2 and spec.transposed else None
 
+    def scattered(ops, op_params, scatter_dim):
+      """The partials reduce-scattered along scatter_dim, padded partials where the op has them."""
+      partial = spec.partial_params(op_params)
+      padded = spec.padded(ndims, **partial) if spec.padded and scatter_dim != ndim - 1 else None
+      part = local_prim.bind(*ops, **(padded or partial))
+      shard = lax.psum_scatter(part, contracted, scatter_dimension=scatter_dim, tiled=True)
+      return shard[..., :spec.abstract(*ops, **partial).shape[-1]] if padded else shard
+
     def local_sum(*ops):
       if flip is not None:
         order, flipped = flip
-        part_t = local_prim.bind(*(ops[i] for i in order), **spec.partial_params(flipped))
-        shard_t = lax.psum_scatter(part_t, contracted, scatter_dimension=0, tiled=True)
-        return shard_t.astype(result_shape.dtype).T
-      part = local_prim.bind(*ops, **spec.partial_params(params))
+        return scattered([ops[i] for i in order], flipped, 0).astype(result_shape.dtype).T
       if dim is None:
-        return lax.psum(part, contracted).astype(result_shape.dtype)
-      return lax.psum_scatter(part, contracted, scatter_dimension=dim, tiled=True).astype(result_shape.dtype)
+        return lax.psum(local_prim.bind(*ops, **spec.partial_params(params)), contracted).astype(result_shape.dtype)
+      return scattered(ops, params, dim).astype(result_shape.dtype)
 
     if dim is not None:
       out_spec[dim] = wanted[dim]
