@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -30,12 +31,10 @@ PACKAGES = ("fp4jax", "models", "training")
 SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the slow tests
 
 
-def _rcfile(out: str, by_test: bool = False) -> str:
+def _rcfile(out: str) -> str:
   path = os.path.join(out, "coveragerc")
   with open(path, "w") as f:
     f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n")
-    if by_test:
-      f.write("dynamic_context = test_function\n")
   return path
 
 
@@ -66,7 +65,10 @@ def run_suite(name: str, pytest_args: str, out: str, workers: int, by_test: bool
   for stale in os.listdir(os.path.dirname(data)):
     if stale.startswith(".coverage"):
       os.remove(os.path.join(os.path.dirname(data), stale))
-  env = dict(os.environ, COVERAGE_FILE=data, COVERAGE_RCFILE=_rcfile(out, by_test))
+  env = dict(os.environ, COVERAGE_FILE=data, COVERAGE_RCFILE=_rcfile(out))
+  if by_test:   # each test's lines under its node id, and its seconds (tests/coverage_by_test.py)
+    env["FP4JAX_COVERAGE_BY_TEST"] = tests_dir = os.path.join(out, name, "tests")
+    shutil.rmtree(tests_dir, ignore_errors=True)
   cmd = [sys.executable, "-m", "coverage", "run", "-m", "pytest", "-q", "-n", str(workers),
          *shlex.split(pytest_args)]
   print(f"{name}: {shlex.join(cmd)}", flush=True)

@@ -24,10 +24,14 @@ import pytest  # noqa: E402  (after the platform rules)
 
 
 def pytest_configure(config):
-  """``FP4JAX_COMPILE_REPORT=<dir>``: record where each test's compile time goes (tests/compile_report.py)."""
+  """``FP4JAX_COMPILE_REPORT=<dir>``: record where each test's compile time goes (tests/compile_report.py);
+  ``FP4JAX_COVERAGE_BY_TEST=<dir>``: each test's lines under its node id (tests/coverage_by_test.py)."""
   if os.environ.get("FP4JAX_COMPILE_REPORT"):
     import compile_report  # pylint: disable=import-outside-toplevel
     compile_report.install(config, os.environ["FP4JAX_COMPILE_REPORT"])
+  if os.environ.get("FP4JAX_COVERAGE_BY_TEST"):
+    import coverage_by_test  # pylint: disable=import-outside-toplevel
+    coverage_by_test.install(config, os.environ["FP4JAX_COVERAGE_BY_TEST"])
 
 
 @pytest.fixture(scope="session")
