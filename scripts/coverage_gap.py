@@ -31,10 +31,16 @@ PACKAGES = ("fp4jax", "models", "training")
 SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the slow tests
 
 
+OTHERS = ("bench", "configs", "experiments", "scripts", "tools", "tests")   # measured for --plan only
+OMIT = ("tests/test_*.py", "tests/conftest.py", "tests/coverage_by_test.py", "tests/compile_report.py")
+
+
 def _rcfile(out: str) -> str:
   path = os.path.join(out, "coveragerc")
   with open(path, "w") as f:
-    f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n")
+    f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n"
+            "source = " + ", ".join(os.path.join(ROOT, d) for d in OTHERS) + "\n"
+            "omit = " + ", ".join(os.path.join(ROOT, p) for p in OMIT) + "\n")
   return path
 
 
@@ -86,8 +92,8 @@ def executed(report: str) -> dict[str, set[int]]:
   """{file relative to the repository: executed line numbers} of a coverage JSON report."""
   with open(report) as f:
     files = json.load(f)["files"]
-  return {os.path.relpath(os.path.abspath(os.path.join(ROOT, p)), ROOT): set(v["executed_lines"])
-          for p, v in files.items()}
+  rel = {os.path.relpath(os.path.abspath(os.path.join(ROOT, p)), ROOT): v for p, v in files.items()}
+  return {p: set(v["executed_lines"]) for p, v in rel.items() if p.split(os.sep)[0] in PACKAGES}
 
 
 NO_TEST = "(no test function)"
@@ -107,6 +113,53 @@ def sole_lines(report: str) -> dict[str, int]:
         (test,) = tests
         counts[test] = counts.get(test, 0) + 1
   return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def test_records(tests_dir: str) -> dict[str, dict]:
+  """{node id: {"seconds", "subprocess"}} of the processes of a ``--by_test`` run (tests/coverage_by_test.py)."""
+  out: dict[str, dict] = {}
+  for name in sorted(os.listdir(tests_dir)):
+    with open(os.path.join(tests_dir, name)) as f:
+      out.update(json.load(f))
+  return out
+
+
+def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[list[tuple[str, float, str]], float]:
+  """Which default tests can move to the slow set with the default suite still executing every line it executes
+  now: ([(node id, seconds, its representative)], the seconds left), costliest first, until the tests left take
+  at most ``budget_s``.
+
+  A test moves when each line it executes is also executed by a test that stays, or outside any test (import
+  time, a subprocess). Tests that start a subprocess stay (their subprocess's lines are nobody's), and so do
+  tests that execute no measured line (OTHERS widens the measure to the repository's other code). The
+  representative is the staying test that executes most of the moved test's lines."""
+  with open(report) as f:
+    files = json.load(f)["files"]
+  lines_of: dict[str, list[tuple[str, str]]] = {t: [] for t in records}
+  holders: dict[tuple[str, str], set[str]] = {}
+  for path, data in files.items():
+    for line, contexts in data.get("contexts", {}).items():
+      if "" in contexts:
+        continue
+      key = (path, line)
+      holders[key] = set(contexts)
+      for t in contexts:
+        lines_of.setdefault(t, []).append(key)
+  left = sum(r["seconds"] for r in records.values())
+  moved = []
+  for test in sorted(records, key=lambda t: -records[t]["seconds"]):
+    if left <= budget_s:
+      break
+    if records[test]["subprocess"] or not lines_of[test] or any(len(holders[k]) < 2 for k in lines_of[test]):
+      continue
+    shared: dict[str, int] = {}
+    for k in lines_of[test]:
+      holders[k].discard(test)
+      for t in holders[k]:
+        shared[t] = shared.get(t, 0) + 1
+    moved.append((test, records[test]["seconds"], max(shared, key=shared.get) if shared else "(its lines run outside any test)"))
+    left -= records[test]["seconds"]
+  return moved, left
 
 
 def _ranges(lines: list[int]) -> str:
