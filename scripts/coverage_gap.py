@@ -7,14 +7,16 @@
     python scripts/coverage_gap.py --report_only          # compare the data the runs left in --out
     python scripts/coverage_gap.py --default "tests/test_nan.py -k abs_max" --slow "tests/test_nan.py"
     python scripts/coverage_gap.py --only default --by_test      # also: the lines each default test alone reaches
+    python scripts/coverage_gap.py --report_only --plan 0.4      # then: tests/slow_tests.txt, the tests whose lines
+                                                          # others run, costliest first, until 40% of the time is left
 
-Each run is ``python -m coverage run -m pytest -n 2 <its arguments>`` over fp4jax/, models/ and training/, with
-subprocesses measured too (the xdist workers and the training runs the tests start). The full suite's lines are
-the default suite's and the slow tests' together (what ``-m "slow or not slow"`` executes), so the slow tests can
-be measured in parts, each part a set of test files, and the default suite need not run twice. The report lists,
-per file, the lines the full suite executes and the default suite does not, and the two numbers docs/PERF.md
-records: the lines each suite reaches, and the default's share of the full suite's lines. Exit status 1 if
-that share is below --min_share (97%).
+Each run is ``python -m coverage run -m pytest -n 2 <its arguments>`` over fp4jax/, models/ and training/ (and the
+repository's other code, which only ``--plan`` reads), with subprocesses measured too (the xdist workers and the
+training runs the tests start). The full suite's lines are the default suite's and the slow tests' together (what
+``-m "slow or not slow"`` executes), so the slow tests can be measured in parts, each part a set of test files, and
+the default suite need not run twice. The report lists, per file, the lines the full suite executes and the default
+suite does not, and the two numbers docs/PERF.md records: the lines each suite reaches, and the default's share of
+the full suite's lines. Exit status 1 if that share is below --min_share (97%).
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the
 
 OTHERS = ("bench", "configs", "experiments", "scripts", "tools", "tests")   # measured for --plan only
 OMIT = ("tests/test_*.py", "tests/conftest.py", "tests/coverage_by_test.py", "tests/compile_report.py")
+SLOW_TESTS = os.path.join(ROOT, "tests", "slow_tests.txt")
+# Contracts the default suite checks whole, whatever lines other tests share with them: NaN kept (nothing silent),
+# the recorded bits of every recipe's dot, one rounding per operation under each way of compiling, the
+# specification's own test vectors.
+KEEP = ("tests/test_nan.py", "tests/test_dot_golden.py", "tests/test_numerics_exact.py",
+        "tests/test_numerics_spec.py")
+REPRESENTED_BY = " represented by "   # tests/conftest.py reads the list
 
 
 def _rcfile(out: str) -> str:
@@ -47,7 +56,7 @@ def _rcfile(out: str) -> str:
 def slow_files(pytest_args: str) -> list[str]:
   """The test files that hold a test ``pytest_args`` selects, sorted."""
   p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *shlex.split(pytest_args)], cwd=ROOT,
-                     capture_output=True, text=True, check=False)
+                     capture_output=True, text=True, check=False, env=dict(os.environ, **OMIT_LISTED))
   files = sorted({line.split("::")[0] for line in p.stdout.splitlines() if "::" in line})
   if not files:
     raise SystemExit(f"pytest selects no test with {pytest_args!r}:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
@@ -63,15 +72,19 @@ def part_name(part: int, parts: int) -> str:
   return "slow" if parts == 1 else f"slow-{part}-of-{parts}"
 
 
+OMIT_LISTED = {"FP4JAX_SLOW_TESTS": "omit"}   # tests/conftest.py: the slow runs leave out tests/slow_tests.txt's
+                                              # tests, which execute only lines the default suite executes
+
+
 def run_suite(name: str, pytest_args: str, out: str, workers: int, by_test: bool = False) -> str:
   """Run one suite under coverage; the path of its JSON report (executed lines per file, and with ``by_test``
-  the test functions that executed each)."""
+  the tests (node ids) that executed each)."""
   data = os.path.join(out, name, ".coverage")
   os.makedirs(os.path.dirname(data), exist_ok=True)
   for stale in os.listdir(os.path.dirname(data)):
     if stale.startswith(".coverage"):
       os.remove(os.path.join(os.path.dirname(data), stale))
-  env = dict(os.environ, COVERAGE_FILE=data, COVERAGE_RCFILE=_rcfile(out))
+  env = dict(os.environ, COVERAGE_FILE=data, COVERAGE_RCFILE=_rcfile(out), **({} if name == "default" else OMIT_LISTED))
   if by_test:   # each test's lines under its node id, and its seconds (tests/coverage_by_test.py)
     env["FP4JAX_COVERAGE_BY_TEST"] = tests_dir = os.path.join(out, name, "tests")
     shutil.rmtree(tests_dir, ignore_errors=True)
@@ -85,7 +98,41 @@ def run_suite(name: str, pytest_args: str, out: str, workers: int, by_test: bool
   report = os.path.join(out, f"{name}.json")
   subprocess.check_call([sys.executable, "-m", "coverage", "json", "-q", "-o", report,
                          *(["--show-contexts"] if by_test else [])], cwd=ROOT, env=env)
+  write_lines(report, os.path.join(out, f"{name}.lines.json"))
   return report
+
+
+def library_key() -> str:
+  """The git trees of fp4jax/, models/ and training/ in the working tree: line numbers compare only between runs
+  of the same library code ("+dirty" when it has uncommitted changes)."""
+  trees = subprocess.run(["git", "rev-parse", *(f"HEAD:{p}" for p in PACKAGES)], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()
+  dirty = subprocess.run(["git", "status", "--porcelain", "--", *PACKAGES], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+  return " ".join(trees) + (" +dirty" if dirty else "")
+
+
+def write_lines(report: str, path: str) -> None:
+  """The executed lines of fp4jax/, models/ and training/ (a few hundred KB, kept in results/coverage so that the
+  parts of the slow tests add up across machines) with the library's key."""
+  with open(path, "w") as f:
+    json.dump({"library": library_key(), "files": {k: sorted(v) for k, v in sorted(executed(report).items())}}, f,
+              separators=(",", ":"))
+
+
+def read_lines(paths: dict[str, str]) -> dict[str, dict[str, set[int]]]:
+  """{run name: executed lines} of ``write_lines`` files, which must be of one library code."""
+  runs, keys = {}, {}
+  for name, path in paths.items():
+    with open(path) as f:
+      data = json.load(f)
+    keys[name] = data["library"]
+    runs[name] = {k: set(v) for k, v in data["files"].items()}
+  if len(set(keys.values())) > 1 or any("+dirty" in k for k in keys.values()):
+    raise SystemExit("the runs measured different library code (git trees of " + ", ".join(PACKAGES) + "): "
+                     + "; ".join(f"{n}: {k}" for n, k in keys.items())
+                     + ". Run every part on one commit (a git worktree pinned at it).")
+  return runs
 
 
 def executed(report: str) -> dict[str, set[int]]:
@@ -96,11 +143,11 @@ def executed(report: str) -> dict[str, set[int]]:
   return {p: set(v["executed_lines"]) for p, v in rel.items() if p.split(os.sep)[0] in PACKAGES}
 
 
-NO_TEST = "(no test function)"
+NO_TEST = "(no test)"
 
 
 def sole_lines(report: str) -> dict[str, int]:
-  """{test function: how many lines of the report no other test function executed} of a ``--by_test`` report,
+  """{test (node id): how many lines of the report no other test executed} of a ``--by_test`` report,
   largest first; lines whose only context is empty (import time, a test's subprocess) count under NO_TEST, and a
   line that one test and an empty context both executed is nobody's alone."""
   with open(report) as f:
@@ -131,8 +178,8 @@ def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[l
 
   A test moves when each line it executes is also executed by a test that stays, or outside any test (import
   time, a subprocess). Tests that start a subprocess stay (their subprocess's lines are nobody's), and so do
-  tests that execute no measured line (OTHERS widens the measure to the repository's other code). The
-  representative is the staying test that executes most of the moved test's lines."""
+  tests that execute no measured line (OTHERS widens the measure to the repository's other code) and the files of
+  KEEP. The representative is the staying test that executes most of the moved test's lines."""
   with open(report) as f:
     files = json.load(f)["files"]
   lines_of: dict[str, list[tuple[str, str]]] = {t: [] for t in records}
@@ -150,16 +197,32 @@ def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[l
   for test in sorted(records, key=lambda t: -records[t]["seconds"]):
     if left <= budget_s:
       break
-    if records[test]["subprocess"] or not lines_of[test] or any(len(holders[k]) < 2 for k in lines_of[test]):
+    if (records[test]["subprocess"] or test.startswith(KEEP) or not lines_of[test]
+        or any(len(holders[k]) < 2 for k in lines_of[test])):
       continue
-    shared: dict[str, int] = {}
     for k in lines_of[test]:
       holders[k].discard(test)
+    moved.append(test)
+    left -= records[test]["seconds"]
+  plan = []
+  for test in moved:   # the holders left are the tests that stay
+    shared: dict[str, int] = {}
+    for k in lines_of[test]:
       for t in holders[k]:
         shared[t] = shared.get(t, 0) + 1
-    moved.append((test, records[test]["seconds"], max(shared, key=shared.get) if shared else "(its lines run outside any test)"))
-    left -= records[test]["seconds"]
-  return moved, left
+    plan.append((test, records[test]["seconds"], max(sorted(shared), key=shared.get)))
+  return plan, left
+
+
+def write_plan(report: str, tests_dir: str, share: float) -> None:
+  """Add ``slow_plan``'s tests to tests/slow_tests.txt (its lines kept, the new ones after them)."""
+  records = test_records(tests_dir)
+  total = sum(r["seconds"] for r in records.values())
+  moved, left = slow_plan(report, records, share * total)
+  with open(SLOW_TESTS, "a", encoding="utf-8") as f:
+    f.write("".join(f"{test}{REPRESENTED_BY}{rep}\n" for test, _, rep in moved))
+  print(f"plan: {len(moved)} of {len(records)} default tests to the slow set, {total - left:.0f} of {total:.0f} s "
+        f"(the rest: {left:.0f} s); added to {SLOW_TESTS}")
 
 
 def _ranges(lines: list[int]) -> str:
@@ -207,8 +270,12 @@ def main(argv=None) -> int:
   ap.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers")
   ap.add_argument("--report_only", action="store_true", help="compare the JSON reports already in --out")
   ap.add_argument("--by_test", action="store_true",
-                  help="record each line's test functions; write <suite>.sole.txt (the lines each test alone reaches)")
+                  help="record the tests (node ids) that execute each line; write <suite>.sole.txt (the lines each "
+                       "test alone reaches)")
   ap.add_argument("--min_share", type=float, default=0.97, help="exit 1 below this share")
+  ap.add_argument("--plan", type=float, default=None, metavar="SHARE",
+                  help="after a --by_test default run: add to tests/slow_tests.txt the costliest default tests whose "
+                       "every line another default test executes, until the rest take SHARE of the run's seconds")
   args = ap.parse_args(argv)
   if not 0 <= args.part <= args.parts:
     ap.error(f"--part={args.part} is not a part of --parts={args.parts}: give 1..{args.parts} (0: every part)")
@@ -225,13 +292,16 @@ def main(argv=None) -> int:
       for k, name in parts.items():
         if args.part in (0, k):
           run_suite(name, args.slow + " " + shlex.join(part_of(files, k, args.parts)), args.out, args.workers)
-  reports = {name: os.path.join(args.out, f"{name}.json") for name in ["default", *parts.values()]}
+  if args.plan is not None:
+    write_plan(os.path.join(args.out, "default.json"), os.path.join(args.out, "default", "tests"), args.plan)
+  reports = {name: os.path.join(args.out, f"{name}.lines.json") for name in ["default", *parts.values()]}
   missing = [p for p in reports.values() if not os.path.exists(p)]
   if missing:
     print(f"not yet compared: no coverage report at {', '.join(missing)} (run those parts; --parts must match)")
     return 0 if args.only else 1
-  default = executed(reports["default"])
-  text, share = compare(default, union(default, *(executed(reports[n]) for n in parts.values())))
+  runs = read_lines(reports)
+  default = runs["default"]
+  text, share = compare(default, union(default, *(runs[n] for n in parts.values())))
   print(text)
   with open(os.path.join(args.out, "gap.txt"), "w") as f:
     f.write(text + "\n")

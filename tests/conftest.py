@@ -34,6 +34,49 @@ def pytest_configure(config):
     coverage_by_test.install(config, os.environ["FP4JAX_COVERAGE_BY_TEST"])
 
 
+SLOW_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
+REPRESENTED_BY = " represented by "
+
+
+def slow_tests(path: str = SLOW_TESTS) -> dict[str, str]:
+  """{node id: its default representative} of tests/slow_tests.txt: default tests left to ``-m slow`` because
+  the default suite executes each of their lines in another test (``scripts/coverage_gap.py --plan``)."""
+  out = {}
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      line = line.strip()
+      if not line or line.startswith("#"):
+        continue
+      test, sep, representative = line.partition(REPRESENTED_BY)
+      if not sep or not representative.strip():
+        raise pytest.UsageError(f"{path}:{n}: '{line}' is not '<node id>{REPRESENTED_BY}<node id>'")
+      out[test.strip()] = representative.strip()
+  return out
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects
+def pytest_collection_modifyitems(config, items):
+  """The tests of tests/slow_tests.txt are slow (with ``FP4JAX_SLOW_TESTS=omit``, left out). A line naming a test
+  that a collected file no longer has, or a representative that is itself slow or gone, stops the run: the list
+  must not drift from the tests."""
+  slow = slow_tests()
+  ids = {item.nodeid for item in items}
+  files = {i.split("::")[0] for i in ids}
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+  if os.environ.get("FP4JAX_SLOW_TESTS") == "omit":   # scripts/coverage_gap.py's slow runs
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid in slow])
+    items[:] = [item for item in items if item.nodeid not in slow]
+  marked = {item.nodeid for item in items if item.get_closest_marker("slow")}
+  gone = [t for t in slow if t.split("::")[0] in files and t not in ids]
+  bad = [r for r in slow.values() if r in marked or (r.split("::")[0] in files and r not in ids)]
+  if gone or bad:
+    raise pytest.UsageError(f"{SLOW_TESTS}: {len(gone)} tests no longer exist ({gone[:3]}) and {len(bad)} "
+                            f"representatives are slow or gone ({bad[:3]}); rename or remove those lines "
+                            "(scripts/coverage_gap.py --plan writes the list anew)")
+
+
 @pytest.fixture(scope="session")
 def finished(tmp_path_factory):
   """A 4-step run with checkpoints 2 and 4, and a 6-step run straight through (``train_runs.make_finished``),
