@@ -48,9 +48,7 @@ REPRESENTED_BY = " represented by "   # tests/conftest.py reads the list
 def _rcfile(out: str) -> str:
   path = os.path.join(out, "coveragerc")
   with open(path, "w") as f:
-    # _exit: a process that ends with os._exit saves its data first (execnet ends an xdist worker so when it has
-    # not stopped 15 s after the controller's exit: its lines would be lost)
-    f.write("[run]\nparallel = true\npatch = subprocess, _exit\nsource_pkgs = " + ", ".join(PACKAGES) + "\n"
+    f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n"
             "source = " + ", ".join(os.path.join(ROOT, d) for d in OTHERS) + "\n"
             "omit = " + ", ".join(os.path.join(ROOT, p) for p in OMIT) + "\n")
   return path
@@ -97,7 +95,8 @@ def run_suite(name: str, pytest_args: str, out: str, workers: int, by_test: bool
   status = subprocess.call(cmd, cwd=ROOT, env=env)
   if status not in (0, 1):   # 1: some test failed; its coverage still counts, and the report says so
     raise SystemExit(f"{name}: pytest exited with {status}; no coverage to compare")
-  subprocess.check_call([sys.executable, "-m", "coverage", "combine", "-q"], cwd=ROOT, env=env)
+  # --keep: each process's data stays beside the combined file, to see which process recorded what
+  subprocess.check_call([sys.executable, "-m", "coverage", "combine", "-q", "--keep"], cwd=ROOT, env=env)
   report = os.path.join(out, f"{name}.json")
   subprocess.check_call([sys.executable, "-m", "coverage", "json", "-q", "-o", report,
                          *(["--show-contexts"] if by_test else [])], cwd=ROOT, env=env)
