@@ -32,8 +32,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("fp4jax", "models", "training")
 SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the slow tests
-
-
 OTHERS = ("bench", "configs", "experiments", "scripts", "tools", "tests")   # measured for --plan only
 OMIT = ("tests/test_*.py", "tests/conftest.py", "tests/coverage_by_test.py", "tests/compile_report.py")
 SLOW_TESTS = os.path.join(ROOT, "tests", "slow_tests.txt")
