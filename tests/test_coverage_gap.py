@@ -45,3 +45,29 @@ def test_sole_lines_counts_what_one_test_function_alone_reaches(tmp_path):
           "4": [""]}},
       "models/b.py": {"executed_lines": [7, 8], "contexts": {"7": ["test_a.test_one"], "8": ["", "test_a.test_one"]}}}}))
   assert coverage_gap.sole_lines(str(report)) == {"test_a.test_one": 2, "test_b.test_two": 1, coverage_gap.NO_TEST: 1}
+
+
+def test_slow_plan_moves_only_tests_whose_lines_stay_executed(tmp_path):
+  """a's lines are all b's too, so a moves (costliest first) with b as its representative; b then holds line 2
+  alone and stays; c starts a subprocess and d is in a contract file kept whole, so both stay."""
+  report = tmp_path / "r.json"
+  report.write_text(json.dumps({"files": {"fp4jax/a.py": {"executed_lines": [1, 2, 3, 4], "contexts": {
+      "1": ["t.py::a", "t.py::b"], "2": ["t.py::a", "t.py::b", ""], "3": ["t.py::c"],
+      "4": ["t.py::d", "t.py::b", coverage_gap.KEEP[0] + "::e"]}}}}))
+  records = {"t.py::a": {"seconds": 9.0, "subprocess": False}, "t.py::b": {"seconds": 5.0, "subprocess": False},
+             "t.py::c": {"seconds": 7.0, "subprocess": True}, "t.py::d": {"seconds": 1.0, "subprocess": False},
+             coverage_gap.KEEP[0] + "::e": {"seconds": 8.0, "subprocess": False}}
+  moved, left = coverage_gap.slow_plan(str(report), records, budget_s=0.0)
+  assert moved == [("t.py::a", 9.0, "t.py::b"), ("t.py::d", 1.0, "t.py::b")]
+  assert left == 20.0
+  assert coverage_gap.slow_plan(str(report), records, budget_s=25.0)[0] == [("t.py::a", 9.0, "t.py::b")]
+
+
+def test_runs_of_different_library_code_are_not_compared(tmp_path):
+  paths = {}
+  for name, key in (("default", "t1 t2 t3"), ("slow", "t1 t2 t4")):
+    paths[name] = tmp_path / f"{name}.lines.json"
+    paths[name].write_text(json.dumps({"library": key, "files": {"fp4jax/a.py": [1]}}))
+  with pytest.raises(SystemExit, match="different library code"):
+    coverage_gap.read_lines({n: str(p) for n, p in paths.items()})
+  assert coverage_gap.read_lines({"default": str(paths["default"])}) == {"default": {"fp4jax/a.py": {1}}}
