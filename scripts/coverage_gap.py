@@ -41,6 +41,8 @@ SLOW_TESTS = os.path.join(ROOT, "tests", "slow_tests.txt")
 KEEP = ("tests/test_nan.py", "tests/test_dot_golden.py", "tests/test_numerics_exact.py",
         "tests/test_numerics_spec.py")
 REPRESENTED_BY = " represented by "   # tests/conftest.py reads the list
+OMIT_LISTED = {"FP4JAX_SLOW_TESTS": "omit"}   # tests/conftest.py: the slow runs leave out tests/slow_tests.txt's
+                                              # tests, which execute only lines the default suite executes
 
 
 def _rcfile(out: str) -> str:
@@ -69,10 +71,6 @@ def part_of(files: list[str], part: int, parts: int) -> list[str]:
 
 def part_name(part: int, parts: int) -> str:
   return "slow" if parts == 1 else f"slow-{part}-of-{parts}"
-
-
-OMIT_LISTED = {"FP4JAX_SLOW_TESTS": "omit"}   # tests/conftest.py: the slow runs leave out tests/slow_tests.txt's
-                                              # tests, which execute only lines the default suite executes
 
 
 def run_suite(name: str, pytest_args: str, out: str, workers: int, by_test: bool = False) -> str:
@@ -113,8 +111,8 @@ def library_key() -> str:
 
 
 def write_lines(report: str, path: str) -> None:
-  """The executed lines of fp4jax/, models/ and training/ (a few hundred KB, kept in results/coverage so that the
-  parts of the slow tests add up across machines) with the library's key."""
+  """The executed lines of fp4jax/, models/ and training/ (tens of KB, kept in results/coverage so that the parts
+  of the slow tests add up across machines) with the library's key."""
   with open(path, "w") as f:
     json.dump({"library": library_key(), "files": {k: sorted(v) for k, v in sorted(executed(report).items())}}, f,
               separators=(",", ":"))

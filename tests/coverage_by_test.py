@@ -15,27 +15,25 @@ import time
 
 import pytest
 
-_current = {"nodeid": None}
-
-
 class _Recorder:
   def __init__(self, out: str):
     import coverage  # pylint: disable=import-outside-toplevel
     self.cov = coverage.Coverage.current()
     self.path = os.path.join(out, f"tests.{os.getpid()}.json")
     self.tests: dict[str, dict] = {}
+    self.running: str | None = None   # the node id of the test under way
     popen_init = subprocess.Popen.__init__
 
     def init(popen, *args, **kwargs):
-      if _current["nodeid"] is not None:
-        self.tests[_current["nodeid"]]["subprocess"] = True
+      if self.running is not None:
+        self.tests[self.running]["subprocess"] = True
       popen_init(popen, *args, **kwargs)
 
     subprocess.Popen.__init__ = init
 
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(self, item, nextitem):   # pylint: disable=unused-argument
-    _current["nodeid"] = item.nodeid
+    self.running = item.nodeid
     self.tests[item.nodeid] = {"seconds": 0.0, "subprocess": False}
     if self.cov is not None:
       self.cov.switch_context(item.nodeid)
@@ -44,7 +42,7 @@ class _Recorder:
     self.tests[item.nodeid]["seconds"] = time.perf_counter() - start
     if self.cov is not None:
       self.cov.switch_context("")
-    _current["nodeid"] = None
+    self.running = None
     with open(self.path, "w") as f:
       json.dump(self.tests, f)
 
