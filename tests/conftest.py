@@ -5,6 +5,7 @@ both xdist workers and the runs they start: a program compiled once is read back
 compiles the same HLO (the key is the program, the compile options and the jax version), and a rerun of
 the suite skips most compiles."""
 import os
+import sys
 
 import jax
 
@@ -32,6 +33,17 @@ def pytest_configure(config):
   if os.environ.get("FP4JAX_COVERAGE_BY_TEST"):
     import coverage_by_test  # pylint: disable=import-outside-toplevel
     coverage_by_test.install(config, os.environ["FP4JAX_COVERAGE_BY_TEST"])
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist tells the controller this worker is done
+def pytest_sessionfinish(session):   # pylint: disable=unused-argument
+  """Under coverage, an xdist worker saves what it recorded before it reports the end of its session: the
+  controller then gives each worker 10 s to exit and kills the ones still busy (execnet), and coverage saves at
+  exit, so a worker slow to shut down (jax's teardown on two busy cores) would lose every line it recorded."""
+  coverage = sys.modules.get("coverage")   # imported only when this process runs under coverage
+  current = coverage.Coverage.current() if coverage is not None and os.environ.get("PYTEST_XDIST_WORKER") else None
+  if current is not None:
+    current.save()
 
 
 SLOW_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_tests.txt")
