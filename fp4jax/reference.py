@@ -184,16 +184,20 @@ def _pow2(e):
   return jnp.ldexp(jnp.float32(1.0), e)
 
 
-def tensor_factor_parts(a: QTensor, b: QTensor):
-  """float32 (4,): the factor and three exact powers of two that ``apply_tensor_factor`` multiplies
-  acc by, in that order (for the Pallas GEMM's epilogue, which applies them to its accumulator).
+def tensor_factor_parts(a: QTensor, b: QTensor, words: int = 4):
+  """float32 (words,): the factor and three exact powers of two that ``apply_tensor_factor`` multiplies
+  acc by, in that order (for the Pallas GEMM's epilogue, which applies them to its accumulator), then
+  ``words - 4`` zeros (the Mosaic GEMM reads 32 words, one 128-byte copy: padded here, in the same pass).
 
   The four come back as one array through an optimization barrier: XLA otherwise folds the stack back into
   four scalars that its fusion keeps apart (each is too costly to recompute per element of the epilogue, and
   scalars are not worth a multi-output fusion to it), one launch each per GEMM on a GPU; behind the barrier
   they are one fusion. No value changes."""
+  if words < 4:
+    raise ValueError(f"tensor_factor_parts: words={words}; the four parts need at least 4")
+  zeros = [jnp.float32(0.0)] * (words - 4)
   if a.fmt != "nvfp4":
-    return jnp.array([1.0, 1.0, 1.0, 1.0], jnp.float32)
+    return jnp.array([1.0, 1.0, 1.0, 1.0] + [0.0] * (words - 4), jnp.float32)
   amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
   nan = jnp.float32(jnp.nan)
   amax_a, amax_b = jnp.where(amax_a < 0, nan, amax_a), jnp.where(amax_b < 0, nan, amax_b)
@@ -206,7 +210,7 @@ def tensor_factor_parts(a: QTensor, b: QTensor):
   factor = product(jnp.where(keep, amax_a, m_a), jnp.where(keep, amax_b, m_b)) * _INV_6_6_448_448
   e1 = e // 3
   e2 = (e - e1) // 2
-  return lax.optimization_barrier(jnp.stack([factor, _pow2(e1), _pow2(e2), _pow2(e - e1 - e2)]))
+  return lax.optimization_barrier(jnp.stack([factor, _pow2(e1), _pow2(e2), _pow2(e - e1 - e2)] + zeros))
 
 
 def apply_tensor_factor(acc, a: QTensor, b: QTensor):

@@ -53,6 +53,9 @@ def test_residual_is_added_in_float32_before_the_cast():
   got = mg.mosaic_gemm(oa.values, oa.scales, ob.values, ob.scales, reference.tensor_factor_parts(a, b), r)
   acc = gemm.matmul(a, b, out_dtype=jnp.float32, impl="xla")
   np.testing.assert_array_equal(_bits(got), _bits((acc + r.astype(jnp.float32)).astype(jnp.bfloat16)))
+  words = reference.tensor_factor_parts(a, b, words=mg.FACTOR_WORDS)   # the factor as the kernel reads it
+  np.testing.assert_array_equal(_bits(mg.mosaic_gemm(oa.values, oa.scales, ob.values, ob.scales, words, r)),
+                                _bits(got))
   # one rounding, not two: differs from casting first somewhere
   twice = (acc.astype(jnp.bfloat16).astype(jnp.float32) + r.astype(jnp.float32)).astype(jnp.bfloat16)
   assert (_bits(got) != _bits(twice)).any()

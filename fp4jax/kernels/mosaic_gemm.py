@@ -218,9 +218,9 @@ def _check(a, a_scales, b, b_scales, factor, residual, out_dtype):
   if k != k2 or k % BLOCK or a_scales.shape != (m, k // BLOCK) or b_scales.shape != (n, k // BLOCK):
     raise ValueError(f"mosaic_gemm: a (M, K)={a.shape}, b (N, K)={b.shape} with scales (M, K/16)="
                      f"{a_scales.shape}, (N, K/16)={b_scales.shape}; K must agree and be a multiple of 16")
-  if jnp.shape(factor) != (4,):
-    raise ValueError(f"mosaic_gemm: factor must be the (4,) parts of reference.tensor_factor_parts; got "
-                     f"shape {jnp.shape(factor)}")
+  if jnp.shape(factor) not in ((4,), (FACTOR_WORDS,)):
+    raise ValueError(f"mosaic_gemm: factor must be the (4,) parts of reference.tensor_factor_parts (or its "
+                     f"(words={FACTOR_WORDS},) form); got shape {jnp.shape(factor)}")
   if residual is not None and residual.shape != (m, n):
     raise ValueError(f"mosaic_gemm: residual must be (M, N)={(m, n)}; got {residual.shape}")
   if jnp.dtype(out_dtype) not in map(jnp.dtype, OUT_DTYPES):
@@ -242,7 +242,7 @@ def _kernel_path(a, a_scales, b, b_scales, factor, residual, *, out_dtype, tiles
   b_tc = tensor_core_scales(_pad(b_scales, np_, kp // BLOCK))
   if residual is not None:
     residual = _pad(residual, mp, np_)
-  factor = jnp.pad(factor, (0, FACTOR_WORDS - 4))
+  factor = jnp.pad(factor, (0, FACTOR_WORDS - factor.shape[0]))   # a pass of its own unless the caller padded
   out = _gemm_call(a, b, a_tc, b_tc, factor, residual, out_dtype=out_dtype, tiles=tiles)
   cols = padded_columns(n, n_multiple)
   return out[:m, :cols] if cols <= np_ else _pad(out[:m], m, cols)
@@ -253,7 +253,8 @@ def mosaic_gemm(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jn
   """out (M, N) = cast(apply_factor_parts(Σ_k (a·s_a)[m, k] (b·s_b)[n, k], factor) [+ residual]).
 
   a (M, K), b (N, K) float4_e2m1fn; a_scales (M, K/16), b_scales (N, K/16) float8_e4m3fn; factor float32
-  (4,) (``reference.tensor_factor_parts``); residual (M, N) of any float dtype or None; out_dtype bf16 or
+  (4,) or (FACTOR_WORDS,) (``reference.tensor_factor_parts``, whose ``words=FACTOR_WORDS`` saves the kernel's
+  pad of it: one launch per call); residual (M, N) of any float dtype or None; out_dtype bf16 or
   float32. The kernel on CUDA (compute capability 10.x: ``fp4jax.dispatch.native_kernel`` decides when), the
   twin elsewhere. n_multiple: the result's columns padded with zeros to a multiple of it (``tiles.tn``: the
   kernel's own columns, no slice of the result), for a caller that slices later (a reduce-scatter's shard).

@@ -39,11 +39,12 @@ def _bytes(s):
 
 def _mosaic(a: QTensor, b: QTensor, out_dtype, n_multiple):
   """fp4jax's tcgen05 GEMM on a's rows (leading axes folded into M): the packed codes as float4_e2m1fn, the
-  scales per 1x16 block, the tensor factor's parts to its epilogue."""
+  scales per 1x16 block, the tensor factor's parts to its epilogue (in the kernel's 32 words: one pass)."""
   rows = lambda x: x.reshape(-1, x.shape[-1])
+  factor = tensor_factor_parts(a, b, words=mosaic_kernel.FACTOR_WORDS)
   out = mosaic_kernel.mosaic_gemm(nc.packed_float4(rows(a.data)), rows(reference.block_scales(a)),
-                                  nc.packed_float4(b.data), reference.block_scales(b),
-                                  tensor_factor_parts(a, b), out_dtype=out_dtype, n_multiple=n_multiple)
+                                  nc.packed_float4(b.data), reference.block_scales(b), factor,
+                                  out_dtype=out_dtype, n_multiple=n_multiple)
   return out.reshape(a.data.shape[:-1] + out.shape[-1:])
 
 
