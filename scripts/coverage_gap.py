@@ -30,6 +30,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import coverage_by_test  # noqa: E402  pylint: disable=wrong-import-position  (the plugin's context variable)
 PACKAGES = ("fp4jax", "models", "training")
 SUITES = {"default": "", "slow": "-m slow"}   # pyproject's addopts deselect the slow tests
 OTHERS = ("bench", "configs", "experiments", "scripts", "tools", "tests")   # measured for --plan only
@@ -46,9 +49,13 @@ OMIT_LISTED = {"FP4JAX_SLOW_TESTS": "omit"}   # tests/conftest.py: the slow runs
 
 
 def _rcfile(out: str) -> str:
+  """Coverage's configuration: every process the suite starts measured, and a subprocess's lines under the node id
+  of the test that started it (its static context, from the environment tests/coverage_by_test.py sets)."""
   path = os.path.join(out, "coveragerc")
   with open(path, "w") as f:
-    f.write("[run]\nparallel = true\npatch = subprocess\nsource_pkgs = " + ", ".join(PACKAGES) + "\n"
+    f.write("[run]\nparallel = true\npatch = subprocess\n"
+            f"context = ${{{coverage_by_test.CONTEXT_ENV}}}\n"
+            "source_pkgs = " + ", ".join(PACKAGES) + "\n"
             "source = " + ", ".join(os.path.join(ROOT, d) for d in OTHERS) + "\n"
             "omit = " + ", ".join(os.path.join(ROOT, p) for p in OMIT) + "\n")
   return path
@@ -161,7 +168,7 @@ def sole_lines(report: str) -> dict[str, int]:
 
 
 def test_records(tests_dir: str) -> dict[str, dict]:
-  """{node id: {"seconds", "subprocess"}} of the processes of a ``--by_test`` run (tests/coverage_by_test.py)."""
+  """{node id: {"seconds", "subprocess", "named_subprocesses"}} of the processes of a ``--by_test`` run (tests/coverage_by_test.py)."""
   out: dict[str, dict] = {}
   for name in sorted(os.listdir(tests_dir)):
     with open(os.path.join(tests_dir, name)) as f:
@@ -174,8 +181,9 @@ def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[l
   now: ([(node id, seconds, its representative)], the seconds left), costliest first, until the tests left take
   at most ``budget_s``.
 
-  A test moves when each line it executes is also executed by a test that stays, or outside any test (import
-  time, a subprocess). Tests that start a subprocess stay (their subprocess's lines are nobody's), and so do
+  A test moves when each line it executes, its subprocesses' included, is also executed by a test that stays, or
+  outside any test (import time). Tests that started a subprocess in a run whose subprocess lines carry no test's
+  name (records without "named_subprocesses", from before tests/coverage_by_test.py named them) stay, and so do
   tests that execute no measured line (OTHERS widens the measure to the repository's other code) and the files of
   KEEP. The representative is the staying test that executes most of the moved test's lines."""
   with open(report) as f:
@@ -195,7 +203,7 @@ def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[l
   for test in sorted(records, key=lambda t: -records[t]["seconds"]):
     if left <= budget_s:
       break
-    if (records[test]["subprocess"] or test.startswith(KEEP) or not lines_of[test]
+    if ((records[test]["subprocess"] and not records[test].get("named_subprocesses")) or test.startswith(KEEP) or not lines_of[test]
         or any(len(holders[k]) < 2 for k in lines_of[test])):
       continue
     for k in lines_of[test]:

@@ -2,9 +2,11 @@
 tests/conftest.py when ``FP4JAX_COVERAGE_BY_TEST=<dir>`` is set and the process runs under coverage).
 
 Each test's lines are recorded under its pytest node id (parametrization included; its fixtures' set-up is
-charged to the first test that asks for them). Lines a test's subprocess runs carry no context, so the plugin
-also writes, per test process, ``<dir>/tests.<pid>.json``: each test's seconds (set-up, call and tear-down) and
-whether it started a subprocess.
+charged to the first test that asks for them), and so are the lines of the subprocesses it starts: while a test
+runs, ``CONTEXT_ENV`` holds its node id (also in an ``env=`` a test passes to ``subprocess``), and the coverage
+configuration of scripts/coverage_gap.py makes it the static context of every process coverage starts. The
+plugin also writes, per test process, ``<dir>/tests.<pid>.json``: each test's seconds (set-up, call and
+tear-down), whether it started a subprocess, and that its subprocesses' lines carry its name.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import subprocess
 import time
 
 import pytest
+
+CONTEXT_ENV = "FP4JAX_COVERAGE_TEST"   # coverage's [run] context = ${FP4JAX_COVERAGE_TEST} in a subprocess
+
 
 class _Recorder:
   def __init__(self, out: str):
@@ -27,14 +32,16 @@ class _Recorder:
     def init(popen, *args, **kwargs):
       if self.running is not None:
         self.tests[self.running]["subprocess"] = True
+        if kwargs.get("env") is not None:   # a test's own environment: its subprocess's lines still name it
+          kwargs["env"] = dict(kwargs["env"], **{CONTEXT_ENV: self.running})
       popen_init(popen, *args, **kwargs)
 
     subprocess.Popen.__init__ = init
 
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(self, item, nextitem):   # pylint: disable=unused-argument
-    self.running = item.nodeid
-    self.tests[item.nodeid] = {"seconds": 0.0, "subprocess": False}
+    self.running = os.environ[CONTEXT_ENV] = item.nodeid
+    self.tests[item.nodeid] = {"seconds": 0.0, "subprocess": False, "named_subprocesses": True}
     if self.cov is not None:
       self.cov.switch_context(item.nodeid)
     start = time.perf_counter()
@@ -43,6 +50,7 @@ class _Recorder:
     if self.cov is not None:
       self.cov.switch_context("")
     self.running = None
+    os.environ.pop(CONTEXT_ENV, None)
     with open(self.path, "w") as f:
       json.dump(self.tests, f)
 

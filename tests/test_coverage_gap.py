@@ -48,19 +48,23 @@ def test_sole_lines_counts_what_one_test_function_alone_reaches(tmp_path):
 
 
 def test_slow_plan_moves_only_tests_whose_lines_stay_executed(tmp_path):
-  """a's lines are all b's too, so a moves (costliest first) with b as its representative; b then holds line 2
-  alone and stays; c starts a subprocess and d is in a contract file kept whole, so both stay."""
+  """a's lines are all b's too, so a moves (costliest first) with b as its representative; b then holds line 1
+  alone and stays; c holds line 3 alone; e is in a contract file kept whole. f and g start subprocesses: g's
+  subprocess lines carry its name, so g moves like any test; f's run did not name them, so f stays."""
   report = tmp_path / "r.json"
-  report.write_text(json.dumps({"files": {"fp4jax/a.py": {"executed_lines": [1, 2, 3, 4], "contexts": {
+  report.write_text(json.dumps({"files": {"fp4jax/a.py": {"executed_lines": [1, 2, 3, 4, 5], "contexts": {
       "1": ["t.py::a", "t.py::b"], "2": ["t.py::a", "t.py::b", ""], "3": ["t.py::c"],
-      "4": ["t.py::d", "t.py::b", coverage_gap.KEEP[0] + "::e"]}}}}))
+      "4": ["t.py::d", "t.py::b", coverage_gap.KEEP[0] + "::e"], "5": ["t.py::f", "t.py::g", "t.py::b"]}}}}))
   records = {"t.py::a": {"seconds": 9.0, "subprocess": False}, "t.py::b": {"seconds": 5.0, "subprocess": False},
-             "t.py::c": {"seconds": 7.0, "subprocess": True}, "t.py::d": {"seconds": 1.0, "subprocess": False},
-             coverage_gap.KEEP[0] + "::e": {"seconds": 8.0, "subprocess": False}}
+             "t.py::c": {"seconds": 7.0, "subprocess": False}, "t.py::d": {"seconds": 1.0, "subprocess": False},
+             coverage_gap.KEEP[0] + "::e": {"seconds": 8.0, "subprocess": False},
+             "t.py::f": {"seconds": 6.0, "subprocess": True},
+             "t.py::g": {"seconds": 6.5, "subprocess": True, "named_subprocesses": True}}
   moved, left = coverage_gap.slow_plan(str(report), records, budget_s=0.0)
-  assert moved == [("t.py::a", 9.0, "t.py::b"), ("t.py::d", 1.0, "t.py::b")]
-  assert left == 20.0
-  assert coverage_gap.slow_plan(str(report), records, budget_s=25.0)[0] == [("t.py::a", 9.0, "t.py::b")]
+  assert moved == [("t.py::a", 9.0, "t.py::b"), ("t.py::g", 6.5, "t.py::b"), ("t.py::d", 1.0, "t.py::b")]
+  assert left == 26.0
+  assert coverage_gap.slow_plan(str(report), records, budget_s=30.0)[0] == [("t.py::a", 9.0, "t.py::b"),
+                                                                           ("t.py::g", 6.5, "t.py::b")]
 
 
 def test_runs_of_different_library_code_are_not_compared(tmp_path):
