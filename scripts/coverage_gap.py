@@ -221,11 +221,10 @@ def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[l
 
 
 def write_plan(report: str, tests_dir: str, share: float, out: str) -> None:
-  """``slow_plan``'s tests, in tests/slow_tests.txt's form, to ``<out>/slow_plan.txt``: a candidate only. The lines
-  one run charged to each test have not said what the suite executes without some of them (docs/PERF.md, "The
-  test suite's time": with 439 planned tests slow, 686 of the 10,354 lines went unexecuted, for reasons not yet
-  known), so a plan joins tests/slow_tests.txt only once the default suite with it, run under coverage, executes
-  every line the default suite without it executes."""
+  """``slow_plan``'s tests, in tests/slow_tests.txt's form, to ``<out>/slow_plan.txt``: a candidate only. What a
+  test executes can depend on what ran before it in its process (traced and compiled programs are cached), so a
+  plan joins tests/slow_tests.txt only once the default suite with it, run under coverage, executes every line the
+  default suite without it executes (docs/PERF.md, "The test suite's time")."""
   records = test_records(tests_dir)
   total = sum(r["seconds"] for r in records.values())
   moved, left = slow_plan(report, records, share * total)
