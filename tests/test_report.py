@@ -72,3 +72,34 @@ def test_rows_that_share_a_compile_are_priced_on_their_own_clusters(tmp_path, mo
   assert report_table.priced(cache, hgx, "bf16")["step_ms"] == 2000.0
   assert report_table.priced(cache, nvl, "bf16")["step_ms"] == 1000.0
   assert report_table.priced(cache, hgx, "bf16")["step_ms"] == 2000.0   # each read back from its own entry
+
+
+def test_cells_not_in_the_cache_keep_the_previous_tables_line(tmp_path, monkeypatch):
+  """A rerun that compiles some rows keeps the others' lines of the table in docs/PERF.md, marked with the commit
+  that compiled them; a cell the previous table lacks still says how to compile it."""
+  monkeypatch.setattr(report_cache.Cache, "code", "fixed")
+  cache = report_cache.Cache(str(tmp_path))
+  row = report_rows.ROWS["llama8b_b200"]
+  _put(cache, row, "bf16", dict(date="2026-12-03", results=[dict(
+      tokens_per_device=8192, params=8.03e9, active_params=8.03e9, compile_s=1.0,
+      memory=dict(argument_bytes=2 ** 33, temp_bytes=2 ** 34, output_bytes=0, alias_bytes=0))]), HLO)
+  old = ("| Llama-3-8B shape, 8 B200 | mxfp8 | 454.2 | 18,035 | 30,559 | 38.6% | 6,749 | 6.6 (61.6) | 93.5 | 391.6 |\n"
+         "| Llama-3-8B shape, 8 B200 | nvfp4 (2 kernel shapes ran their XLA twin) | 363.0 | 22,566 | 38,235 | 48.3% "
+         "| 14,784 | 5.4 (42.5) | 85.6 | 324.2 |\n"
+         "| Llama-3-8B shape, 8 B200 | bf16 | 999.9 | 1 | 1 | 1.0% | 1 | 1.0 (1.0) | 1.0 | 1.0 |\n")
+  perf = tmp_path / "PERF.md"
+  perf.write_text(f"# P\n\n{report_table.BEGIN}\n**Predictions**, 2026-12-06, commit 6379e54, jax\n\n{old}"
+                  f"{report_table.END}\nrest\n")
+  previous = report_table.previous_table(str(perf))
+  assert previous[0] == "6379e54" and len(previous[1]) == 3
+  text = report_table.render(cache, [row], previous=previous)
+  lines = text.splitlines()
+  assert ("| Llama-3-8B shape, 8 B200 | mxfp8 (kept from 6379e54) | 454.2 | 18,035 | 30,559 | 38.6% | 6,749 | "
+          "6.6 (61.6) | 93.5 | 391.6 |") in lines
+  assert any(l.startswith("| Llama-3-8B shape, 8 B200 | nvfp4 (2 kernel shapes ran their XLA twin) (kept from "
+                          "6379e54) | 363.0 |") for l in lines)
+  assert "--rows llama8b_b200 --variants nvfp4_proved" in text       # not in the previous table either
+  bf16 = next(l for l in lines if l.startswith("| Llama-3-8B shape, 8 B200 | bf16 |"))
+  assert "999.9" not in bf16                                           # the cache's own, not the old line
+  assert '2 rows marked "kept from 6379e54" were not compiled again' in lines[0]
+  assert report_table.previous_table(str(tmp_path / "none.md")) == ("", {})

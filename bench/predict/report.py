@@ -2,7 +2,8 @@
 
   flock /tmp/fp4jax-heavy.lock nice -n 10 python bench/predict/report.py                    # every row, into docs/PERF.md
   flock /tmp/fp4jax-heavy.lock nice -n 10 python bench/predict/report.py --rows 12b_b200 --variants bf16,nvfp4
-  python bench/predict/report.py --no_compile             # price what is cached; a missing row says so
+  python bench/predict/report.py --no_compile             # price what is cached; a missing row keeps its line
+                                                           # of the table in docs/PERF.md, marked with its commit
 
 Each (row, variant) is one deviceless compile (bench/predict/gpu_aot.py in a subprocess), cached on disk by the
 code's git tree hashes and its arguments (bench/predict/report_cache.py): a rerun recompiles only what changed.
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
   if a.compile_only:
     return 0
   from bench.predict import report_table   # pylint: disable=import-outside-toplevel
-  text = report_table.render(cache, rows, variants)
+  text = report_table.render(cache, rows, variants, previous=report_table.previous_table())
   print(text)
   write = a.write == "yes" or (a.write is None and not a.rows and not a.variants)
   if write:

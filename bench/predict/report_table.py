@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 
 from bench.predict import calibration
@@ -91,7 +92,37 @@ def tokens_per_step(cells) -> str:
   return "; ".join(f"{n:,} ({', '.join(titles)})" for n, titles in sorted(by_count.items()))
 
 
-def render(cache: report_cache.Cache, rows, variants=()) -> str:
+def previous_table(path: str = PERF_MD) -> tuple[str, dict[tuple[str, str], str]]:
+  """The table now in docs/PERF.md's report block: (its commit, {(program, variant): its line}); ("", {}) if
+  there is none. ``render`` keeps those lines for cells not in the cache (compiles too long to redo at once)."""
+  if not os.path.exists(path):
+    return "", {}
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if BEGIN not in text or END not in text:
+    return "", {}
+  block = text.split(BEGIN, 1)[1].split(END, 1)[0]
+  commit = re.search(r", commit ([0-9a-f]+)", block)
+  lines = {}
+  for line in block.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 10 and cells[0] not in ("program, GPUs", "---") and re.match(r"[\d,.]+$", cells[2]):
+      lines[(cells[0], cells[1].split(" (")[0])] = line
+  return (commit.group(1) if commit else ""), lines
+
+
+def _kept(line: str, commit: str) -> str:
+  """A previous table's line with its variant marked by the commit that compiled it."""
+  cells = line.split("|")
+  cells[2] = f" {cells[2].strip()} (kept from {commit}) "
+  return "|".join(cells)
+
+
+def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> str:
+  """The report block: each (row, variant) priced from the cache; a cell not in the cache keeps its line of
+  ``previous`` (``previous_table``), marked with that table's commit, or says how to compile it."""
+  kept_commit, kept_lines = previous
+  kept = 0
   cells, points = [], []
   for row in rows:
     for v in row.variants:
@@ -114,7 +145,10 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
            "(of all) | memory GiB/GPU | old ruler ms |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for row, v, c in cells:
-    if c["state"] == "missing":
+    if c["state"] == "missing" and (row.title, v) in kept_lines:
+      lines.append(_kept(kept_lines[(row.title, v)], kept_commit))
+      kept += 1
+    elif c["state"] == "missing":
       lines.append(f"| {row.title} | {v} | not compiled yet (`bench/predict/report.py --rows {row.name} --variants {v}`) "
                    "| | | | | | | |")
     elif c["state"] == "error":
@@ -128,6 +162,9 @@ def render(cache: report_cache.Cache, rows, variants=()) -> str:
                    f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f}")
       lines[-1] += (f" | {corrected} | {100 * c['mfu']:.1f}% | {c['kernels']:,} | {c['exposed_comm_ms']:,.1f} "
                     f"({c['comm_ms']:,.1f}) | {c['memory_gib']:.1f} | {c['roofline_ms']:,.1f} |")
+  if kept:
+    lines[0] += (f" {kept} rows marked \"kept from {kept_commit}\" were not compiled again: their numbers are "
+                 f"those of commit {kept_commit}'s table (and not in the calibration below).")
   xla_rows = [(row, v, c["xla"]) for row, v, c in cells if c["state"] == "ok" and c.get("xla")
               and c["xla"].get("xla_ms")]
   lines += ["", "XLA's own estimate beside the ruler's (bench/predict/xla_schedule.py: the latency-hiding scheduler's "
