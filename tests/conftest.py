@@ -66,11 +66,20 @@ def slow_tests(path: str = SLOW_TESTS) -> dict[str, str]:
   return out
 
 
+# The files whose default tests take longest (a subprocess on 4 or 8 simulated devices, 20-70 s each, and their
+# module fixtures): run first, so that the two xdist workers end on the suite's short tests together instead of
+# one of them alone on a long one (xdist hands out tests in collection order).
+COSTLY_FIRST = ("tests/test_mesh_primitives.py", "tests/test_train_micro_batches.py", "tests/test_sharding_wire.py",
+                "tests/test_mesh_nodes.py", "tests/test_sharding_mesh.py")
+
+
 @pytest.hookimpl(tryfirst=True)   # before -m deselects
 def pytest_collection_modifyitems(config, items):
   """The tests of tests/slow_tests.txt are slow (with ``FP4JAX_SLOW_TESTS=omit``, left out). A line naming a test
   that a collected file no longer has, or a representative that is itself slow or gone, stops the run (unless the
-  run names node ids, whose files are collected in part): the list must not drift from the tests."""
+  run names node ids, whose files are collected in part): the list must not drift from the tests. The files of
+  ``COSTLY_FIRST`` go first, each in its own order."""
+  items.sort(key=lambda item: item.nodeid.split("::")[0] not in COSTLY_FIRST)   # stable: False (costly) first
   slow = slow_tests()
   ids = {item.nodeid for item in items}
   files = {i.split("::")[0] for i in ids}
