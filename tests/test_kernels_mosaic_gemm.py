@@ -86,6 +86,21 @@ def test_lowers_for_cuda_to_one_block_scaled_custom_call():
   assert f32.lower(lowering_platforms=("cuda",)).as_text().count(f"@{mc.MOSAIC_CUSTOM_CALL}(") == 1
 
 
+def test_codes_and_result_are_not_padded_to_whole_tiles():
+  """M and N off the 128 x 256 tile (whole swizzle tiles: rows by 8, N by 32, as in_proj's 22,688 rows are): the
+  kernel reads the codes as they are
+  (its last tiles read zeros past their ends) and writes the result at its shape, so the lowering pads no codes
+  and slices no result; only the scales are padded, in their layout pass."""
+  S = jax.ShapeDtypeStruct
+  args = [S((200, 512), jnp.float4_e2m1fn), S((200, 32), jnp.float8_e4m3fn), S((160, 512), jnp.float4_e2m1fn),
+          S((160, 32), jnp.float8_e4m3fn), S((32,), jnp.float32)]
+  lowered = jax.jit(lambda *a: mg.mosaic_gemm(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert lowered.out_info.shape == (200, 160)
+  assert not [l for l in text.splitlines() if "stablehlo.pad" in l and "f4E2M1FN" in l], text
+  assert "stablehlo.slice" not in text and "fp4jax_mosaic_gemm_nvfp4_256x256x512" in text
+
+
 def test_padded_columns_are_zeros_beyond_n():
   """n_multiple: the columns padded with zeros (a reduce-scatter's partials, sliced as shards); the kernel's own
   tile columns need no slice on CUDA, a larger multiple pads further."""

@@ -11,14 +11,17 @@ the codes' bytes); factor is ``reference.tensor_factor_parts`` (the tensor facto
 
 The kernel, one CTA (one warpgroup, 128 threads) per (tm, tn) output tile:
   1. warp 0 loads, by TMA, the codes of a (tm, tk) and b (tn, tk) and their scales into a ring of
-     ``stages`` shared-memory slots, each slot reused once the MMA that read it has completed;
+     ``stages`` shared-memory slots, each slot reused once the MMA that read it has completed (a tile past the
+     end of M, N or K reads zeros: the scales are padded to whole tiles in their layout pass, the codes only to
+     whole swizzle tiles, rows by 8 and K by 256);
   2. warp 1 copies each slot's scales to tensor memory (tcgen05.cp; one buffer per slot) and issues the
      block-scaled MMA (tcgen05.mma kind::mxf4nvf4.block_scale.scale_vec::4X: E2M1 products scaled by E4M3
      per 16, float32 accumulation in tensor memory), whose completion frees the slot;
   3. the epilogue, all four warps once the last MMA completed: the accumulator is read from tensor memory
      in (tm, en) column pieces, multiplied by the four factors in the XLA path's order
      (``reference.apply_factor_parts``, each product guarded from fusing into the add after it), the
-     residual (loaded by TMA, double-buffered) added in float32, cast, and stored by TMA.
+     residual (loaded by TMA, double-buffered) added in float32, cast, and stored by TMA (clipped to the
+     result's columns: no slice after the kernel).
 
 The twin (``mosaic_gemm_reference``, and the kernel's result off CUDA) is the XLA path's: the exact products
 e2m1·s in bf16, one GEMM with float32 accumulation, the same epilogue. Both add the same exact products in
@@ -146,20 +149,28 @@ def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps
   plgpu.wait_smem_to_gmem(0)
 
 
+def _tile(dtype, minor: int) -> tuple[int, int]:
+  """(rows, elements): the tiling of a shared-memory tile whose rows hold ``minor`` elements of dtype (one
+  swizzle's width); a TMA copy between it and an array needs the array's last two dimensions multiples of it."""
+  bits = 4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8
+  swizzle = mc.plgpu().find_swizzle(minor * bits)
+  return 8, swizzle * 8 // bits
+
+
 def _swizzled(dtype, minor: int):
   """Tiling and swizzle transforms of a shared-memory tile whose rows hold ``minor`` elements of dtype."""
   plgpu = mc.plgpu()
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8 if dtype != jnp.float4_e2m1fn
-                               else minor * 4)
-  elems = swizzle * 8 // (4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+  rows, elems = _tile(dtype, minor)
+  bits = 4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8
+  return (plgpu.TilingTransform((rows, elems)), plgpu.SwizzleTransform(elems * bits // 8))
 
 
-def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles):
-  """out (M, N) from padded operands: M, N, K multiples of the tiles; scales in the tensor cores' layout."""
+def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles, out_shape: tuple[int, int]):
+  """out of out_shape: the grid covers whole tiles (the scales, in the tensor cores' layout, padded to them); the
+  codes and the residual are read as they are (TMA fills the parts of a tile past an array's end with zeros)
+  and the result's tiles are stored clipped to out_shape (TMA drops the writes past its end)."""
   plgpu = mc.plgpu()
-  m, k = a.shape
-  n = b.shape[0]
+  mp, np_, kp = a_tc.shape[0] * SCALE_ROWS, b_tc.shape[0] * SCALE_ROWS, a_tc.shape[1] * 4 * BLOCK
   tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
   e4m3 = jnp.float8_e4m3fn
   sk = tk // (4 * BLOCK)
@@ -185,10 +196,10 @@ def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles):
       plgpu.Barrier(),
       plgpu.Barrier(num_barriers=2),
   )
-  kernel = functools.partial(_gemm_kernel, tiles=tiles, k_steps=k // tk, has_residual=residual is not None)
+  kernel = functools.partial(_gemm_kernel, tiles=tiles, k_steps=kp // tk, has_residual=residual is not None)
   call = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(m // tm, n // tn), grid_names=("m", "n"),
-      scratch_types=scratch, kernel_name=f"fp4jax_mosaic_gemm_nvfp4_{m}x{n}x{k}")
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(mp // tm, np_ // tn),
+      grid_names=("m", "n"), scratch_types=scratch, kernel_name=f"fp4jax_mosaic_gemm_nvfp4_{mp}x{np_}x{kp}")
   args = (a, b, a_tc, b_tc, factor_4) + ((residual,) if residual is not None else ())
   return call(*args)
 
@@ -233,19 +244,26 @@ def padded_columns(n: int, n_multiple: int) -> int:
 
 
 def _kernel_path(a, a_scales, b, b_scales, factor, residual, *, out_dtype, tiles, n_multiple):
-  """The kernel on operands padded to its tiles (zero codes and zero scales: products 0, exact)."""
+  """The kernel on the codes as they are where it can: a tile past an array's end reads zeros (zero codes:
+  products 0, exact) and its writes past the result's end are dropped, so no pass pads a weight's rows or
+  slices the result. Padded: the scales to whole tiles (inside their layout pass; zeros: products 0), and an
+  array whose last two dimensions are not whole swizzle tiles (``_tile``: rows by 8; K of the codes by 256, the
+  result's and the residual's columns by 32), which a TMA copy cannot take as it is."""
   (m, k), n = a.shape, b.shape[0]
   up = lambda d, t: -(-d // t) * t
   mp, np_, kp = up(m, tiles.tm), up(n, tiles.tn), up(k, tiles.tk)
-  a, b = _pad(a, mp, kp), _pad(b, np_, kp)
+  whole = lambda x, dtype, minor: _pad(x, *(up(d, t) for d, t in zip(x.shape, _tile(dtype, minor))))
+  a, b = whole(a, a.dtype, tiles.tk), whole(b, b.dtype, tiles.tk)
   a_tc = tensor_core_scales(_pad(a_scales, mp, kp // BLOCK))
   b_tc = tensor_core_scales(_pad(b_scales, np_, kp // BLOCK))
-  if residual is not None:
-    residual = _pad(residual, mp, np_)
-  factor = jnp.pad(factor, (0, FACTOR_WORDS - factor.shape[0]))   # a pass of its own unless the caller padded
-  out = _gemm_call(a, b, a_tc, b_tc, factor, residual, out_dtype=out_dtype, tiles=tiles)
   cols = padded_columns(n, n_multiple)
-  return out[:m, :cols] if cols <= np_ else _pad(out[:m], m, cols)
+  rows_out, cols_out = (up(d, t) for d, t in zip((m, min(cols, np_)), _tile(out_dtype, tiles.en)))
+  if residual is not None:
+    residual = whole(residual, residual.dtype, tiles.en)
+  factor = jnp.pad(factor, (0, FACTOR_WORDS - factor.shape[0]))   # a pass of its own unless the caller padded
+  out = _gemm_call(a, b, a_tc, b_tc, factor, residual, out_dtype=out_dtype, tiles=tiles,
+                   out_shape=(rows_out, cols_out))
+  return out[:m, :cols] if cols <= cols_out else _pad(out[:m], m, cols)
 
 
 def mosaic_gemm(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jnp.bfloat16,
