@@ -111,10 +111,13 @@ def previous_table(path: str = PERF_MD) -> tuple[str, dict[tuple[str, str], str]
   return (commit.group(1) if commit else ""), lines
 
 
-def _kept(line: str, commit: str) -> str:
-  """A previous table's line with its variant marked by the commit that compiled it."""
+def _kept(line: str, commit: str, bias) -> str:
+  """A previous table's line with its variant marked by the commit that compiled it, and its tokens/s divided by
+  this table's calibration bias."""
   cells = line.split("|")
   cells[2] = f" {cells[2].strip()} (kept from {commit}) "
+  tokens = float(cells[4].split("(")[0].replace(",", ""))
+  cells[5] = f" {tokens / bias:,.0f} " if bias else " "
   return "|".join(cells)
 
 
@@ -146,7 +149,7 @@ def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> s
            "|---|---|---|---|---|---|---|---|---|---|"]
   for row, v, c in cells:
     if c["state"] == "missing" and (row.title, v) in kept_lines:
-      lines.append(_kept(kept_lines[(row.title, v)], kept_commit))
+      lines.append(_kept(kept_lines[(row.title, v)], kept_commit, b))
       kept += 1
     elif c["state"] == "missing":
       lines.append(f"| {row.title} | {v} | not compiled yet (`bench/predict/report.py --rows {row.name} --variants {v}`) "
