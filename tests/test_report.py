@@ -103,4 +103,5 @@ def test_cells_not_in_the_cache_keep_the_previous_tables_line(tmp_path, monkeypa
   bf16 = next(l for l in lines if l.startswith("| Llama-3-8B shape, 8 B200 | bf16 |"))
   assert "999.9" not in bf16                                           # the cache's own, not the old line
   assert '2 rows marked "kept from 6379e54" were not compiled again' in lines[0]
+  assert "| nvfp4 | 30,029 | 22,566 |" in text   # a kept row is a calibration point with its old tokens/s
   assert report_table.previous_table(str(tmp_path / "none.md")) == ("", {})

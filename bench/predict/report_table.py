@@ -111,13 +111,17 @@ def previous_table(path: str = PERF_MD) -> tuple[str, dict[tuple[str, str], str]
   return (commit.group(1) if commit else ""), lines
 
 
+def _tokens(line: str) -> float:
+  """The tokens/s/GPU of a table line."""
+  return float(line.split("|")[4].split("(")[0].replace(",", ""))
+
+
 def _kept(line: str, commit: str, bias) -> str:
   """A previous table's line with its variant marked by the commit that compiled it, and its tokens/s divided by
   this table's calibration bias."""
   cells = line.split("|")
   cells[2] = f" {cells[2].strip()} (kept from {commit}) "
-  tokens = float(cells[4].split("(")[0].replace(",", ""))
-  cells[5] = f" {tokens / bias:,.0f} " if bias else " "
+  cells[5] = f" {_tokens(line) / bias:,.0f} " if bias else " "
   return "|".join(cells)
 
 
@@ -134,9 +138,10 @@ def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> s
       c = priced(cache, row, v)
       cells.append((row, v, c))
       ref = row.reference
-      if ref and c["state"] == "ok" and v in ref.tokens_per_s_per_gpu:
-        points.append(calibration.Point(ref.source, ref.hardware, v, ref.tokens_per_s_per_gpu[v],
-                                        c["tokens_per_s"]))
+      predicted = (c["tokens_per_s"] if c["state"] == "ok" else
+                   _tokens(kept_lines[(row.title, v)]) if (row.title, v) in kept_lines else None)
+      if ref and predicted is not None and v in ref.tokens_per_s_per_gpu:
+        points.append(calibration.Point(ref.source, ref.hardware, v, ref.tokens_per_s_per_gpu[v], predicted))
   b = calibration.bias(points)
   lines = [f"**Predictions, not measurements** (no GPU ran these programs): `python bench/predict/report.py`, "
            f"{time.strftime('%Y-%m-%d', time.gmtime())}, commit {report_cache.code_commit()}, {_versions()}; each "
@@ -167,7 +172,7 @@ def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> s
                     f"({c['comm_ms']:,.1f}) | {c['memory_gib']:.1f} | {c['roofline_ms']:,.1f} |")
   if kept:
     lines[0] += (f" {kept} rows marked \"kept from {kept_commit}\" were not compiled again: their numbers are "
-                 f"those of commit {kept_commit}'s table (and not in the calibration below).")
+                 f"those of commit {kept_commit}'s table (its tokens/s in the calibration below too).")
   xla_rows = [(row, v, c["xla"]) for row, v, c in cells if c["state"] == "ok" and c.get("xla")
               and c["xla"].get("xla_ms")]
   lines += ["", "XLA's own estimate beside the ruler's (bench/predict/xla_schedule.py: the latency-hiding scheduler's "
