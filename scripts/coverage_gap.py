@@ -168,7 +168,8 @@ def sole_lines(report: str) -> dict[str, int]:
 
 
 def test_records(tests_dir: str) -> dict[str, dict]:
-  """{node id: {"seconds", "subprocess", "named_subprocesses"}} of the processes of a ``--by_test`` run (tests/coverage_by_test.py)."""
+  """{node id: {"seconds", "subprocess", "named_subprocesses"}} of the processes of a ``--by_test`` run
+  (tests/coverage_by_test.py)."""
   out: dict[str, dict] = {}
   for name in sorted(os.listdir(tests_dir)):
     with open(os.path.join(tests_dir, name)) as f:
@@ -203,7 +204,8 @@ def slow_plan(report: str, records: dict[str, dict], budget_s: float) -> tuple[l
   for test in sorted(records, key=lambda t: -records[t]["seconds"]):
     if left <= budget_s:
       break
-    if ((records[test]["subprocess"] and not records[test].get("named_subprocesses")) or test.startswith(KEEP) or not lines_of[test]
+    unnamed = records[test]["subprocess"] and not records[test].get("named_subprocesses")
+    if (unnamed or test.startswith(KEEP) or not lines_of[test]
         or any(len(holders[k]) < 2 for k in lines_of[test])):
       continue
     for k in lines_of[test]:
