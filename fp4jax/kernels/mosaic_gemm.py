@@ -149,20 +149,21 @@ def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps
   plgpu.wait_smem_to_gmem(0)
 
 
+def _bits(dtype) -> int:
+  return 4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8
+
+
 def _tile(dtype, minor: int) -> tuple[int, int]:
   """(rows, elements): the tiling of a shared-memory tile whose rows hold ``minor`` elements of dtype (one
   swizzle's width); a TMA copy between it and an array needs the array's last two dimensions multiples of it."""
-  bits = 4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8
-  swizzle = mc.plgpu().find_swizzle(minor * bits)
-  return 8, swizzle * 8 // bits
+  return 8, mc.plgpu().find_swizzle(minor * _bits(dtype)) * 8 // _bits(dtype)
 
 
 def _swizzled(dtype, minor: int):
   """Tiling and swizzle transforms of a shared-memory tile whose rows hold ``minor`` elements of dtype."""
   plgpu = mc.plgpu()
   rows, elems = _tile(dtype, minor)
-  bits = 4 if dtype == jnp.float4_e2m1fn else jnp.dtype(dtype).itemsize * 8
-  return (plgpu.TilingTransform((rows, elems)), plgpu.SwizzleTransform(elems * bits // 8))
+  return (plgpu.TilingTransform((rows, elems)), plgpu.SwizzleTransform(elems * _bits(dtype) // 8))
 
 
 def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles, out_shape: tuple[int, int]):
