@@ -91,7 +91,7 @@ def test_cells_not_in_the_cache_keep_the_previous_tables_line(tmp_path, monkeypa
   perf.write_text(f"# P\n\n{report_table.BEGIN}\n**Predictions**, 2026-12-06, commit 6379e54, jax\n\n{old}"
                   f"{report_table.END}\nrest\n")
   previous = report_table.previous_table(str(perf))
-  assert previous[0] == "6379e54" and len(previous[1]) == 3
+  assert len(previous) == 3 and {c for _, c in previous.values()} == {"6379e54"}
   text = report_table.render(cache, [row], previous=previous)
   lines = text.splitlines()
   mxfp8 = next(l for l in lines if l.startswith("| Llama-3-8B shape, 8 B200 | mxfp8 (kept from 6379e54) | 454.2 |"))
@@ -104,4 +104,9 @@ def test_cells_not_in_the_cache_keep_the_previous_tables_line(tmp_path, monkeypa
   assert "999.9" not in bf16                                           # the cache's own, not the old line
   assert '2 rows marked "kept from 6379e54" were not compiled again' in lines[0]
   assert "| nvfp4 | 30,029 | 22,566 |" in text   # a kept row is a calibration point with its old tokens/s
-  assert report_table.previous_table(str(tmp_path / "none.md")) == ("", {})
+  assert report_table.previous_table(str(tmp_path / "none.md")) == {}
+  # written and read again: a kept line keeps the commit that compiled it, not the newer table's
+  report_table.write_perf(text, str(perf))
+  again = report_table.previous_table(str(perf))
+  assert again[("Llama-3-8B shape, 8 B200", "mxfp8")][1] == "6379e54"
+  assert "(kept from 6379e54) (kept" not in report_table.render(cache, [row], previous=again)

@@ -92,23 +92,29 @@ def tokens_per_step(cells) -> str:
   return "; ".join(f"{n:,} ({', '.join(titles)})" for n, titles in sorted(by_count.items()))
 
 
-def previous_table(path: str = PERF_MD) -> tuple[str, dict[tuple[str, str], str]]:
-  """The table now in docs/PERF.md's report block: (its commit, {(program, variant): its line}); ("", {}) if
-  there is none. ``render`` keeps those lines for cells not in the cache (compiles too long to redo at once)."""
+KEPT = re.compile(r" \(kept from ([0-9a-f]+)\)")
+
+
+def previous_table(path: str = PERF_MD) -> dict[tuple[str, str], tuple[str, str]]:
+  """The priced lines of the table now in docs/PERF.md's report block: {(program, variant): (its line, the
+  commit that compiled it)} (a line kept from an older table keeps that table's commit); {} if there is none.
+  ``render`` keeps those lines for cells not in the cache (compiles too long to redo at once)."""
   if not os.path.exists(path):
-    return "", {}
+    return {}
   with open(path, encoding="utf-8") as f:
     text = f.read()
   if BEGIN not in text or END not in text:
-    return "", {}
+    return {}
   block = text.split(BEGIN, 1)[1].split(END, 1)[0]
   commit = re.search(r", commit ([0-9a-f]+)", block)
-  lines = {}
+  out = {}
   for line in block.splitlines():
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
     if len(cells) == 10 and cells[0] not in ("program, GPUs", "---") and re.match(r"[\d,.]+$", cells[2]):
-      lines[(cells[0], cells[1].split(" (")[0])] = line
-  return (commit.group(1) if commit else ""), lines
+      older = KEPT.search(cells[1])
+      out[(cells[0], cells[1].split(" (")[0])] = (line, older.group(1) if older else commit.group(1) if commit
+                                                  else "?")
+  return out
 
 
 def _tokens(line: str) -> float:
@@ -120,16 +126,16 @@ def _kept(line: str, commit: str, bias) -> str:
   """A previous table's line with its variant marked by the commit that compiled it, and its tokens/s divided by
   this table's calibration bias."""
   cells = line.split("|")
-  cells[2] = f" {cells[2].strip()} (kept from {commit}) "
+  cells[2] = f" {KEPT.sub('', cells[2].strip())} (kept from {commit}) "
   cells[5] = f" {_tokens(line) / bias:,.0f} " if bias else " "
   return "|".join(cells)
 
 
-def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> str:
+def render(cache: report_cache.Cache, rows, variants=(), previous=None) -> str:
   """The report block: each (row, variant) priced from the cache; a cell not in the cache keeps its line of
-  ``previous`` (``previous_table``), marked with that table's commit, or says how to compile it."""
-  kept_commit, kept_lines = previous
-  kept = 0
+  ``previous`` (``previous_table``), marked with the commit that compiled it, or says how to compile it."""
+  previous = previous or {}
+  kept = {}   # commit: rows kept from it
   cells, points = [], []
   for row in rows:
     for v in row.variants:
@@ -138,8 +144,8 @@ def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> s
       c = priced(cache, row, v)
       cells.append((row, v, c))
       ref = row.reference
-      predicted = (c["tokens_per_s"] if c["state"] == "ok" else
-                   _tokens(kept_lines[(row.title, v)]) if (row.title, v) in kept_lines else None)
+      predicted = (c["tokens_per_s"] if c["state"] == "ok" else _tokens(previous[(row.title, v)][0])
+                   if c["state"] == "missing" and (row.title, v) in previous else None)
       if ref and predicted is not None and v in ref.tokens_per_s_per_gpu:
         points.append(calibration.Point(ref.source, ref.hardware, v, ref.tokens_per_s_per_gpu[v], predicted))
   b = calibration.bias(points)
@@ -153,9 +159,10 @@ def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> s
            "(of all) | memory GiB/GPU | old ruler ms |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for row, v, c in cells:
-    if c["state"] == "missing" and (row.title, v) in kept_lines:
-      lines.append(_kept(kept_lines[(row.title, v)], kept_commit, b))
-      kept += 1
+    if c["state"] == "missing" and (row.title, v) in previous:
+      line, commit = previous[(row.title, v)]
+      lines.append(_kept(line, commit, b))
+      kept[commit] = kept.get(commit, 0) + 1
     elif c["state"] == "missing":
       lines.append(f"| {row.title} | {v} | not compiled yet (`bench/predict/report.py --rows {row.name} --variants {v}`) "
                    "| | | | | | | |")
@@ -170,9 +177,9 @@ def render(cache: report_cache.Cache, rows, variants=(), previous=("", {})) -> s
                    f"| {row.title} | {v} | {c['step_ms']:,.1f} | {c['tokens_per_s']:,.0f}")
       lines[-1] += (f" | {corrected} | {100 * c['mfu']:.1f}% | {c['kernels']:,} | {c['exposed_comm_ms']:,.1f} "
                     f"({c['comm_ms']:,.1f}) | {c['memory_gib']:.1f} | {c['roofline_ms']:,.1f} |")
-  if kept:
-    lines[0] += (f" {kept} rows marked \"kept from {kept_commit}\" were not compiled again: their numbers are "
-                 f"those of commit {kept_commit}'s table (its tokens/s in the calibration below too).")
+  for commit, n in kept.items():
+    lines[0] += (f" {n} rows marked \"kept from {commit}\" were not compiled again: their numbers are those of "
+                 f"commit {commit}'s compiles (their tokens/s in the calibration below too).")
   xla_rows = [(row, v, c["xla"]) for row, v, c in cells if c["state"] == "ok" and c.get("xla")
               and c["xla"].get("xla_ms")]
   lines += ["", "XLA's own estimate beside the ruler's (bench/predict/xla_schedule.py: the latency-hiding scheduler's "
