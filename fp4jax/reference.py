@@ -197,7 +197,7 @@ def tensor_factor_parts(a: QTensor, b: QTensor, words: int = 4):
     raise ValueError(f"tensor_factor_parts: words={words}; the four parts need at least 4")
   zeros = [jnp.float32(0.0)] * (words - 4)
   if a.fmt != "nvfp4":
-    return jnp.array([1.0, 1.0, 1.0, 1.0] + [0.0] * (words - 4), jnp.float32)
+    return jnp.stack([jnp.float32(1.0)] * 4 + zeros)
   amax_a, amax_b = jnp.asarray(a.amax, jnp.float32), jnp.asarray(b.amax, jnp.float32)
   nan = jnp.float32(jnp.nan)
   amax_a, amax_b = jnp.where(amax_a < 0, nan, amax_a), jnp.where(amax_b < 0, nan, amax_b)

@@ -106,14 +106,14 @@ def previous_table(path: str = PERF_MD) -> dict[tuple[str, str], tuple[str, str]
   if BEGIN not in text or END not in text:
     return {}
   block = text.split(BEGIN, 1)[1].split(END, 1)[0]
-  commit = re.search(r", commit ([0-9a-f]+)", block)
+  header = re.search(r", commit ([0-9a-f]+)", block)
+  table_commit = header.group(1) if header else "?"
   out = {}
   for line in block.splitlines():
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
-    if len(cells) == 10 and cells[0] not in ("program, GPUs", "---") and re.match(r"[\d,.]+$", cells[2]):
+    if len(cells) == 10 and re.match(r"[\d,.]+$", cells[2]):   # a priced row (its step ms a number)
       older = KEPT.search(cells[1])
-      out[(cells[0], cells[1].split(" (")[0])] = (line, older.group(1) if older else commit.group(1) if commit
-                                                  else "?")
+      out[(cells[0], cells[1].split(" (")[0])] = (line, older.group(1) if older else table_commit)
   return out
 
 

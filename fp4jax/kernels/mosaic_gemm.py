@@ -166,7 +166,7 @@ def _swizzled(dtype, minor: int):
   return (plgpu.TilingTransform((rows, elems)), plgpu.SwizzleTransform(elems * _bits(dtype) // 8))
 
 
-def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles, out_shape: tuple[int, int]):
+def _gemm_call(a, b, a_tc, b_tc, factor, residual, *, out_dtype, tiles, out_shape: tuple[int, int]):
   """out of out_shape: the grid covers whole tiles (the scales, in the tensor cores' layout, padded to them); the
   codes and the residual are read as they are (TMA fills the parts of a tile past an array's end with zeros)
   and the result's tiles are stored clipped to out_shape (TMA drops the writes past its end)."""
@@ -201,7 +201,7 @@ def _gemm_call(a, b, a_tc, b_tc, factor_4, residual, *, out_dtype, tiles, out_sh
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(mp // tm, np_ // tn),
       grid_names=("m", "n"), scratch_types=scratch, kernel_name=f"fp4jax_mosaic_gemm_nvfp4_{mp}x{np_}x{kp}")
-  args = (a, b, a_tc, b_tc, factor_4) + ((residual,) if residual is not None else ())
+  args = (a, b, a_tc, b_tc, factor) + ((residual,) if residual is not None else ())
   return call(*args)
 
 
