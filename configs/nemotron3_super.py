@@ -11,15 +11,18 @@ The 64-GPU layout, 8 HGX nodes x 8 (docs/TRAINING.md, "Laying out a multi-node r
 - across the nodes, fsdp=8 (mesh.dcn_fsdp=8): parameters and optimizer state split 8 ways more. It is there for
   memory, not for traffic: the state is 21.61 GiB per GPU split 64 ways and would be 172.71 GiB split only 8 ways
   (data across the nodes instead of fsdp: more than a B200's 180 GB, 167.6 GiB, before any activation). So the
-  weights are gathered over fsdp once per step, ahead of the 8 micro-batches (mesh.fsdp_gather="per_step": 30 GiB
+  weights are gathered over fsdp once per step, ahead of the micro-batches (mesh.fsdp_gather="per_step": 30 GiB
   per GPU over the network per step instead of 341 GiB, for about 27 GiB more memory per GPU); the gradients are
   still reduce-scattered over fsdp in every micro-batch, across the network (docs/PERF.md, "Super's communication";
   mesh.grad_reduce="per_step", once per step, is refused for NVFP4 under jax 0.10.2 and in bf16 takes 181.7 GiB
   per GPU: docs/PERF.md, "Super's gradients reduced once per step").
 The flat mesh of this shape (fsdp major) puts the devices in the same order; the layout keys say it, and a
 cluster whose nodes are not 8 GPUs is refused (mesh.devices_per_node).
-Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batch_size 512) in 8 micro-batches
-of one sequence per GPU (micro_batches 8: the gradients accumulate in float32, docs/TRAINING.md, "Micro-batches"),
+Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batch_size 512) in 4 micro-batches
+of two sequences per GPU (micro_batches 4: the gradients accumulate in float32, docs/TRAINING.md, "Micro-batches";
+each micro-batch reduce-scatters every gradient across the nodes, so fewer, larger micro-batches pay that
+less often: 8 of one sequence 19.7 s per step, 4 of two 14.5 s, 2 of four do not fit; docs/PERF.md, "Super's
+micro-batches: two sequences per GPU"),
 blocks rematerialized (remat "full", set here: the 12B's save_linear_fp4 would keep every E block's expert
 hidden) and the repeated block groups scanned. The state is
 21.61 GiB per GPU (the dense layers' too split over fsdp x expert: training.sharding). The experts' receive
@@ -30,13 +33,14 @@ micro-batches for a step of 64 sequences (one micro-batch, weights gathered per 
 docs/PERF.md, "nemotron3_super on 64 GPUs"):
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
-and as configured (512 x 8192 in 8 micro-batches, the proved path, on the ruler; docs/PERF.md, "Super's
-communication"): 64 B200 nvfp4 104.04 GiB, 20.4 s per step, 9.1 s of it exposed communication.
-Compile it with (--batch_per_device: sequences per GPU in each micro-batch):
+and as configured (512 x 8192 in 4 micro-batches, the proved path, on the ruler, the full compile; docs/PERF.md,
+"Super's micro-batches: two sequences per GPU"): 64 B200 nvfp4 127.99 GiB, 14.5 s per step, 4.6 s of it exposed
+communication.
+Compile it with (the batch of the config: 4 micro-batches of 2 x 64 sequences; --batch_per_device N for N per GPU):
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
       python bench/predict/gpu_aot.py --target h200 --what step --config configs/nemotron3_super.py --devices 64 \
-      --batch_per_device 1 --twin=false
+      --twin=false
 
 (for --target b200 add XLA_FLAGS=--xla_gpu_enable_triton_gemm=false: the deviceless sm_100 compile of bf16 dots.)
 
@@ -61,7 +65,7 @@ def get_config():
   c.name = "nemotron3_super"
   c.model.preset = "nemotron3_super"
   c.batch_size = 512
-  c.micro_batches = 8   # 64 sequences at a time: one per GPU, as the memory above allows
+  c.micro_batches = 4   # 128 sequences at a time, two per GPU: four per GPU do not fit (docstring)
   c.steps = 25_000_000_000_000 // (512 * 8192)
   c.mesh.expert = 8            # within a node: the expert all-to-all on NVLink
   c.mesh.dcn_fsdp = 8          # fsdp (8, from -1) spans the 8 nodes: the state split 64 ways fits (docstring)
@@ -83,9 +87,9 @@ def get_config():
   # communication"). Double-buffered loops (two iterations per trip, so the scheduler can overlap one's
   # collectives with the next's kernels): 20.6 -> 20.4 s for 4.3 GiB. The scheduler trades memory for overlap
   # up to io + (0.8 x device memory - io) x slop / 100 (io: the 21.6 GiB of state per GPU): slop 80 plans
-  # 119.5 GiB on a B200 (the step takes 104.0 GiB, under 90% of its 180 GB); the H200's 95 is XLA's default,
-  # 107.5 GiB (not compiled at this layout). Kept in the config so that train.py and bench/predict/gpu_aot.py
-  # compile the same program.
+  # 119.5 GiB on a B200 (the step takes 128.0 GiB, XLA's rematerialization getting it no lower, under 90% of its
+  # 180 GB; slop 100 gains 22 ms for 8.7 GiB more, not kept); the H200's 95 is XLA's default, 107.5 GiB. Kept in
+  # the config so that train.py and bench/predict/gpu_aot.py compile the same program.
   overlap = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True}
   c.xla_options = config_dict.ConfigDict({
       "h200": dict(overlap, xla_gpu_memory_limit_slop_factor=95),

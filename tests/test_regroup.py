@@ -81,7 +81,7 @@ def test_gpu_aot_regroups_the_configs_pattern():
 
 
 SUPER = ("--target", "b200", "--what", "step", "--config", os.path.join(ROOT, "configs", "nemotron3_super.py"),
-         "--devices", "64", "--batch_per_device", "1", "--twin=false", "--config.recipe=nvfp4", "--what_if_proved=all",
+         "--devices", "64", "--twin=false", "--config.recipe=nvfp4", "--what_if_proved=all",
          "--config.model.ssd_impl=pallas", "--config.model.gate_norm_impl=pallas")
 
 

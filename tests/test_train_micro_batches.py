@@ -253,14 +253,14 @@ def test_each_micro_batch_must_split_over_the_devices_and_processes():
     run_lib.check_batch(4, 4, 1, 2)
 
 
-def test_super_runs_megatrons_batch_in_micro_batches_of_one_sequence_per_gpu():
-  """configs/nemotron3_super.py: 512 sequences of 8192 per optimizer step (Megatron-Bridge's Super rows), in 8
-  micro-batches of 64, one sequence per GPU of its 64 (expert 8 x fsdp 8); steps count 25T tokens at that batch."""
+def test_super_runs_megatrons_batch_in_micro_batches_of_two_sequences_per_gpu():
+  """configs/nemotron3_super.py: 512 sequences of 8192 per optimizer step (Megatron-Bridge's Super rows), in 4
+  micro-batches of 128, two sequences per GPU of its 64 (expert 8 x fsdp 8); steps count 25T tokens at that batch."""
   from test_train_config import _load   # pylint: disable=import-outside-toplevel,import-error
   c = _load(os.path.join(ROOT, "configs", "nemotron3_super.py"))
   config_lib.validate(c)
-  assert (c.batch_size, c.data.seq_len, c.micro_batches) == (512, 8192, 8)
-  assert c.batch_size // c.micro_batches == 64 == c.mesh.expert * 8
+  assert (c.batch_size, c.data.seq_len, c.micro_batches) == (512, 8192, 4)
+  assert c.batch_size // c.micro_batches == 128 == 2 * c.mesh.expert * 8
   assert c.steps == 25_000_000_000_000 // (512 * 8192)
   run_lib.check_batch(c.batch_size, c.micro_batches, 64, 8)
 

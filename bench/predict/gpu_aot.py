@@ -8,7 +8,7 @@
   python bench/predict/gpu_aot.py --target h200 --what step --config configs/nemotron_h_12b.py --devices 8 --mesh.fsdp=8
   python bench/predict/gpu_aot.py --target h200 --what kernels --json /tmp/k.json     # every Pallas kernel
   python bench/predict/gpu_aot.py --target b200 --what step --config configs/nemotron3_super.py --devices 64 \
-      --batch_per_device 1 --twin=false --regroup_blocks     # Super as 12 distinct blocks, not 26
+      --twin=false --regroup_blocks     # Super as 12 distinct blocks, not 26; its config's batch
 
 Needs jax's CUDA plugin at the installed jax's version (``pip install -e ".[gpu-compile]"``), no GPU:
 the process compiles for a ``GpuTargetConfigProto`` (bench/predict/gpu_targets/<target>.txtpb) through

@@ -63,11 +63,13 @@ class Row:
   flags: tuple = ()
   variants: tuple = HEADLINE_VARIANTS
   reference: Reference | None = None
+  batch_per_device: int | None = 1   # sequences per GPU in each micro-batch; None: the config's batch
 
   def argv(self, variant: str) -> list[str]:
     """bench/predict/gpu_aot.py's arguments for one variant of this row."""
-    return (["--target", self.target, "--what", "step", "--config", self.config, "--devices", str(self.devices),
-             "--batch_per_device", "1", "--twin=false"] + list(self.flags) + list(VARIANTS[variant]))
+    batch = [] if self.batch_per_device is None else ["--batch_per_device", str(self.batch_per_device)]
+    return (["--target", self.target, "--what", "step", "--config", self.config, "--devices", str(self.devices)]
+            + batch + ["--twin=false"] + list(self.flags) + list(VARIANTS[variant]))
 
 
 TORCHTITAN_B200 = Reference(
@@ -90,12 +92,12 @@ ROWS = {r.name: r for r in (
     Row("12b_b200", "nemotron_h_12b, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
         ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
     Row("super_h200", "nemotron3_super, 64 H200 (8 HGX nodes)", "h200", 64, "hgx_h200", "configs/nemotron3_super.py",
-        REGROUPED),
+        REGROUPED, batch_per_device=None),
     Row("super_b200", "nemotron3_super, 64 B200 (8 HGX nodes)", "b200", 64, "hgx_b200", "configs/nemotron3_super.py",
-        REGROUPED, reference=MEGATRON_SUPER_B200),
+        REGROUPED, reference=MEGATRON_SUPER_B200, batch_per_device=None),
     # the same compiles as super_b200, priced as if the 64 GPUs shared one NVLink domain (no network)
     Row("super_b200_nvl", "nemotron3_super, 64 B200 in one NVLink domain (what-if)", "b200", 64, "gb200_nvl72",
-        "configs/nemotron3_super.py", REGROUPED),
+        "configs/nemotron3_super.py", REGROUPED, batch_per_device=None),
     Row("llama8b_b200", "Llama-3-8B shape, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
         ("--config.mesh.fsdp=8",) + LLAMA3_8B, variants=("bf16", "mxfp8", "nvfp4", "nvfp4_proved"),
         reference=TORCHTITAN_B200),
