@@ -31,8 +31,9 @@ from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
 from models.mamba2 import Mamba2
 from models.mlp import MLP
+from fp4jax import grouped
 from models import axes as axes_lib, mtp, policy, remat, scopes
-from models.moe import STATS as MOE_STATS, MoE
+from models.moe import PREQUANTIZED, STATS as MOE_STATS, MoE, expert_recipe
 from models.policy import layer_precision
 
 _MIXERS = {"mamba": Mamba2, "attention": Attention, "mlp": MLP, "moe": MoE}
@@ -243,7 +244,8 @@ class LanguageModel(nn.Module):
             x_BxLxD = block_cls(cfg, cfg.block_kinds[i], self.recipe, decode, name=f"blocks_{i}")(
                 x_BxLxD, segment_ids_BxL)
           continue
-        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0, "outcontrol": 0, MOE_STATS: 0},
+        group_cls = nn.scan(BlockGroup, variable_axes={"params": 0, "cache": 0, "outcontrol": 0, MOE_STATS: 0,
+                                                       PREQUANTIZED: 0},
                             split_rngs={"params": True, "fp4": True}, length=repeats, in_axes=nn.broadcast,
                             metadata_params={nn.PARTITION_NAME: None})
         x_BxLxD, _ = group_cls(cfg, start, unit, self.recipe, decode,
@@ -360,3 +362,27 @@ def compute_params(model: LanguageModel, params, gradient_shardings=None):
         p = nn.with_logical_constraint(p.astype(cfg.dtype), axes[path])
     flat[path] = p
   return traverse_util.unflatten_dict(flat)
+
+
+def quantize_experts_ahead(model: LanguageModel, params) -> dict:
+  """The routed experts' fprop codes and scales, made from ``params`` (``compute_params``'s, placed as they are
+  stored) ahead of the layers, for the ``PREQUANTIZED`` collection: a tree like ``params`` holding, at each
+  experts' kernel whose recipe reads it only through those codes (``fp4jax.grouped.can_quantize_experts``),
+  the ``QTensor`` that ``models.moe.ExpertLinear`` would make from that kernel (a scanned group's stacked
+  along its leading axis). Each expert's codes depend on that expert's weight alone, so each device makes its
+  own experts' and a gather of the tree moves codes and scales where a gather of the kernels moves bf16 (the
+  weights gathered once per step, ``training.step.step_gradients``). The same bits as the layer's own."""
+  cfg = model.config
+  out = {}
+  for path, kernel in traverse_util.flatten_dict(nn.unbox(params)).items():
+    if len(path) < 3 or path[-3] != "experts" or path[-1] != "kernel":
+      continue
+    recipe = expert_recipe(cfg, model.recipe, path[:-1])
+    if not grouped.can_quantize_experts(recipe):
+      continue
+    quantize = lambda w, recipe=recipe: grouped.quantize_experts(w, recipe=recipe).q
+    for _ in range(kernel.ndim - 3):   # a scanned group's layers
+      quantize = jax.vmap(quantize)
+    with scopes.part("moe_experts"):
+      out[path] = quantize(kernel.astype(cfg.dtype))
+  return traverse_util.unflatten_dict(out)

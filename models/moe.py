@@ -44,6 +44,9 @@ from models.config import ModelConfig
 from models.layers import linear, residual_std
 
 STATS = "moe_stats"   # the variable collection of the per-step routing statistics
+# The variable collection of the routed experts' fprop codes made ahead of the layers (``models.lm.quantize_experts_ahead``:
+# the step's weights gathered once, as codes and scales): a layer that finds its kernel's there uses them
+PREQUANTIZED = "prequantized"
 _ACT = ("activation_batch", "activation_seq", "activation_mlp")
 
 
@@ -213,10 +216,15 @@ class ExpertLinear(nn.Module):
       key = self.make_rng("fp4")
     # Cast on each device's shard (the parameter's own placement): the per-layer gather of the experts then
     # moves the compute dtype, not the float32 master weights; where the recipe reads the weight only through
-    # its fprop codes, each device also quantizes its own experts, and the gather moves codes and scales.
+    # its fprop codes, each device also quantizes its own experts, and the gather moves codes and scales. Codes
+    # made ahead of the layer (PREQUANTIZED) are the same codes, gathered once per step; the kernel's values
+    # are then not read (its gradient still comes here).
     kernel = axes_lib.as_param(kernel.astype(cfg.dtype), self.axes)
-    if grouped.can_quantize_experts(recipe):
+    if self.has_variable(PREQUANTIZED, "kernel"):
+      kernel = grouped.QuantizedExperts(kernel, self.get_variable(PREQUANTIZED, "kernel"), recipe)
+    elif grouped.can_quantize_experts(recipe):
       kernel = grouped.quantize_experts(kernel, recipe=recipe)
+    if isinstance(kernel, grouped.QuantizedExperts):
       kernel = dataclasses.replace(kernel, q=jax.tree.map(
           lambda a: axes_lib.as_param(a, self.axes[:1] + (None,) * (a.ndim - 1)), kernel.q))
     return ExpertGemm(kernel, key, recipe, cfg.dtype, scope="/".join(self.path[-2:]))   # experts/up, experts/down

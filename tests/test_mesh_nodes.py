@@ -171,7 +171,7 @@ out = {{}}
 for name, layout in {layouts!r}.items():
   fields = {{"data.seq_len": 32, "batch_size": 16, "micro_batches": {micro}, "mesh.data": 2, "mesh.fsdp": 2,
             "mesh.expert": 2, "mesh.tensor": 1, "mesh.devices_per_node": {node}}}
-  c = shrunken.shrunken_config(steps=2, **dict(fields, **layout))
+  c = shrunken.shrunken_config(steps=2, recipe={recipe!r}, **dict(fields, **layout))
   c.model.preset = "moe_tiny"
   for k, v in {model!r}.items():
     c.model[k] = v
@@ -185,10 +185,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _compiled_collectives():
+def _compiled_collectives(layouts=None, recipe="bf16"):
   env = dict(os.environ, **shrunken.compilation_cache_env(), JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8 " + shrunken.READ_ONLY_COMPILE_XLA_FLAGS)
-  code = _DRIVER.format(root=ROOT, node=NODE, layouts=LAYOUTS, model=SCANNED_MOE_E, micro=MICRO_BATCHES)
+  code = _DRIVER.format(root=ROOT, node=NODE, layouts=layouts or LAYOUTS, model=SCANNED_MOE_E, micro=MICRO_BATCHES,
+                        recipe=recipe)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
   return json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
@@ -264,6 +265,20 @@ def test_weights_gathered_per_step_cross_the_nodes_once_per_step(compiled):
   assert _weight_gathers(in_loop) == [] and any(_reduction(c) for c in in_loop), in_loop
   dispatch = [c for c in rows if c["kind"] in ("all-to-all", "ragged-all-to-all") and "blocks_0/mixer" in c["op"]]
   assert dispatch and not any(c["crosses"] for c in dispatch)
+
+
+@pytest.mark.slow
+def test_nvfp4_experts_gathered_per_step_cross_the_nodes_as_codes():
+  """NVFP4 experts (their GEMMs read the weight only through its fprop codes) with the weights gathered once per
+  step: each device quantizes its own experts ahead of the gather (``models.lm.quantize_experts_ahead``), so what
+  crosses the nodes for them is codes and scales (uint8), not the stacked kernels (the compute dtype: float32 in
+  this shrunken config, bf16 in Super's). The dense layers' weights still cross as they are."""
+  rows = _compiled_collectives({"per_step": LAYOUTS["fsdp_across_per_step"]}, "nvfp4")["per_step"]["collectives"]
+  ahead = [c for c in _weight_gathers(rows) if c["crosses"] and "gather_weights" in c["op"] and c["runs"] == 1]
+  rank = lambda c: c["shape"].split("]")[0].count(",") + 1
+  assert [c for c in ahead if rank(c) == 4 and c["shape"].startswith(("f32", "bf16"))] == [], ahead
+  assert any(rank(c) == 4 and c["shape"].startswith("u8") and "moe_experts" in c["op"] for c in ahead), ahead
+  assert any(rank(c) < 4 and c["shape"].startswith("f32") for c in ahead), ahead   # the dense layers' weights
 
 
 def test_gradients_reduced_per_step_cross_the_nodes_once_per_step(compiled):

@@ -135,6 +135,21 @@ class StepGather:
     """``params`` (in the compute dtype, placed as ``stored``) placed as ``gathered``: the gather, once."""
     return jax.tree.map(jax.lax.with_sharding_constraint, params, self.gathered)
 
+  def gather_codes(self, codes):
+    """``codes`` (``models.lm.quantize_experts_ahead``'s: at some kernels' paths, a tree of arrays whose leading
+    axes are the kernel's but its last two, the codes' the kernel's rank) placed as their kernels are gathered
+    along those leading axes and whole along the rest: the gather of codes and scales in place of the kernels'."""
+    gathered = traverse_util.flatten_dict(self.gathered)
+
+    def place(path, tree):
+      named = gathered[path]
+      lead = max(a.ndim for a in jax.tree.leaves(tree)) - 2
+      spec = (tuple(named.spec) + (None,) * lead)[:lead]
+      return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+          a, NamedSharding(named.mesh, P(*spec[:a.ndim], *(None,) * (a.ndim - min(a.ndim, lead))))), tree)
+
+    return traverse_util.unflatten_dict({path: place(path, q) for path, q in traverse_util.flatten_dict(codes).items()})
+
   @property
   def rules(self) -> tuple:
     """The rules table the micro-batches run under: inside the ``shard_map`` (``manual_rules``) with

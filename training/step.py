@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fp4jax import partition_cache
 from models import attention, moe, mtp, policy
 from models.layers import OUTCONTROL
-from models.lm import LanguageModel, compute_params
+from models.lm import LanguageModel, compute_params, quantize_experts_ahead
 from training import optim
 from training import sharding
 
@@ -67,14 +67,21 @@ def model_loss(model, params, inputs_BxL, targets_BxL, key, documents=None):
                      documents=documents)[0]
 
 
-def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=None, gradient_shardings=None):
+def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=None, gradient_shardings=None,
+                         prequantized=None):
   """(the training objective, stats): the MoE blocks' routing statistics ``moe_stats`` ({} without MoE
   blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
   the objective is ``mtp.objective`` of them (plus the MoE balance loss). ``gradient_shardings``: where each
-  parameter's gradient goes (``models.lm.compute_params``; default its own logical placement)."""
-  loss, _, stats = _apply_loss(model, params, {}, inputs_BxL, targets_BxL, key, mutable=False, documents=documents,
-                               gradient_shardings=gradient_shardings)
+  parameter's gradient goes (``models.lm.compute_params``; default its own logical placement);
+  ``prequantized``: the experts' codes made ahead (``models.lm.quantize_experts_ahead``), or None."""
+  loss, _, stats = _apply_loss(model, params, _prequantized(prequantized), inputs_BxL, targets_BxL, key,
+                               mutable=False, documents=documents, gradient_shardings=gradient_shardings)
   return loss, stats
+
+
+def _prequantized(tree) -> dict:
+  """The variable collections that carry ``tree`` (``models.lm.quantize_experts_ahead``'s) to the layers."""
+  return {moe.PREQUANTIZED: tree} if tree else {}
 
 
 def _has_moe(model) -> bool:
@@ -86,13 +93,14 @@ def _has_mtp(model) -> bool:
 
 
 def model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key, *, record: bool,
-                          with_mtp: bool = True, documents=None, gradient_shardings=None):
+                          with_mtp: bool = True, documents=None, gradient_shardings=None, prequantized=None):
   """(loss, (OutControl state after the call, stats)) of ``model`` with its ``"outcontrol"`` collection: with
   ``record`` the recipe's forward that also accumulates the channel norms (the collection mutable), else
   the forward with the calibrated MXFP8/NVFP4 channel split (the state returned as it came). ``with_mtp``:
-  the training objective (else the next-token loss alone, as ``model_loss``); ``gradient_shardings`` as in
-  ``model_loss_and_stats``."""
-  loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol}, inputs_BxL, targets_BxL, key,
+  the training objective (else the next-token loss alone, as ``model_loss``); ``gradient_shardings`` and
+  ``prequantized`` as in ``model_loss_and_stats``."""
+  loss, updated, stats = _apply_loss(model, params, {OUTCONTROL: outcontrol, **_prequantized(prequantized)},
+                                     inputs_BxL, targets_BxL, key,
                                      mutable=[OUTCONTROL] if record else False, with_mtp=with_mtp,
                                      documents=documents, gradient_shardings=gradient_shardings)
   return loss, ((updated[OUTCONTROL] if record else outcontrol), stats)
@@ -317,15 +325,18 @@ def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, 
   each gradient in its parameter's dtype and placement: the micro-batches' accumulation
   (``accumulate_gradients``), or with ``gather.unreduced`` ``accumulate_gradients_unreduced``."""
   key = jax.random.fold_in(state["rng"], state["step"])
-  params, rules, placed = state["params"], contextlib.nullcontext(), None
-  if gather is not None:
-    with jax.named_scope("gather_weights"):
-      narrow = compute_params(model, params) if isinstance(model, LanguageModel) else params
-      params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
-
+  params, rules, placed, codes = state["params"], contextlib.nullcontext(), None, None
   unreduced = gather is not None and bool(gather.unreduced)
   if unreduced:
     check_unreduced(model, "outcontrol" in state)
+  if gather is not None:
+    with jax.named_scope("gather_weights"):
+      narrow = params
+      if isinstance(model, LanguageModel):
+        # the experts the recipe reads through their codes cross the wire as codes and scales, not bf16
+        narrow = compute_params(model, params)
+        codes = gather.gather_codes(quantize_experts_ahead(model, narrow)) if not unreduced else None
+      params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
 
   def loss_fn(params, outcontrol, batch, key):
     inputs_BxL, targets_BxL, documents = window(batch)
@@ -335,11 +346,12 @@ def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, 
       gradient_shardings = jax.tree.map(lambda s: NamedSharding(mesh, sharding.without(s, gather.unreduced).spec),
                                         gather.gathered)
     if outcontrol_phase == optim.PLAIN:
-      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, gradient_shardings)
+      loss, stats = model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents, gradient_shardings,
+                                         codes)
       return loss, (outcontrol, stats)
     return model_loss_outcontrol(model, params, outcontrol, inputs_BxL, targets_BxL, key,
                                  record=outcontrol_phase == optim.RECORD, documents=documents,
-                                 gradient_shardings=gradient_shardings)
+                                 gradient_shardings=gradient_shardings, prequantized=codes)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   with jax.named_scope("forward_backward"), rules:
