@@ -22,7 +22,7 @@ Megatron-Bridge's global batch of 512 sequences of 8192 per optimizer step (batc
 of two sequences per GPU (micro_batches 4: the gradients accumulate in float32, docs/TRAINING.md, "Micro-batches";
 each micro-batch reduce-scatters every gradient across the nodes, so fewer, larger micro-batches pay that
 less often: 8 of one sequence 19.7 s per step, 4 of two 14.5 s, 2 of four do not fit; docs/PERF.md, "Super's
-micro-batches: two sequences per GPU"),
+micro-batches: two sequences per GPU"; an H200, 141 GB, holds one: --config.micro_batches=8 there),
 blocks rematerialized (remat "full", set here: the 12B's save_linear_fp4 would keep every E block's expert
 hidden) and the repeated block groups scanned. The state is
 21.61 GiB per GPU (the dense layers' too split over fsdp x expert: training.sharding). The experts' receive

@@ -91,8 +91,9 @@ ROWS = {r.name: r for r in (
         ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
     Row("12b_b200", "nemotron_h_12b, 8 B200", "b200", 8, "hgx_b200", "configs/nemotron_h_12b.py",
         ("--config.mesh.fsdp=8",), HEADLINE_VARIANTS + ("bf16_proved",)),
+    # an H200 (141 GB) holds one sequence per GPU at a time, not the config's two: 8 micro-batches of 64
     Row("super_h200", "nemotron3_super, 64 H200 (8 HGX nodes)", "h200", 64, "hgx_h200", "configs/nemotron3_super.py",
-        REGROUPED, batch_per_device=None),
+        REGROUPED + ("--config.micro_batches=8",), batch_per_device=None),
     Row("super_b200", "nemotron3_super, 64 B200 (8 HGX nodes)", "b200", 64, "hgx_b200", "configs/nemotron3_super.py",
         REGROUPED, reference=MEGATRON_SUPER_B200, batch_per_device=None),
     # the same compiles as super_b200, priced as if the 64 GPUs shared one NVLink domain (no network)
