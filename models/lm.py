@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
+from fp4jax import grouped
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
 from models.mamba2 import Mamba2
 from models.mlp import MLP
-from fp4jax import grouped
 from models import axes as axes_lib, mtp, policy, remat, scopes
 from models.moe import PREQUANTIZED, STATS as MOE_STATS, MoE, expert_recipe
 from models.policy import layer_precision

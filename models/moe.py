@@ -44,8 +44,9 @@ from models.config import ModelConfig
 from models.layers import linear, residual_std
 
 STATS = "moe_stats"   # the variable collection of the per-step routing statistics
-# The variable collection of the routed experts' fprop codes made ahead of the layers (``models.lm.quantize_experts_ahead``:
-# the step's weights gathered once, as codes and scales): a layer that finds its kernel's there uses them
+# The variable collection of the routed experts' fprop codes made ahead of the layers
+# (``models.lm.quantize_experts_ahead``: the weights gathered once per step as codes and scales); a layer that
+# finds its kernel's codes there uses them
 PREQUANTIZED = "prequantized"
 _ACT = ("activation_batch", "activation_seq", "activation_mlp")
 

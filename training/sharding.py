@@ -146,7 +146,7 @@ class StepGather:
       lead = max(a.ndim for a in jax.tree.leaves(tree)) - 2
       spec = (tuple(named.spec) + (None,) * lead)[:lead]
       return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-          a, NamedSharding(named.mesh, P(*spec[:a.ndim], *(None,) * (a.ndim - min(a.ndim, lead))))), tree)
+          a, NamedSharding(named.mesh, P(*(spec + (None,) * a.ndim)[:a.ndim]))), tree)
 
     return traverse_util.unflatten_dict({path: place(path, q) for path, q in traverse_util.flatten_dict(codes).items()})
 
