@@ -34,7 +34,7 @@ def test_proved_kernel_path_compiles_on_its_mesh(tmp_path, program, target):
                           os.path.join(ROOT, "configs", config), "--devices", str(devices), *extra,
                           *PER_TARGET.get((program, target), ()),
                           "--twin=false", "--what_if_proved=all", *MODEL_KERNELS, timeout=3600)
-  _check(proc, report, 3000)
+  _check(proc, report, 3000, rss_gib=12.0)   # a whole model's compile: 7.7 GiB measured (the 12B for H200)
   result = report["results"][0]
   assert result["kernels"] > 0, "no Pallas kernel in the GPU HLO: the proved path did not run the kernels"
   assert result["memory"]["temp_bytes"] > 0
