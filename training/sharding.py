@@ -143,8 +143,7 @@ class StepGather:
 
     def place(path, tree):
       named = gathered[path]
-      lead = max(a.ndim for a in jax.tree.leaves(tree)) - 2
-      spec = (tuple(named.spec) + (None,) * lead)[:lead]
+      spec = tuple(named.spec)[:max(a.ndim for a in jax.tree.leaves(tree)) - 2]   # the leading axes' entries
       return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
           a, NamedSharding(named.mesh, P(*(spec + (None,) * a.ndim)[:a.ndim]))), tree)
 
