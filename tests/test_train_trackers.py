@@ -105,19 +105,6 @@ def test_a_resume_continues_the_same_mlflow_and_wandb_runs(tmp_path, monkeypatch
       [(1, 1.5)], [(2, 0.5)]]   # one offline-run directory per start
 
 
-def test_a_wandb_stop_request_stops_the_trainer_only_through_its_handler(capsys):
-  import signal  # pylint: disable=g-import-not-at-top
-  trackers._wandb_stop_requested("r1")   # pytest's default SIGINT handler: no KeyboardInterrupt, only the message
-  assert "r1: W&B asks this run to stop; no training loop is running here" in capsys.readouterr().err
-  caught = []
-  previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-  try:
-    trackers._wandb_stop_requested("r2")
-  finally:
-    signal.signal(signal.SIGINT, previous)
-  assert caught == [signal.SIGINT] and "stopping as on Ctrl-C" in capsys.readouterr().err
-
-
 def test_the_trackers_config_is_checked_before_the_run(monkeypatch):
   with pytest.raises(ConfigError, match="unknown tracker 'neptune'"):
     trackers.check(_section("jsonl,neptune"))

@@ -21,8 +21,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import signal
-import sys
 import time
 import urllib.parse
 import uuid
@@ -225,7 +223,7 @@ class WandbWriter:
       run_id = uuid.uuid4().hex[:16]
       ids.put("wandb_run_id", run_id)
     settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
-                              x_save_requirements=False, stop_fn=lambda: _wandb_stop_requested(run_id))
+                              x_save_requirements=False)
     self._run = wandb.init(project=project, id=run_id, name=run_name, resume="allow", mode=mode, dir=workdir,
                            config=config, allow_val_change=True, settings=settings)
     self._run.define_metric("step")
@@ -240,15 +238,3 @@ class WandbWriter:
 
   def close(self) -> None:
     self._run.finish()
-
-
-def _wandb_stop_requested(run_id: str) -> None:
-  """W&B asks the run to stop (its page's Stop button, or a fatal W&B error): where the trainer's SIGINT handler
-  (``training.preempt``) is installed, a Ctrl-C's stop (a checkpoint first, exit 130); elsewhere it is said and
-  nothing is interrupted (W&B's own way, a KeyboardInterrupt at any bytecode, could cut a write short)."""
-  trainer = signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, signal.SIG_DFL, signal.SIG_IGN, None)
-  sys.stderr.write(f"wandb run {run_id}: W&B asks this run to stop; "
-                   + ("stopping as on Ctrl-C\n" if trainer else "no training loop is running here, so nothing stops\n"))
-  sys.stderr.flush()
-  if trainer:
-    signal.raise_signal(signal.SIGINT)
