@@ -35,10 +35,10 @@ def _mlflow_history(workdir, key):
   return out
 
 
-def _wandb_history(path):
+def _wandb_history(path, kinds=None):
   """The history rows of a W&B ``.wandb`` file (a LevelDB-style log of protobuf Records: a 7-byte file header,
   then 32 KiB blocks of chunks, each with a 7-byte header: crc32, length, type 1 full / 2 first / 3 middle /
-  4 last)."""
+  4 last). ``kinds``: a list that gets every record's type, in order."""
   data = open(path, "rb").read()
   assert data[:4] == b":W&B", data[:7]
   block, pos, pending, rows = 32768, 7, b"", []
@@ -53,6 +53,8 @@ def _wandb_history(path):
       record = wandb_pb.Record()
       record.ParseFromString(pending)
       pending = b""
+      if kinds is not None:
+        kinds.append(record.WhichOneof("record_type"))
       if record.WhichOneof("record_type") == "history":
         rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                      for item in record.history.item})
@@ -101,8 +103,10 @@ def test_a_resume_continues_the_same_mlflow_and_wandb_runs(tmp_path, monkeypatch
   run_id = json.load(open(os.path.join(workdir, trackers.IDS_FILE)))["wandb_run_id"]
   files = sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")))
   assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files), files
-  assert sorted([(r["step"], r["train/loss"]) for r in _wandb_history(f) if "train/loss" in r] for f in files) == [
-      [(1, 1.5)], [(2, 0.5)]]   # one offline-run directory per start
+  kinds = {f: [] for f in files}
+  losses = {f: [(r["step"], r["train/loss"]) for r in _wandb_history(f, kinds[f]) if "train/loss" in r] for f in files}
+  logs = {f: open(os.path.join(os.path.dirname(f), "logs", "debug-internal.log")).read()[-1500:] for f in files}
+  assert sorted(losses.values()) == [[(1, 1.5)], [(2, 0.5)]], (losses, kinds, logs)   # one offline run per start
 
 
 def test_the_trackers_config_is_checked_before_the_run(monkeypatch):
