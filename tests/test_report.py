@@ -66,6 +66,8 @@ def test_rows_that_share_a_compile_are_priced_on_their_own_clusters(tmp_path, mo
   cache = report_cache.Cache(str(tmp_path))
   hgx, nvl = report_rows.ROWS["super_b200"], report_rows.ROWS["super_b200_nvl"]
   assert cache.key(hgx.argv("bf16"), hgx.target) == cache.key(nvl.argv("bf16"), nvl.target)
+  assert cache.key(hgx.argv("mxfp8"), hgx.target) == cache.key(nvl.argv("mxfp8"), nvl.target)
+  assert hgx.argv("mxfp8")[-1] == "--config.micro_batches=8" and "--config.micro_batches=8" not in hgx.argv("nvfp4")
   _put(cache, hgx, "bf16", dict(date="2026-12-06", results=[dict(
       tokens_per_device=65536, params=1.2e11, active_params=1.2e10, compile_s=1.0,
       memory=dict(argument_bytes=2 ** 33, temp_bytes=2 ** 34, output_bytes=0, alias_bytes=0))]), HLO)
