@@ -101,6 +101,8 @@ def test_a_resume_continues_the_same_mlflow_and_wandb_runs(tmp_path, monkeypatch
   client = mlflow.MlflowClient(tracking_uri="file://" + os.path.join(workdir, "mlruns"))
   assert len(client.search_runs([client.get_experiment_by_name("resumed").experiment_id])) == 1
   run_id = json.load(open(os.path.join(workdir, trackers.IDS_FILE)))["wandb_run_id"]
+  import wandb  # pylint: disable=g-import-not-at-top
+  wandb.teardown()   # the service's streams closed: the transaction logs written out before they are read
   files = sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb")))
   assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files), files
   kinds = {f: [] for f in files}
