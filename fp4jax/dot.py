@@ -359,13 +359,13 @@ def residuals(recipe, x_MxK, w_KxN, key=None) -> Residuals:
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None, pre_amax_xt=None):
+def _dot_2d(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x=None, pre_amax_xt=None, pre_w=None):
   derivatives.check_not_forward_mode(roles.name, x_MxK, w_KxN)
-  return _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_amax_xt)
+  return _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_amax_xt, pre_w)
 
 
 @eager.compiled_when_eager(static_argnums=(0, 1, 2))
-def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_amax_xt):
+def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_amax_xt, pre_w):
   m, k = x_MxK.shape
   n = w_KxN.shape[1]
   align_m, align_k, align_n = roles.alignment()
@@ -373,7 +373,75 @@ def _dot_2d_checked(roles, precision, out_dtype, x_MxK, w_KxN, key, pre_x, pre_a
   w_KxN = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
   if pre_x is not None:
     pre_x = prequantized.pad_rows(pre_x, x_MxK.shape[0])
-  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x, None, pre_amax_xt)[:m, :n]
+  return _qdot(roles, precision, out_dtype, DENSE, x_MxK, w_KxN, key, None, pre_x, pre_w, pre_amax_xt)[:m, :n]
+
+
+# The Flax variable collection of weights quantized ahead of their layers: at a layer's path, "kernel" holds the
+# fprop QTensor of its kernel (``quantize_weight``; the experts' ``fp4jax.grouped.quantize_experts``), which the
+# layer reads instead of quantizing the kernel (``fp4jax.flax.Dense``, ``models.moe``'s experts).
+PREQUANTIZED = "prequantized"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+  """A weight w (K, N) with ``q``, its fprop quantization as ``fp4jax.dot`` makes it (``quantize_weight``):
+  the codes and scales of its tiles (16x16 for NVFP4) and its tensor amax. ``dot`` and ``dot_general`` read
+  the codes in place of quantizing w and give w the gradient; w's values are not read, so a weight quantized
+  once (ahead of a layer scan, or before a gather across devices) is not quantized again per use."""
+
+  w: Any
+  q: QTensor
+  recipe: Any = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self):
+    return self.w.shape
+
+  @property
+  def dtype(self):
+    return self.w.dtype
+
+  @property
+  def ndim(self):
+    return self.w.ndim
+
+
+def can_quantize_weight(recipe) -> bool:
+  """Whether ``recipe``'s dot reads the weight only through its fprop codes (``weight_read_by_fprop_only``:
+  NVFP4's 16x16 tiles, transposed for dgrad, and the recipes that re-quantize ŵ), so that ``quantize_weight``
+  can quantize it ahead of the dot."""
+  recipe = as_recipe(recipe)
+  return recipe.quantizes_anything and weight_read_by_fprop_only(recipe.roles)
+
+
+def quantize_weight(w_KxN, *, recipe) -> QuantizedWeight:
+  """w (K, N) with its fprop quantization for ``dot(..., recipe=recipe)``: bit for bit the codes the dot
+  computes from w itself (w padded to the recipe's alignment as the dot pads it; one tensor amax)."""
+  recipe = as_recipe(recipe)
+  if not can_quantize_weight(recipe):
+    raise ValueError(f"recipe {recipe.name!r} reads the weight itself in a GEMM besides fprop's codes "
+                     "(fp4jax.dot.can_quantize_weight); pass the weight to the dot as it is")
+  w_KxN = jnp.asarray(w_KxN)
+  if w_KxN.ndim != 2:
+    raise ValueError(f"fp4jax.quantize_weight takes a 2-D weight w [K, N]; got shape {w_KxN.shape}")
+  _, align_k, align_n = recipe.roles.alignment()
+  w_p = pad_to_multiple(pad_to_multiple(w_KxN, 0, align_k), 1, align_n)
+  return QuantizedWeight(w_KxN, fprop_weight(recipe.roles, DENSE, lax.stop_gradient(w_p)), recipe)
+
+
+def _unwrap_weight(rhs, recipe, dimension_numbers):
+  """(w, its fprop codes or None) of ``dot_general``'s rhs."""
+  if not isinstance(rhs, QuantizedWeight):
+    return rhs, None
+  if rhs.recipe != recipe:
+    raise ValueError(f"fp4jax.dot_general: the weight was quantized for recipe {rhs.recipe.name!r}, the dot runs "
+                     f"{recipe.name!r}; quantize it with the dot's recipe (fp4jax.quantize_weight)")
+  (_, rc), (lb, rb) = dimension_numbers
+  if rhs.w.ndim != 2 or tuple(int(a) % 2 for a in rc) != (0,) or tuple(lb) or tuple(rb):
+    raise ValueError(f"fp4jax.dot_general: a QuantizedWeight is a weight w [K, N] contracted along K, with no "
+                     f"batch dimensions; got dimension_numbers {dimension_numbers} for w {rhs.w.shape}")
+  return rhs.w, rhs.q
 
 
 @jax.named_scope("fp4jax/dot")   # names every op of the three GEMMs in XLA profiles
@@ -393,9 +461,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   A recipe that quantizes nothing is exactly ``lax.dot_general`` (values and gradients).
   """
   recipe = as_recipe(recipe)
+  rhs, pre_w = _unwrap_weight(rhs, recipe, dimension_numbers)
   if isinstance(lhs, prequantized.PreQuantized):
     return _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe, key,
-                             out_sharding)
+                             out_sharding, pre_w)
   lhs, rhs = check_dot_inputs(lhs, rhs, dimension_numbers, preferred_element_type, key,
                               recipe.quantizes_anything)
   if preferred_element_type is None and recipe.out_dtype is not None:
@@ -421,7 +490,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     key = None
   dot_2d = functools.partial(_dot_2d, recipe.roles, precision, out.dtype)
   if not lb:
-    y_BxMxN = dot_2d(x_BxMxK[0], w_BxKxN[0], key)[None]
+    y_BxMxN = dot_2d(x_BxMxK[0], w_BxKxN[0], key, pre_w=pre_w)[None]
   elif key is None:
     y_BxMxN = jax.vmap(lambda x, w: dot_2d(x, w, None))(x_BxMxK, w_BxKxN)
   else:
@@ -433,7 +502,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
 
 def _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe, key,
-                      out_sharding):
+                      out_sharding, pre_w=None):
   """``dot_general`` of a ``PreQuantized`` activation: its fprop codes go into the fprop GEMM as they are
   (no second quantization of x), its wgrad amax (where it carries one for this recipe) into the wgrad
   quantize of x, and its x into the backward pass, exactly as an unfused call would."""
@@ -449,7 +518,7 @@ def _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_
   if key is not None and not needs_key(recipe):
     key = None
   y_MxN = _dot_2d(recipe.roles, precision, out.dtype, lhs_.reshape(-1, x.shape[-1]), w_KxN, key, lhs.q,
-                  prequantized.wgrad_amax(lhs, recipe.roles))
+                  prequantized.wgrad_amax(lhs, recipe.roles), pre_w)
   y = y_MxN.reshape(out.shape)
   if out_sharding is not None:
     y = lax.with_sharding_constraint(y, out_sharding)
@@ -459,9 +528,10 @@ def _dot_prequantized(lhs, rhs, dimension_numbers, precision, preferred_element_
 def dot(x, w, *, recipe, key=None, preferred_element_type=None):
   """x [..., K] · w [K, N] -> [..., N], quantized as ``recipe`` says (see ``dot_general``). x may be an
   ``fp4jax.PreQuantized`` (``fp4jax.prequantize``, or a producer kernel's output): its fprop codes are
-  used as they are, bit-identical to quantizing its x here."""
+  used as they are, bit-identical to quantizing its x here. w may be an ``fp4jax.QuantizedWeight``
+  (``fp4jax.quantize_weight``, the same recipe): its codes likewise, bit-identical to quantizing w here."""
   x = x if isinstance(x, prequantized.PreQuantized) else jnp.asarray(x)
-  w = jnp.asarray(w)
+  w = w if isinstance(w, QuantizedWeight) else jnp.asarray(w)
   if w.ndim != 2:
     raise ValueError(f"fp4jax.dot takes a 2-D weight w [K, N]; got shape {w.shape}. "
                      "Use fp4jax.dot_general for other layouts")

@@ -29,7 +29,7 @@ import jax
 from flax import nnx
 
 from fp4jax import _flax_compat
-from fp4jax.dot import dot_general, needs_key
+from fp4jax.dot import PREQUANTIZED, QuantizedWeight, dot_general, needs_key
 from fp4jax.prequantized import PreQuantized
 from fp4jax.recipes import Recipe, as_recipe
 
@@ -53,8 +53,11 @@ class Fp4DotGeneral(nn.Module):
     return None
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-               out_sharding=None):
+               out_sharding=None, rhs_codes=None):
+    """``rhs_codes``: rhs's fprop QTensor made ahead (``fp4jax.quantize_weight(rhs, recipe).q``), or None."""
     recipe = as_recipe(self.recipe)
+    if rhs_codes is not None:
+      rhs = QuantizedWeight(rhs, rhs_codes, recipe)
     return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                        recipe=recipe, key=self._key(recipe), out_sharding=out_sharding)
 
@@ -64,10 +67,17 @@ class Dense(nn.Dense):
   quantized its output for this layer) and hands it to its ``Fp4DotGeneral`` unquantized-again. The same
   parameters, names and rng streams as ``nn.Dense``; a plain array input is exactly ``nn.Dense``.
   A PreQuantized input needs ``dot_general_cls`` an ``Fp4DotGeneral`` of the recipe it was quantized for
-  (fp4jax.dot refuses another), no bias, and ``dtype`` that of its x."""
+  (fp4jax.dot refuses another), no bias, and ``dtype`` that of its x.
+
+  Where the ``PREQUANTIZED`` collection holds this layer's "kernel" (the fprop codes of its kernel as the layer
+  computes with it, made ahead: ``fp4jax.quantize_weight``), the dot reads them instead of quantizing the
+  kernel, bit for bit the same, and the kernel still receives its gradient."""
 
   @nn.compact
   def __call__(self, inputs):
+    codes = self.get_variable(PREQUANTIZED, "kernel") if self.has_variable(PREQUANTIZED, "kernel") else None
+    if codes is not None and not isinstance(inputs, PreQuantized):
+      return self._with_codes(inputs, codes)
     if not isinstance(inputs, PreQuantized):
       return super().__call__(inputs)
     if self.dot_general_cls is None or self.use_bias:
@@ -79,7 +89,19 @@ class Dense(nn.Dense):
     kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype)
     kernel = kernel.astype(inputs.dtype)
     return self.dot_general_cls()(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
-                                  precision=self.precision)
+                                  precision=self.precision, rhs_codes=codes)
+
+  def _with_codes(self, inputs, codes):
+    """``nn.Dense``'s computation with the kernel's codes made ahead (inside the compact ``__call__``)."""
+    if self.dot_general_cls is None:
+      raise ValueError(f"the {PREQUANTIZED!r} collection holds codes for {self.name!r}, whose dot is not "
+                       "quantized; pass dot_general_cls=fp4jax.flax.dot_general_cls(recipe), or leave its codes out")
+    kernel = self.param("kernel", self.kernel_init, (inputs.shape[-1], self.features), self.param_dtype)
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    y = self.dot_general_cls()(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision,
+                               rhs_codes=codes)
+    return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
 
 
 def dot_general_cls(recipe: Recipe | str, rng_stream: str = RNG_STREAM):

@@ -39,15 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grouped, recipes
+from fp4jax.dot import PREQUANTIZED
 from models import axes as axes_lib, expert_parallel, policy, scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std
 
 STATS = "moe_stats"   # the variable collection of the per-step routing statistics
-# The variable collection of the routed experts' fprop codes made ahead of the layers
+# PREQUANTIZED (fp4jax.dot's): the routed experts' fprop codes made ahead of the layers
 # (``models.lm.quantize_experts_ahead``: the weights gathered once per step as codes and scales); a layer that
 # finds its kernel's codes there uses them
-PREQUANTIZED = "prequantized"
 _ACT = ("activation_batch", "activation_seq", "activation_mlp")
 
 
