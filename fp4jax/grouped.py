@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import _exact, gemm, random_bits
-from fp4jax.dot import fprop_weight, gemm_keys, quantized_dot, values, weight_read_by_fprop_only
+from fp4jax.dot import (QuantizedWeight, can_quantize_weight, fprop_weight, gemm_keys, quantized_dot, values,
+                        weight_read_by_fprop_only)
 from fp4jax.api import rht_amax, transpose_tiles
 from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.layout import pad_to_multiple
@@ -232,48 +233,20 @@ def _expert_keys(key, n_e):
 # Public API
 # ---------------------------------------------------------------------------------------------------
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedExperts:
-  """The experts' weight w (E, K, N) with ``q``, its fprop quantization as ``grouped_dot`` makes it
-  (``quantize_experts``), each expert its own tensor: the codes and scales of its 16x16 tiles (or 1D blocks)
-  and its amax, all with the leading axis E. ``grouped_dot`` reads the codes in place of quantizing w and
-  gives w the gradient; w's values are not read, so where the experts are gathered across devices (the
-  per-layer FSDP gather, ``models.expert_parallel``) only the codes and scales need to cross the wire."""
-
-  w: Any
-  q: QTensor
-  recipe: Any = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def shape(self):
-    return self.w.shape
-
-  @property
-  def dtype(self):
-    return self.w.dtype
-
-
-def can_quantize_experts(recipe) -> bool:
-  """Whether ``recipe``'s grouped GEMMs read the weight only through its fprop codes
-  (``fp4jax.dot.weight_read_by_fprop_only``: nvfp4's tiles, transposed for dgrad, and the recipes that
-  re-quantize ŵ), so that ``quantize_experts`` can quantize it ahead of the dot."""
+def quantize_experts(w_ExKxN, *, recipe) -> QuantizedWeight:
+  """w (E, K, N) with its fprop quantization for ``grouped_dot(..., recipe=recipe)``, as a ``QuantizedWeight``
+  whose codes, scales and amax all have the leading axis E: bit for bit the codes grouped_dot computes from w
+  itself (each expert its own tensor and amax). Each expert's codes depend on that expert's weight alone, so under
+  a sharding of the leading axis E each device quantizes its own experts, and where the experts are gathered
+  across devices only the codes and scales need to cross the wire (grouped_dot does not read w's values)."""
   recipe = as_recipe(recipe)
-  return recipe.quantizes_anything and weight_read_by_fprop_only(recipe.roles)
-
-
-def quantize_experts(w_ExKxN, *, recipe) -> QuantizedExperts:
-  """w (E, K, N) with its fprop quantization for ``grouped_dot(..., recipe=recipe)``: bit for bit the codes
-  grouped_dot computes from w itself (each expert its own tensor and amax). Each expert's codes depend on that
-  expert's weight alone, so under a sharding of the leading axis E each device quantizes its own experts."""
-  recipe = as_recipe(recipe)
-  if not can_quantize_experts(recipe):
+  if not can_quantize_weight(recipe):
     raise ValueError(f"recipe {recipe.name!r} reads the experts' weight itself in a GEMM besides fprop's codes "
-                     "(fp4jax.grouped.can_quantize_experts); pass the weight to grouped_dot as it is")
+                     "(fp4jax.can_quantize_weight); pass the weight to grouped_dot as it is")
   w_ExKxN = jnp.asarray(w_ExKxN)
   _, align_k, align_n = recipe.roles.alignment()
   w_p = pad_to_multiple(pad_to_multiple(w_ExKxN, 1, align_k), 2, align_n)
-  return QuantizedExperts(w_ExKxN, fprop_weight(recipe.roles, _WEIGHTS, jax.lax.stop_gradient(w_p)), recipe)
+  return QuantizedWeight(w_ExKxN, fprop_weight(recipe.roles, _WEIGHTS, jax.lax.stop_gradient(w_p)), recipe)
 
 
 @jax.named_scope("fp4jax/grouped_dot")
@@ -286,7 +259,7 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
     are fine: an MoE's routing). recipe, key, precision: as ``fp4jax.dot``; a recipe that quantizes
     nothing is ``lax.ragged_dot`` with float32 accumulation. Output dtype: ``preferred_element_type``,
     else ``recipe.out_dtype``, else that of x and w.
-  w_ExKxN: the experts' weight, or a ``QuantizedExperts`` of it (``quantize_experts``, the same recipe): its
+  w_ExKxN: the experts' weight, or a ``QuantizedWeight`` of it (``quantize_experts``, the same recipe): its
     codes go into the GEMMs as they are, bit for bit what the dot would compute from the weight.
   key: one key (expert e uses fold_in(key, e)), or (E,) keys, expert e's own: an expert-parallel caller
     holding experts [e0, e0 + E) of a larger set passes fold_in(key, e0 + i) for its i-th, so that each
@@ -294,7 +267,7 @@ def grouped_dot(x_SxK, w_ExKxN, group_sizes, *, recipe, key=None, precision=None
   """
   recipe = as_recipe(recipe)
   pre_w = None
-  if isinstance(w_ExKxN, QuantizedExperts):
+  if isinstance(w_ExKxN, QuantizedWeight):
     if w_ExKxN.recipe != recipe:
       raise ValueError(f"fp4jax.grouped_dot: the experts were quantized for recipe {w_ExKxN.recipe.name!r}, the "
                        f"dot runs {recipe.name!r}; quantize them with the dot's recipe (quantize_experts)")

@@ -27,6 +27,7 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import grouped
+from fp4jax.dot import can_quantize_weight
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
@@ -367,7 +368,7 @@ def compute_params(model: LanguageModel, params, gradient_shardings=None):
 def quantize_experts_ahead(model: LanguageModel, params) -> dict:
   """The routed experts' fprop codes and scales, made from ``params`` (``compute_params``'s, placed as they are
   stored) ahead of the layers, for the ``PREQUANTIZED`` collection: a tree like ``params`` holding, at each
-  experts' kernel whose recipe reads it only through those codes (``fp4jax.grouped.can_quantize_experts``),
+  experts' kernel whose recipe reads it only through those codes (``fp4jax.can_quantize_weight``),
   the ``QTensor`` that ``models.moe.ExpertLinear`` would make from that kernel (a scanned group's stacked
   along its leading axis). Each expert's codes depend on that expert's weight alone, so each device makes its
   own experts' and a gather of the tree moves codes and scales where a gather of the kernels moves bf16 (the
@@ -378,7 +379,7 @@ def quantize_experts_ahead(model: LanguageModel, params) -> dict:
     if len(path) < 3 or path[-3] != "experts" or path[-1] != "kernel":
       continue
     recipe = expert_recipe(cfg, model.recipe, path[:-1])
-    if not grouped.can_quantize_experts(recipe):
+    if not can_quantize_weight(recipe):
       continue
     quantize = lambda w, recipe=recipe: grouped.quantize_experts(w, recipe=recipe).q
     for _ in range(kernel.ndim - 3):   # a scanned group's layers

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import grouped, recipes
-from fp4jax.dot import PREQUANTIZED
+from fp4jax.dot import PREQUANTIZED, QuantizedWeight, can_quantize_weight
 from models import axes as axes_lib, expert_parallel, policy, scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std
@@ -160,7 +160,7 @@ class RoutedExperts(nn.Module):
                    meta_fields=("recipe", "dtype", "observe", "scope"))
 @dataclasses.dataclass(frozen=True)
 class ExpertGemm:
-  """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype (or a ``fp4jax.grouped.QuantizedExperts``
+  """One grouped GEMM's operands: kernel (E, in, out) in the compute dtype (or a ``fp4jax.QuantizedWeight``
   of it: the kernel with its fprop codes), its recipe, and its key (one
   key, or (E,) keys: fold_in(key, e), which expert parallelism splits with the kernel), or None.
   ``observe(x_SxK)``, where set, sees each input (the export's calibration reads its amax). ``scope``: the
@@ -222,10 +222,10 @@ class ExpertLinear(nn.Module):
     # are then not read (its gradient still comes here).
     kernel = axes_lib.as_param(kernel.astype(cfg.dtype), self.axes)
     if self.has_variable(PREQUANTIZED, "kernel"):
-      kernel = grouped.QuantizedExperts(kernel, self.get_variable(PREQUANTIZED, "kernel"), recipe)
-    elif grouped.can_quantize_experts(recipe):
+      kernel = QuantizedWeight(kernel, self.get_variable(PREQUANTIZED, "kernel"), recipe)
+    elif can_quantize_weight(recipe):
       kernel = grouped.quantize_experts(kernel, recipe=recipe)
-    if isinstance(kernel, grouped.QuantizedExperts):
+    if isinstance(kernel, QuantizedWeight):
       kernel = dataclasses.replace(kernel, q=jax.tree.map(
           lambda a: axes_lib.as_param(a, self.axes[:1] + (None,) * (a.ndim - 1)), kernel.q))
     return ExpertGemm(kernel, key, recipe, cfg.dtype, scope="/".join(self.path[-2:]))   # experts/up, experts/down

@@ -24,6 +24,17 @@ def _same(a, b):
     np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
 
 
+def _ahead_equals_here(loss, *args):
+  """loss(*args, ahead) -> (scalar, y): y and the gradients with the weight quantized ahead equal those with it
+  quantized in the dot, bit for bit; the gradients."""
+  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+  (_, y_ahead), grads_ahead = run(*args, True)
+  (_, y_here), grads_here = run(*args, False)
+  _same(y_ahead, y_here)
+  _same(grads_ahead, grads_here)
+  return grads_ahead
+
+
 @pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("quartet2", marks=pytest.mark.slow),
                                     pytest.param("nvfp4_4over6", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("prequantized_x", [False, True])
@@ -37,12 +48,8 @@ def test_a_weight_quantized_ahead_gives_the_dots_values_and_gradients(recipe, pr
     y = fp4jax.dot(as_x(x), w_in, recipe=recipe, key=key)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
-  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
-  (_, y_ahead), grads_ahead = run(x, w, True)
-  (_, y_here), grads_here = run(x, w, False)
-  _same(y_ahead, y_here)
-  _same(grads_ahead, grads_here)
-  assert float(jnp.max(jnp.abs(grads_ahead[1]))) > 0   # w receives its gradient through the QuantizedWeight
+  grads = _ahead_equals_here(loss, x, w)
+  assert float(jnp.max(jnp.abs(grads[1]))) > 0   # w receives its gradient through the QuantizedWeight
 
 
 def test_the_codes_are_the_dots_own():
@@ -84,11 +91,7 @@ def test_a_dense_layer_reads_its_codes_from_the_prequantized_collection(use_bias
     y = layer.apply(variables, x, rngs=rngs)
     return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
 
-  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
-  (_, y_ahead), grads_ahead = run(params, x, True)
-  (_, y_here), grads_here = run(params, x, False)
-  _same(y_ahead, y_here)
-  _same(grads_ahead, grads_here)
+  _ahead_equals_here(loss, params, x)
   bf16 = nn.Dense(24, use_bias=False)
   with pytest.raises(ValueError, match="whose dot is not quantized"):
     fp4jax.flax.Dense(24, use_bias=False).apply(
