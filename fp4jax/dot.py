@@ -441,6 +441,13 @@ def _unwrap_weight(rhs, recipe, dimension_numbers):
   if rhs.w.ndim != 2 or tuple(int(a) % 2 for a in rc) != (0,) or tuple(lb) or tuple(rb):
     raise ValueError(f"fp4jax.dot_general: a QuantizedWeight is a weight w [K, N] contracted along K, with no "
                      f"batch dimensions; got dimension_numbers {dimension_numbers} for w {rhs.w.shape}")
+  want = jax.eval_shape(lambda w: quantize_weight(w, recipe=recipe).q,
+                        jax.ShapeDtypeStruct(rhs.w.shape, rhs.w.dtype))
+  leaves = lambda t: [(a.shape, jnp.dtype(a.dtype)) for a in jax.tree.leaves(t)]
+  if jax.tree.structure(want) != jax.tree.structure(rhs.q) or leaves(want) != leaves(rhs.q):
+    raise ValueError(f"fp4jax.dot_general: the weight's codes are not those {recipe.name!r} makes for a {rhs.w.dtype} "
+                     f"w {rhs.w.shape} (got {jax.tree.structure(rhs.q)} {leaves(rhs.q)}); make them with "
+                     "fp4jax.quantize_weight(w, recipe=...) from the weight as the dot receives it")
   return rhs.w, rhs.q
 
 

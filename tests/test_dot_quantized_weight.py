@@ -69,6 +69,8 @@ def test_mismatches_are_refused():
     fp4jax.dot(x, q, recipe="nvfp4_4over6")
   with pytest.raises(ValueError, match=r"QuantizedWeight is a weight w \[K, N\] contracted along K"):
     fp4jax.dot_general(x[0], q, (((0,), (1,)), ((), ())), recipe="nvfp4")
+  with pytest.raises(ValueError, match=r"codes are not those 'nvfp4' makes for a float32 w \(40, 40\)"):
+    fp4jax.dot(x, fp4jax.QuantizedWeight(jnp.zeros((40, 40)), q.q, q.recipe), recipe="nvfp4")
   with pytest.raises(ValueError, match="2-D weight"):
     fp4jax.quantize_weight(w[None], recipe="nvfp4")
 
