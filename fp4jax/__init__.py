@@ -8,7 +8,7 @@ _platform.configure()   # before anything starts a backend: CPU-only jax where a
 from fp4jax import recipes  # noqa: E402  pylint: disable=wrong-import-position
 from fp4jax import target
 from fp4jax.api import FP4_OPERAND, dequantize, fake_quantize, quantize, scaled_matmul, transpose_tiles
-from fp4jax.dot import QuantizedWeight, can_quantize_weight, dot, dot_general, quantize_weight
+from fp4jax.dot import PREQUANTIZED, QuantizedWeight, can_quantize_weight, dot, dot_general, quantize_weight
 from fp4jax.prequantized import PreQuantized, prequantize
 from fp4jax.numerics import hadamard
 from fp4jax.numerics.hadamard import rht
@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = ["FP4_OPERAND", "QTensor", "Recipe", "can_use_pallas", "dequantize", "fake_quantize", "hadamard", "quantize", "recipes", "rht",
            "target"]
-__all__ += ["PreQuantized", "QuantizedWeight", "can_quantize_weight", "dot", "dot_general", "flax", "prequantize",
-            "quantize_weight", "scaled_matmul", "transpose_tiles"]
+__all__ += ["PREQUANTIZED", "PreQuantized", "QuantizedWeight", "can_quantize_weight", "dot", "dot_general", "flax",
+            "prequantize", "quantize_weight", "scaled_matmul", "transpose_tiles"]
 
 
 def __getattr__(name):

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import grouped
-from fp4jax.dot import can_quantize_weight
+from fp4jax import can_quantize_weight, grouped
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe

@@ -38,8 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp4jax import grouped, recipes
-from fp4jax.dot import PREQUANTIZED, QuantizedWeight, can_quantize_weight
+from fp4jax import PREQUANTIZED, QuantizedWeight, can_quantize_weight, grouped, recipes
 from models import axes as axes_lib, expert_parallel, policy, scopes
 from models.config import ModelConfig
 from models.layers import linear, residual_std
