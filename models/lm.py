@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import can_quantize_weight, grouped
+from fp4jax import can_quantize_weight, grouped, quantize_weight
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import RMSNorm, chunked_cross_entropy, fused_norm_recipe
@@ -384,5 +384,29 @@ def quantize_experts_ahead(model: LanguageModel, params) -> dict:
     for _ in range(kernel.ndim - 3):   # a scanned group's layers
       quantize = jax.vmap(quantize)
     with scopes.part("moe_experts"):
+      out[path] = quantize(kernel.astype(cfg.dtype))
+  return traverse_util.unflatten_dict(out)
+
+
+def quantize_dense_ahead(model: LanguageModel, params) -> dict:
+  """The linear layers' fprop codes and scales, made from ``params`` once per step ahead of the layers, for the
+  ``PREQUANTIZED`` collection: at each dense kernel whose layer's recipe (``policy.decide``) reads it only through
+  those codes (``fp4jax.can_quantize_weight``; OutControl layers excepted), the ``QTensor`` that the layer's
+  ``fp4jax.flax.Dense`` would make from it, of the kernel cast to the compute dtype as the layer casts it (a
+  scanned group's stacked along its leading axes: one quantize for all its layers). The same bits as the
+  layer's own; the layer scan then neither quantizes its weights nor saves their codes per layer. A kernel no
+  Dense reads (the MoE router's) gets codes that nothing uses and XLA drops."""
+  cfg = model.config
+  out = {}
+  for path, kernel in traverse_util.flatten_dict(nn.unbox(params)).items():
+    if path[-1] != "kernel" or "experts" in path or kernel.ndim < 2:
+      continue
+    recipe = policy.decide(cfg, model.recipe, path[:-1]).recipe
+    if recipe is None or not can_quantize_weight(recipe) or policy.outcontrol_ratio(cfg, model.recipe, path[:-1]):
+      continue
+    quantize = lambda w, recipe=recipe: quantize_weight(w, recipe=recipe).q
+    for _ in range(kernel.ndim - 2):   # a scanned group's layers
+      quantize = jax.vmap(quantize)
+    with scopes.part("linear"):
       out[path] = quantize(kernel.astype(cfg.dtype))
   return traverse_util.unflatten_dict(out)

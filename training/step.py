@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fp4jax import partition_cache
 from models import attention, moe, mtp, policy
 from models.layers import OUTCONTROL
-from models.lm import LanguageModel, compute_params, quantize_experts_ahead
+from models.lm import LanguageModel, compute_params, quantize_dense_ahead, quantize_experts_ahead
 from training import optim
 from training import sharding
 
@@ -337,6 +337,10 @@ def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, 
         narrow = compute_params(model, params)
         codes = gather.gather_codes(quantize_experts_ahead(model, narrow)) if not unreduced else None
       params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
+  elif isinstance(model, LanguageModel):
+    # the weights do not change within a step: their codes made once, not per layer call, remat and micro-batch
+    with jax.named_scope("quantize_weights"):
+      codes = quantize_dense_ahead(model, params) or None
 
   def loss_fn(params, outcontrol, batch, key):
     inputs_BxL, targets_BxL, documents = window(batch)
