@@ -421,7 +421,7 @@ def quantize_weight(w_KxN, *, recipe) -> QuantizedWeight:
   recipe = as_recipe(recipe)
   if not can_quantize_weight(recipe):
     raise ValueError(f"recipe {recipe.name!r} reads the weight itself in a GEMM besides fprop's codes "
-                     "(fp4jax.dot.can_quantize_weight); pass the weight to the dot as it is")
+                     "(fp4jax.can_quantize_weight); pass the weight to the dot as it is")
   w_KxN = jnp.asarray(w_KxN)
   if w_KxN.ndim != 2:
     raise ValueError(f"fp4jax.quantize_weight takes a 2-D weight w [K, N]; got shape {w_KxN.shape}")

@@ -76,10 +76,8 @@ class Dense(nn.Dense):
   @nn.compact
   def __call__(self, inputs):
     codes = self.get_variable(PREQUANTIZED, "kernel") if self.has_variable(PREQUANTIZED, "kernel") else None
-    if codes is not None and not isinstance(inputs, PreQuantized):
-      return self._with_codes(inputs, codes)
     if not isinstance(inputs, PreQuantized):
-      return super().__call__(inputs)
+      return super().__call__(inputs) if codes is None else self._with_codes(inputs, codes)
     if self.dot_general_cls is None or self.use_bias:
       raise ValueError("a PreQuantized input needs dot_general_cls=fp4jax.flax.dot_general_cls(recipe) "
                        "and use_bias=False; pass pre.x to this layer instead")
