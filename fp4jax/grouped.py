@@ -35,14 +35,12 @@ the grouped GEMM's summation order is the kernel's (``lax.ragged_dot``), as a de
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from fp4jax import _exact, gemm, random_bits
-from fp4jax.dot import (QuantizedWeight, can_quantize_weight, fprop_weight, gemm_keys, quantized_dot, values,
-                        weight_read_by_fprop_only)
+from fp4jax.dot import QuantizedWeight, can_quantize_weight, fprop_weight, gemm_keys, quantized_dot, values
 from fp4jax.api import rht_amax, transpose_tiles
 from fp4jax.numerics.amax import abs_max
 from fp4jax.numerics.layout import pad_to_multiple

@@ -380,12 +380,17 @@ def quantize_experts_ahead(model: LanguageModel, params) -> dict:
     recipe = expert_recipe(cfg, model.recipe, path[:-1])
     if not can_quantize_weight(recipe):
       continue
-    quantize = lambda w, recipe=recipe: grouped.quantize_experts(w, recipe=recipe).q
-    for _ in range(kernel.ndim - 3):   # a scanned group's layers
-      quantize = jax.vmap(quantize)
     with scopes.part("moe_experts"):
-      out[path] = quantize(kernel.astype(cfg.dtype))
+      out[path] = _codes(lambda w, recipe=recipe: grouped.quantize_experts(w, recipe=recipe).q, kernel, 3, cfg)
   return traverse_util.unflatten_dict(out)
+
+
+def _codes(quantize, kernel, ndim: int, cfg: ModelConfig):
+  """``quantize`` (of one layer's ``ndim``-dimensional kernel) of ``kernel`` cast to the compute dtype, as the
+  layer casts it, vmapped over a scanned group's leading layer axes."""
+  for _ in range(kernel.ndim - ndim):
+    quantize = jax.vmap(quantize)
+  return quantize(kernel.astype(cfg.dtype))
 
 
 def quantize_dense_ahead(model: LanguageModel, params) -> dict:
@@ -404,9 +409,6 @@ def quantize_dense_ahead(model: LanguageModel, params) -> dict:
     recipe = policy.decide(cfg, model.recipe, path[:-1]).recipe
     if recipe is None or not can_quantize_weight(recipe) or policy.outcontrol_ratio(cfg, model.recipe, path[:-1]):
       continue
-    quantize = lambda w, recipe=recipe: quantize_weight(w, recipe=recipe).q
-    for _ in range(kernel.ndim - 2):   # a scanned group's layers
-      quantize = jax.vmap(quantize)
     with scopes.part("linear"):
-      out[path] = quantize(kernel.astype(cfg.dtype))
+      out[path] = _codes(lambda w, recipe=recipe: quantize_weight(w, recipe=recipe).q, kernel, 2, cfg)
   return traverse_util.unflatten_dict(out)
