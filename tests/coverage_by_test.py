@@ -10,6 +10,7 @@ tear-down), whether it started a subprocess, and that its subprocesses' lines ca
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -32,8 +33,7 @@ class _Recorder:
     def init(popen, *args, **kwargs):
       if self.running is not None:
         self.tests[self.running]["subprocess"] = True
-        if kwargs.get("env") is not None:   # a test's own environment: its subprocess's lines still name it
-          kwargs["env"] = dict(kwargs["env"], **{CONTEXT_ENV: self.running})
+        kwargs["env"] = named(os.environ if kwargs.get("env") is None else kwargs["env"], self.running)
       popen_init(popen, *args, **kwargs)
 
     subprocess.Popen.__init__ = init
@@ -53,6 +53,18 @@ class _Recorder:
     os.environ.pop(CONTEXT_ENV, None)
     with open(self.path, "w") as f:
       json.dump(self.tests, f)
+
+
+def named(env, test: str) -> dict:
+  """``env`` for a subprocess of ``test``: its lines recorded under the test's node id. Coverage hands a subprocess
+  its configuration already read (``COVERAGE_PROCESS_CONFIG``, base64 JSON, written at the parent's start), so the
+  context that configuration names is set here, not read from the environment in the subprocess."""
+  env = dict(env, **{CONTEXT_ENV: test})
+  if "COVERAGE_PROCESS_CONFIG" in env:
+    config = json.loads(base64.b64decode(env["COVERAGE_PROCESS_CONFIG"]))
+    config["context"] = test
+    env["COVERAGE_PROCESS_CONFIG"] = base64.b64encode(json.dumps(config).encode()).decode()
+  return env
 
 
 def install(config, out: str) -> None:
