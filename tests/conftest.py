@@ -66,11 +66,11 @@ def slow_tests(path: str = SLOW_TESTS) -> dict[str, str]:
   return out
 
 
-# The files whose default tests take longest (a subprocess on 4 or 8 simulated devices, 20-70 s each, and their
+# The files whose default tests take longest (a subprocess on 4 or 8 simulated devices, 20-35 s each, and their
 # module fixtures): run first, so that the two xdist workers end on the suite's short tests together instead of
 # one of them alone on a long one (xdist hands out tests in collection order).
-COSTLY_FIRST = ("tests/test_mesh_primitives.py", "tests/test_train_micro_batches.py", "tests/test_sharding_wire.py",
-                "tests/test_mesh_nodes.py", "tests/test_sharding_mesh.py")
+COSTLY_FIRST = ("tests/test_mesh_nodes.py", "tests/test_sharding_mesh.py", "tests/test_mesh_primitives.py",
+                "tests/test_train_micro_batches.py")
 
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects

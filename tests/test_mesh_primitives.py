@@ -19,6 +19,9 @@
 6. fp4jax.dot on the native path with fp4jax's Mosaic GEMM (its twin on the CPU), row-sharded x: the three GEMMs
    are the partitioned op, forward and gradients equal the unsharded results; the wgrad's partials keep the GEMM's
    padded columns through the reduce-scatter, and only the shard is sliced (``OpSpec.padded``).
+
+By default one layout of each of 1, 2, 3 and 5 (nvfp4 with K = 16, a weight sharded as its contraction); the slow
+case adds the other layouts of 1 and 5 (N = 16, mxfp4; w sharded along N) and 6.
 """
 import json
 import os
@@ -56,7 +59,7 @@ def close(a, b):   # float32 sums of sharded partials (psum) run in another orde
 x = jax.random.normal(jax.random.key(0), (64, 16))
 q = lambda a: jax.tree.leaves(fp4jax.quantize(a, "nvfp4"))
 out["quantize nvfp4 (64, 16) rows"] = same(jax.jit(q)(rows(x)), jax.jit(q)(x))
-for recipe, k, n in (("nvfp4", 16, 64), ("nvfp4", 64, 16), ("mxfp4", 16, 64)):
+for recipe, k, n in (("nvfp4", 16, 64),) + ((("nvfp4", 64, 16), ("mxfp4", 16, 64)) if {slow!r} else ()):
   x = jax.random.normal(jax.random.key(1), (64, k))
   w = jax.random.normal(jax.random.key(2), (k, n))
   f = lambda x, w: fp4jax.dot(x, w, recipe=recipe, key=jax.random.key(3))
@@ -101,55 +104,59 @@ with jax.sharding.set_mesh(auto):
 out["contraction over the shards reduce-scattered"] = (
     re.findall(r"= (\S+) reduce-scatter(?:-start)?\(", hlo) == ["f32[16,32]{{1,0}}"]
     and not re.findall(r"= f32\[64,32\]\S* all-reduce", hlo) and close(got, jax.jit(wgrad_like)(a, b)))
-# fp4jax.dot's weight gradient with w (K, N) sharded along N and x along the tokens: the wgrad GEMM's partials are
-# computed transposed, dwᵀ (N, K), and reduce-scattered along N, their first dimension (no transpose of the whole
-# partial on a GPU, whose reduce-scatter wants its dimension major)
-x, w = jax.random.normal(jax.random.key(12), (64, 64)), jax.random.normal(jax.random.key(13), (64, 128))
-dw = lambda x, w: jax.grad(lambda w: (fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3)) ** 2).sum())(w)
-by_cols = NamedSharding(auto, P(None, "x"))
-xs, ws = jax.device_put(x, NamedSharding(auto, P("x", None))), jax.device_put(w, by_cols)
-with jax.sharding.set_mesh(auto):
-  hlo = jax.jit(dw, out_shardings=by_cols).lower(xs, ws).compile().as_text()
-  got = jax.jit(dw, out_shardings=by_cols)(xs, ws)
-scattered = re.findall(r"= (f32\[[\d,]+\])\S* reduce-scatter(?:-start)?\(.*?dimensions=\{{(\d+)\}}", hlo)
-out["wgrad of a weight sharded along N reduce-scattered along N of dwᵀ"] = (
-    scattered == [("f32[32,64]", "0")] and close(got, jax.jit(dw)(x, w)))
-
-# fp4jax's Mosaic GEMM (its twin on the CPU) as the native path's GEMM: a partitioned op, so row-sharded x stays
-# sharded through fprop, dgrad and wgrad (a K-sharded contraction: float32 partials summed across the shards).
-import os
-os.environ.update(FP4JAX_DEFAULT_IMPL="native", FP4JAX_NATIVE_KERNEL="mosaic")
-x = jax.random.normal(jax.random.key(8), (64, 64))
-w = jax.random.normal(jax.random.key(9), (64, 32))
-f = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3))
-g = jax.jit(lambda x, w: (f(x, w), jax.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)))
-out["dot nvfp4 on the Mosaic GEMM op, rows, forward and gradients"] = (
-    str(jax.make_jaxpr(g)(x, w)).count("impl=mosaic") == 4 and close(g(rows(x), w), g(x, w)))   # 2 fprops
-# its wgrad over token shards keeps the GEMM's padded columns (N = 32 -> 256, zeros) through the reduce-scatter and
-# slices only the shard (``OpSpec.padded``), for w sharded along K and, computed transposed (dwᵀ: K = 64 -> 256),
-# along N
-xs = jax.device_put(x, NamedSharding(auto, P("x", None)))
-for name, spec, want in (("K", P("x", None), ("f32[16,256]", "0")), ("N", P(None, "x"), ("f32[8,256]", "0"))):
-  by = NamedSharding(auto, spec)
+if {slow!r}:   # the other layouts of the wgrad and the Mosaic GEMM's partitioned op: the slow part
+  # fp4jax.dot's weight gradient with w (K, N) sharded along N and x along the tokens: the wgrad GEMM's partials are
+  # computed transposed, dwᵀ (N, K), and reduce-scattered along N, their first dimension (no transpose of the whole
+  # partial on a GPU, whose reduce-scatter wants its dimension major)
+  x, w = jax.random.normal(jax.random.key(12), (64, 64)), jax.random.normal(jax.random.key(13), (64, 128))
+  dw = lambda x, w: jax.grad(lambda w: (fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3)) ** 2).sum())(w)
+  by_cols = NamedSharding(auto, P(None, "x"))
+  xs, ws = jax.device_put(x, NamedSharding(auto, P("x", None))), jax.device_put(w, by_cols)
   with jax.sharding.set_mesh(auto):
-    hlo = jax.jit(dw, out_shardings=by).lower(xs, jax.device_put(w, by)).compile().as_text()
-    got = jax.jit(dw, out_shardings=by)(xs, jax.device_put(w, by))
+    hlo = jax.jit(dw, out_shardings=by_cols).lower(xs, ws).compile().as_text()
+    got = jax.jit(dw, out_shardings=by_cols)(xs, ws)
   scattered = re.findall(r"= (f32\[[\d,]+\])\S* reduce-scatter(?:-start)?\(.*?dimensions=\{{(\d+)\}}", hlo)
-  out[f"Mosaic wgrad, w sharded along {{name}}: padded partials reduce-scattered"] = (
-      scattered == [want] and close(got, jax.jit(dw)(x, w)))
+  out["wgrad of a weight sharded along N reduce-scattered along N of dwᵀ"] = (
+      scattered == [("f32[32,64]", "0")] and close(got, jax.jit(dw)(x, w)))
+
+  # fp4jax's Mosaic GEMM (its twin on the CPU) as the native path's GEMM: a partitioned op, so row-sharded x stays
+  # sharded through fprop, dgrad and wgrad (a K-sharded contraction: float32 partials summed across the shards).
+  import os
+  os.environ.update(FP4JAX_DEFAULT_IMPL="native", FP4JAX_NATIVE_KERNEL="mosaic")
+  x = jax.random.normal(jax.random.key(8), (64, 64))
+  w = jax.random.normal(jax.random.key(9), (64, 32))
+  f = lambda x, w: fp4jax.dot(x, w, recipe="nvfp4", key=jax.random.key(3))
+  g = jax.jit(lambda x, w: (f(x, w), jax.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)))
+  out["dot nvfp4 on the Mosaic GEMM op, rows, forward and gradients"] = (
+      str(jax.make_jaxpr(g)(x, w)).count("impl=mosaic") == 4 and close(g(rows(x), w), g(x, w)))   # 2 fprops
+  # its wgrad over token shards keeps the GEMM's padded columns (N = 32 -> 256, zeros) through the reduce-scatter and
+  # slices only the shard (``OpSpec.padded``), for w sharded along K and, computed transposed (dwᵀ: K = 64 -> 256),
+  # along N
+  xs = jax.device_put(x, NamedSharding(auto, P("x", None)))
+  for name, spec, want in (("K", P("x", None), ("f32[16,256]", "0")), ("N", P(None, "x"), ("f32[8,256]", "0"))):
+    by = NamedSharding(auto, spec)
+    with jax.sharding.set_mesh(auto):
+      hlo = jax.jit(dw, out_shardings=by).lower(xs, jax.device_put(w, by)).compile().as_text()
+      got = jax.jit(dw, out_shardings=by)(xs, jax.device_put(w, by))
+    scattered = re.findall(r"= (f32\[[\d,]+\])\S* reduce-scatter(?:-start)?\(.*?dimensions=\{{(\d+)\}}", hlo)
+    out[f"Mosaic wgrad, w sharded along {{name}}: padded partials reduce-scattered"] = (
+        scattered == [want] and close(got, jax.jit(dw)(x, w)))
 print("RESULT " + json.dumps(out))
 """
 
 
-def test_sharded_one_block_axes_and_kernels_in_shard_map():
+# By default one layout per check (~25 s); slow: every layout of the dot and the wgrad, and the Mosaic GEMM's op
+# (~75 s: 12 compiles and runs on 4 devices).
+@pytest.mark.parametrize("slow", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "every_layout"])
+def test_sharded_one_block_axes_and_kernels_in_shard_map(slow):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   env.pop("FP4JAX_DEFAULT_IMPL", None)
-  p = subprocess.run([sys.executable, "-c", _DRIVER.format(root=ROOT)], cwd=ROOT, env=env, capture_output=True,
-                     text=True, timeout=600)
+  p = subprocess.run([sys.executable, "-c", _DRIVER.format(root=ROOT, slow=slow)], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1]
   results = json.loads(line[len("RESULT "):])
-  assert len(results) == 12
+  assert len(results) == (12 if slow else 6)
   assert all(results.values()), {k: v for k, v in results.items() if not v}
 
 

@@ -25,6 +25,10 @@ import pytest
 
 from configs import shrunken
 
+# Slow (one 8-device NVFP4 step compiled, ~45 s): by default the weights' gathers are read from compiled steps in
+# tests/test_mesh_nodes.py (test_weights_gathered_per_step_cross_the_nodes_once_per_step).
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERT = 2
 # Two E blocks of 8 experts (4 per expert rank), latent 32, expert width 48: every weight shape is distinct

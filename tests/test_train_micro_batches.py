@@ -191,24 +191,29 @@ def _train_losses(workdir):
     return [r["last_loss"] for r in map(json.loads, f) if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("pattern, recipe", [("E", "bf16"), pytest.param("ME", "nvfp4", marks=pytest.mark.slow)])
-def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(tmp_path, pattern, recipe):
+@pytest.mark.parametrize("pattern, recipe, layouts", [
+    ("E", "bf16", "resume"), pytest.param("E", "bf16", "every", marks=pytest.mark.slow),
+    pytest.param("ME", "nvfp4", "every", marks=pytest.mark.slow)])
+def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(tmp_path, pattern, recipe, layouts):
   """moe_tiny on data 2 x fsdp 2 x expert 2 simulated CPU devices, 16 rows per step in 2 micro-batches: 2 steps
   straight on the flat mesh and 1 + resume + 1 laid out in 2 nodes of 4 (``NODES``: the same program on the
   devices in another order) leave the same checkpoint (state and data position, compared on the 8 devices) and
   the same losses, bit for bit; 8 rows in 2 micro-batches cannot split over the 8 devices and are refused. By
-  default the E block
-  alone in bf16, whose losses are also those of the batch of 16 in one piece (float32 summation order, carried
-  through an AdamW step: measured 2e-7 relative; 1e-5 allowed); slow: a Mamba and an E block in NVFP4 (the
-  step's program does not reach the compilation cache: about 35 s per start). The split layout with the weights
-  gathered once per step (``PER_STEP``, ``mesh.fsdp_gather``) computes the first loss bit for bit and the second to
-  float32 summation order (its gradients' sums over the devices are grouped otherwise: measured 1e-7 relative in
-  the updated weights; 1e-5 allowed, as for the one batch). In bf16 the same layout with the gradients reduced once
-  per step (``REDUCED``, ``mesh.grad_reduce``), halted after its first step and resumed, trains to the same losses
-  to float32 summation order."""
+  default the E block alone in bf16, these runs only (``layouts="resume"``, ~30 s). Slow (``"every"``), also:
+  the split layout with the weights gathered once per step (``PER_STEP``, ``mesh.fsdp_gather``) computes the
+  first loss bit for bit and the second to float32 summation order (its gradients' sums over the devices are
+  grouped otherwise: measured 1e-7 relative in the updated weights; 1e-5 allowed); in bf16 the losses are those
+  of the batch of 16 in one piece (float32 summation order, carried through an AdamW step: measured 2e-7
+  relative; 1e-5 allowed), and the same layout with the gradients reduced once per step (``REDUCED``,
+  ``mesh.grad_reduce``), halted after its first step and resumed, trains to the same losses to float32
+  summation order; and a Mamba and an E block in NVFP4 (the step's program does not reach the compilation
+  cache: about 35 s per start). The per-step layouts' gradients run by default in
+  test_gradients_reduced_once_per_step_are_the_gradients_to_float32_summation_order."""
   env = dict(os.environ, **shrunken.compilation_cache_env(),
              XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  runs = RESUME_RUNS + (PER_STEP,) + ((("one_batch", {"micro_batches": 1}),) + REDUCED_RUNS if recipe == "bf16" else ())
+  runs = RESUME_RUNS
+  if layouts == "every":
+    runs += (PER_STEP,) + ((("one_batch", {"micro_batches": 1}),) + REDUCED_RUNS if recipe == "bf16" else ())
   code = _DRIVER.format(root=ROOT, model=dict(SHRUNKEN_MOE, pattern=pattern), base=str(tmp_path), recipe=recipe,
                         runs=runs)
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -223,6 +228,8 @@ def test_moe_tiny_trains_in_micro_batches_on_8_devices_and_resumes_bit_exactly(t
   losses = _train_losses(str(tmp_path / "straight"))
   assert len(losses) == 2 and all(np.isfinite(losses)) and losses[0] != losses[1], losses
   assert _train_losses(str(tmp_path / "split")) == losses
+  if layouts == "resume":
+    return
   assert out["per_step"] == [["done", 2]]
   per_step = _train_losses(str(tmp_path / "per_step"))
   assert per_step[0] == losses[0]   # the first step's loss: the same weights, gathered once
