@@ -385,15 +385,6 @@ def quantize_experts_ahead(model: LanguageModel, params) -> dict:
   return traverse_util.unflatten_dict(out)
 
 
-def quantize_weights_ahead(model: LanguageModel, params) -> dict:
-  """``quantize_experts_ahead``'s and ``quantize_dense_ahead``'s codes in one tree: every weight the recipe reads
-  only through its fprop codes, for a step that gathers the weights once (``training.step.step_gradients``),
-  where a gather of the tree moves codes and scales in place of the kernels."""
-  flat = traverse_util.flatten_dict(quantize_experts_ahead(model, params))
-  flat.update(traverse_util.flatten_dict(quantize_dense_ahead(model, params)))
-  return traverse_util.unflatten_dict(flat)
-
-
 def _codes(quantize, kernel, ndim: int, cfg: ModelConfig):
   """``quantize`` (of one layer's ``ndim``-dimensional kernel) of ``kernel`` cast to the compute dtype, as the
   layer casts it, vmapped over a scanned group's leading layer axes."""

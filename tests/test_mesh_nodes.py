@@ -268,22 +268,17 @@ def test_weights_gathered_per_step_cross_the_nodes_once_per_step(compiled):
 
 
 @pytest.mark.slow
-def test_nvfp4_weights_gathered_per_step_cross_the_nodes_as_codes():
-  """NVFP4 weights (their GEMMs read the weight only through its fprop codes) with the weights gathered once per
-  step: each device quantizes its own shards ahead of the gather (``models.lm.quantize_weights_ahead``), so what
-  crosses the nodes for the experts and the linear layers is codes and scales (uint8), not the kernels (the
-  compute dtype: float32 in this shrunken config, bf16 in Super's). What still crosses in float32: the embedding
-  and output tables, the norms' scales and the router's kernel (float32 by definition), whose stacked (2, 32, 4)
-  is the only rank-3 weight gather left."""
+def test_nvfp4_experts_gathered_per_step_cross_the_nodes_as_codes():
+  """NVFP4 experts (their GEMMs read the weight only through its fprop codes) with the weights gathered once per
+  step: each device quantizes its own experts ahead of the gather (``models.lm.quantize_experts_ahead``), so what
+  crosses the nodes for them is codes and scales (uint8), not the stacked kernels (the compute dtype: float32 in
+  this shrunken config, bf16 in Super's). The dense layers' weights still cross as they are."""
   rows = _compiled_collectives({"per_step": LAYOUTS["fsdp_across_per_step"]}, "nvfp4")["per_step"]["collectives"]
   ahead = [c for c in _weight_gathers(rows) if c["crosses"] and "gather_weights" in c["op"] and c["runs"] == 1]
   rank = lambda c: c["shape"].split("]")[0].count(",") + 1
-  wide = lambda c: c["shape"].startswith(("f32", "bf16"))
-  assert [c for c in ahead if rank(c) == 4 and wide(c)] == [], ahead
+  assert [c for c in ahead if rank(c) == 4 and c["shape"].startswith(("f32", "bf16"))] == [], ahead
   assert any(rank(c) == 4 and c["shape"].startswith("u8") and "moe_experts" in c["op"] for c in ahead), ahead
-  assert [c["shape"] for c in ahead if rank(c) == 3 and wide(c)] == ["f32[2,32,4]{2,0,1}"], ahead   # the router's
-  assert any(c["shape"].startswith("u8") and "models/linear" in c["op"] for c in ahead), ahead
-  assert any(rank(c) == 2 and c["shape"].startswith("f32[256,32]") for c in ahead), ahead   # the embedding's
+  assert any(rank(c) < 4 and c["shape"].startswith("f32") for c in ahead), ahead   # the dense layers' weights
 
 
 def test_gradients_reduced_per_step_cross_the_nodes_once_per_step(compiled):

@@ -136,11 +136,9 @@ class StepGather:
     return jax.tree.map(jax.lax.with_sharding_constraint, params, self.gathered)
 
   def gather_codes(self, codes):
-    """``codes`` (``models.lm.quantize_weights_ahead``'s: at some kernels' paths, a tree of arrays whose leading
+    """``codes`` (``models.lm.quantize_experts_ahead``'s: at some kernels' paths, a tree of arrays whose leading
     axes are the kernel's but its last two, the codes' the kernel's rank) placed as their kernels are gathered
-    along those leading axes and whole along the rest: the gather of codes and scales in place of the kernels'.
-    (A linear layer's kernel split over ``tensor`` gets its codes whole: correct, and more bytes than its split
-    kernel, in layouts with tensor > 1.)"""
+    along those leading axes and whole along the rest: the gather of codes and scales in place of the kernels'."""
     gathered = traverse_util.flatten_dict(self.gathered)
 
     def place(path, tree):

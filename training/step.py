@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fp4jax import partition_cache
 from models import attention, moe, mtp, policy
 from models.layers import OUTCONTROL
-from models.lm import LanguageModel, compute_params, quantize_dense_ahead, quantize_weights_ahead
+from models.lm import LanguageModel, compute_params, quantize_dense_ahead, quantize_experts_ahead
 from training import optim
 from training import sharding
 
@@ -73,15 +73,14 @@ def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=
   blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
   the objective is ``mtp.objective`` of them (plus the MoE balance loss). ``gradient_shardings``: where each
   parameter's gradient goes (``models.lm.compute_params``; default its own logical placement);
-  ``prequantized``: weights' codes made ahead (``models.lm.quantize_weights_ahead``'s or
-  ``quantize_dense_ahead``'s), or None."""
+  ``prequantized``: the experts' codes made ahead (``models.lm.quantize_experts_ahead``), or None."""
   loss, _, stats = _apply_loss(model, params, _prequantized(prequantized), inputs_BxL, targets_BxL, key,
                                mutable=False, documents=documents, gradient_shardings=gradient_shardings)
   return loss, stats
 
 
 def _prequantized(tree) -> dict:
-  """The variable collections that carry ``tree`` (weights' codes made ahead) to the layers."""
+  """The variable collections that carry ``tree`` (``models.lm.quantize_experts_ahead``'s) to the layers."""
   return {moe.PREQUANTIZED: tree} if tree else {}
 
 
@@ -334,10 +333,9 @@ def step_gradients(state, batch, *, model, outcontrol_phase: str = optim.PLAIN, 
     with jax.named_scope("gather_weights"):
       narrow = params
       if isinstance(model, LanguageModel):
-        # the weights the recipe reads through their codes (the experts', the linear layers') cross the wire as
-        # codes and scales, not bf16, and are quantized once per step, not per micro-batch and layer call
+        # the experts the recipe reads through their codes cross the wire as codes and scales, not bf16
         narrow = compute_params(model, params)
-        codes = gather.gather_codes(quantize_weights_ahead(model, narrow)) if not unreduced else None
+        codes = gather.gather_codes(quantize_experts_ahead(model, narrow)) if not unreduced else None
       params, rules, placed = gather.gather(narrow), nn.logical_axis_rules(gather.rules), gather.stored
   elif isinstance(model, LanguageModel):
     # the weights do not change within a step: their codes made once, not per layer call, remat and micro-batch
