@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import coverage_gap  # noqa: E402  pylint: disable=wrong-import-position
+import coverage_by_test  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def test_compare_lists_the_lines_only_the_full_suite_reaches():
@@ -35,6 +36,19 @@ def test_two_selections_under_coverage(tmp_path):
                               "--slow", "tests/test_nan.py::test_fused_producers_keep_nan"])
   text = (tmp_path / "gap.txt").read_text()
   assert status == 1 and "fp4jax/fused.py" in text and "fp4jax/numerics/amax.py" not in text
+
+
+def test_a_subprocess_records_its_lines_under_the_test_that_started_it():
+  """Coverage hands a subprocess its configuration already read (``COVERAGE_PROCESS_CONFIG``, with the context
+  the parent's environment gave at its start: none), so the plugin writes the test's node id into it."""
+  from coverage.config import CoverageConfig   # pylint: disable=import-outside-toplevel
+  config = CoverageConfig()
+  config.config_file = os.devnull
+  env = {"COVERAGE_PROCESS_CONFIG": config.serialize(), "PATH": "/bin"}
+  named = coverage_by_test.named(env, "tests/test_x.py::test_y[1]")
+  assert CoverageConfig.deserialize(named["COVERAGE_PROCESS_CONFIG"]).context == "tests/test_x.py::test_y[1]"
+  assert named[coverage_by_test.CONTEXT_ENV] == "tests/test_x.py::test_y[1]" and named["PATH"] == "/bin"
+  assert "COVERAGE_PROCESS_CONFIG" not in coverage_by_test.named({"PATH": "/bin"}, "t")   # not under coverage
 
 
 def test_sole_lines_counts_what_one_test_function_alone_reaches(tmp_path):
