@@ -50,7 +50,8 @@ OMIT_LISTED = {"FP4JAX_SLOW_TESTS": "omit"}   # tests/conftest.py: the slow runs
 
 def _rcfile(out: str) -> str:
   """Coverage's configuration: every process the suite starts measured, and a subprocess's lines under the node id
-  of the test that started it (its static context, from the environment tests/coverage_by_test.py sets)."""
+  of the test that started it (its static context: tests/coverage_by_test.py writes it into the configuration
+  that coverage hands each subprocess)."""
   path = os.path.join(out, "coveragerc")
   with open(path, "w") as f:
     f.write("[run]\nparallel = true\npatch = subprocess\n"

@@ -2,9 +2,10 @@
 tests/conftest.py when ``FP4JAX_COVERAGE_BY_TEST=<dir>`` is set and the process runs under coverage).
 
 Each test's lines are recorded under its pytest node id (parametrization included; its fixtures' set-up is
-charged to the first test that asks for them), and so are the lines of the subprocesses it starts: while a test
-runs, ``CONTEXT_ENV`` holds its node id (also in an ``env=`` a test passes to ``subprocess``), and the coverage
-configuration of scripts/coverage_gap.py makes it the static context of every process coverage starts. The
+charged to the first test that asks for them), and so are the lines of the subprocesses it starts: every
+``subprocess.Popen`` while a test runs gets an environment (the test's own ``env=`` or the process's) whose
+coverage configuration names the test as its static context (``named``), and ``CONTEXT_ENV`` holds its node id
+(scripts/coverage_gap.py's configuration reads it in the processes coverage starts otherwise). The
 plugin also writes, per test process, ``<dir>/tests.<pid>.json``: each test's seconds (set-up, call and
 tear-down), whether it started a subprocess, and that its subprocesses' lines carry its name.
 """
