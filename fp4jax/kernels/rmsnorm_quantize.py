@@ -135,9 +135,16 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
   return h[:r].reshape(*lead, d), q[:r].reshape(*lead, d // 2), s[:r].reshape(*lead, d // b)
 
 
+_MATERIALIZED_WIDTH = 8
+
+
 def _halve(s):
+  """One level of the tree in XLA. The level of width ``_MATERIALIZED_WIDTH`` is written out (an optimization
+  barrier, no change of value): left to itself XLA splits the last levels into two fusions, each recomputing
+  the whole tree from x (two reads of x and two launches where one does)."""
   w = s.shape[-1] // 2
-  return s[:, :w] + s[:, w:]
+  half = s[:, :w] + s[:, w:]
+  return lax.optimization_barrier(half) if w == _MATERIALIZED_WIDTH else half
 
 
 def rmsnorm_reference(x, scale, *, eps, dtype):
