@@ -73,14 +73,15 @@ def model_loss_and_stats(model, params, inputs_BxL, targets_BxL, key, documents=
   blocks) and, with MTP depths, ``stats[mtp.LOSSES] = {"main": next-token loss, "depths": (depth 1, ...)}``;
   the objective is ``mtp.objective`` of them (plus the MoE balance loss). ``gradient_shardings``: where each
   parameter's gradient goes (``models.lm.compute_params``; default its own logical placement);
-  ``prequantized``: the experts' codes made ahead (``models.lm.quantize_experts_ahead``), or None."""
+  ``prequantized``: weights' codes made ahead (``models.lm.quantize_dense_ahead``'s, or with the weights gathered
+  once per step ``quantize_experts_ahead``'s), or None."""
   loss, _, stats = _apply_loss(model, params, _prequantized(prequantized), inputs_BxL, targets_BxL, key,
                                mutable=False, documents=documents, gradient_shardings=gradient_shardings)
   return loss, stats
 
 
 def _prequantized(tree) -> dict:
-  """The variable collections that carry ``tree`` (``models.lm.quantize_experts_ahead``'s) to the layers."""
+  """The variable collections that carry ``tree`` (weights' codes made ahead) to the layers."""
   return {moe.PREQUANTIZED: tree} if tree else {}
 
 
