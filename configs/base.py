@@ -39,6 +39,10 @@ Not meant to be run directly; see ``configs/tiny.py``. Fields:
                     "Gradients reduced once per step")
   precision_switch  the last ``fraction`` of steps in bf16: mode "fwd" (forward only) or "fwd_bwd"
   profile_steps     steps to capture with jax.profiler into <workdir>/profile, e.g. "(10, 11, 12)"
+  pgle_steps        profile-guided scheduling (GPU): trace this many steps after each start's first one and
+                    compile the step again with their instruction times, so XLA's latency-hiding scheduler
+                    overlaps by measured costs; the profile is kept in <workdir>/pgle (training/pgle.py;
+                    docs/TRAINING.md, "Profile-guided scheduling"); 0: off
   init_from         a run's work directory: a new run starts from its latest checkpoint's params (fresh
                     optimizer, step 0); ignored when the work directory has checkpoints of its own
   xla_options       XLA compiler options of the train step's compile, per device kind: {"all": {...},
@@ -115,6 +119,7 @@ def get_config() -> config_dict.ConfigDict:
   c.halt_after = 0
   c.log_every = 10
   c.profile_steps = ()
+  c.pgle_steps = 0
   c.init_from = ""
   c.allow_config_change = False
   c.preemption_grace_s = 30.0       # SIGTERM/SIGINT: exit within this many seconds (a cluster's grace period)

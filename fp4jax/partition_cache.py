@@ -71,10 +71,10 @@ def all_tagged(module) -> bool:
   return not untagged
 
 
-def compile(lowered):   # pylint: disable=redefined-builtin
-  """``lowered.compile()``, keyed in the persistent cache without the custom_partitioning ids when every
-  such call in the program is fp4jax's (module docstring); as jax keys it otherwise."""
+def compile(lowered, compiler_options: dict | None = None):   # pylint: disable=redefined-builtin
+  """``lowered.compile(compiler_options)``, keyed in the persistent cache without the custom_partitioning ids
+  when every such call in the program is fp4jax's (module docstring); as jax keys it otherwise."""
   if not all_tagged(lowered.compiler_ir("stablehlo")):
-    return lowered.compile()
+    return lowered.compile(compiler_options)
   with custom_partitioning_ids_out_of_cache_key():
-    return lowered.compile()
+    return lowered.compile(compiler_options)

@@ -319,6 +319,9 @@ def validate(config) -> None:
   per_node = config.mesh.get("devices_per_node", 0)
   need(isinstance(per_node, int) and per_node >= 0,
        f"config.mesh.devices_per_node={per_node!r} must be the devices of one node, or 0 (those of one process)")
+  pgle_steps = config.get("pgle_steps", 0)
+  need(isinstance(pgle_steps, int) and not isinstance(pgle_steps, bool) and pgle_steps >= 0,
+       f"config.pgle_steps={pgle_steps!r} must be a number of steps to profile (0: off)")
   for step in config.profile_steps:
     need(isinstance(step, int) and 0 <= step < config.steps,
          f"config.profile_steps={tuple(config.profile_steps)}: each must be a step in [0, {config.steps})")

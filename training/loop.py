@@ -3,16 +3,20 @@
 One jitted, donated train step per batch (a second one, from the same params, for the precision switch's
 last steps; with OutControl one per phase, picked by the step like the recipe); the metrics of a step are
 read on the host one step later, so the host never waits for the device; validation, checkpoints and
-profiling on schedule. SIGTERM/SIGINT (``training.preempt``): the first step of a start (the compile) exits
-at once, later steps save a checkpoint after the current step when the save fits before
-``config.preemption_grace_s`` runs out, else stop without one; both say so. The loop object owns what
+profiling on schedule; with ``config.pgle_steps`` the step is profiled after each start's first step and
+compiled again with the profile (``training.pgle``). SIGTERM/SIGINT (``training.preempt``): the first step
+of a start (the compile) exits at once, later steps save a checkpoint after the current step when the save
+fits before ``config.preemption_grace_s`` runs out, else stop without one; both say so. The loop object owns what
 changes while it runs: the state, the step count, the metrics not yet read, the latest read ones, and the
 start of the current non-finite streak.
 """
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import shutil
+import tempfile
 import time
 
 import jax
@@ -22,6 +26,7 @@ import fp4jax
 from training import config as config_lib
 from training import data as data_lib
 from training import peers
+from training import pgle
 from training import preempt
 from training import sharding
 from training.errors import TrainingDiverged
@@ -45,6 +50,8 @@ class Loop:
     self.metrics: dict = {}              # host metrics of the latest read step
     self.streak_start: int | None = None
     self.validation = (float("nan"), None)  # (loss, bits per byte) of the latest evaluation
+    self.pgle_wanted = []                # (program, profile path): train programs compiled, not yet profiled
+    self.pgle_capture = None             # (program, profile path, trace dir, last step) while it is traced
     mesh, repl = run.mesh, sharding.replicated(run.mesh)
     batch_sh = sharding.batch_sharding(mesh)
     models = {run.recipe.name: run.model}
@@ -88,11 +95,83 @@ class Loop:
         with reporter.phase(f"step {self.step + 1} (the first of this start)" if self.step == self.start_step
                             else f"step {self.step + 1} (the first with {what})", xla=True):
           jax.block_until_ready(metrics)
+        self.pgle_compiled(fn.program, what)
       reporter.mark_start(self.step + 1)
     self.step += 1
     self.stop.step = self.step
     self.read_metrics()  # the previous step's: it is done by now
     self.pending = (self.step, metrics)
+
+  # Profile-guided scheduling (training.pgle) ---------------------------------------------------------
+
+  def pgle_compiled(self, program, what: str) -> None:
+    """After a train program's first step: compile it again with its profile when the work directory has
+    one, else queue its steps to be traced (``config.pgle_steps``)."""
+    run = self.run
+    if not run.config.get("pgle_steps", 0):
+      return
+    fp = pgle.fingerprint(program.hlo_text())
+    if fp is None:
+      run.say(f"config.pgle_steps={run.config.pgle_steps}: {what} keeps XLA's schedule: the compiler records no "
+              "fingerprint to profile it by (profile-guided scheduling is XLA's GPU compiler's)")
+      return
+    path = pgle.profile_path(run.workdir, fp)
+    if os.path.exists(path):
+      with self.watch.paused(), run.reporter.phase(f"compiling {what} with its profile {path}", xla=True):
+        program.recompile(pgle.compiler_options(path))
+    else:
+      self.pgle_wanted.append((program, path))
+
+  def pgle_begin(self, profile_steps: list[int]) -> None:
+    """Starts tracing the next ``config.pgle_steps`` steps when a queued program runs next, outside the trace
+    of ``config.profile_steps`` (sorted: their first to their last step)."""
+    n = self.run.config.get("pgle_steps", 0)
+    if self.pgle_capture is not None or not self.pgle_wanted or (
+        profile_steps and self.step <= profile_steps[-1] and profile_steps[0] < self.step + n):
+      return
+    program = self._program_at(self.step)
+    for program_, path in self.pgle_wanted:
+      if program_ is program:
+        self.pgle_wanted.remove((program_, path))
+        trace_dir = tempfile.mkdtemp(prefix="fp4jax-pgle-")   # this process's own, removed when read
+        jax.profiler.start_trace(trace_dir)
+        self.pgle_capture = (program, path, trace_dir, self.step + n)
+        return
+
+  def pgle_end(self) -> None:
+    """After a traced step: at the last one, the trace's profile (process 0's, on every process) written to the
+    work directory and the program compiled again with it; a step of another program ends the trace unused."""
+    if self.pgle_capture is None:
+      return
+    program, path, trace_dir, last = self.pgle_capture
+    other = self.step < last and self._program_at(self.step) is not program
+    if self.step < last and not other:
+      return
+    jax.block_until_ready(self.state)
+    jax.profiler.stop_trace()
+    self.pgle_capture = None
+    runs = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*"))
+    profile = pgle.share(pgle.collect(max(runs)) if runs and not other else b"")
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    run = self.run
+    if other:   # traced again when it next runs
+      self.pgle_wanted.append((program, path))
+      return
+    if not profile:
+      run.say(f"steps {last - run.config.pgle_steps + 1}..{last}: the trace holds no instruction times (XLA "
+              "measures them on NVIDIA GPUs); the step keeps XLA's schedule")
+      return
+    if jax.process_index() == 0 or not os.path.exists(path):
+      pgle.write(path, profile)
+    with self.watch.paused(), run.reporter.phase(
+        f"compiling the train step with the profile of steps {last - run.config.pgle_steps + 1}..{last} ({path})",
+        xla=True):
+      program.recompile(pgle.compiler_options(path))
+    run.reporter.mark_start(self.step)
+
+  def _program_at(self, step: int):
+    """The compiled train program that runs ``step`` (None before its first call)."""
+    return self._train[self.run.recipe_at(step).name, self.run.outcontrol_phase_at(step)].program
 
   def read_metrics(self) -> None:
     """Host side of the pending step: progress, records, the non-finite guard (TrainingDiverged)."""
@@ -190,7 +269,9 @@ class Loop:
           if profile and self.step == profile[0] and not tracing:
             jax.profiler.start_trace(profile_dir)
             tracing = True
+          self.pgle_begin(profile)
           self.train_step()
+          self.pgle_end()
           step = self.step
           run.checkpoints.check_background_save()   # a failed background write: now, not at the next save
           if tracing and step > profile[-1]:
@@ -234,8 +315,10 @@ class Loop:
         self.save()  # the skipped updates left the last good state in place
         raise
       finally:
-        if tracing:
+        if tracing or self.pgle_capture is not None:
           jax.profiler.stop_trace()
+        if self.pgle_capture is not None:
+          shutil.rmtree(self.pgle_capture[2], ignore_errors=True)
     return status
 
   def summary(self, status: str) -> dict:

@@ -472,14 +472,25 @@ class CompiledAtFirstCall:
   shardings (the trainer's are fixed)."""
   jitted: Any
   _compiled: Any = None
+  _lowered: Any = None
 
   def __call__(self, *args):
     if self._compiled is None:
-      self._compiled = partition_cache.compile(self.jitted.lower(*args))
+      self._lowered = self.jitted.lower(*args)
+      self._compiled = partition_cache.compile(self._lowered)
     return self._compiled(*args)
 
   def lower(self, *args):
     return self.jitted.lower(*args)
+
+  def hlo_text(self) -> str:
+    """The compiled program's optimized HLO (after the first call)."""
+    return self._compiled.as_text()
+
+  def recompile(self, compiler_options: dict) -> None:
+    """Compiles the first call's program again with ``compiler_options`` added to the jit's; later calls run
+    that executable (``training.pgle``: the same program scheduled with a profile)."""
+    self._compiled = partition_cache.compile(self._lowered, compiler_options)
 
 
 @dataclasses.dataclass
@@ -502,3 +513,8 @@ class ScheduledStep:
 
   def lower(self, state, batch):
     return self.jitted.lower(state, batch, self.points)
+
+  @property
+  def program(self) -> CompiledAtFirstCall | None:
+    """What the first call compiled (None before it)."""
+    return self._compiled

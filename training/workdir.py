@@ -28,11 +28,11 @@ HISTORY_FILE = "config_history.jsonl"
 ERROR_LOG = "error.log"
 # Fields added to the config after runs were made, with the value that reproduces those runs.
 ADDED_FIELDS = {"sr_bits": "jax", "data.raw_bytes": False, "data.text_column": "text", "micro_batches": 1,
-                "data.document_masking": False}
+                "data.document_masking": False, "pgle_steps": 0}
 # Prefixes of the fields a resume may change without --allow_config_change. Like the mesh, micro_batches changes
 # how a step is computed (summation order, stochastic rounding's keys), not its data, schedule or batch.
-FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "eval.", "checkpoint.", "health.", "mesh.",
-               "micro_batches", "report.", "xla_options.", "data.read_threads", "data.prefetch", "init_from",
+FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "pgle_steps", "eval.", "checkpoint.", "health.",
+               "mesh.", "micro_batches", "report.", "xla_options.", "data.read_threads", "data.prefetch", "init_from",
                "allow_config_change", "preemption_grace_s", "lock_stale_s", "peer_timeout_s")
 
 

@@ -37,11 +37,15 @@ def max_rss_bytes() -> int:
 @dataclasses.dataclass
 class Program:
   """One function to compile: ``fn`` jitted over ``args`` (ShapeDtypeStructs with shardings);
-  ``kernels``: Pallas kernels its HLO must hold (0 = none required)."""
+  ``kernels``: Pallas kernels its HLO must hold (0 = none required); ``profile``: for a program that a GPU
+  run compiles again with a profile of itself (``config.pgle_steps``, training/pgle.py), the function that
+  writes one for the first compile's HLO (bench/predict/pgle_profile.py: the ruler's costs), the result being
+  the second compile's."""
   name: str
   fn: object
   args: tuple
   kernels: int = 0
+  profile: object = None   # (text, partition_devices) -> a profile's path: compiled again with it (see below)
 
 
 def program_devices(args) -> list:
@@ -52,6 +56,11 @@ def program_devices(args) -> list:
     if sharding is not None:
       return sorted(sharding.device_set, key=lambda d: d.id)
   return []
+
+
+def _partition_devices(mesh) -> list[int] | None:
+  """jit's device assignment: partition p runs on the mesh's p-th device (bench/predict/cluster.py's nodes)."""
+  return [d.id for d in mesh.devices.flat] if mesh is not None else None
 
 
 def compile_program(prog: Program, mesh=None) -> dict:
@@ -73,15 +82,19 @@ def compile_program(prog: Program, mesh=None) -> dict:
         lowered = fn.lower(*prog.args)
     t1 = time.perf_counter()
     compiled = lowered.compile()
+    first = None
+    if prog.profile is not None:
+      from training import pgle   # pylint: disable=import-outside-toplevel
+      first = dict(compile_s=round(time.perf_counter() - t1, 2), text=compiled.as_text())
+      first["profile"] = prog.profile(first["text"], _partition_devices(mesh))
+      compiled = lowered.compile(pgle.compiler_options(first["profile"]))
   except Exception as e:   # pylint: disable=broad-except  (reported per program)
     return dict(name=prog.name, error=f"{type(e).__name__}: {str(e)[:2000]}",
                 seconds=round(time.perf_counter() - t0, 2), max_rss_bytes=max_rss_bytes())
   t2, c2 = time.perf_counter(), time.process_time()
   mem = compiled.memory_analysis()
   text = compiled.as_text()
-  # jit's device assignment: partition p runs on the mesh's p-th device (bench/predict/cluster.py's nodes)
-  partition_devices = [d.id for d in mesh.devices.flat] if mesh is not None else None
-  return dict(name=prog.name, error=None, text=text, partition_devices=partition_devices,
+  return dict(name=prog.name, error=None, text=text, partition_devices=_partition_devices(mesh), unprofiled=first,
               lower_s=round(t1 - t0, 2),
               compile_s=round(t2 - t1, 2), seconds=round(t2 - t0, 2), cpu_s=round(c2 - c0, 2),
               max_rss_bytes=max_rss_bytes(),

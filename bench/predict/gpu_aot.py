@@ -16,7 +16,10 @@ the process compiles for a ``GpuTargetConfigProto`` (bench/predict/gpu_targets/<
 a topology of N GPUs (8 per host); ``--mesh.<axis>=k`` / ``--config.<field>=v`` as in bench/scale.py,
 whose step builder (``scale.build_step``) is the one used here. ``--regroup_blocks`` compiles the config's blocks
 reordered into few scan loops (bench/predict/regroup.py): the same step for the ruler in a fraction
-of the compile.
+of the compile. A config that profiles its step (``config.pgle_steps``, training/pgle.py: on a GPU the step is
+compiled again with its measured instruction times) is compiled twice here too, the second time with the ruler's
+costs of the first as the profile (bench/predict/pgle_profile.py); the second is the one priced, the first's
+step printed beside it (``--nopgle``: the first only).
 
 Every automatic choice is made for the target's devices, as a GPU process makes it (``fp4jax.target``):
 attention_impl="auto" traces cuDNN's fused attention, and on the B200 the quantized dot's GEMMs are
@@ -55,6 +58,7 @@ if __name__ == "__main__":
   sys.path.insert(0, ROOT)
 
 # pylint: disable=wrong-import-position
+import functools
 import json
 
 from bench.predict.deviceless import PER_HOST, TARGETS, Program, compile_program, gpu_devices
@@ -105,6 +109,10 @@ def _flags():
   flags.DEFINE_boolean("regroup_blocks", False, "step: the config's blocks reordered into few scan loops "
                        "(bench/predict/regroup.py): the same blocks, parameters and collectives for the ruler, "
                        "compiled in a fraction of the time (Nemotron 3 Super: 12 distinct blocks instead of 26).")
+  flags.DEFINE_boolean("pgle", True, "step: where the config profiles its step (config.pgle_steps, "
+                       "training/pgle.py), compile it again with the ruler's costs of the first compile as the "
+                       "profile (bench/predict/pgle_profile.py) and price that one, as a GPU run schedules its "
+                       "step after the profiled steps; --nopgle: the first compile only.")
   flags.DEFINE_float("budget_s", 0, "with kernels/ops/dots: exit 1 if a compile takes longer.")
   flags.DEFINE_float("budget_gib", 0, "with kernels/ops/dots: exit 1 if host RSS grows past this.")
   return flags.FLAGS
@@ -241,7 +249,8 @@ def _step(F, devices):
 
   def one(cfg, name, twin=False):
     built = scale.build_step(cfg, mesh, bpd)
-    prog = Program(name, built["step_fn"], (built["state_in"], built["batch_in"]))
+    profile = functools.partial(_ruler_profile, F, twin) if F.pgle and cfg.get("pgle_steps", 0) else None
+    prog = Program(name, built["step_fn"], (built["state_in"], built["batch_in"]), profile=profile)
     out = _compiled(F, prog, mesh, twin)
     out["compiler_options"] = built["compiler_options"]   # the config's xla_options for this target
     if regrouped is not None:
@@ -269,6 +278,20 @@ def _step(F, devices):
   if twin is not None:
     print(report(twin))
   return [res], twin, mesh
+
+
+def _ruler_profile(F, twin: bool, text: str, partition_devices) -> str:
+  """The ruler's costs of a first compile's HLO ``text`` as a profile (bench/predict/pgle_profile.py), written
+  beside ``--hlo`` (PATH with ".pgle.pbtxt" for its extension) or to a temporary file; its path."""
+  from bench.predict import pgle_profile   # pylint: disable=import-outside-toplevel
+  import tempfile   # pylint: disable=import-outside-toplevel
+  if F.hlo:
+    path = os.path.splitext(twin_hlo_path(F.hlo) if twin else F.hlo)[0] + ".pgle.pbtxt"
+  else:
+    fd, path = tempfile.mkstemp(prefix="fp4jax-pgle-", suffix=".pbtxt")
+    os.close(fd)
+  pgle_profile.write(pgle_profile.costs(text, F.target, F.cluster or f"hgx_{F.target}", partition_devices), path)
+  return path
 
 
 def _regrouped(config):

@@ -216,7 +216,10 @@ def _assumptions() -> str:
       "The B200 programs are compiled with XLA's Triton GEMM emitter off (cuBLAS; a deviceless-compile "
       "workaround). The nemotron3_super rows are compiled with their blocks regrouped (bench/predict/regroup.py: "
       "the same blocks, fewer of them distinct; held against the full compile in docs/PERF.md, \"A Super "
-      "prediction in minutes\"). "
+      "prediction in minutes\"); since their config profiles its step (config.pgle_steps; not the rows kept "
+      "from earlier commits) they are compiled a second time with the ruler's costs of the first compile as XLA's "
+      "scheduling profile (bench/predict/pgle_profile.py; a device profile assumed close to the ruler's times; "
+      "the NVLink what-if shares the HGX compile's). "
       "MFU = 6 x active parameters x tokens / (step x datasheet bf16 peak). \"÷ bias\": the "
       "tokens/s divided by the calibration bias. \"old ruler\": the flat-80% roofline this replaces (no floor, "
       "no communication, integer work charged). A cell that does not compile says why."])

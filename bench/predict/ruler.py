@@ -233,7 +233,8 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
   collective's time), ``floor_s`` (the floor's share), ``kernels`` (launches per step, collectives
   included), ``gemm_s``, the old roofline's ``roofline_s`` (flat 80% GEMMs, no floor, no communication),
   per-kind collective rows, ``each_collective`` (every collective instruction: a ``Collective``'s fields
-  and its ``exposed_s`` per step) and ``compute_by_computation`` (each computation's own kernels, one
+  and its ``exposed_s`` per step), ``op_seconds`` (each kernel's seconds per execution, by instruction name)
+  and ``compute_by_computation`` (each computation's own kernels, one
   execution, its nested loops not included)."""
   cluster = cluster_lib.get(cluster_name)
   rates = peaks(target)
@@ -282,6 +283,7 @@ def predict(text: str, target: str, cluster_name: str, floor_s: float = KERNEL_F
       gemm_s=gemm_s, roofline_s=cost["seconds"], int_ops=cost["int_ops"], counts=cost["counts"],
       collectives=[dict(kind=k, crosses_nodes=x, **v) for (k, x), v in sorted(rows.items())],
       each_collective=[dict(dataclasses.asdict(c), exposed_s=walk.exposed_by[name]) for name, c in colls.items()],
+      op_seconds=op_s,
       compute_by_computation={comp: sum(op_s.get(i.name, 0.0) for i in mod.comps[comp]) for comp in mult},
       body_s=walk.body_s, executions={c: m for c, m in mult.items()},
       leaf_bodies=sorted(b for b in walk.body_s if not any(i.opcode == "while" for i in mod.comps.get(b, []))))

@@ -15,13 +15,17 @@ def summarize(res: dict, target: str, peak_kind: str = "derated", int_ops: bool 
   from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   from bench.predict import hlo_parts   # pylint: disable=import-outside-toplevel
   from bench.predict import launches   # pylint: disable=import-outside-toplevel
-  out = {k: v for k, v in res.items() if k != "text"}
+  out = {k: v for k, v in res.items() if k not in ("text", "unprofiled")}
   if res.get("error"):
     return out
+  from bench.predict import ruler   # pylint: disable=import-outside-toplevel
+  priced = lambda text: ruler.summary(ruler.predict(text, target, cluster or f"hgx_{target}",
+                                                    partition_devices=res.get("partition_devices")))
   try:
-    from bench.predict import ruler   # pylint: disable=import-outside-toplevel
-    out["ruler"] = ruler.summary(ruler.predict(res["text"], target, cluster or f"hgx_{target}",
-                                               partition_devices=res.get("partition_devices")))
+    out["ruler"] = priced(res["text"])
+    if res.get("unprofiled"):   # compiled again with a profile of itself: the first compile's step beside it
+      first = res["unprofiled"]
+      out["unprofiled"] = dict(compile_s=first["compile_s"], profile=first["profile"], ruler=priced(first["text"]))
   except Exception as e:   # pylint: disable=broad-except  (the roofline below still stands)
     out["ruler"] = dict(error=f"{type(e).__name__}: {e}")
   cost = hlo_cost.analyze(res["text"], peaks(target, peak_kind, int_ops))
@@ -78,6 +82,11 @@ def report(s: dict, twin: dict | None = None) -> str:
     lines.append(f"  ruler (bench/predict/ruler.py, a prediction): step {r['step_ms']:.1f} ms = compute "
                  f"{r['compute_ms']:.1f} (of which the per-kernel floor {r['floor_ms']:.1f}) + exposed communication "
                  f"{r['exposed_comm_ms']:.1f} (of {r['comm_ms']:.1f} on {r['cluster']}); {r['kernels']} kernels per step")
+    first = (s.get("unprofiled") or {}).get("ruler")
+    if first:
+      lines.append(f"  scheduled with the ruler's profile of its first compile ({s['unprofiled']['profile']}; "
+                   f"config.pgle_steps); that compile ({s['unprofiled']['compile_s']:.1f} s): step "
+                   f"{first['step_ms']:.1f} ms, exposed communication {first['exposed_comm_ms']:.1f}")
   if twin is not None and not twin.get("error"):
     lines.append(f"  bf16 twin {twin['cost']['predicted_ms']:.3f} ms: ratio "
                  f"{c['predicted_ms'] / twin['cost']['predicted_ms']:.3f}")
