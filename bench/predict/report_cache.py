@@ -2,11 +2,14 @@
 that makes the program changes.
 
 The key is the git tree hashes of everything that shapes the compiled program (fp4jax/, models/,
-training/, configs/, bench/predict/'s gpu_aot.py, deviceless.py, programs.py, regroup.py and summary.py, bench/scale.py,
-bench/predict/gpu_targets/) as they are in the working
-tree (``code_hash``: uncommitted changes count, a commit of the same content does not), plus the row's bench/predict/gpu_aot.py arguments and its environment. The cost model
-(bench/predict/hlo_cost.py and the tables it reads) is not in the key: it is applied to the cached HLO at every
-run, so a change to the ruler re-prices every row without recompiling it.
+training/, configs/, bench/predict/'s gpu_aot.py, deviceless.py, programs.py, regroup.py, summary.py and
+pgle_profile.py, bench/scale.py, bench/predict/gpu_targets/) as they are in the working tree (``code_hash``:
+uncommitted changes count, a commit of the same content does not), plus the row's bench/predict/gpu_aot.py
+arguments and its environment. The cost model (bench/predict/hlo_cost.py and the tables it reads) is not in the
+key: it is applied to the cached HLO at every run, so a change to the ruler re-prices every row without
+recompiling it. A row whose config profiles its step (``config.pgle_steps``) is scheduled by the ruler's costs of
+its first compile (bench/predict/pgle_profile.py): after a change to the ruler such a row keeps the schedule the
+older ruler's profile gave it until it is compiled again (``--recompile``).
 
 Each entry is ``<key>.json`` (bench/predict/gpu_aot.py's JSON: memory, parameters, tokens; or the failure) and
 ``<key>.hlo.gz`` (the optimized HLO text).
@@ -24,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROGRAM_PATHS = ("fp4jax", "models", "training", "configs", "bench/predict/gpu_aot.py",
                  "bench/predict/deviceless.py", "bench/predict/programs.py", "bench/predict/regroup.py",
-                 "bench/predict/summary.py",
+                 "bench/predict/summary.py", "bench/predict/pgle_profile.py",
                  "bench/scale.py", "bench/predict/gpu_targets")
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "fp4jax", "report")
 DEVICELESS_ENV = {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu,cuda"}
