@@ -82,7 +82,11 @@ def test_gpu_aot_regroups_the_configs_pattern():
 
 SUPER = ("--target", "b200", "--what", "step", "--config", os.path.join(ROOT, "configs", "nemotron3_super.py"),
          "--devices", "64", "--twin=false", "--config.recipe=nvfp4", "--what_if_proved=all",
-         "--config.model.ssd_impl=pallas", "--config.model.gate_norm_impl=pallas")
+         "--config.model.ssd_impl=pallas", "--config.model.gate_norm_impl=pallas",
+         # one compile each: the regrouping against the full program, each scheduled by XLA's own estimate (the
+         # config's second compile, with the ruler's profile, is held against the full one in docs/PERF.md,
+         # "Super scheduled by a profile of itself")
+         "--nopgle")
 
 
 @needs_plugin
