@@ -254,3 +254,13 @@ def whole_along_first(x):
   if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual or mesh.explicit_axes:
     return x
   return lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+
+
+def replicated(x):
+  """x (an array or a pytree of arrays) constrained to be whole on every device of the traced mesh's automatic
+  axes; x itself where ``whole_along_first`` leaves it. The amaxes' per-chunk partials are gathered so
+  (``kernels.quantize_rht_t.rht_amaxes``) before the one reduction that finishes them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual or mesh.explicit_axes:
+    return x
+  return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), x)
