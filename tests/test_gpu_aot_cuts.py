@@ -101,8 +101,13 @@ def test_rht_amaxes_are_the_two_amaxes_from_one_read(dtype):
 
 def test_rht_amaxes_partials_fit_one_launch():
   """The chunks' partials reduce rows of at most 16384 channels (XLA's GPU emitter splits a longer row into two
-  launches): the MLP's 20480 and in_proj's 22784 in two pieces, a width no small count divides in one."""
-  assert [quantize_rht_t._row_pieces(c) for c in (64, 5120, 16384, 20480, 22784, 16411)] == [1, 1, 1, 2, 2, 1]
+  launches), as many as one launch then finishes: the 12B's 4096 chunks (8 x 8192 tokens) in 4 pieces of its
+  widths, 8192 chunks in 2 (the MLP's 20480 still cut in two), a width no small count divides in one."""
+  pieces = quantize_rht_t._row_pieces
+  assert [pieces(4096, c) for c in (5120, 20480, 22784, 64)] == [4, 4, 4, 4]
+  assert [pieces(8192, c) for c in (5120, 20480, 16411)] == [2, 2, 1]
+  assert [pieces(65536, c) for c in (5120, 20480, 16384)] == [1, 2, 1]
+  assert pieces(4, 64) == 8
   x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 2 * quantize_rht_t._ROW_MAX + 32)), jnp.bfloat16)
   a, r = jax.jit(rht_amaxes)(x)
   assert np.asarray(a).tobytes() == np.asarray(nvfp4.tensor_amax(x)).tobytes()

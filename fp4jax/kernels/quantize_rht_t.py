@@ -215,10 +215,17 @@ def shares_amaxes(shape, rht_size) -> bool:
 _ROW_MAX = 16384   # XLA's GPU reduction emitter reduces rows of up to this many elements in one launch, longer in two
 
 
-def _row_pieces(c: int) -> int:
-  """The pieces (at most 8) each chunk's C channels are reduced in, each of at most ``_ROW_MAX`` channels
-  where C divides so (1 where it does not): one launch for the partials."""
-  return next((k for k in range(1, 9) if c % k == 0 and c // k <= _ROW_MAX), 1)
+def _row_pieces(u: int, c: int) -> int:
+  """k, the pieces (at most 8, each of at most ``_ROW_MAX`` channels) each of u chunks' C channels is reduced
+  in: the most whose u·k partials one launch finishes, else the fewest (1 where C has no such divisor). More
+  partials than chunks keep the first reduction fused with the maxima it reduces where a device holds few
+  tokens: for 4,096 tokens of width 5,120 XLA's GPU compiler wrote the (u, C) maxima out in a pass of their
+  own with one piece, not with eight."""
+  pieces = [k for k in range(1, 9) if c % k == 0 and c // k <= _ROW_MAX]
+  if not pieces:
+    return 1
+  within = [k for k in pieces if u * k <= _ROW_MAX]
+  return max(within) if within else min(pieces)
 
 
 def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None, gather=None):
@@ -229,8 +236,8 @@ def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None, gather=None):
   Two variadic reductions (each a single reduce op: XLA cannot split one into two passes over x): the first
   reads x as two (T/n, C) operands, the elementwise maximum of |x| over the n token rows of each chunk and
   ``rht_amax``'s maximum of |y| over the n rows of the transform (``_rht_rows``, the same float32 ops), and
-  reduces them along C to the chunks' partials (T/n, k), C in k pieces of at most ``_ROW_MAX`` (a longer
-  row XLA reduces in two launches); the second reduces the partials. ``gather`` (None:
+  reduces them along C to the chunks' partials (T/n, k), C in k pieces (``_row_pieces``: rows XLA reduces in
+  one launch); the second reduces the partials. ``gather`` (None:
   none) is applied to the pair of partials between the two: ``fp4jax.primitives.sharding.replicated`` has a
   token-sharded x's partials gathered, so that one reduction finishes them on every device (a reduction to a
   scalar of the sharded partials would be a local reduction, a gather of each device's scalar and a
@@ -248,7 +255,7 @@ def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None, gather=None):
   r_UxC = amaxes.abs_max_of(*_rht_rows(x_TxC, n, rht_seed, n))
   zero = jnp.int32(0)
   pair_max = lambda p, q: (lax.max(p[0], q[0]), lax.max(p[1], q[1]))
-  k = _row_pieces(c)
+  k = _row_pieces(t // n, c)
   bits_UxKxW = [amaxes.magnitude_bits(m).reshape(t // n, k, c // k) for m in (a_UxC, r_UxC)]
   partials_UxK = lax.reduce(tuple(bits_UxKxW), (zero, zero), pair_max, (2,))
   if gather is not None:

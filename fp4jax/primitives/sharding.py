@@ -72,6 +72,12 @@ def producer_rule(x_ndim: int, *, with_scale: bool, block: int):
   return f"{', '.join(operands)} -> {x}, {_join(*lead, '(k j)')}, {_join(*lead, 'k')}", dict(i=block, j=block // 2)
 
 
+def row_reduction_rule(x_ndim: int):
+  """Shardy rule for a reduction of each row: x (..., C) -> (..., 1)."""
+  lead = _names(x_ndim - 1)
+  return f"{_join(*lead, 'c')} -> {_join(*lead, 'o')}", {}
+
+
 def quantize_rht_t_rule(has_bits, *, rows: int, block: int, lead: int = 0):
   """Shardy rule for the RHT-transposed quantize x (..., T, C) -> (packed (..., C, T/2), scales (..., C, T/B)),
   ``lead`` leading (vmapped) axes shared by x, the amax (...) and the bits' rows.
