@@ -11,8 +11,9 @@ then stores h and quantizes the same registers with the 1D quantize kernel's bod
 (``quantize_1d.encode_rows``): codes and scale bytes, each stored for the row's D columns only (h (R, D),
 codes (R, D/2), scales (R, D/B): no slice after the kernel).
 NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in from a
-read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a max is exact in any order),
-and each program derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
+read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h, each row's factor 1/sqrt(Σx²/D + eps)
+from ``rms_inverse_rows``, this module's second kernel; a max is exact in any order), and each program
+derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
 one write of D-wide rows, against three reads and one write for the norm, the amax and the quantize
 as separate passes.
 
