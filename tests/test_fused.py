@@ -79,7 +79,7 @@ def test_norm_factor_kernel_is_the_twin(shape, magnitude):
   """The amax pass's factor of each row (``rms_inverse_rows``: one pass over x, interpreted here, eagerly as
   above) is the twin's bit for bit, through the primitive too: the sum in the tree's order (in the interpreter
   by slices, which its XLA does not merge into one reduction of its own order, as it merges the kernel's
-  reshaped 2-element sums: the last bit of 9 of this test's first case's 296 rows)."""
+  reshaped 2-element sums: the last bits of 9 of this test's first case's 74 rows)."""
   from fp4jax.kernels import rmsnorm_quantize as kernel   # pylint: disable=import-outside-toplevel
   from fp4jax.primitives import producers   # pylint: disable=import-outside-toplevel
   x, _ = _inputs(shape, seed=shape[-1], magnitude=magnitude)
