@@ -8,7 +8,8 @@ a power of two.
 quantizes it, so ``fp4jax.dot(pre, w, recipe=recipe)`` quantizes nothing more and gives the bits the
 unfused ``fp4jax.dot(h, w, recipe=recipe)`` gives. Two passes, because NVFP4's FP32 tensor scale needs
 max|h| over the whole tensor before any block can be encoded:
-  1. the amax: ``rmsnorm`` (XLA) reduced to max|h|, read-only (XLA fuses it into one pass over x); where
+  1. the amax: ``rmsnorm`` (XLA) reduced to max|h|, read-only, its rows' factor from a pass of their own (the
+     kernel ``rmsnorm_quantize.rms_inverse_rows`` with the producer's kernel, else its twin); where
      the dot would share it with its wgrad quantize of h (``fp4jax.prequantized.amaxes``), the same
      reduction also gives the amax of RHT(h) along the tokens, carried in the PreQuantized for that quantize;
   2. the norm again and the quantization, in registers: the Pallas kernel
@@ -63,9 +64,17 @@ def _kernel_amax(h_twin, amax):
   return abs_max(_exact.stored(h_twin)) if amax is None else amax
 
 
+def _inverse(impl):
+  """The norm's factor of each row for the amax pass: the kernel with the producer's kernel (one pass reading
+  x, ``producers.rms_inverse``), else the twin."""
+  if impl == "pallas":
+    return functools.partial(producers.rms_inverse, impl=impl)
+  return kernel.rms_inverse_reference
+
+
 def _forward(x, scale, eps, dtype, quantizer, wgrad_x, impl):
   d = x.shape[-1]
-  h_twin = rmsnorm(x, scale, eps=eps, dtype=dtype)
+  h_twin = rmsnorm(x, scale, eps=eps, dtype=dtype, inverse=_inverse(impl))
   amax, amax_t = _amaxes(h_twin, quantizer, wgrad_x)
   if impl == "pallas":   # the kernel, on each device's rows (compiled for CUDA, interpreted elsewhere)
     amax = _kernel_amax(h_twin, amax)

@@ -38,6 +38,7 @@ from fp4jax import _exact, eager, formats, random_bits
 from fp4jax.numerics import dbq, e2m1, eden, four_over_six as fos, hadamard, mxfp8
 from fp4jax.api import quantize, quantize_rht_transposed
 from fp4jax.kernels import quantize_rht_t as rht_t
+from fp4jax.primitives import sharding as shd
 from fp4jax.qtensor import QTensor
 
 TRANSPOSED = "fprop tiles, transposed"   # Roles.dgrad_w: dgrad reads the fprop weight tiles (spec §2)
@@ -212,7 +213,8 @@ def shared_amaxes(q_rows, q_tokens, t_TxC):
   if not (_plain_nvfp4(q_rows) and not q_rows.rht_size and _plain_nvfp4(q_tokens) and q_tokens.fused_t(None)
           and t_TxC.ndim == 2 and rht_t.shares_amaxes(t_TxC.shape, q_tokens.rht_size)):
     return None, None
-  return rht_t.rht_amaxes(_exact.stored(t_TxC), rht_size=q_tokens.rht_size, rht_seed=q_tokens.rht_seed)
+  return rht_t.rht_amaxes(_exact.stored(t_TxC), rht_size=q_tokens.rht_size, rht_seed=q_tokens.rht_seed,
+                          gather=shd.replicated)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,9 @@ B200 step's launches, each checked where it shows:
 - the fprop weight tiles are gathered along K before they are transposed on an FSDP mesh (no transposes around
   the gather, no GEMM over a shard of K with partial sums);
 - the value_and_grad of one nvfp4 dot compiled for a B200 with every kernel proved (slow; needs jax's CUDA
-  plugin, no GPU).
+  plugin, no GPU);
+- the RMSNorm + quantize producer's amax pass takes the norm's factor from a kernel (one pass over x, not XLA's
+  two fusions) and reduces x's amaxes in two launches (slow, as above).
 """
 import json
 import os
@@ -359,3 +361,38 @@ def test_proved_b200_dot_launches(kernel):
     assert not [r for r in rows if r["part"].endswith("/other") and r["work"] == "elementwise"], rows
   total = sum(r["launches"] for r in rows if r["part"] != "collective")
   assert total <= {"cudnn": 34, "mosaic": 29}[kernel], (total, rows)
+
+
+_B200_NORM_SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    sys.path.insert(0, ROOT)
+    from fp4jax import _platform
+    _platform.enable_deviceless()
+    import jax, jax.numpy as jnp
+    from fp4jax import fused
+    from bench.predict import deviceless, launches, peaks
+    dev = deviceless.gpu_devices("b200", 1)[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    args = (jax.ShapeDtypeStruct((4096, 5120), jnp.bfloat16, sharding=sh),
+            jax.ShapeDtypeStruct((5120,), jnp.float32, sharding=sh))
+    f = jax.jit(lambda x, s: fused.rmsnorm_quantize(x, s, "nvfp4", eps=1e-5, impl="pallas"))
+    text = f.lower(*args).compile().as_text()
+    print("RESULT" + json.dumps(launches.census(text, peaks=peaks.peaks("b200"))))
+""")
+
+
+@needs_plugin
+@pytest.mark.slow   # a deviceless compile for sm_100: ~30 s of CPU
+def test_proved_b200_norm_producer_launches():
+  """fp4jax.fused.rmsnorm_quantize's forward on a B200 (4096 tokens of the 12B's D = 5120): the norm's factor
+  kernel, x's two amaxes in two reductions (the chunks' partials, then the partials) and the producer's kernel:
+  4 launches where the code before launched 5 (the tree written at width 8 and the row finished in XLA)."""
+  env = _platform.deviceless_env()
+  proc = subprocess.run([sys.executable, "-c", _B200_NORM_SCRIPT.replace("ROOT", repr(ROOT))], env=env,
+                        capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "did not lower" not in proc.stderr, proc.stderr[-4000:]
+  rows = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))[len("RESULT"):])
+  count = lambda work: sum(r["launches"] for r in rows if r["part"] == "rmsnorm_quantize" and r["work"] == work)
+  assert count("kernel") == 2 and count("elementwise") == 0 and count("reduce") == 2, rows
+  assert sum(r["launches"] for r in rows if r["part"] != "collective") == 4, rows

@@ -9,6 +9,8 @@ only NaN is asserted: ``_old_rht_amax`` below is the former float form, and on X
 reduction loses a NaN for some shapes (a (128, 33) float32 tensor with one NaN: ``jnp.max(jnp.abs(x))`` is
 finite), which is why fp4jax takes every amax on the magnitudes' bits (``fp4jax.numerics.amax``).
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 from fp4jax import hadamard
 from fp4jax import reference
+from fp4jax.kernels import quantize_rht_t
 from fp4jax.kernels.quantize_rht_t import quantize_rht_t_rows, rht_amax, rht_amaxes
 from fp4jax.numerics import nvfp4
 
@@ -90,9 +93,25 @@ def test_rht_amaxes_are_the_two_amaxes_from_one_read(dtype):
     assert np.asarray(a).tobytes() == np.asarray(a0).tobytes(), (x.shape, n, seed, a, a0)
     assert np.asarray(r).tobytes() == np.asarray(r0).tobytes(), (x.shape, n, seed, r, r0)
   text = jax.jit(lambda x: rht_amaxes(x)).lower(xs[0]).as_text()
-  assert text.count("stablehlo.reduce") == 1, "both amaxes must come from one reduction (one read of x)"
+  reduces = re.findall(r"stablehlo.reduce\(.* across dimensions = \[([\d, ]+)\]", text)
+  assert reduces == ["2", "0, 1"], "both amaxes must come from one reduction of x (one read), then one of its partials"
   with pytest.raises(ValueError, match="multiple of rht_size"):
     rht_amaxes(jnp.ones((24, 8)), rht_size=16)
+
+
+def test_rht_amaxes_partials_fit_one_launch():
+  """The chunks' partials reduce rows of at most 16384 channels (XLA's GPU emitter splits a longer row into two
+  launches), as many as one launch then finishes: the 12B's 4096 chunks (8 x 8192 tokens) in 4 pieces of its
+  widths, 8192 chunks in 2 (the MLP's 20480 still cut in two), a width no small count divides in one."""
+  pieces = quantize_rht_t._row_pieces
+  assert [pieces(4096, c) for c in (5120, 20480, 22784, 64)] == [4, 4, 4, 4]
+  assert [pieces(8192, c) for c in (5120, 20480, 16411)] == [2, 2, 1]
+  assert [pieces(65536, c) for c in (5120, 20480, 16384)] == [1, 2, 1]
+  assert pieces(4, 64) == 8
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 2 * quantize_rht_t._ROW_MAX + 32)), jnp.bfloat16)
+  a, r = jax.jit(rht_amaxes)(x)
+  assert np.asarray(a).tobytes() == np.asarray(nvfp4.tensor_amax(x)).tobytes()
+  assert np.asarray(r).tobytes() == np.asarray(rht_amax(x, one_pass=True)).tobytes()
 
 
 def test_rht_amaxes_on_bf16_extremes():

@@ -172,6 +172,6 @@ def test_kernels_on_the_gpu_use_no_nan_dropping_max():
   for name, fn in kernels.items():
     with plc.triton_module_texts() as texts:
       plc.export_for_cuda(fn, S((256, 256), jnp.bfloat16))
-    assert len(texts) == 1, name
-    ops = set(re.findall(r"arith\.(max\w+|min\w+)", texts[0]))
-    assert "maxsi" in ops and not ops & {"maxnumf", "minnumf"}, (name, ops)
+    assert len(texts) == (2 if name == "rmsnorm" else 1), name   # the norm's factor has a kernel of its own
+    ops = [set(re.findall(r"arith\.(max\w+|min\w+)", text)) for text in texts]
+    assert "maxsi" in ops[-1] and not set().union(*ops) & {"maxnumf", "minnumf"}, (name, ops)

@@ -212,17 +212,38 @@ def shares_amaxes(shape, rht_size) -> bool:
   return t * c > 0 and rht_size <= _ONE_PASS_MAX and t % rht_size == 0
 
 
-def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
+_ROW_MAX = 16384   # XLA's GPU reduction emitter reduces rows of up to this many elements in one launch, longer in two
+
+
+def _row_pieces(u: int, c: int) -> int:
+  """k, the pieces (at most 8, each of at most ``_ROW_MAX`` channels) each of u chunks' C channels is reduced
+  in: the most whose u·k partials one launch finishes, else the fewest (1 where C has no such divisor). More
+  partials than chunks keep the first reduction fused with the maxima it reduces where a device holds few
+  tokens: for 4,096 tokens of width 5,120 XLA's GPU compiler wrote the (u, C) maxima out in a pass of their
+  own with one piece, not with eight."""
+  pieces = [k for k in range(1, 9) if c % k == 0 and c // k <= _ROW_MAX]
+  if not pieces:
+    return 1
+  within = [k for k in pieces if u * k <= _ROW_MAX]
+  return max(within) if within else min(pieces)
+
+
+def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None, gather=None):
   """(max |x|, max |RHT(x) along T|), float32 scalars, from one read of x (T, C): the NVFP4 tensor amaxes
   of x's 1x16 quantize along C (fprop x, dgrad dy) and of its transposed RHT quantize along T (the wgrad),
   so that the wgrad pass needs no read of its own for its amax (docs/DESIGN.md, "The wgrad's RHT quantize reads its operand once").
 
-  One variadic reduction (a single reduce op: XLA cannot split it into two passes) of two (T/n, C)
-  operands: the elementwise maximum of |x| over the n token rows of each chunk, and ``rht_amax``'s
-  maximum of |y| over the n rows of the transform (``_rht_rows``, the same float32 ops). Max is exact
-  in any order, so each amax is ``nvfp4.tensor_amax(x)`` and ``rht_amax(x, one_pass=True)`` bit for bit,
-  a NaN in x making both NaN (the maxima are taken on the magnitudes' bits, ``fp4jax.numerics.amax``). T
-  must be a multiple of n <= 32 (``shares_amaxes``)."""
+  Two variadic reductions (each a single reduce op: XLA cannot split one into two passes over x): the first
+  reads x as two (T/n, C) operands, the elementwise maximum of |x| over the n token rows of each chunk and
+  ``rht_amax``'s maximum of |y| over the n rows of the transform (``_rht_rows``, the same float32 ops), and
+  reduces them along C to the chunks' partials (T/n, k), C in k pieces (``_row_pieces``: rows XLA reduces in
+  one launch); the second reduces the partials. ``gather`` (None:
+  none) is applied to the pair of partials between the two: ``fp4jax.primitives.sharding.replicated`` has a
+  token-sharded x's partials gathered, so that one reduction finishes them on every device (a reduction to a
+  scalar of the sharded partials would be a local reduction, a gather of each device's scalar and a
+  reduction of those: a launch more). Max is exact in any order, so each amax is ``nvfp4.tensor_amax(x)`` and
+  ``rht_amax(x, one_pass=True)`` bit for bit, a NaN in x making both NaN (the maxima are taken on the
+  magnitudes' bits, ``fp4jax.numerics.amax``). T must be a multiple of n <= 32 (``shares_amaxes``)."""
   if not shares_amaxes(x_TxC.shape, rht_size):
     raise ValueError(f"rht_amaxes takes a non-empty x (T, C) with T a multiple of rht_size <= "
                      f"{_ONE_PASS_MAX}; got shape {x_TxC.shape}, rht_size={rht_size}: use "
@@ -233,8 +254,13 @@ def rht_amaxes(x_TxC, *, rht_size=16, rht_seed=None):
   a_UxC = amaxes.abs_max_of(*[x_UxNxC[:, i, :] for i in range(n)])
   r_UxC = amaxes.abs_max_of(*_rht_rows(x_TxC, n, rht_seed, n))
   zero = jnp.int32(0)
-  a, r = lax.reduce((amaxes.magnitude_bits(a_UxC), amaxes.magnitude_bits(r_UxC)), (zero, zero),
-                    lambda p, q: (lax.max(p[0], q[0]), lax.max(p[1], q[1])), (0, 1))
+  pair_max = lambda p, q: (lax.max(p[0], q[0]), lax.max(p[1], q[1]))
+  k = _row_pieces(t // n, c)
+  bits_UxKxW = [amaxes.magnitude_bits(m).reshape(t // n, k, c // k) for m in (a_UxC, r_UxC)]
+  partials_UxK = lax.reduce(tuple(bits_UxKxW), (zero, zero), pair_max, (2,))
+  if gather is not None:
+    partials_UxK = gather(partials_UxK)
+  a, r = lax.reduce(partials_UxK, (zero, zero), pair_max, (0, 1))
   return amaxes.from_bits(a), amaxes.from_bits(r)
 
 

@@ -11,8 +11,9 @@ then stores h and quantizes the same registers with the 1D quantize kernel's bod
 (``quantize_1d.encode_rows``): codes and scale bytes, each stored for the row's D columns only (h (R, D),
 codes (R, D/2), scales (R, D/B): no slice after the kernel).
 NVFP4's tensor amax is a reduction over the whole of h, which no program sees: it comes in from a
-read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h; a max is exact in any order),
-and each program derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
+read-only pass before this one (``fp4jax.fused``: max|h| of the twin's h, each row's factor 1/sqrt(Σx²/D + eps)
+from ``rms_inverse_rows``, this module's second kernel; a max is exact in any order), and each program
+derives the tensor's factors from it. So the pair reads x twice and writes h and the codes once: two reads and
 one write of D-wide rows, against three reads and one write for the norm, the amax and the quantize
 as separate passes.
 
@@ -78,11 +79,23 @@ def _halve_in_kernel(s):
   return jnp.sum(s.reshape(r, 2, w // 2), axis=1)
 
 
+def _halve_slices(s):
+  w = s.shape[-1] // 2
+  return s[:, :w] + s[:, w:]
+
+
+def _kernel_halve(interpret):
+  """One level of the tree in a kernel: a reshape and a 2-element sum for Triton (which slices no register
+  tensor); slices in the interpreter, whose XLA merges the chain of reshaped sums into one reduction of its
+  own order (the last bit of some rows' sums)."""
+  return _halve_slices if interpret else _halve_in_kernel
+
+
 def _rmsnorm_quantize_kernel(x_ref, w_ref, a_ref, h_ref, q_ref, s_ref, *, d, eps, fmt, scale_rule, interpret):
   x_RxP = plc.load_columns(x_ref, d).astype(jnp.float32)
   div = functools.partial(plc.precise_div, interpret=interpret)
   sqrt = functools.partial(plc.precise_sqrt, interpret=interpret)
-  r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_halve_in_kernel, div=div, sqrt=sqrt)
+  r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_kernel_halve(interpret), div=div, sqrt=sqrt)
   h_RxP = ((x_RxP * r_Rx1) * plc.load_columns(w_ref, d).astype(jnp.float32)).astype(jnp.bfloat16)
   plc.store_columns(h_ref, h_RxP, d)
   q, s = encode_rows(bf16_value(h_RxP), a_ref[...], None, fmt=fmt, scale_rule=scale_rule, interpret=interpret)
@@ -135,6 +148,34 @@ def rmsnorm_quantize(x, scale, amax, *, eps, fmt="nvfp4", scale_rule="rceil", ti
   return h[:r].reshape(*lead, d), q[:r].reshape(*lead, d // 2), s[:r].reshape(*lead, d // b)
 
 
+def _rms_inverse_kernel(x_ref, r_ref, *, d, eps, interpret):
+  x_RxP = plc.load_columns(x_ref, d).astype(jnp.float32)
+  div = functools.partial(plc.precise_div, interpret=interpret)
+  sqrt = functools.partial(plc.precise_sqrt, interpret=interpret)
+  r_ref[...] = rms_inverse(x_RxP, d, eps, halve=_kernel_halve(interpret), div=div, sqrt=sqrt)
+
+
+def rms_inverse_rows(x, *, eps, tiles=DEFAULT_TILES, interpret=False):
+  """1 / sqrt(Σx²/D + eps) of each row of x (..., D), float32 (..., 1), in one pass that reads x once: the
+  norm's factor as ``rmsnorm_quantize`` computes it (``rms_inverse_reference``, bit for bit). The producer's
+  amax pass takes it from here instead of XLA's two fusions (the tree written at width 8, then the row
+  finished and divided: two launches, the first reading x)."""
+  *lead, d = x.shape
+  if x.dtype not in INPUT_DTYPES:
+    raise ValueError(f"rms_inverse_rows takes bf16 or fp16 x (exact squares); got {x.dtype}")
+  x_RxD = x.reshape(-1, d)
+  r = x_RxD.shape[0]
+  p = pow2(d)
+  br, rp = C.fit(r, max(1, min(32, tiles.elements // p)))
+  r_Rx1 = plc.pallas_call(
+      functools.partial(_rms_inverse_kernel, d=d, eps=eps, interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct((rp, 1), jnp.float32), grid=(rp // br,),
+      in_specs=[plc.BlockSpec((br, p), lambda i: (i, 0))], out_specs=plc.BlockSpec((br, 1), lambda i: (i, 0)),
+      interpret=interpret, name="fp4jax_rms_inverse",
+      num_warps=tiles.num_warps, num_stages=tiles.num_stages)(C.pad_axis(x_RxD, 0, rp))
+  return r_Rx1[:r].reshape(*lead, 1)
+
+
 _MATERIALIZED_WIDTH = 8
 
 
@@ -147,11 +188,20 @@ def _halve(s):
   return lax.optimization_barrier(half) if w == _MATERIALIZED_WIDTH else half
 
 
-def rmsnorm_reference(x, scale, *, eps, dtype):
-  """RMSNorm(x)·scale over the last axis in ``dtype``, the sum of squares in the kernel's fixed order: the
-  kernel's h, bit for bit (module docstring)."""
+def rms_inverse_reference(x, *, eps):
+  """``rms_inverse_rows``'s twin: 1 / sqrt(Σx²/D + eps) of each row of x (..., D), float32 (..., 1), the sum in
+  the kernel's fixed order."""
   *lead, d = x.shape
   x_RxP = pad_to_multiple(x.reshape(-1, d).astype(jnp.float32), 1, pow2(d))
-  r_Rx1 = rms_inverse(x_RxP, d, eps, halve=_halve, div=div, sqrt=jnp.sqrt)
+  return rms_inverse(x_RxP, d, eps, halve=_halve, div=div, sqrt=jnp.sqrt).reshape(*lead, 1)
+
+
+def rmsnorm_reference(x, scale, *, eps, dtype, inverse=rms_inverse_reference):
+  """RMSNorm(x)·scale over the last axis in ``dtype``, the sum of squares in the kernel's fixed order: the
+  kernel's h, bit for bit (module docstring). ``inverse(x, eps=eps)``: the rows' factor (..., 1), this module's
+  twin or the kernel (``fp4jax.primitives.producers.rms_inverse``, for values only: its derivatives are the
+  twin's recomputed)."""
+  *lead, d = x.shape
+  r_Rx1 = inverse(x, eps=eps).reshape(-1, 1)
   h = (x.reshape(-1, d).astype(jnp.float32) * r_Rx1) * scale.astype(jnp.float32)
   return h.astype(dtype).reshape(*lead, d)

@@ -6,10 +6,13 @@ Axis legend: R rows (every leading axis), C the last axis (D for the norm, F for
   rmsnorm_quantize  x (..., D), scale (D,), amax () -> h (..., D) bf16, codes (..., D/2), scales (..., D/B)
   relu2_quantize    u (..., F), amax ()             -> h (..., F) bf16, codes (..., F/2), scales (..., F/B)
 
+  rms_inverse       x (..., D)                     -> 1/sqrt(Σx²/D + eps) of each row (..., 1) float32
+
 amax is NVFP4's tensor amax of h, reduced by the caller over the whole (global) tensor (MXFP4 has no tensor
 scale: its quantize does not read it).
-Params: fmt, scale_rule, impl, and the norm's eps. impl "pallas" runs the kernels (compiled on CUDA,
+Params: fmt, scale_rule, impl, and the norm's eps (rms_inverse: eps and impl). impl "pallas" runs the kernels (compiled on CUDA,
 interpreted on the CPU), else the kernels' XLA twins (``<kernel>_reference`` and the 1D quantize reference).
+rms_inverse is the norm's factor for the producer's amax pass (``fp4jax.fused``), which is not differentiated.
 
 Why primitives: a ``pallas_call`` has no partitioning rule, so under a mesh XLA's SPMD partitioner
 replicated each kernel's operands: every device gathered the tokens of the whole batch, normalized and
@@ -86,6 +89,30 @@ def _relu2_rule(ndims, *, fmt, **_):
   return shd.producer_rule(ndims[0], with_scale=False, block=formats.BLOCK[fmt])
 
 
+def _inverse_abstract(x, **_):
+  return pair.ShapedArray(x.shape[:-1] + (1,), jnp.float32)
+
+
+def _inverse_local(x, *, eps, impl, platform):
+  if impl == "pallas" and platform in ("cuda", "cpu"):
+    return (norm_kernel.rms_inverse_rows(x, eps=eps, interpret=platform != "cuda"),)
+  return (norm_kernel.rms_inverse_reference(x, eps=eps),)
+
+
+def _inverse_shardings(mesh, arg_shapes, **_):
+  """Rows as x has them, D whole (the sum reduces over it)."""
+  x = arg_shapes[0]
+  spec = shd.spec_of(x.sharding, x.ndim)[:-1] + [None]
+  return [spec], spec, ()
+
+
+def _inverse_rule(ndims, **_):
+  return shd.row_reduction_rule(ndims[0])
+
+
+rms_inverse_p = pair.define(pair.OpSpec(
+    "rms_inverse", _inverse_abstract, _inverse_local, _inverse_shardings, _inverse_rule,
+    batch_leading=lambda dims: None, multiple_results=False))
 rmsnorm_quantize_p = pair.define(pair.OpSpec(
     "rmsnorm_quantize", _abstract, _norm_local, _norm_shardings, _norm_rule, batch_leading=lambda dims: None))
 relu2_quantize_p = pair.define(pair.OpSpec(
@@ -102,3 +129,9 @@ def relu2_quantize(u, amax, *, fmt, scale_rule, impl):
   """(h bf16, packed codes, scales) of relu(u)² quantized along F (module docstring)."""
   return tuple(relu2_quantize_p.bind(u, jnp.asarray(amax, jnp.float32), fmt=fmt, scale_rule=scale_rule,
                                      impl=impl))
+
+
+def rms_inverse(x, *, eps, impl):
+  """1 / sqrt(Σx²/D + eps) of each row of x (..., D), float32 (..., 1), in the norm's fixed order (module
+  docstring)."""
+  return rms_inverse_p.bind(x, eps=float(eps), impl=impl)

@@ -72,6 +72,12 @@ def producer_rule(x_ndim: int, *, with_scale: bool, block: int):
   return f"{', '.join(operands)} -> {x}, {_join(*lead, '(k j)')}, {_join(*lead, 'k')}", dict(i=block, j=block // 2)
 
 
+def row_reduction_rule(x_ndim: int):
+  """Shardy rule for a reduction of each row: x (..., C) -> (..., 1)."""
+  lead = _names(x_ndim - 1)
+  return f"{_join(*lead, 'c')} -> {_join(*lead, 'o')}", {}
+
+
 def quantize_rht_t_rule(has_bits, *, rows: int, block: int, lead: int = 0):
   """Shardy rule for the RHT-transposed quantize x (..., T, C) -> (packed (..., C, T/2), scales (..., C, T/B)),
   ``lead`` leading (vmapped) axes shared by x, the amax (...) and the bits' rows.
@@ -254,3 +260,13 @@ def whole_along_first(x):
   if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual or mesh.explicit_axes:
     return x
   return lax.with_sharding_constraint(x, P(None, *([P.UNCONSTRAINED] * (x.ndim - 1))))
+
+
+def replicated(x):
+  """x (an array or a pytree of arrays) constrained to be whole on every device of the traced mesh's automatic
+  axes; x itself where ``whole_along_first`` leaves it. The amaxes' per-chunk partials are gathered so
+  (``kernels.quantize_rht_t.rht_amaxes``) before the one reduction that finishes them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or mesh.are_all_axes_manual or mesh.explicit_axes:
+    return x
+  return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), x)
