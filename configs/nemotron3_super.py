@@ -33,9 +33,9 @@ micro-batches for a step of 64 sequences (one micro-batch, weights gathered per 
 docs/PERF.md, "nemotron3_super on 64 GPUs"):
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
-and as configured (512 x 8192 in 4 micro-batches, the proved path, on the ruler, the full compile; docs/PERF.md,
-"Super's micro-batches: two sequences per GPU"): 64 B200 nvfp4 127.99 GiB, 14.5 s per step, 4.6 s of it exposed
-communication.
+and as configured (512 x 8192 in 4 micro-batches, the proved path, on the ruler, regrouped, scheduled by the
+ruler's profile of the step: docs/PERF.md, "Super scheduled by a profile of itself"): 64 B200 nvfp4 106.6 GiB,
+13.5 s per step, 3.8 s of it exposed communication.
 Compile it with (the batch of the config: 4 micro-batches of 2 x 64 sequences; --batch_per_device N for N per GPU):
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
