@@ -10,8 +10,8 @@ Axis legend: R rows (every leading axis), C the last axis (D for the norm, F for
 
 amax is NVFP4's tensor amax of h, reduced by the caller over the whole (global) tensor (MXFP4 has no tensor
 scale: its quantize does not read it).
-Params: fmt, scale_rule, impl, and the norm's eps (rms_inverse: eps and impl). impl "pallas" runs the kernels (compiled on CUDA,
-interpreted on the CPU), else the kernels' XLA twins (``<kernel>_reference`` and the 1D quantize reference).
+Params: fmt, scale_rule, impl, and the norm's eps (rms_inverse: eps and impl). impl "pallas" runs the kernels
+(compiled on CUDA, interpreted on the CPU), else the kernels' XLA twins (``<kernel>_reference`` and the 1D quantize reference).
 rms_inverse is the norm's factor for the producer's amax pass (``fp4jax.fused``), which is not differentiated.
 
 Why primitives: a ``pallas_call`` has no partitioning rule, so under a mesh XLA's SPMD partitioner
