@@ -112,3 +112,22 @@ def test_cells_not_in_the_cache_keep_the_previous_tables_line(tmp_path, monkeypa
   again = report_table.previous_table(str(perf))
   assert again[("Llama-3-8B shape, 8 B200", "mxfp8")][1] == "6379e54"
   assert "(kept from 6379e54) (kept" not in report_table.render(cache, [row], previous=again)
+
+
+def test_a_compile_takes_the_targets_xla_flags_not_the_callers(tmp_path, monkeypatch):
+  """The key holds the target's XLA options only, so the compile must not inherit the shell's XLA_FLAGS (an H200
+  row compiled with the B200's Triton workaround would be cached as the plain H200 program)."""
+  seen = []
+
+  def run(cmd, env, **_):
+    seen.append(env["XLA_FLAGS"])
+    return report_cache.subprocess.CompletedProcess(cmd, 1, "", "no compile here")
+  monkeypatch.setattr(report_cache.subprocess, "run", run)
+  monkeypatch.setattr(report_cache.Cache, "code", "fixed")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0")
+  cache = report_cache.Cache(str(tmp_path))
+  for target in ("h200", "b200"):
+    cache.compile(["--target", target], target, timeout_s=10, log=lambda _: None)
+  h200, b200 = seen
+  assert "triton_gemm" not in h200 and "autotune_level" not in h200 and "--xla_dump_to=" in h200
+  assert "--xla_gpu_enable_triton_gemm=false" in b200 and "autotune_level" not in b200

@@ -113,7 +113,9 @@ class Cache:
     key = self.key(argv, target)
     meta, hlo = self.paths(key)
     tmp_json, tmp_hlo = meta + ".tmp", hlo[:-3] + ".tmp"
-    env = dict(os.environ, **DEVICELESS_ENV, **TARGET_ENV.get(target, {}))
+    # the program's XLA options are the target's (the key's), not whatever XLA_FLAGS the caller's shell holds
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(DEVICELESS_ENV, **TARGET_ENV.get(target, {}))
     dump = os.path.join(self.dir, f"{key}.dump")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} {SCHEDULE_DUMP_FLAGS}").strip()
     cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "gpu_aot.py"), *argv, "--json", tmp_json,
