@@ -78,6 +78,8 @@ def test_cpu_compile_keeps_its_schedule(tmp_path, capfd):
 def test_fingerprint_is_read_from_the_compiled_module():
   head = 'HloModule jit_train_step, is_scheduled=true, frontend_attributes={fingerprint_before_lhs="42c9f559"}\n'
   assert pgle.fingerprint(head) == "42c9f559"
+  layout = "entry_computation_layout={(" + ", ".join(["bf16[4096,5376]{1,0}"] * 2000) + ")}"   # a large model's
+  assert pgle.fingerprint(head.replace("is_scheduled=true", f"is_scheduled=true, {layout}")) == "42c9f559"
   assert pgle.fingerprint("HloModule jit_f, is_scheduled=true\n") is None
 
 

@@ -34,7 +34,7 @@ _FINGERPRINT = re.compile(r'fingerprint_before_lhs="([0-9a-f]+)"')
 def fingerprint(hlo_text: str) -> str | None:
   """The fingerprint XLA gave a compiled program before scheduling it (its HLO text's module attribute), or
   None when the compiler records none (XLA's CPU backend schedules without one)."""
-  m = _FINGERPRINT.search(hlo_text[:20000])
+  m = _FINGERPRINT.search(hlo_text.split("\n", 1)[0])   # the HloModule line (its layout lists every parameter)
   return m.group(1) if m else None
 
 
