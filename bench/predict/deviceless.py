@@ -45,7 +45,7 @@ class Program:
   fn: object
   args: tuple
   kernels: int = 0
-  profile: object = None   # (text, partition_devices) -> a profile's path: compiled again with it (see below)
+  profile: object = None   # (text, partition_devices) -> the path of a profile to compile again with
 
 
 def program_devices(args) -> list:
