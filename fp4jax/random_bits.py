@@ -444,7 +444,7 @@ def hashed_words(k1, k2, row_hi, row_lo, col_hi, col_lo, layout: str = PACKED, m
   return _group_hash(layout, k1, k2, hi, lo, mulhi)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=("layout",))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=("layout", "row_stride"))
 @dataclasses.dataclass(frozen=True)
 class KeyedBits:
   """The draw ``rounding_bits`` would make for an array x (..., K), unmade: element (r..., k) of x gets the bits
@@ -458,11 +458,17 @@ class KeyedBits:
   each and hashes (``hashed_bits``; grouped: ``hashed_words`` once per group of columns, ``cols[::n]``). The columns
   are constants of the shape (never vmapped: a window's start or a vmapped key lives in ``rows``), so they
   shard along K as x does and carry global counters. ``make(dtype)`` draws the same bits in XLA (the twin's
-  side)."""
+  side).
+
+  row_stride: where not None, every row has the same key and row r of the rows flattened counts
+  ``rows[0, 2:4] + r·row_stride`` (``of`` along the last axis): a kernel then takes the first row alone and
+  counts the others itself (``row_counters``), so no (R, 4) array is written for it. Any run of consecutive
+  rows keeps the property (a shard of them: its own first row)."""
 
   rows: Any
   cols: Any
   layout: str = JAX
+  row_stride: int | None = None
 
   @classmethod
   def of(cls, key, shape, axis: int = -1, layout: str = JAX):
@@ -491,7 +497,8 @@ class KeyedBits:
     else:
       col_lo = jnp.arange(shape[axis], dtype=_U32) // _U32(group(layout))
       col_hi = jnp.zeros_like(col_lo)
-    return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1), layout)
+    row_stride = lead_strides[-1] if lead_shape and axis == len(shape) - 1 else None
+    return cls(_rows(data, hi, lo), jnp.stack([col_hi, col_lo], axis=-1), layout, row_stride)
 
   def make(self, dtype=jnp.uint8):
     """The bits as an array (..., K) of ``dtype``, drawn in XLA: equal to ``rounding_bits`` moved as ``of``
@@ -512,6 +519,13 @@ class KeyedBits:
 def drawn(bits, dtype=jnp.uint8):
   """The bits as an array: a ``KeyedBits`` made (``make``), anything else (an array, None) as it is."""
   return bits.make(dtype) if isinstance(bits, KeyedBits) else bits
+
+
+def row_counters(base_hi, base_lo, r, stride: int):
+  """(high, low) uint32 words of the 64-bit counter base + r·stride (r uint32, ``stride`` a Python int):
+  the counter of row r of a ``KeyedBits`` with ``row_stride`` from its first row's (base), as ``of`` counts
+  it (the same exact integers: the bits do not change)."""
+  return _add_u64((base_hi, base_lo), _mul_u32_by_const(r, stride))
 
 
 def _rows(key_data, hi, lo):

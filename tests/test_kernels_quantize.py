@@ -4,6 +4,8 @@ Each kernel has one test class; the classes here run the kernels in the Pallas i
 (INTERPRET = True, CPU); tests/test_kernels_gpu.py subclasses them with INTERPRET = False.
 Compared with ``==`` on raw bits: packed codes and scale bytes.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -410,3 +412,36 @@ def test_e2m1_bit_encode_stochastic_matches_reference():
 def test_fit(dim, pref, want):
   block, padded = C.fit(dim, pref)
   assert (block, padded) == want and block & (block - 1) == 0 and padded % block == 0
+
+
+def _kernel_operand_shapes(fn):
+  """The operand shapes of the pallas_call in fn's jaxpr."""
+  eqn = next(e for e in jax.make_jaxpr(fn)().eqns if str(e.primitive) == "pallas_call")
+  return [tuple(v.aval.shape) for v in eqn.invars]
+
+
+@pytest.mark.parametrize("layout", (random_bits.JAX,) + GROUPED)
+def test_kernels_count_the_rows_from_the_first(layout):
+  """KeyedBits along the last axis count their rows by a stride (``row_stride``), so the 1D and the RHT
+  kernels read the first row (1, 4) and count the others themselves: no (R, 4) operand (the XLA pass that wrote
+  it was a launch per SR quantize, docs/PERF.md "The SR key rows counted in the kernels"). Several row blocks,
+  a run of rows cut out (a shard's), and the same bits as the twin's."""
+  key = jax.random.key(21)
+  x = make_input((320, 64), jnp.bfloat16)
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  keyed = random_bits.KeyedBits.of(key, x.shape, -1, layout)
+  assert keyed.row_stride == 64 // random_bits.group(layout)
+  drawn = keyed.make()
+  for lo, hi in ((0, 320), (96, 224)):   # the whole, and a run of rows with its own first row
+    part = dataclasses.replace(keyed, rows=keyed.rows[lo:hi])
+    call = lambda: K1.quantize_1d(x[lo:hi], amax, part, interpret=True)
+    assert (hi - lo, 4) not in _kernel_operand_shapes(call) and (1, 4) in _kernel_operand_shapes(call)
+    assert_bits_equal(call(), K1.quantize_1d_reference(x[lo:hi], amax, drawn[lo:hi]))
+  xt = make_input((64, 320), jnp.bfloat16, seed=1)   # (T, C): rows are the C channels
+  amax_t = KR.rht_amax(xt)
+  keyed_t = random_bits.KeyedBits.of(key, (320, 64), -1, layout)
+  call = lambda: KR.quantize_rht_t(xt, amax_t, keyed_t, interpret=True)
+  assert (320, 4) not in _kernel_operand_shapes(call) and (1, 4) in _kernel_operand_shapes(call)
+  assert_bits_equal(call(), KR.quantize_rht_t_reference(xt, amax_t, keyed_t.make()))
+  # along another axis the rows do not count by one stride: each row's counter is read
+  assert random_bits.KeyedBits.of(key, (64, 320), 0, random_bits.JAX).row_stride is None

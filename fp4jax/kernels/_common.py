@@ -291,20 +291,44 @@ def keyed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo):
   return random_bits.hashed_bits(k1, k2, row_hi, row_lo, col_hi, col_lo) & jnp.uint32(0xFF)
 
 
-def tile_bits(mode, refs, width=None, *, interpret: bool):
+def counted_stride(bits, flat: bool):
+  """The row step with which a kernel counts its rows' counters itself from the first row's
+  (``random_bits.KeyedBits.row_stride``), or None where it loads each row's: bits not KeyedBits, no row_stride,
+  or x's rows not ``flat`` (one run of rows: the kernel's x (R, K) is the op's, not vmapped slices stacked)."""
+  if not flat or not isinstance(bits, random_bits.KeyedBits):
+    return None
+  return bits.row_stride
+
+
+def key_rows(rows_ref, first_row=None, stride=None):
+  """(k1, k2, counter high, counter low), each (R, 1) uint32, of a block of R rows: loaded from rows_ref (R, 4),
+  or with ``stride`` counted from the first row of the array (rows_ref (1, 4)): the block's rows are
+  ``first_row`` (traced) + 0..R-1, R the caller's block (``random_bits.row_counters``; the same integers)."""
+  col = lambda i: rows_ref[:, i][:, None]
+  if stride is None:
+    return col(0), col(1), col(2), col(3)
+  return (col(0), col(1)) + random_bits.row_counters(col(2), col(3), first_row, stride)
+
+
+def block_rows(first_row, rows: int):
+  """uint32 (rows, 1): the indices of a block's rows, ``first_row`` (traced: program id · block) onwards."""
+  return first_row.astype(jnp.uint32) + lax.broadcasted_iota(jnp.uint32, (rows, 1), 0)
+
+
+def tile_bits(mode, refs, width=None, *, interpret: bool, rows=None, stride=None):
   """The rounding bits of a (R, K) tile: None, the loaded tile (``mode`` "bits": refs = (bits_ref,)), or
   hashed from refs = (rows_ref (R, 4), cols_ref (K, 2)) (``mode`` "key"), or (rows_ref (R, 4), cols_ref
   (K/n, 2)) (a grouped ``mode``: one hash per n columns, its bytes spread over them). Ref reads, not register
   slices (Triton has no slice). ``width``: the tile's columns inside the array (``plc.load_columns``), None for
   all: the loaded bits of the columns past it are zeros (never stored; KeyedBits' cols are padded whole,
-  ``bits_operands``)."""
+  ``bits_operands``). ``stride`` (``counted_stride``): rows_ref is the array's first row (1, 4) and ``rows``
+  the tile's row indices (``block_rows``), from which ``key_rows`` counts."""
   if mode is None:
     return None
   if mode == "bits":
     return refs[0][...] if width is None else plc.load_columns(refs[0], width)
   rows_ref, cols_ref = refs
-  row = lambda i: rows_ref[:, i][:, None]
-  args = (row(0), row(1), row(2), row(3), cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
+  args = key_rows(rows_ref, rows, stride) + (cols_ref[:, 0][None, :], cols_ref[:, 1][None, :])
   if grouped(mode):
     return random_bits.group_bytes(group_hash(mode, *args, interpret=interpret))
   return keyed_bits(*args)
@@ -326,13 +350,14 @@ def packed_cols(bits):
 
 
 def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_block: int, col_block: int,
-                  index, masked: bool = False):
+                  index, masked: bool = False, stride=None):
   """(operands, BlockSpecs) of the rounding bits of an x viewed as (rows, cols) in (row_block, col_block)
   blocks on the grid position ``index(i, j) -> (row block, col block)``, zero-padded to (row_pad, col_pad):
   nothing (RNE), the uint8 bits, or KeyedBits' rows (rows, 4) and cols (cols, 2) (grouped: (cols / n, 2);
   col_block and col_pad are multiples of n there). ``masked``: the kernel masks its last column block
   (``tile_bits``' width), so the uint8 bits keep their cols; KeyedBits' cols are padded still (the counters'
-  own fusion writes them, a few bytes per column)."""
+  own fusion writes them, a few bytes per column). ``stride`` (``counted_stride``): KeyedBits' first row
+  alone, (1, 4), whole in every program (the kernel counts the others: no (rows, 4) array written for it)."""
   mode = sr_mode(bits)
   if mode is None:
     return [], []
@@ -340,8 +365,11 @@ def bits_operands(bits, rows: int, cols: int, row_pad: int, col_pad: int, row_bl
     b = pad_axis(pad_axis(bits.reshape(rows, cols), 0, row_pad), 1, cols if masked else col_pad)
     return [b], [plc.BlockSpec((row_block, col_block), index)]
   g = random_bits.group(bits.layout)
-  r = pad_axis(bits.rows.reshape(rows, 4), 0, row_pad)
   c = pad_axis(packed_cols(bits), 0, col_pad // g)
+  if stride is not None:
+    return [bits.rows.reshape(rows, 4)[:1], c], [plc.BlockSpec((1, 4), lambda i, j: (0, 0)),
+                                              plc.BlockSpec((col_block // g, 2), lambda i, j: (index(i, j)[1], 0))]
+  r = pad_axis(bits.rows.reshape(rows, 4), 0, row_pad)
   return [r, c], [plc.BlockSpec((row_block, 4), lambda i, j: (index(i, j)[0], 0)),
                   plc.BlockSpec((col_block // g, 2), lambda i, j: (index(i, j)[1], 0))]
 

@@ -41,11 +41,12 @@ class Quantize1dTiles:
 DEFAULT_TILES = Quantize1dTiles()
 
 
-def _quantize_1d_kernel(x_ref, a_ref, *refs, fmt, scale_rule, sr, k, interpret):
+def _quantize_1d_kernel(x_ref, a_ref, *refs, fmt, scale_rule, sr, k, stride, interpret):
   *bits_refs, q_ref, s_ref = refs
   b = formats.BLOCK[fmt]
   width = C.block_columns(x_ref, k)
-  bits = C.tile_bits(sr, bits_refs, None if k is None else width, interpret=interpret)
+  rows = None if stride is None else C.block_rows(plc.program_id(0) * x_ref.shape[0], x_ref.shape[0])
+  bits = C.tile_bits(sr, bits_refs, None if k is None else width, interpret=interpret, rows=rows, stride=stride)
   q, s = encode_rows(plc.load_columns(x_ref, width).astype(jnp.float32), a_ref[...], bits, fmt=fmt,
                      scale_rule=scale_rule, interpret=interpret)
   plc.store_columns(q_ref, q, width // 2)
@@ -79,7 +80,8 @@ def _quantize_1d_call(x_RxK, amax, lead, bits, *, fmt, scale_rule, tiles, interp
   """Packed codes (R, K/2) uint8 and scale bytes (R, NB) uint8; R, NB fitted to power-of-two tiles, the
   blocks past K masked (``plc.load_columns``: no padded copy of x, no slice of the results).
   ``amax``: of shape lead[:n] (``lead``: x's leading axes); ``bits``: None, uint8 (R, K), or
-  ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel)."""
+  ``random_bits.KeyedBits`` with rows (R, 4) (hashed in the kernel; only the first row is read where the rows
+  count by a ``row_stride`` and x is one run of rows, ``lead`` of one axis and the amax one scalar)."""
   r, k = x_RxK.shape
   b = formats.BLOCK[fmt]
   nb = k // b
@@ -89,9 +91,10 @@ def _quantize_1d_call(x_RxK, amax, lead, bits, *, fmt, scale_rule, tiles, interp
   amax_Ax1 = C.amax_operand(amax if fmt == "nvfp4" else 0.0, lead, rp)
   ops = [C.pad_axis(x_RxK, 0, rp), amax_Ax1]   # K not padded: the last column block is masked
   in_specs = [plc.BlockSpec((br, bn * b), index), C.amax_spec(amax_Ax1, br, lambda i, j: i)]
-  bits_ops, bits_specs = C.bits_operands(bits, r, k, rp, nbp * b, br, bn * b, index, masked=True)
+  stride = C.counted_stride(bits, len(lead) == 1 and jnp.ndim(amax) == 0)
+  bits_ops, bits_specs = C.bits_operands(bits, r, k, rp, nbp * b, br, bn * b, index, masked=True, stride=stride)
   kernel = functools.partial(_quantize_1d_kernel, fmt=fmt, scale_rule=scale_rule, sr=C.sr_mode(bits),
-                             k=None if nbp == nb else k, interpret=interpret)
+                             k=None if nbp == nb else k, stride=stride, interpret=interpret)
   q, s = plc.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((rp, k // 2), jnp.uint8), jax.ShapeDtypeStruct((rp, nb), jnp.uint8)),

@@ -67,16 +67,17 @@ def _butterfly(rows, signs, scale):
   return rows if scale is None else [r * jnp.float32(scale) for r in rows]
 
 
-def _row_bits(sr, bits_refs, interpret):
+def _row_bits(sr, bits_refs, interpret, rows=None, stride=None):
   """Row i's rounding bits (C-tile, chunks) as a function of i: loaded from the (C-tile, chunks, L) bits
   tile, or hashed from the key rows (C-tile, 4) and the counter columns (chunks, L, 2) ("key"; a grouped
-  layout of n: (chunks, L/n, 2), byte i % n of group i // n's hash)."""
+  layout of n: (chunks, L/n, 2), byte i % n of group i // n's hash). ``stride``: the key rows counted from
+  the first (1, 4) at the C-tile's indices ``rows`` (``_common.key_rows``)."""
   if sr is None:
     return lambda i: None
   if sr == "bits":
     return lambda i: bits_refs[0][:, :, i]
   rows_ref, cols_ref = bits_refs
-  k1, k2, hi, lo = (rows_ref[:, c][:, None] for c in range(4))
+  k1, k2, hi, lo = C.key_rows(rows_ref, rows, stride)
   if sr == "key":
     return lambda i: C.keyed_bits(k1, k2, hi, lo, cols_ref[:, i, 0][None, :], cols_ref[:, i, 1][None, :])
   # grouped: cols (chunks, L/n, 2), one hash per n rows, hashed at the first of them (rows run in order)
@@ -91,9 +92,11 @@ def _row_bits(sr, bits_refs, interpret):
   return hashed
 
 
-def _quantize_rht_t_kernel(x_ref, a_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, interpret):
+def _quantize_rht_t_kernel(x_ref, a_ref, *refs, fmt, scale_rule, signs, rows_per_unit, sr, stride, interpret):
   *bits_refs, w_ref, s_ref = refs
-  row_bits = _row_bits(sr, bits_refs, interpret)
+  bc = x_ref.shape[2]
+  rows = None if stride is None else C.block_rows(plc.program_id(1) * bc, bc)
+  row_bits = _row_bits(sr, bits_refs, interpret, rows, stride)
   n, b, L = len(signs), formats.BLOCK[fmt], rows_per_unit
   scale = float(np.float32(1.0 / np.sqrt(n)))
   # 1. RHT of every n-row chunk, rows as (C-tile, chunks) float32 tiles (transposed at the load).
@@ -126,7 +129,8 @@ def _quantize_rht_t_kernel(x_ref, a_ref, *refs, fmt, scale_rule, signs, rows_per
 
 def _quantize_rht_t_call(x_TxC, amax_1x1, bits_CxT, *, fmt, scale_rule, signs, tiles, interpret):
   """Packed codes (C, T/2) uint8 and scale bytes (C, T/B) uint8 of RHT(x)ᵀ quantized along T.
-  ``bits_CxT``: None, uint8 (C, T), or ``random_bits.KeyedBits`` with rows (C, 4) and cols (T, 2)."""
+  ``bits_CxT``: None, uint8 (C, T), or ``random_bits.KeyedBits`` with rows (C, 4) and cols (T, 2) (its first
+  row only where the rows count by a ``row_stride``)."""
   t, c = x_TxC.shape
   b = formats.BLOCK[fmt]
   L = max(b, len(signs))
@@ -137,17 +141,23 @@ def _quantize_rht_t_call(x_TxC, amax_1x1, bits_CxT, *, fmt, scale_rule, signs, t
   ops = [x_v, amax_1x1]
   in_specs = [plc.BlockSpec((bu, L, bc), lambda i, j: (i, 0, j)), C.amax_spec(amax_1x1, 1, None)]
   sr = C.sr_mode(bits_CxT)
+  stride = C.counted_stride(bits_CxT, True)   # vmapped slices: a kernel of their own each (jax.vmap's grid axis)
   if sr == "bits":
     ops.append(C.pad_axis(C.pad_axis(bits_CxT.reshape(c, u, L), 0, cp), 1, up))
     in_specs.append(plc.BlockSpec((bc, bu, L), lambda i, j: (j, i, 0)))
   elif sr == "key" or C.grouped(sr):   # grouped: one column counter per group of tokens
     g = random_bits.group(bits_CxT.layout)
     cols = C.packed_cols(bits_CxT)
-    ops += [C.pad_axis(bits_CxT.rows, 0, cp), C.pad_axis(cols.reshape(u, L // g, 2), 0, up)]
-    in_specs += [plc.BlockSpec((bc, 4), lambda i, j: (j, 0)),
-                 plc.BlockSpec((bu, L // g, 2), lambda i, j: (i, 0, 0))]
+    if stride is None:
+      ops.append(C.pad_axis(bits_CxT.rows, 0, cp))
+      in_specs.append(plc.BlockSpec((bc, 4), lambda i, j: (j, 0)))
+    else:   # the first row: the kernel counts the others
+      ops.append(bits_CxT.rows[:1])
+      in_specs.append(plc.BlockSpec((1, 4), lambda i, j: (0, 0)))
+    ops.append(C.pad_axis(cols.reshape(u, L // g, 2), 0, up))
+    in_specs.append(plc.BlockSpec((bu, L // g, 2), lambda i, j: (i, 0, 0)))
   kernel = functools.partial(_quantize_rht_t_kernel, fmt=fmt, scale_rule=scale_rule,
-                             signs=tuple(signs), rows_per_unit=L, sr=sr, interpret=interpret)
+                             signs=tuple(signs), rows_per_unit=L, sr=sr, stride=stride, interpret=interpret)
   words, s = plc.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((cp, up, L // 8), jnp.int32),

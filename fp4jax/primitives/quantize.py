@@ -6,7 +6,7 @@ reduced by the caller; zeros for MXFP4), and for stochastic rounding either the 
 shape, or (param ``keyed``: their layout, "jax", "packed" or "philox") the two small operands of
 ``random_bits.KeyedBits``, rows (..., 4) per row of x and cols (K, 2), from which the kernel hashes the same bits
 (the XLA side draws them as an array).
-Params: fmt, tiled, scale_rule, keyed, impl, stored (the XLA side reads x as its dtype stores it,
+Params: fmt, tiled, scale_rule, keyed, row_stride (KeyedBits' ``row_stride``), impl, stored (the XLA side reads x as its dtype stores it,
 ``_exact.stored``; a kernel reads x from memory, where it is stored already).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fp4jax.primitives import sharding as shd
 from fp4jax.reference import quantize_last_reference
 
 
-def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored):
+def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, row_stride, impl, stored):
   *lead, k = x.shape
   if keyed and (bits[0].shape != tuple(lead) + (4,) or bits[1].shape != (k, 2)):
     raise ValueError(f"fp4jax_quantize: KeyedBits rows {bits[0].shape} and cols {bits[1].shape} do not fit "
@@ -35,12 +35,12 @@ def _abstract(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored):
           pair.ShapedArray(s_shape, formats.SCALE_DTYPE[fmt]))
 
 
-def sr_bits(bits, keyed):
+def sr_bits(bits, keyed, row_stride=None):
   """The op's rounding-bits operands as the kernels take them: None, the array, or KeyedBits (``keyed``: its
-  layout, "jax", "packed" or "philox")."""
+  layout, "jax", "packed" or "philox"; ``row_stride``: its ``row_stride``)."""
   if not bits:
     return None
-  return random_bits.KeyedBits(*bits, layout=keyed) if keyed else bits[0]
+  return random_bits.KeyedBits(*bits, layout=keyed, row_stride=row_stride) if keyed else bits[0]
 
 
 def keyed_param(bits):
@@ -48,8 +48,13 @@ def keyed_param(bits):
   return bits.layout if isinstance(bits, random_bits.KeyedBits) else False
 
 
-def _local(x, amax, *bits, fmt, tiled, scale_rule, keyed, impl, stored, platform):
-  bits = sr_bits(bits, keyed)
+def row_stride_param(bits):
+  """The ops' param ``row_stride``: KeyedBits' ``row_stride`` (None for anything else)."""
+  return bits.row_stride if isinstance(bits, random_bits.KeyedBits) else None
+
+
+def _local(x, amax, *bits, fmt, tiled, scale_rule, keyed, row_stride, impl, stored, platform):
+  bits = sr_bits(bits, keyed, row_stride)
   if stored and not (impl == "pallas" and platform == "cuda"):
     # A compiled kernel reads x from memory, where it is stored (the rounding is the buffer's; applying it here
     # would make XLA write a rounded copy for the kernel to read). XLA, and the interpreted kernel, which XLA
@@ -108,7 +113,8 @@ def quantize_last(x, amax, bits=None, *, fmt, tiled=False, scale_rule="rceil", i
   with pair.scope(variant(fmt, tiled, bits is not None)):
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_p.bind(*ops, fmt=fmt, tiled=bool(tiled), scale_rule=scale_rule,
-                                  keyed=keyed_param(bits), impl=impl, stored=bool(stored))
+                                  keyed=keyed_param(bits), row_stride=row_stride_param(bits), impl=impl,
+                                  stored=bool(stored))
   return data, scale
 
 

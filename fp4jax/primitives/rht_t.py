@@ -4,7 +4,7 @@ along T: packed codes (C, T/2) and scales (C, T/B).
 Axis legend: T tokens, C channels, B the block (16 nvfp4, 32 mxfp4). Operands: x, the NVFP4 tensor
 amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T) or (param
 ``keyed``) ``random_bits.KeyedBits`` of (C, T) as rows (C, 4) and cols (T, 2), hashed in the kernel.
-Params: fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored (as ``fp4jax_quantize``'s). Under vmap the
+Params: fmt, rht_size, rht_seed, scale_rule, keyed, row_stride, impl, stored (as ``fp4jax_quantize``'s). Under vmap the
 op takes leading axes (x (..., T, C), amax (...), the bits' rows (..., C, 4); KeyedBits' cols are the shape's
 constants) and stays one op: one kernel whose grid runs over the leading axes too (``fp4jax.grouped``'s
 chunks of every expert in one launch).
@@ -20,7 +20,7 @@ from jax import lax
 from fp4jax import _exact, dispatch, formats, random_bits
 from fp4jax.kernels import quantize_rht_t as kernel
 from fp4jax.primitives import pair
-from fp4jax.primitives.quantize import batch_leading, keyed_param, sr_bits, sr_operands
+from fp4jax.primitives.quantize import batch_leading, keyed_param, row_stride_param, sr_bits, sr_operands
 from fp4jax.primitives import sharding as shd
 from fp4jax.reference import quantize_rht_t_reference
 
@@ -30,7 +30,7 @@ def _rows(fmt, rht_size):
   return max(formats.BLOCK[fmt], rht_size)
 
 
-def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored):
+def _abstract(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, row_stride, impl, stored):
   *lead, t, c = x.shape
   return (pair.ShapedArray((*lead, c, t // 2), jnp.uint8),
           pair.ShapedArray((*lead, c, t // formats.BLOCK[fmt]), formats.SCALE_DTYPE[fmt]))
@@ -45,8 +45,8 @@ def _local(x, amax, *bits, platform, **params):
   return f(x, amax, *bits)
 
 
-def _local_2d(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, impl, stored, platform):
-  bits = sr_bits(bits, keyed)
+def _local_2d(x, amax, *bits, fmt, rht_size, rht_seed, scale_rule, keyed, row_stride, impl, stored, platform):
+  bits = sr_bits(bits, keyed, row_stride)
   if stored and not (impl == "pallas" and platform == "cuda"):   # as in fp4jax_quantize's _local
     x = _exact.stored(x)
   if impl == "pallas" and platform in ("cuda", "cpu"):
@@ -88,5 +88,5 @@ def quantize_rht_t(x, amax, bits=None, *, fmt, rht_size=16, rht_seed=None, scale
     ops = (x, jnp.asarray(amax, jnp.float32)) + sr_operands(bits)
     data, scale = quantize_rht_t_p.bind(*ops, fmt=fmt, rht_size=int(rht_size), rht_seed=rht_seed,
                                         scale_rule=scale_rule, keyed=keyed_param(bits),
-                                        impl=impl, stored=bool(stored))
+                                        row_stride=row_stride_param(bits), impl=impl, stored=bool(stored))
   return data, scale
