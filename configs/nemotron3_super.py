@@ -90,7 +90,14 @@ def get_config():
   # 119.5 GiB on a B200 (the step takes 128.0 GiB, XLA's rematerialization getting it no lower, under 90% of its
   # 180 GB; slop 100 gains 22 ms for 8.7 GiB more, not kept); the H200's 95 is XLA's default, 107.5 GiB. Kept in
   # the config so that train.py and bench/predict/gpu_aot.py compile the same program.
-  overlap = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True}
+  # Pipelined all-reduces: a layer's gradient summed across the nodes in the backward loop (the experts', a
+  # psum in their shard_map that XLA turns into a reduce-scatter) is sent during the next layer's kernels
+  # instead of its own layer's last few: XLA's collective pipeliner moves it into the next iteration (the
+  # same values). XLA's reduce-scatter pipeliner, on by default, runs before the all-reduce + slice becomes a
+  # reduce-scatter and so never sees these. 13,505 -> 13,104 ms per step on 64 B200 (docs/PERF.md, "Super's
+  # experts' gradients sent during the next layer").
+  overlap = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True,
+             "xla_gpu_enable_pipelined_all_reduce": True}
   # The scheduler's costs from a profile of the step itself (training/pgle.py): its analytical model does not
   # take the experts' ragged all-to-all, so without one it prices every kernel and collective alike, whatever
   # their sizes, and starts each gradient's reduce-scatter a few kernels before it is needed. Three steps after

@@ -1,0 +1,64 @@
+"""configs/nemotron3_super.py's XLA options send a layer's gradient across the nodes during the next layer's
+kernels: in a deviceless GPU compile, the gradients summed across the nodes inside a loop over layers (nested
+in the loop over micro-batches, as Super's experts' are: a psum in a shard_map, kept split over the nodes)
+become reduce-scatters that XLA's collective pipeliner moved into the next iteration ("is_pipelined"), and
+without the config's all-reduce pipelining none is."""
+import json
+import os
+import subprocess
+import sys
+
+from fp4jax import _platform
+from test_gpu_aot import ROOT, needs_plugin   # pylint: disable=import-error
+
+SCRIPT = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from bench.predict.deviceless import gpu_devices
+from configs import nemotron3_super
+
+mesh = Mesh(np.array(gpu_devices("b200", 16)).reshape(2, 8), ("node", "gpu"))
+sh = lambda *s: NamedSharding(mesh, P(*s))
+
+def layer_grads(w_LxKxN, x_MxK):
+  def body(h_MxK, w_KxN):
+    def local(x, w):
+      y = jnp.tanh(x @ w)
+      return jax.lax.psum(x.T @ y, "node"), y     # this device's part of the gradient, summed across the nodes
+    g, y = jax.shard_map(local, mesh=mesh, in_specs=(P(("node", "gpu")), P()),
+                         out_specs=(P(), P(("node", "gpu"))), check_vma=False)(h_MxK, w_KxN)
+    return y.astype(h_MxK.dtype), jax.lax.with_sharding_constraint(g.astype(jnp.bfloat16), sh("node", None))
+  return jax.lax.scan(body, x_MxK, w_LxKxN)[1]
+
+def step(w, x_NxMxK):
+  micro = lambda acc, x: (acc + layer_grads(w, x).astype(jnp.float32), None)
+  return jax.lax.scan(micro, jnp.zeros(w.shape, jnp.float32), x_NxMxK)[0]
+
+w = jax.ShapeDtypeStruct((6, 512, 512), jnp.bfloat16, sharding=sh())
+x = jax.ShapeDtypeStruct((4, 16 * 256, 512), jnp.bfloat16, sharding=sh(None, ("node", "gpu")))
+lowered = jax.jit(step, out_shardings=sh(None, "node")).lower(w, x)
+out = {}
+for kind, options in nemotron3_super.get_config().xla_options.items():
+  options = dict(options)
+  for name, o in [("config", options), ("without", dict(options, xla_gpu_enable_pipelined_all_reduce=False))]:
+    starts = re.findall(r"reduce-scatter-start\(.*", lowered.compile(o).as_text())
+    out[f"{kind} {name}"] = [len(starts), sum('"is_pipelined":true' in s for s in starts)]
+print(json.dumps(out))
+"""
+
+
+@needs_plugin
+def test_super_sends_each_layers_gradient_during_the_next():
+  env = _platform.deviceless_env()
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
+  proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                        cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert set(out) == {f"{kind} {name}" for kind in ("h200", "b200") for name in ("config", "without")}, out
+  for kind in ("h200", "b200"):
+    starts, pipelined = out[f"{kind} config"]
+    assert starts and pipelined == starts, out       # every gradient's reduce-scatter moved to the next layer
+    assert out[f"{kind} without"][1] == 0, out       # XLA's default pipelines none of them
