@@ -320,13 +320,16 @@ def _qdot_bwd(roles, precision, out_dtype, layout, res, dy_MxN):
         q_xt = res.x_wgrad
       q_dyt = ops.tokens(roles.wgrad_dy, dy_MxN, k_dy, signs, amax_dyt)              # (N, M)
       dw_KxN = ops.gemm_tokens(q_xt, q_dyt, res.w_dtype)
-  # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
-  # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM
-  # (docs/PERF.md, "The 12B on a simulated CPU mesh": the 12B step on 64 devices 36.3 -> 23.1 GiB). The barrier changes no value.
   # The GEMMs return dx and dw in the inputs' dtypes (the float32 result rounded once, as a cast after them
   # would: fp4jax.gemm), and the cast comes before the barrier: on the GPU it then fuses into the GEMM's
   # epilogue instead of a separate float32 pass after the barrier (1.5 GiB less at 8192³).
-  dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)))
+  dx_MxK, dw_KxN = dx_MxK.astype(res.x_dtype), dw_KxN.astype(res.w_dtype)
+  if roles.release_dx_with_dw:
+    # dx is released only together with dw. Without this the scheduler runs the input-gradient chain through
+    # every earlier layer first and keeps each layer's wgrad operands live until its deferred wgrad GEMM
+    # (docs/PERF.md, "The 12B on a simulated CPU mesh": the 12B step on 64 devices 36.3 -> 23.1 GiB). The
+    # barrier changes no value; without it (Recipe.release_dx_with_dw) XLA can pipeline dw's reduction.
+    dx_MxK, dw_KxN = lax.optimization_barrier((dx_MxK, dw_KxN))
   return dx_MxK, dw_KxN, None, None, None, None, None
 
 

@@ -239,6 +239,7 @@ class Roles:
   wgrad_rht: int | None = None
   key_reason: str | None = None          # what the key is for, in the missing-key error (None: SR)
   align: tuple[int, int, int] | None = None   # (M, K, N) multiples to pad to; None: from the roles
+  release_dx_with_dw: bool = True        # as Recipe.release_dx_with_dw
   name: str = "custom"
   out_dtype: Any = None                  # as Recipe.out_dtype
 

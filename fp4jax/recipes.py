@@ -70,6 +70,13 @@ class Recipe:
   # jax.random.bits (one threefry2x32 per element); the last two for runs recorded with them. Spec §4: the stream is not part of the arithmetic (docs/NUMERICS.md has the cost of each).
   # Where no operand rounds stochastically it draws nothing, and either name is accepted.
   sr_bits: Literal["jax", "packed", "philox"] = random_bits.DEFAULT
+  # The backward pass releases dx only together with dw (one optimization barrier: XLA's scheduler cannot run
+  # the input gradients through the earlier layers first and keep each layer's weight-gradient operands live
+  # until a deferred wgrad GEMM). False leaves them apart: the same values, and a layer's weight gradient,
+  # reduced across the devices inside its GEMM, can then be sent during the next layer of a loop over layers
+  # (XLA's collective pipeliner does not move a reduction that a barrier reads). docs/TRAINING.md, "Releasing
+  # the weight gradients apart".
+  release_dx_with_dw: bool = True
   name: str = "custom"
 
   def __post_init__(self):
@@ -82,7 +89,7 @@ class Recipe:
       raise ValueError(f"Recipe.rht_size={size!r} must be a power of two between 2 and 256")
     if self.mxfp4_scale_rule not in formats.SCALE_RULES:
       raise ValueError(f"Recipe.mxfp4_scale_rule={self.mxfp4_scale_rule!r}; use 'rceil' or 'floor'")
-    for switch in ("weight_2d", "stochastic_grad", "rht", "row_scaled_activation"):
+    for switch in ("weight_2d", "stochastic_grad", "rht", "row_scaled_activation", "release_dx_with_dw"):
       if not isinstance(getattr(self, switch), bool):
         raise TypeError(f"Recipe.{switch}={getattr(self, switch)!r} must be True or False")
     if self.rht_seed is not None and (isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int)):
@@ -286,7 +293,7 @@ def _paper_roles(recipe) -> Roles:
       dgrad_w=TRANSPOSED if shares and d != "bf16" else q(d, tiled=True, four_over_six=fos_w),
       wgrad_x=q(g, four_over_six=fos_x, rht=True), wgrad_dy=q(g, stochastic=True, rht=True),
       key_reason="stochastic rounding" if recipe.four_over_six != "off" else None,
-      align=align, name=recipe.name)
+      align=align, release_dx_with_dw=recipe.release_dx_with_dw, name=recipe.name)
 
 
 def _requantizing_roles(recipe) -> Roles:
@@ -305,7 +312,8 @@ def _requantizing_roles(recipe) -> Roles:
   bf16 = recipe.fprop == "bf16"
   return Roles(fprop_x=None if bf16 else fwd("activations"), fprop_w=None if bf16 else fwd("weights"),
                dgrad_dy=bwd, dgrad_w=bwd, wgrad_x=bwd, wgrad_dy=bwd, requantize=True, dgrad_rht=size,
-               wgrad_rht=size, key_reason=reason, align=align, name=recipe.name)
+               wgrad_rht=size, key_reason=reason, align=align, release_dx_with_dw=recipe.release_dx_with_dw,
+               name=recipe.name)
 
 
 @functools.lru_cache(maxsize=256)

@@ -230,6 +230,8 @@ def dot_general_cls(config: ModelConfig, recipe: Recipe | str, path: str | Seque
   layer_recipe = decide(config, recipe, path).recipe
   if layer_recipe is None:
     return None
+  if not config.release_dx_with_dw:
+    layer_recipe = dataclasses.replace(layer_recipe, release_dx_with_dw=False)
   from fp4jax.flax import Fp4DotGeneral  # pylint: disable=g-import-not-at-top  (only quantized runs need it)
   return functools.partial(Fp4DotGeneral, recipe=layer_recipe)
 

@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import LanguageModel, get_model_config
+import fp4jax
+from models import LanguageModel, get_model_config, policy
 
 CASES = [("M-*-M-", False), ("M-M-M-", True)]
 
@@ -48,6 +50,30 @@ def _compare(pattern, scan_blocks):
   assert np.isfinite(value)
   np.testing.assert_array_equal(value, value_off)
   jax.tree.map(np.testing.assert_array_equal, grads, grads_off)
+
+
+def _dot_grads(recipe):
+  x = jax.random.normal(jax.random.key(0), (64, 96), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (96, 48), jnp.float32).astype(jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(fp4jax.dot(x, w, recipe=recipe, key=jax.random.key(2)).astype(jnp.float32) ** 2)
+  grad_fn = jax.grad(loss, argnums=(0, 1))
+  return _count_barriers(jax.make_jaxpr(grad_fn)(x, w).jaxpr), jax.jit(grad_fn)(x, w)
+
+
+def test_release_apart_changes_no_value():
+  """Recipe.release_dx_with_dw=False takes the barrier out of the backward pass and nothing else."""
+  together, grads = _dot_grads(fp4jax.recipes.nvfp4())
+  apart, grads_apart = _dot_grads(fp4jax.recipes.nvfp4(release_dx_with_dw=False))
+  assert apart == together - 1, (together, apart)
+  jax.tree.map(np.testing.assert_array_equal, grads, grads_apart)
+
+
+def test_model_config_releases_apart():
+  """models' release_dx_with_dw=False reaches every quantized layer's recipe; True keeps the preset's."""
+  cls = lambda **kw: policy.dot_general_cls(get_model_config("tiny", **kw), "nvfp4", "blocks_0/mixer/in_proj")
+  assert cls().keywords["recipe"].release_dx_with_dw
+  apart = cls(release_dx_with_dw=False).keywords["recipe"]
+  assert not apart.release_dx_with_dw and apart.replace(release_dx_with_dw=True) == fp4jax.recipes.nvfp4()
 
 
 @pytest.mark.slow

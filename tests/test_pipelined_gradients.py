@@ -1,12 +1,17 @@
-"""configs/nemotron3_super.py's XLA options send a layer's gradient across the nodes during the next layer's
-kernels: in a deviceless GPU compile, the gradients summed across the nodes inside a loop over layers (nested
-in the loop over micro-batches, as Super's experts' are: a psum in a shard_map, kept split over the nodes)
-become reduce-scatters that XLA's collective pipeliner moved into the next iteration ("is_pipelined"), and
-without the config's all-reduce pipelining none is."""
+"""configs/nemotron3_super.py sends a layer's gradient across the nodes during the next layer's kernels: in a
+deviceless GPU compile on two HGX nodes, the gradients summed across the nodes inside a loop over layers (nested
+in the loop over micro-batches, as in Super's step) are collectives that XLA's collective pipeliner moved into
+the next iteration ("is_pipelined"):
+- the experts' (a psum in a shard_map, kept split over the nodes: a reduce-scatter) with the config's XLA
+  options, none without their all-reduce pipelining;
+- the quantized dense layers' (reduced inside their wgrad GEMM) with dx and dw released apart
+  (``Recipe.release_dx_with_dw=False``, as the config's model sets it), none with the barrier."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from fp4jax import _platform
 from test_gpu_aot import ROOT, needs_plugin   # pylint: disable=import-error
@@ -48,17 +53,64 @@ print(json.dumps(out))
 """
 
 
-@needs_plugin
-def test_super_sends_each_layers_gradient_during_the_next():
+DENSE = r"""
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import fp4jax
+from bench.predict.deviceless import gpu_devices
+from configs import nemotron3_super
+
+mesh = Mesh(np.array(gpu_devices("b200", 16)).reshape(2, 8), ("node", "gpu"))
+sh = lambda *s: NamedSharding(mesh, P(*s))
+config = nemotron3_super.get_config()
+
+def step(recipe):
+  def loss(w_LxKxK, x_MxK, key):
+    def layer(h, wk):
+      return jnp.tanh(fp4jax.dot(h, wk[0], recipe=recipe, key=wk[1])), None
+    return jnp.mean(jax.lax.scan(layer, x_MxK, (w_LxKxK, jax.random.split(key, len(w_LxKxK))))[0].astype(jnp.float32) ** 2)
+  micro = lambda w, key: lambda acc, x: (acc + jax.grad(loss)(w, x, key).astype(jnp.float32), None)
+  return lambda w, x_NxMxK, key: jax.lax.scan(micro(w, key), jnp.zeros(w.shape, jnp.float32), x_NxMxK)[0]
+
+w = jax.ShapeDtypeStruct((4, 512, 512), jnp.bfloat16, sharding=sh())
+x = jax.ShapeDtypeStruct((2, 16 * 256, 512), jnp.bfloat16, sharding=sh(None, ("node", "gpu")))
+out = {}
+for release in (config.model.release_dx_with_dw, True):
+  recipe = fp4jax.recipes.nvfp4(release_dx_with_dw=release)
+  text = jax.jit(step(recipe), out_shardings=sh(None, "node")).lower(w, x, jax.random.key(0)).compile(
+      dict(config.xla_options.b200)).as_text()
+  starts = re.findall(r"(?:reduce-scatter|all-reduce)-start\(.*", text)
+  out["together" if release else "apart"] = [len(starts), sum('"is_pipelined":true' in s for s in starts)]
+print(json.dumps(out))
+"""
+
+
+def _run(script):
   env = _platform.deviceless_env()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+  proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                         cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_plugin
+def test_super_sends_the_experts_gradients_during_the_next_layer():
+  out = _run(SCRIPT)
   assert set(out) == {f"{kind} {name}" for kind in ("h200", "b200") for name in ("config", "without")}, out
   for kind in ("h200", "b200"):
     starts, pipelined = out[f"{kind} config"]
     assert starts and pipelined == starts, out       # every gradient's reduce-scatter moved to the next layer
     assert out[f"{kind} without"][1] == 0, out       # XLA's default pipelines none of them
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_super_sends_the_dense_layers_gradients_during_the_next_layer():
+  out = _run(DENSE)
+  assert set(out) == {"apart", "together"}, out       # the config releases them apart
+  starts, pipelined = out["apart"]
+  assert starts and pipelined == starts, out          # every layer's wgrad reduction moved to the next layer
+  assert out["together"][0] and out["together"][1] == 0, out

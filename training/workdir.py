@@ -33,7 +33,8 @@ ADDED_FIELDS = {"sr_bits": "jax", "data.raw_bytes": False, "data.text_column": "
 # how a step is computed (summation order, stochastic rounding's keys), not its data, schedule or batch.
 FREE_FIELDS = ("name", "halt_after", "log_every", "profile_steps", "pgle_steps", "eval.", "checkpoint.", "health.",
                "mesh.", "micro_batches", "report.", "xla_options.", "data.read_threads", "data.prefetch", "init_from",
-               "allow_config_change", "preemption_grace_s", "lock_stale_s", "peer_timeout_s")
+               "allow_config_change", "preemption_grace_s", "lock_stale_s", "peer_timeout_s",
+               "model.release_dx_with_dw")
 
 
 def prepare(workdir: str, process_index: int = 0) -> str:
