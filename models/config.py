@@ -105,10 +105,10 @@ class ModelConfig:
   # "save_linear" (keep the linear layers' outputs), "save_linear_fp4" (and the FP4 operands fp4jax.dot
   # keeps); True / False mean "full" / "none".
   remat: Any = "none"
-  # Whether each quantized linear layer's backward releases dx only together with dw (fp4jax's
-  # Recipe.release_dx_with_dw: the schedule's memory) or leaves them apart, so that a scanned layer's weight
-  # gradient, reduced across the devices, is sent during the next layer (docs/TRAINING.md, "Releasing the
-  # weight gradients apart"). The same values either way.
+  # Whether each quantized linear layer's and expert GEMM's backward releases dx only together with dw
+  # (fp4jax's Recipe.release_dx_with_dw: the schedule's memory) or leaves them apart, so that a scanned layer's
+  # weight gradient, reduced across the devices, is sent during the next layer (docs/TRAINING.md, "Releasing
+  # the weight gradients apart"). The same values either way.
   release_dx_with_dw: bool = True
   # lax.scan over repeated groups of blocks (models.lm.block_groups): fewer blocks to compile, but the
   # parameter tree changes (a group's blocks get a leading repeat axis), so it is opt-in.

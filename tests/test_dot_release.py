@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fp4jax
-from models import LanguageModel, get_model_config, policy
+from models import LanguageModel, get_model_config, moe, policy
 
 CASES = [("M-*-M-", False), ("M-M-M-", True)]
 
@@ -69,11 +69,16 @@ def test_release_apart_changes_no_value():
 
 
 def test_model_config_releases_apart():
-  """models' release_dx_with_dw=False reaches every quantized layer's recipe; True keeps the preset's."""
-  cls = lambda **kw: policy.dot_general_cls(get_model_config("tiny", **kw), "nvfp4", "blocks_0/mixer/in_proj")
-  assert cls().keywords["recipe"].release_dx_with_dw
-  apart = cls(release_dx_with_dw=False).keywords["recipe"]
-  assert not apart.release_dx_with_dw and apart.replace(release_dx_with_dw=True) == fp4jax.recipes.nvfp4()
+  """models' release_dx_with_dw=False reaches every quantized layer's and expert GEMM's recipe; True keeps the
+  preset's."""
+  dense = lambda **kw: policy.dot_general_cls(get_model_config("tiny", **kw), "nvfp4",
+                                              "blocks_0/mixer/in_proj").keywords["recipe"]
+  experts = lambda **kw: moe.expert_recipe(get_model_config("moe_tiny", bf16_last_blocks=0, **kw), "nvfp4",
+                                           ("blocks_1", "mixer", "experts", "up"))
+  for recipe in (dense, experts):
+    assert recipe() == fp4jax.recipes.nvfp4()
+    apart = recipe(release_dx_with_dw=False)
+    assert not apart.release_dx_with_dw and apart.replace(release_dx_with_dw=True) == fp4jax.recipes.nvfp4()
 
 
 @pytest.mark.slow
