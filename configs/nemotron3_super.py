@@ -34,8 +34,8 @@ docs/PERF.md, "nemotron3_super on 64 GPUs"):
   64 H200: nvfp4 64.17 GiB, 4.19 s; bf16 67.38 GiB, 2.89 s
   64 B200: nvfp4 (native) 62.55 GiB, 1.95 s; bf16 71.66 GiB, 1.53 s
 and as configured (512 x 8192 in 4 micro-batches, the proved path, on the ruler, regrouped, scheduled by the
-ruler's profile of the step: docs/PERF.md, "Super scheduled by a profile of itself"): 64 B200 nvfp4 106.6 GiB,
-13.5 s per step, 3.8 s of it exposed communication.
+ruler's profile of the step, each layer's gradients sent during the next: docs/PERF.md, "Super's gradients sent
+during the next layer"): 64 B200 nvfp4 114.3 GiB, 12.8 s per step, 3.2 s of it exposed communication.
 Compile it with (the batch of the config: 4 micro-batches of 2 x 64 sequences; --batch_per_device N for N per GPU):
 
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu,cuda \
@@ -97,14 +97,15 @@ def get_config():
   # 119.5 GiB on a B200 (the step takes 128.0 GiB, XLA's rematerialization getting it no lower, under 90% of its
   # 180 GB; slop 100 gains 22 ms for 8.7 GiB more, not kept); the H200's 95 is XLA's default, 107.5 GiB. Kept in
   # the config so that train.py and bench/predict/gpu_aot.py compile the same program.
-  # Pipelined all-reduces: a layer's gradient summed across the nodes in the backward loop (the experts', a
-  # psum in their shard_map that XLA turns into a reduce-scatter) is sent during the next layer's kernels
+  overlap = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True}
+  # Pipelined all-reduces (B200): a layer's gradient summed across the nodes in the backward loop (the experts',
+  # a psum in their shard_map that XLA turns into a reduce-scatter) is sent during the next layer's kernels
   # instead of its own layer's last few: XLA's collective pipeliner moves it into the next iteration (the
   # same values). XLA's reduce-scatter pipeliner, on by default, runs before the all-reduce + slice becomes a
-  # reduce-scatter and so never sees these. 13,505 -> 13,104 ms per step on 64 B200 (docs/PERF.md, "Super's
-  # experts' gradients sent during the next layer").
-  overlap = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_while_loop_double_buffering": True,
-             "xla_gpu_enable_pipelined_all_reduce": True}
+  # reduce-scatter and so never sees these. 13,505 -> 13,104 ms per step on 64 B200 for 4.9 GiB more per GPU
+  # (docs/PERF.md, "Super's gradients sent during the next layer"). Not on the H200: 32,750 -> 31,635 ms there,
+  # but 81.0 -> 118.1 GiB per GPU, 90% of its 141 GB.
+  pipelined = {"xla_gpu_enable_pipelined_all_reduce": True}
   # The scheduler's costs from a profile of the step itself (training/pgle.py): its analytical model does not
   # take the experts' ragged all-to-all, so without one it prices every kernel and collective alike, whatever
   # their sizes, and starts each gradient's reduce-scatter a few kernels before it is needed. Three steps after
@@ -113,6 +114,6 @@ def get_config():
   c.pgle_steps = 3
   c.xla_options = config_dict.ConfigDict({
       "h200": dict(overlap, xla_gpu_memory_limit_slop_factor=95),
-      "b200": dict(overlap, xla_gpu_memory_limit_slop_factor=80),
+      "b200": dict(overlap, **pipelined, xla_gpu_memory_limit_slop_factor=80),
   })
   return c

@@ -46,6 +46,8 @@ lowered = jax.jit(step, out_shardings=sh(None, "node")).lower(w, x)
 out = {}
 for kind, options in nemotron3_super.get_config().xla_options.items():
   options = dict(options)
+  if not options.get("xla_gpu_enable_pipelined_all_reduce"):
+    continue
   for name, o in [("config", options), ("without", dict(options, xla_gpu_enable_pipelined_all_reduce=False))]:
     starts = re.findall(r"reduce-scatter-start\(.*", lowered.compile(o).as_text())
     out[f"{kind} {name}"] = [len(starts), sum('"is_pipelined":true' in s for s in starts)]
@@ -99,8 +101,8 @@ def _run(script):
 @needs_plugin
 def test_super_sends_the_experts_gradients_during_the_next_layer():
   out = _run(SCRIPT)
-  assert set(out) == {f"{kind} {name}" for kind in ("h200", "b200") for name in ("config", "without")}, out
-  for kind in ("h200", "b200"):
+  assert "b200 config" in out, out                  # the B200's options pipeline them (the H200's memory: none)
+  for kind in {k.split()[0] for k in out}:
     starts, pipelined = out[f"{kind} config"]
     assert starts and pipelined == starts, out       # every gradient's reduce-scatter moved to the next layer
     assert out[f"{kind} without"][1] == 0, out       # XLA's default pipelines none of them
