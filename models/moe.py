@@ -242,9 +242,7 @@ def expert_recipe(config: ModelConfig, recipe, path):
     raise ValueError(f"precision rule {decision.why!r} overrides single GEMMs of the MoE expert layer "
                      f"{'/'.join(path)}; expert layers take one recipe for all three GEMMs: give the rule a "
                      "recipe without fprop/dgrad/wgrad overrides")
-  if not config.release_dx_with_dw:
-    return decision.recipe.replace(release_dx_with_dw=False)
-  return decision.recipe
+  return policy.released(config, decision.recipe)
 
 
 class MoE(nn.Module):

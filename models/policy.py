@@ -230,10 +230,14 @@ def dot_general_cls(config: ModelConfig, recipe: Recipe | str, path: str | Seque
   layer_recipe = decide(config, recipe, path).recipe
   if layer_recipe is None:
     return None
-  if not config.release_dx_with_dw:
-    layer_recipe = dataclasses.replace(layer_recipe, release_dx_with_dw=False)
   from fp4jax.flax import Fp4DotGeneral  # pylint: disable=g-import-not-at-top  (only quantized runs need it)
-  return functools.partial(Fp4DotGeneral, recipe=layer_recipe)
+  return functools.partial(Fp4DotGeneral, recipe=released(config, layer_recipe))
+
+
+def released(config: ModelConfig, recipe: Recipe | Roles) -> Recipe | Roles:
+  """A quantized layer's ``recipe`` as the model releases its backward's dx and dw (``config.release_dx_with_dw``:
+  apart where False; the recipe's own choice otherwise)."""
+  return recipe if config.release_dx_with_dw else dataclasses.replace(recipe, release_dx_with_dw=False)
 
 
 def outcontrol_ratio(config: ModelConfig, recipe: Recipe | str, path: str | Sequence[str]) -> float:
