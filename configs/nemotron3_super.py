@@ -76,11 +76,12 @@ def get_config():
   # be 56 GiB over Super's 41 E blocks (docs/PERF.md, "nemotron3_super on 64 GPUs").
   c.model.remat = "full"
   # Each quantized linear layer's and expert GEMM's dx and dw released apart (models.config.release_dx_with_dw;
-  # the same values): with them together, their gradients' reductions across the nodes stay in their own
-  # layer's backward (XLA's pipeliner does not move a reduction the barrier reads), and each backward iteration
-  # of the Mamba/MoE pairs waits for its own. Apart, they are sent during the next pair: 13,104 -> 12,806 ms per
-  # step on 64 B200, +2.9 GiB per GPU (docs/PERF.md, "Super's gradients sent during the next layer"). The 12B
-  # keeps the barrier: apart, its step is 353.9 -> 357.7 ms and +5.2 GiB.
+  # the same values): with them together, the dense layers' gradients' reductions across the nodes stay in
+  # their own layer's backward (XLA's pipeliner does not move a reduction the barrier reads), and each backward
+  # iteration of the Mamba/MoE pairs waits for its own. Apart, they are sent during the next pair (the experts'
+  # apart too: the dense layers' alone scheduled worse): 13,104 -> 12,806 ms per step on 64 B200, +2.9 GiB per
+  # GPU (docs/PERF.md, "Super's gradients sent during the next layer"). The 12B keeps the barrier: apart, its
+  # step is 353.9 -> 357.7 ms and +5.2 GiB.
   c.model.release_dx_with_dw = False
   # Each GPU's expert receive buffer: 1.5 x its average traffic (8192 x 22 pairs), not the dropless 8x; pairs
   # past it are dropped, lowest-ranked choices first, and counted (moe/<block>/dropped). 1.5 because a GPU's
