@@ -444,7 +444,8 @@ def hashed_words(k1, k2, row_hi, row_lo, col_hi, col_lo, layout: str = PACKED, m
   return _group_hash(layout, k1, k2, hi, lo, mulhi)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"), meta_fields=("layout", "row_stride"))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "cols"),
+                   meta_fields=("layout", "row_stride"))
 @dataclasses.dataclass(frozen=True)
 class KeyedBits:
   """The draw ``rounding_bits`` would make for an array x (..., K), unmade: element (r..., k) of x gets the bits

@@ -71,7 +71,8 @@ def step(recipe):
   def loss(w_LxKxK, x_MxK, key):
     def layer(h, wk):
       return jnp.tanh(fp4jax.dot(h, wk[0], recipe=recipe, key=wk[1])), None
-    return jnp.mean(jax.lax.scan(layer, x_MxK, (w_LxKxK, jax.random.split(key, len(w_LxKxK))))[0].astype(jnp.float32) ** 2)
+    h = jax.lax.scan(layer, x_MxK, (w_LxKxK, jax.random.split(key, len(w_LxKxK))))[0]
+    return jnp.mean(h.astype(jnp.float32) ** 2)
   micro = lambda w, key: lambda acc, x: (acc + jax.grad(loss)(w, x, key).astype(jnp.float32), None)
   return lambda w, x_NxMxK, key: jax.lax.scan(micro(w, key), jnp.zeros(w.shape, jnp.float32), x_NxMxK)[0]
 

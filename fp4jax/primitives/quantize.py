@@ -6,8 +6,8 @@ reduced by the caller; zeros for MXFP4), and for stochastic rounding either the 
 shape, or (param ``keyed``: their layout, "jax", "packed" or "philox") the two small operands of
 ``random_bits.KeyedBits``, rows (..., 4) per row of x and cols (K, 2), from which the kernel hashes the same bits
 (the XLA side draws them as an array).
-Params: fmt, tiled, scale_rule, keyed, row_stride (KeyedBits' ``row_stride``), impl, stored (the XLA side reads x as its dtype stores it,
-``_exact.stored``; a kernel reads x from memory, where it is stored already).
+Params: fmt, tiled, scale_rule, keyed, row_stride (KeyedBits' ``row_stride``), impl, stored (the XLA side
+reads x as its dtype stores it, ``_exact.stored``; a kernel reads x from memory, where it is stored already).
 """
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ along T: packed codes (C, T/2) and scales (C, T/B).
 Axis legend: T tokens, C channels, B the block (16 nvfp4, 32 mxfp4). Operands: x, the NVFP4 tensor
 amax of RHT(x) (a scalar, reduced by the caller; zero for MXFP4), optionally bits (C, T) or (param
 ``keyed``) ``random_bits.KeyedBits`` of (C, T) as rows (C, 4) and cols (T, 2), hashed in the kernel.
-Params: fmt, rht_size, rht_seed, scale_rule, keyed, row_stride, impl, stored (as ``fp4jax_quantize``'s). Under vmap the
-op takes leading axes (x (..., T, C), amax (...), the bits' rows (..., C, 4); KeyedBits' cols are the shape's
-constants) and stays one op: one kernel whose grid runs over the leading axes too (``fp4jax.grouped``'s
-chunks of every expert in one launch).
+Params: fmt, rht_size, rht_seed, scale_rule, keyed, row_stride, impl, stored (as ``fp4jax_quantize``'s).
+Under vmap the op takes leading axes (x (..., T, C), amax (...), the bits' rows (..., C, 4); KeyedBits' cols
+are the shape's constants) and stays one op: one kernel whose grid runs over the leading axes too
+(``fp4jax.grouped``'s chunks of every expert in one launch).
 """
 from __future__ import annotations
 
