@@ -165,6 +165,26 @@ def test_ring_factors_by_kind():
   assert cluster.collective_seconds("all-gather", S, cluster.Placement(1, 1, 1), c) == 0.0
 
 
+def test_a_group_with_several_gpus_per_node_uses_their_nics():
+  """NCCL's rings leave each node through different GPUs' NICs: a group of 8 nodes x 8 GPUs moves its share
+  between nodes over 8 NICs, a group of one GPU per node over one, a send over one; never faster than NVLink."""
+  c = cluster.CLUSTERS["hgx_b200"]
+  S = 1e9
+  every = cluster.Placement(group_size=64, nodes=8, per_node=8)
+  one = cluster.Placement(group_size=8, nodes=8, per_node=1)
+  lat = lambda where, steps: c.inter_launch_s + c.inter_rtt_s * steps
+  assert cluster.collective_seconds("reduce-scatter", S, every, c) == pytest.approx(
+      lat(every, 63 / 8) + S * 63 / 64 / (8 * 50e9))
+  assert cluster.collective_seconds("all-reduce", S, every, c) == pytest.approx(
+      c.inter_launch_s + 2 * c.inter_rtt_s * 63 / 8 + 2 * S * 63 / 64 / (8 * 50e9))
+  assert cluster.collective_seconds("reduce-scatter", S, one, c) == pytest.approx(lat(one, 7) + S * 7 / 8 / 50e9)
+  assert cluster.collective_seconds("collective-permute", S, cluster.Placement(2, 2, 1), c) == pytest.approx(
+      lat(None, 1) + S / 50e9)
+  slow_nvlink = cluster.dataclasses.replace(c, nvlink_Bps=200e9)     # 8 NICs' 400 GB/s past NVLink's 200
+  assert cluster.collective_seconds("all-gather", S, every, slow_nvlink) == pytest.approx(
+      lat(every, 63 / 8) + S * 63 / 64 / 200e9)
+
+
 # ------------------------------------------------------------------ overlap read from the schedule
 
 def _overlap(between: bool) -> str:

@@ -17,8 +17,16 @@ receives; collective-permute: what it sends), NCCL's ring bus-bandwidth factors:
   all-to-all                  S (k-1)/n / nvlink  and  S (n-k)/n / network, whichever is longer
                               (k: the group's GPUs in this GPU's node)
   collective-permute          S / bw
-where bw is NVLink inside a node and the network across nodes (a ring across nodes runs at its slowest
-hop), plus a latency per operation: XLA's NCCL kernel launch overhead (5 us,
+where bw is NVLink inside a node; across nodes, k x the network (k: the group's GPUs in each node), at most
+NVLink. NCCL runs a collective as several rings at once (channels), each entering and leaving a node through a
+different GPU's NIC, so a group with k GPUs in a node spreads its traffic between nodes over k NICs: one ring
+runs at its slowest hop (the network), k of them at k times it, while inside the node every GPU still moves
+its (n-1)/n share over NVLink (NVIDIA/nccl issue 412: "data can flow from the NIC to the nearest GPU, go
+through all the other GPUs through NVLink, then exit from the last GPU, back to the NIC", several such flows
+at once; NVIDIA/nccl-tests issue 277: all-reduce "will form multiple rings so that it can utilize all the
+available NICs"; NVIDIA/nccl issue 1168: all-reduce bus bandwidth on 4 nodes about 45 GB/s with 4 GPUs per
+node and 90 with 8). A group of one GPU per node (k = 1) runs at one NIC's speed; a collective-permute is a
+single send, one NIC. Plus a latency per operation: XLA's NCCL kernel launch overhead (5 us,
 ``GpuPerformanceModelBase::kNcclKernelLaunchOverhead``) inside a node; across nodes, XLA's SoL model's
 terms for an HGX node (``sol_gpu_cost_model.cc``: op launch 100 us x 0.45, round trip 68.89 us x 0.45 on
 H100 / 46.67 us x 0.45 on B200, per (n-1)/k ring steps).
@@ -194,7 +202,8 @@ def collective_seconds(kind: str, buffer_bytes: float, where: Placement, cluster
   if where.crosses_nodes:
     steps = (n - 1) / max(1, where.per_node)
     latency = cluster.inter_launch_s + cluster.inter_rtt_s * steps * (2 if kind == "all-reduce" else 1)
-    bw = min(cluster.network_Bps, cluster.nvlink_Bps)
+    nics = 1 if kind in ("collective-permute", "collective-broadcast") else where.per_node
+    bw = min(cluster.network_Bps * nics, cluster.nvlink_Bps)
   else:
     latency, bw = NCCL_LAUNCH_S, cluster.nvlink_Bps
   if kind in ("all-gather", "reduce-scatter"):
