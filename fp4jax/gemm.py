@@ -26,7 +26,9 @@ b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax
 (the contraction ragged) on the exact products with impl="xla" (on a GPU target their tiled form,
 ``fp4jax.tiles``: ``on_gpu_target``); with impl="native" the block-scaled GEMM
 of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
-``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
+``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``; the rows form of plain nvfp4 on fp4jax's
+grouped Mosaic GEMM, the factor and the cast inside, where ``dispatch.native_kernel`` picks "mosaic": forced or
+proved, never by default); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
 into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
 GEMM's default is native (``dispatch.choose("grouped_matmul", fmt)``: compute capability 10.x), else "xla".

@@ -31,6 +31,9 @@ The pallas_call is named ``fp4jax_mosaic_gemm_nvfp4_<M>x<N>x<K>`` (padded sizes)
 (bench/predict/hlo_kernels.py) reads the shape from the name (the Mosaic GPU lowering drops
 ``pl.CostEstimate``) and charges it as an FP4 block-scaled GEMM of 2·M·N·K FLOPs.
 
+The grouped form for the MoE experts' rows GEMMs (``mosaic_grouped_gemm``, the last section): the same CTA on
+the work items of ``fp4jax.tiles``, each reading its item's row tile and expert from two int32 tables.
+
 Layouts: fprop (x (T, K) · w (N, K)ᵀ) is the one written. dgrad (dy (T, N) · w (N, K)) needs w's codes and
 scales along N, i.e. the fprop tiles transposed (``transpose_tiles``, as the native path does, or a kernel
 reading b N-major: tcgen05 takes only K-major 4-bit operands, so the transpose stays a pass), and wgrad
@@ -47,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp4jax import _mosaic_compat as mc
+from fp4jax import _native_compat as nc
 from fp4jax import reference
 
 BLOCK = 16          # E2M1 elements per E4M3 scale
@@ -328,8 +332,9 @@ def mosaic_gemm_reference(a, a_scales, b, b_scales, factor, residual=None, *, ou
 # (``fp4jax.tiles.items``: item w is row tile item_tile[w] with group item_group[w]'s operand), Tm the rows the
 # kernel computes per item (T rounded up to whole tm), N, K as above.
 #
-# The same CTA as the dense GEMM's (``_gemm_tile``), one per (tm, tn) tile of one item: grid (Tm/tm, N/tn, W),
-# the rows fastest, so an item's CTAs run together and share its group's weight in L2. Each CTA reads its item's
+# The same CTA as the dense GEMM's (``_gemm_tile``), one per (tm, tn) tile of one item: grid (W, N/tn, Tm/tm), the
+# last axis the fastest (Mosaic GPU maps it to blockIdx.x), so an item's CTAs run together and the items of one
+# group (consecutive: the rows are sorted) share its weight in L2. Each CTA reads its item's
 # row tile and group from the two int32 tables (scalar loads from global memory), then TMA-loads a's rows
 # [tile·T + mi·tm, +tm) (rows of the next tile or past S, where T is not whole tiles, only feed result rows past
 # T, which the store drops; past S TMA reads zeros), b[group]'s rows, their scales, and factor[group], and stores
@@ -363,8 +368,8 @@ def _grouped_call(a, b_E, a_tc, b_tc_E, factor_E, item_tile, item_group, *, tile
   m_tiles = -(-tile // tm)
   kernel = functools.partial(_grouped_kernel, tiles=tiles, k_steps=kp // tk, tile_rows=tile)
   call = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(m_tiles, np_ // tn, w),
-      grid_names=("m", "n", "w"), scratch_types=_scratch(tiles, out_dtype, jnp.bfloat16, 8),
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(w, np_ // tn, m_tiles),
+      grid_names=("w", "n", "m"), scratch_types=_scratch(tiles, out_dtype, jnp.bfloat16, 8),
       kernel_name=f"fp4jax_mosaic_grouped_gemm_nvfp4_{w}x{m_tiles * tm}x{np_}x{kp}")
   return call(a, b_E, a_tc, b_tc_E, factor_E, item_tile, item_group)
 
@@ -373,7 +378,7 @@ def _grouped_kernel_path(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item
   """The kernel on the codes as they are where it can (``_kernel_path``'s rules): a's rows past S read zeros, so
   a is not padded to whole row tiles; the scales padded (zeros) inside their layout pass, a's once, b's per
   expert; the result (W, T, N) written at its shape unless T or N are not whole swizzle tiles (then sliced)."""
-  (s, k), (n_g, n, _) = a.shape, b_E.shape
+  (s, k), n = a.shape, b_E.shape[1]
   up = lambda d, t: -(-d // t) * t
   n_t = -(-s // tile)
   np_, kp = up(n, tiles.tn), up(k, tiles.tk)
@@ -390,8 +395,10 @@ def _grouped_kernel_path(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item
   rows_out, cols_out = (up(d, t) for d, t in zip((tile, min(n, np_)), _tile(out_dtype, tiles.en)))
   out = _grouped_call(a, b_E, a_tc, b_tc_E, factor_E, item_tile, item_group, tile=tile, out_dtype=out_dtype,
                       tiles=tiles, out_shape=(item_tile.shape[0], rows_out, cols_out))
-  del n_g
-  return out if out.shape[1:] == (tile, n) else out[:, :tile, :n]
+  out = out if out.shape[1:] == (tile, n) else out[:, :tile, :n]
+  # inside shard_map (the experts' GEMMs on each device's rows) the kernel's result varies over no mesh axis and
+  # the twin's over its operands': lax.platform_dependent takes only branches of one type
+  return nc.vary_like(out, a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group)
 
 
 def _check_grouped(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, tile, out_dtype):
