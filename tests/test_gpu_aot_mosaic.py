@@ -154,8 +154,8 @@ def test_cost_model_charges_the_grouped_mosaic_gemm_as_fp4_gemms():
   other = GROUPED.replace("fp4jax_mosaic_grouped_gemm_nvfp4", "some_kernel")
   assert hlo_kernels.mosaic_grouped_gemm_shape(hlo_text.parse_instr(other.splitlines()[-3])) is None
   # the name in the kernel's serialized module where the op_name has none (an op partitioned on a mesh)
-  named = GROUPED.replace("fp4jax_mosaic_grouped_gemm_nvfp4_7x1024x512x1024/mpmd_map", "fp4jax/custom_partitioning"
-                          ).replace('module = "ML"', 'module = "ML\\EFR\\01fp4jax_mosaic_grouped_gemm_nvfp4_7x1024x512x1024'
-                                    '_mosaic_gpu\\00"')
+  kernel = "fp4jax_mosaic_grouped_gemm_nvfp4_7x1024x512x1024"
+  named = GROUPED.replace(f"{kernel}/mpmd_map", "fp4jax/custom_partitioning").replace(
+      'module = "ML"', f'module = "ML\\EFR\\01{kernel}_mosaic_gpu\\00"')
   (g2,) = hlo_cost.analyze(named, PEAKS)["ops"]
   assert g2["mnk"] == (7, 1024, 512, 1024) and g2["flops"] == g["flops"]

@@ -77,6 +77,22 @@ def test_twin_is_the_native_path_bit_for_bit(tiling, dgrad, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got, np.float32)[end:], 0.0)
 
 
+def test_twin_at_extreme_and_non_finite_amaxes(monkeypatch):
+  """The factor parts per group in the XLA path's order (amaxes whose product leaves float32's range), and the
+  rows past the last group: what their zero accumulator times their factor gives (NaN for an infinite amax),
+  as on cuDNN's route."""
+  monkeypatch.setattr(native, "TILING", TILINGS["tiles of 128"])
+  a_U, b_E, g = _rows_pair(6)
+  last_U = g.group == g.sizes.shape[0] - 1
+  for amax in (2.0 ** -100, 2.0 ** 100, np.inf):
+    a2 = dataclasses.replace(a_U, amax=jnp.where(last_U, jnp.float32(amax), a_U.amax))
+    b2 = dataclasses.replace(b_E, amax=b_E.amax.at[0].set(amax if np.isfinite(amax) else 1.0))
+    got = _grouped("mosaic", monkeypatch, jnp.float32)(a2, b2, g)
+    want = _grouped("cudnn", monkeypatch, jnp.float32)(a2, b2, g)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+  assert np.isnan(np.asarray(got)[int(np.sum(g.sizes)):]).all()
+
+
 def test_routes_differ_where_they_should(monkeypatch):
   """The forced kernel is the grouped Mosaic GEMM on CUDA (its lowering holds the kernel, cuDNN's route none), and
   the pairs it does not compute (4/6's factor) or a caller without one amax per group stay on cuDNN's route."""

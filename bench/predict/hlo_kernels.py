@@ -1,7 +1,7 @@
 """The custom calls whose work the cost model reads from their text: cuDNN fused attention (its scores'
-shape and mask), the block-scaled GEMM, fp4jax's Mosaic GPU GEMMs (dense and grouped), and fp4jax's Pallas kernels, whose names carry a GEMM shape
-(``fp4jax_gemm_*``, ``fp4jax_mixed_matmul_*_<M>x<N>x<K>``), FLOPs (``_<tf32|ieee>_<n>flop``) or integer ops
-(``_<n>iop``)."""
+shape and mask), the block-scaled GEMM, fp4jax's Mosaic GPU GEMMs (dense and grouped), and fp4jax's Pallas
+kernels, whose names carry a GEMM shape (``fp4jax_gemm_*``, ``fp4jax_mixed_matmul_*_<M>x<N>x<K>``), FLOPs
+(``_<tf32|ieee>_<n>flop``) or integer ops (``_<n>iop``)."""
 from __future__ import annotations
 
 import re
