@@ -155,7 +155,8 @@ def native_grouped_default(fmt: str, *, capability: tuple[int, int] | None = Non
 
 
 # fp4jax's own block-scaled GEMM on Mosaic GPU (``kernels.mosaic_gemm``: tcgen05, the epilogue inside), the
-# alternative to cuDNN's behind impl="native". Off until a device proves it: impl=None runs it where this
+# alternative to cuDNN's behind impl="native" (the dense GEMMs, and the MoE experts' rows GEMMs in its grouped form,
+# ``mosaic_grouped_gemm``: one choice for both). Off until a device proves it: impl=None runs it where this
 # device's verdict for "mosaic_gemm/<fmt>" is "faster" (``tools.prove``), or VERIFIED_KERNELS records a
 # device run; FP4JAX_NATIVE_KERNEL=mosaic|cudnn forces the choice (the deviceless compiles use it).
 MOSAIC_GEMM = verdicts.MOSAIC_OP

@@ -57,6 +57,13 @@ def factor(acc, fmt: str, second_a, second_b, bound_a=formats.NVFP4_BOUND, bound
   return acc
 
 
+def nvfp4_factor_parts(amax_a, amax_b):
+  """float32 (..., 4): ``reference.tensor_factor_parts`` of plain nvfp4 (bound 448) amaxes of one shape, one
+  set of parts per element (each group's of a grouped GEMM: the Mosaic kernel's epilogue applies them)."""
+  parts = reference.tensor_factor_parts(_Amax("nvfp4", amax_a), _Amax("nvfp4", amax_b))
+  return jnp.moveaxis(parts, 0, -1)
+
+
 def row_second(q: QTensor):
   """The second level of a (M, K) lhs broadcast over its outputs (M, N): (M, 1) for row-scaled nvfp4."""
   s = second(q)

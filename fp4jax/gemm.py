@@ -26,7 +26,9 @@ b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax
 (the contraction ragged) on the exact products with impl="xla" (on a GPU target their tiled form,
 ``fp4jax.tiles``: ``on_gpu_target``); with impl="native" the block-scaled GEMM
 of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
-``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``); then the epilogue of each
+``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``; the rows form of plain nvfp4 on fp4jax's
+grouped Mosaic GEMM, the factor and the cast inside, where ``dispatch.native_kernel`` picks "mosaic": forced or
+proved, never by default); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
 into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
 GEMM's default is native (``dispatch.choose("grouped_matmul", fmt)``: compute capability 10.x), else "xla".
@@ -208,16 +210,39 @@ def _tokens_operand(q_U: QTensor) -> native.Operand:
   return native.Operand(join(op.values), join(op.scales))
 
 
-def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None):
+def _grouped_rows_mosaic(a_U: QTensor, b_E: QTensor, g: Groups, s: int, tile: int, out_dtype):
+  """``grouped_matmul`` of plain nvfp4 on fp4jax's Mosaic GPU grouped GEMM (``native.grouped_rows_mosaic``): the
+  tensor factor applied per group inside the kernel, from group e's amaxes (a's: the one its chunks carry, as
+  ``fp4jax.grouped`` quantizes each expert's rows with one amax); the rows past the last group get what the
+  epilogue gives their zero accumulator with their chunk's amaxes (0, or NaN for a non-finite factor), as the
+  other paths do. The packed codes go to the kernel as they are (bitcasts), the weights per expert."""
+  a = jax.vmap(native.operand)(a_U)
+  a = native.Operand(a.values.reshape(s, -1), a.scales.reshape(s, -1))
+  b = jax.vmap(native.operand)(b_E)
+  factor_E = epilogue.nvfp4_factor_parts(g.per_group(a_U.amax), b_E.amax)
+  fill_U = epilogue.factor(jnp.zeros(a_U.amax.shape, jnp.float32), "nvfp4", a_U.amax, b_E.amax[g.group])
+  return native.grouped_rows_mosaic(a, b, factor_E, g.sizes, tile, out_dtype=out_dtype,
+                                    fill_S=jnp.repeat(fill_U.astype(out_dtype), g.rows))
+
+
+def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float32, impl=None,
+                   amax_per_group: bool = False):
   """a (S, K) rows · b[e] (N, K)ᵀ per group -> (S, N); a in chunks (U, A, K), b per group (E, N, K).
   impl: "xla" (``lax.ragged_dot`` of the exact products) or "native" (``native.grouped_rows``: the
-  batched block-scaled GEMM of the work items); None: ``dispatch.choose("grouped_matmul", fmt)``."""
+  batched block-scaled GEMM of the work items; for plain nvfp4 with ``amax_per_group`` fp4jax's Mosaic grouped
+  GEMM instead where ``dispatch.native_kernel`` picks "mosaic"); None: ``dispatch.choose("grouped_matmul", fmt)``.
+  amax_per_group: the caller's promise that a's tensor amax is one per group, every chunk of a group (and each
+  chunk past the groups, of the last group) carrying its group's, as ``fp4jax.grouped`` quantizes: the Mosaic
+  kernel applies the tensor factor per group, not per chunk."""
   impl = _grouped_impl(a_U, b_E, impl, "fp4jax.gemm.grouped_matmul")
   s = a_U.data.shape[0] * a_U.data.shape[1]
   g_S = g.group_of_row
   if impl == "native":
-    oa, ob = _rows_operand(a_U, s), jax.vmap(native.codes_operand)(b_E)
     tile = native.grouped_tile(s, g.sizes.shape[0], g.rows)
+    if (amax_per_group and dispatch.native_kernel(a_U.fmt) == "mosaic"
+        and native.mosaic_grouped_takes(a_U, b_E, out_dtype, s, tile)):
+      return _grouped_rows_mosaic(a_U, b_E, g, s, tile, out_dtype)
+    oa, ob = _rows_operand(a_U, s), jax.vmap(native.codes_operand)(b_E)
     per = native.BLOCK
 
     def acc(k):   # k: a slice of K, a multiple of the 16-block

@@ -191,8 +191,8 @@ class _Bound:
   def weight_values(self, t):
     return jax.vmap(values)(t)
 
-  def gemm(self, q_a, q_b, out_dtype):
-    return gemm.grouped_matmul(q_a, q_b, self.ch, out_dtype=out_dtype)
+  def gemm(self, q_a, q_b, out_dtype):   # q_a's rows quantized here (``rows``): one amax per expert
+    return gemm.grouped_matmul(q_a, q_b, self.ch, out_dtype=out_dtype, amax_per_group=True)
 
   def gemm_tokens(self, q_a, q_b, out_dtype):
     return gemm.grouped_matmul_t(q_a, q_b, self.ch, out_dtype=out_dtype)

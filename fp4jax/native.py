@@ -34,7 +34,9 @@ The products are exact in hardware and in the twin, so the result equals the XLA
 order of the float32 sums (bit for bit on the CPU, where the twin is the XLA path's GEMM).
 
 The grouped GEMM of the MoE experts (``fp4jax.gemm.grouped_matmul(_t)``, impl="native") uses steps 1
-and 2 on work items: ``grouped_rows`` / ``grouped_tokens`` at the bottom (the section's note says how).
+and 2 on work items: ``grouped_rows`` / ``grouped_tokens`` at the bottom (the section's note says how); the rows
+form has a second kernel, fp4jax's grouped Mosaic GEMM (``grouped_rows_mosaic``: each expert's weight read in
+place, step 3 inside), where ``dispatch.native_kernel`` picks "mosaic".
 
 Not native: MXFP4 (jax 0.10.2's XLA does not take E2M1 with E8M0 scales per 32 into cuDNN on sm_100:
 it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path) and
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -259,6 +262,37 @@ def grouped_rows(a: Operand, b: Operand, sizes_E, tile: int):
     tiles_b = Operand(*(t[it.group] for t in b))
   out_WxTxN = batched_block_scaled_matmul(as_native(tiles_a), as_native(tiles_b))
   return tiles.pick_rows(out_WxTxN, it, sizes_E, s, tile)
+
+
+def local_trace() -> bool:
+  """Whether this trace computes one device's arrays: no mesh, or inside a ``shard_map`` manual over every mesh
+  axis of size > 1 (the experts' shard_map, ``models.expert_parallel``). A kernel without a partitioning rule
+  (the grouped Mosaic GEMM) runs there as it is; under an automatic (GSPMD) ``jax.set_mesh`` mesh XLA would
+  gather its operands to every device instead."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or all(size == 1 or name in mesh.manual_axes for name, size in mesh.shape.items())
+
+
+def mosaic_grouped_takes(a: QTensor, b: QTensor, out_dtype, s: int, tile: int) -> bool:
+  """Whether fp4jax's Mosaic GPU grouped GEMM (``kernels.mosaic_gemm.mosaic_grouped_gemm``) computes the rows GEMM
+  of this pair here: the pairs ``mosaic_takes`` (plain nvfp4, one factor per group), with row tiles of whole
+  tensor-core scale tiles (T a multiple of 128) or one row tile of all S rows, in a ``local_trace``."""
+  return (mosaic_takes(a, b, out_dtype) and (tile >= s or tile % mosaic_gemm.SCALE_ROWS == 0)
+          and local_trace())
+
+
+def grouped_rows_mosaic(a: Operand, b: Operand, factor_E, sizes_E, tile: int, *, out_dtype, fill_S=None):
+  """(S, N) ``out_dtype``: row r of a (S, K) times b[e] (N, K)ᵀ for r in group e, times group e's factor
+  (``reference.apply_factor_parts`` of factor_E[e]), cast; ``fill_S`` (or zero) past the last group. a, b
+  packed (``operand``: float4_e2m1fn, b (E, N, K)); fp4jax's Mosaic GPU grouped GEMM of the work items (its twin
+  off CUDA), which reads each expert's weight as it is and applies the factor and the cast inside, then the
+  rows picked from its (W, T, N) result (``tiles.pick_rows``). ``grouped_rows`` with the epilogue applied, bit
+  for bit on the CPU."""
+  s = a.values.shape[0]
+  it = items(sizes_E, -(-s // tile) * tile, tile)
+  out_WxTxN = mosaic_gemm.mosaic_grouped_gemm(a.values, a.scales, b.values, b.scales, factor_E, it.tile, it.group,
+                                              tile=tile, out_dtype=out_dtype)
+  return tiles.pick_rows(out_WxTxN, it, sizes_E, s, tile, fill_S)
 
 
 def grouped_tokens(a: Operand, b: Operand, sizes_E, tile: int):

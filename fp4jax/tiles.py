@@ -72,13 +72,15 @@ def items(sizes_E, s: int, tile: int) -> Items:
   return Items(lo, hi, jnp.minimum(lo // tile, n_t - 1), group)
 
 
-def pick_rows(out_WxTxN, it: Items, sizes_E, s: int, tile: int):
-  """(S, N): each row's result from the item that holds it; zero for the rows past the last group."""
+def pick_rows(out_WxTxN, it: Items, sizes_E, s: int, tile: int, fill_S=None):
+  """(S, N): each row's result from the item that holds it; for the rows past the last group zero, or
+  ``fill_S[r]`` (S,) of the result's dtype (a caller whose epilogue gives those rows a value of their own)."""
   r_S = jnp.arange(s, dtype=jnp.int32)
   item_S = jnp.searchsorted(it.lo, r_S, side="right").astype(jnp.int32) - 1
   acc_SxN = out_WxTxN.reshape(-1, out_WxTxN.shape[-1])[item_S * tile + r_S % tile]
   inside = r_S < jnp.sum(sizes_E.astype(jnp.int32))
-  return jnp.where(inside[:, None], acc_SxN, jnp.zeros((), acc_SxN.dtype))
+  outside = jnp.zeros((), acc_SxN.dtype) if fill_S is None else fill_S.astype(acc_SxN.dtype)[:, None]
+  return jnp.where(inside[:, None], acc_SxN, outside)
 
 
 def keep_rows(it: Items, tile: int, step: int = 1):

@@ -5,8 +5,9 @@ The compile (bench/predict/mosaic_gemm_aot.py, beside cuDNN's route) runs in a d
 tests/test_gpu_aot.py's, with ``MOSAIC_GPU_DUMP_TO`` set: the Mosaic kernel's compile stage writes its PTX,
 ptxas report and SASS (docs/KERNELS.md, "What a Mosaic GPU kernel shows without a GPU"). What only a device
 shows (the barriers, the scale and nibble layouts, the numbers, the speed) is tools.prove's
-"mosaic_gemm/nvfp4". The default run lowers the kernel in-process (tests/test_kernels_mosaic_gemm.py) and
-prices a hand-written custom call here; the compiles (about 15 s, and 8 s on a mesh of 8) are slow-marked.
+"mosaic_gemm/nvfp4". The default run lowers the kernel in-process (tests/test_kernels_mosaic_gemm.py), prices
+hand-written custom calls here and compiles the grouped kernel (9 s); the dense compiles (about 15 s, and 8 s on a
+mesh of 8) are slow-marked.
 """
 import json
 import os
@@ -96,3 +97,65 @@ def test_cost_model_charges_the_mosaic_gemm_as_an_fp4_gemm():
   assert "fp4jax_mosaic_gemm_nvfp4_1024x512x256/" not in sharded
   (g2,) = hlo_cost.analyze(sharded, PEAKS)["ops"]
   assert g2["kind"] == "gemm" and g2["mnk"] == (1024, 512, 256) and g2["flops"] == g["flops"]
+
+
+@needs_plugin
+def test_grouped_gemm_compiles_for_sm100_to_the_block_scaled_mma(tmp_path):
+  """The experts' rows GEMM (gemm.grouped_matmul, 4 experts, S = 4096 rows in 1024-row tiles: W = 7 items) with
+  the grouped Mosaic kernel forced: one mosaic_gpu_v2 call compiled to sm_100a with the block-scaled MMA, no spills;
+  cuDNN's route a batched block-scaled GEMM; the Mosaic route predicted faster (no gathered operands, no float32
+  (W, T, N), no epilogue pass)."""
+  dump, out = tmp_path / "dump", tmp_path / "out.json"
+  env = _platform.deviceless_env()
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  cmd = [sys.executable, os.path.join(ROOT, "bench", "predict", "mosaic_gemm_aot.py"), "--shape", "4096,512,1024",
+         "--experts", "4", "--dump", str(dump), "--json", str(out)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  routes = json.loads(out.read_text())["routes"]
+  mosaic, cudnn = routes["mosaic"], routes["cudnn"]
+  assert mosaic["custom_calls"] == ["mosaic_gpu_v2"] and mosaic["mosaic_calls"] == 1
+  assert mosaic["mosaic_grouped_gemms"] == ["7x1024x512x1024"]
+  assert cudnn["custom_calls"] == ["__cudnn$blockScaledDot"]
+  art = mosaic["artifacts"]
+  assert art["sm"] == "sm_100a" and art["ptx_block_scaled_mma"] == 4 * 3 and art["ptx_fma"] == 0
+  assert art["spill_bytes"] == 0 and art["registers"] <= 255
+  if art["sass_bytes"]:
+    assert art["sass_utcomma"] == art["ptx_block_scaled_mma"] and art["sass_ffma"] == 0
+  assert mosaic["gemm_ms"] > 0 and mosaic["predicted_ms"] < cudnn["predicted_ms"]
+
+
+GROUPED = """HloModule grouped, entry_computation_layout={()->bf16[7,1024,512]}
+
+ENTRY %main (a: f4e2m1fn[4096,1024], sa: f8e4m3fn[32,16,32,16], b: f4e2m1fn[4,512,1024], sb: f8e4m3fn[4,4,16,32,16], f: f32[4,32], t: s32[7], g: s32[7]) -> bf16[7,1024,512] {
+  %a = f4e2m1fn[4096,1024]{1,0} parameter(0)
+  %sa = f8e4m3fn[32,16,32,16]{3,2,1,0} parameter(1)
+  %b = f4e2m1fn[4,512,1024]{2,1,0} parameter(2)
+  %sb = f8e4m3fn[4,4,16,32,16]{4,3,2,1,0} parameter(3)
+  %f = f32[4,32]{1,0} parameter(4)
+  %t = s32[7]{0} parameter(5)
+  %g = s32[7]{0} parameter(6)
+  ROOT %y = bf16[7,1024,512]{2,1,0} custom-call(%a, %sa, %b, %sb, %f, %t, %g), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(f)/cond/branch_0_fun/fp4jax_mosaic_grouped_gemm_nvfp4_7x1024x512x1024/mpmd_map"}, backend_config={kernel_hash = "0", module = "ML"}
+}
+"""
+
+
+def test_cost_model_charges_the_grouped_mosaic_gemm_as_fp4_gemms():
+  """W x T x N x K from the kernel's name: W block-scaled FP4 GEMMs (2·W·T·N·K FLOPs at the FP4 rate); its bytes what
+  it reads (a's codes and scales once, each expert's weight once: read in place, not gathered per item; the
+  factors and the item tables) and writes (the bf16 (W, T, N), the epilogue inside)."""
+  cost = hlo_cost.analyze(GROUPED, PEAKS)
+  (g,) = cost["ops"]
+  assert g["kind"] == "gemm" and g["dtype"] == "f4e2m1fnxf4e2m1fn" and g["mnk"] == (7, 1024, 512, 1024)
+  assert g["flops"] == 2 * 7 * 1024 * 512 * 1024
+  assert g["bytes"] == (4096 * 512 + 32 * 16 * 32 * 16 + 4 * 512 * 512 + 4 * 4 * 16 * 32 * 16 + 4 * 32 * 4 + 2 * 7 * 4
+                        + 7 * 1024 * 512 * 2)
+  assert hlo_kernels.mosaic_gemm_shape(hlo_text.parse_instr(GROUPED.splitlines()[-3])) is None   # not the dense one
+  other = GROUPED.replace("fp4jax_mosaic_grouped_gemm_nvfp4", "some_kernel")
+  assert hlo_kernels.mosaic_grouped_gemm_shape(hlo_text.parse_instr(other.splitlines()[-3])) is None
+  # the name in the kernel's serialized module where the op_name has none (an op partitioned on a mesh)
+  kernel = "fp4jax_mosaic_grouped_gemm_nvfp4_7x1024x512x1024"
+  named = GROUPED.replace(f"{kernel}/mpmd_map", "fp4jax/custom_partitioning").replace(
+      'module = "ML"', f'module = "ML\\EFR\\01{kernel}_mosaic_gpu\\00"')
+  (g2,) = hlo_cost.analyze(named, PEAKS)["ops"]
+  assert g2["mnk"] == (7, 1024, 512, 1024) and g2["flops"] == g["flops"]

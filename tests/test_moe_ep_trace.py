@@ -9,6 +9,7 @@ compile (docs/PERF.md, "nemotron3_super on 64 GPUs"), which no CPU test had reac
    over no axis, its twin's over the operands', and ``lax.platform_dependent`` refused the two branches.
 3. The H200's path with a receive factor: the drop (``expert_parallel.keep``), the ragged exchange and the
    tiled grouped GEMMs (``fp4jax.tiles``, a GPU target's choice) inside ``shard_map``, nvfp4 and bf16.
+4. fp4jax's grouped Mosaic GEMM (forced) on each device's rows inside ``shard_map``, lowered for CUDA.
 """
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 import fp4jax
+from fp4jax import _mosaic_compat as mc
 from fp4jax import _native_compat as nc
 from fp4jax import grouped, native, recipes
 from models import expert_parallel, moe
@@ -42,7 +44,18 @@ def test_receive_factor_and_tiled_gemms_trace_for_an_h200(recipe):
   assert "ragged_dot_general" not in prims and "all_gather" in prims
 
 
-def _trace(name, receive_factor=None):
+def test_grouped_mosaic_gemm_runs_on_each_devices_rows(monkeypatch):
+  """The experts' rows GEMMs on fp4jax's grouped Mosaic GEMM (FP4JAX_NATIVE_KERNEL=mosaic, a B200 target): inside the
+  fully manual shard_map each device's kernel takes its local rows; the kernel's result (varying over no mesh axis)
+  is typed as its twin's, so value_and_grad traces and lowers: up and down, fprop and dgrad, four kernels."""
+  monkeypatch.setenv("FP4JAX_DEFAULT_IMPL", "native")
+  monkeypatch.setenv("FP4JAX_NATIVE_KERNEL", "mosaic")
+  with fp4jax.target.use(fp4jax.target.Target("gpu", "NVIDIA B200", (10, 0))), mc.lowering_arch((10, 0)):
+    text = _trace("nvfp4", lower=True)
+  assert text.count("@mosaic_gpu_v2(") == 4 and "fp4jax_mosaic_grouped_gemm_nvfp4_4x128x256x256" in text
+
+
+def _trace(name, receive_factor=None, lower=False):
   recipe = recipes.get(name)
   align = grouped.alignment(recipe)
   where = expert_parallel.Layout(("expert",), sharding.BATCH_AXES, 1)
@@ -60,6 +73,10 @@ def _trace(name, receive_factor=None):
 
   shapes = (jax.ShapeDtypeStruct((T, Q), jnp.float32), jax.ShapeDtypeStruct((E, Q, F), jnp.float32),
             jax.ShapeDtypeStruct((E, F, Q), jnp.float32))
+  if lower:   # the CUDA lowering's text
+    with jax.set_mesh(_mesh()):
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(*shapes).lower(
+          lowering_platforms=("cuda",)).as_text()
   with jax.set_mesh(_mesh()):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*shapes)
   prims = {e.primitive.name for e in jaxpr.jaxpr.eqns for e in _walk(e)}

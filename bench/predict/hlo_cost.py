@@ -15,8 +15,9 @@ integer constant):
   dQ, dK), 2·B·H·(visible)·(3P + 2Pv) (2.5x the forward at Pv = P); a causal mask keeps
   L·(L+1)/2 of the L·S pairs (about half), a sliding window fewer. The scores never reach HBM: its
   bytes are its operands and outputs;
-- fp4jax's Mosaic GPU NVFP4 GEMM (``mosaic_gemm_shape``: M, N, K in its name) as a block-scaled FP4 GEMM, its
-  bytes its operands and its output (the epilogue is inside);
+- fp4jax's Mosaic GPU NVFP4 GEMM (``mosaic_gemm_shape``: M, N, K in its name) and its grouped form for the MoE
+  experts (``mosaic_grouped_gemm_shape``: W work items of T x N x K) as block-scaled FP4 GEMMs, their bytes their
+  operands and their output (the epilogue is inside);
 - fp4jax's mixed-input GEMM kernel (``mixed_gemm_shape``: M, N, K in its name) as a bf16 GEMM, its
   bytes the packed operands, scales and output it reads and writes;
 - a Pallas kernel that declares its FLOPs in its name (``declared_flops``: the SSD and gated-norm kernels) at

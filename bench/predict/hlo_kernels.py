@@ -1,7 +1,7 @@
 """The custom calls whose work the cost model reads from their text: cuDNN fused attention (its scores'
-shape and mask), the block-scaled GEMM, fp4jax's Mosaic GPU GEMM, and fp4jax's Pallas kernels, whose names carry a GEMM shape
-(``fp4jax_gemm_*``, ``fp4jax_mixed_matmul_*_<M>x<N>x<K>``), FLOPs (``_<tf32|ieee>_<n>flop``) or integer ops
-(``_<n>iop``)."""
+shape and mask), the block-scaled GEMM, fp4jax's Mosaic GPU GEMMs (dense and grouped), and fp4jax's Pallas
+kernels, whose names carry a GEMM shape (``fp4jax_gemm_*``, ``fp4jax_mixed_matmul_*_<M>x<N>x<K>``), FLOPs
+(``_<tf32|ieee>_<n>flop``) or integer ops (``_<n>iop``)."""
 from __future__ import annotations
 
 import re
@@ -126,6 +126,26 @@ def mosaic_gemm_shape(ins: Instr):
     return None
   mm, nn, kk = (int(g) for g in m.groups())
   return 2 * mm * nn * kk, "f4e2m1fnxf4e2m1fn", (mm, nn, kk)
+
+
+_MOSAIC_GROUPED_GEMM = re.compile(r"fp4jax_mosaic_grouped_gemm_nvfp4_(\d+)x(\d+)x(\d+)x(\d+)(?!\d)")
+
+
+def mosaic_grouped_gemm_shape(ins: Instr):
+  """(flops, "f4e2m1fnxf4e2m1fn", (W, T, N, K)) of fp4jax's grouped NVFP4 GEMM on Mosaic GPU (the MoE experts' rows
+  GEMM, ``fp4jax.kernels.mosaic_gemm.mosaic_grouped_gemm``: a ``mosaic_gpu_v2`` custom call named
+  ``fp4jax_mosaic_grouped_gemm_nvfp4_<W>x<T>x<N>x<K>``): W block-scaled FP4 GEMMs of T x N x K, one per work item,
+  2·W·T·N·K FLOPs at the FP4 rate; its bytes are its operands' as they are (a's codes and scales once, every
+  expert's weight once: an item's weight is read in place, not gathered, and the items of one expert run
+  together, so it stays in L2) and its output's (W, T, N), the epilogue inside. Read from the op_name or the
+  kernel's serialized module, as ``mosaic_gemm_shape``. None for any other instruction."""
+  if ins.opcode != "custom-call" or MOSAIC_TARGET not in ins.attrs:
+    return None
+  m = _MOSAIC_GROUPED_GEMM.search(ins.op_name) or _MOSAIC_GROUPED_GEMM.search(ins.attrs)
+  if not m:
+    return None
+  w, t, n, k = (int(g) for g in m.groups())
+  return 2 * w * t * n * k, "f4e2m1fnxf4e2m1fn", (w, t, n, k)
 
 
 _DECLARED_FLOPS = re.compile(r"_(tf32|ieee)_(\d+)flop/pallas_call")

@@ -8,7 +8,7 @@ import collections
 import re
 
 from bench.predict.hlo_kernels import (BLOCK_SCALED_TARGET, block_scaled_shape, is_pallas_gemm, mixed_gemm_shape,
-                                      mosaic_gemm_shape)
+                                      mosaic_gemm_shape, mosaic_grouped_gemm_shape)
 from bench.predict.hlo_text import OPERAND, Instr, arrays, nbytes, parse_module, prod
 
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$blockScaledDot")
@@ -271,6 +271,8 @@ class Module:
       return mixed_gemm_shape(ins)
     elif ins.opcode == "custom-call" and mosaic_gemm_shape(ins) is not None:
       return mosaic_gemm_shape(ins)
+    elif ins.opcode == "custom-call" and mosaic_grouped_gemm_shape(ins) is not None:
+      return mosaic_grouped_gemm_shape(ins)
     elif ins.opcode == "custom-call" and BLOCK_SCALED_TARGET in ins.attrs:
       return block_scaled_shape(self.shapes.get(ins.operands[0], ""), self.shapes.get(ins.operands[1], ""))
     elif ins.opcode == "custom-call":

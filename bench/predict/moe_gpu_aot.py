@@ -11,7 +11,12 @@ loop trip counts, the ruler's kernel count), how XLA lowered the grouped GEMMs (
 ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), and bench/predict/hlo_cost.py's
 prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP, the bytes of the non-GEMM ops and the
 integer ops (charged at the int32 rate with ``--int_ops``, as in bench/predict/gpu_aot.py). Uses
-bench/predict/deviceless.py's topology and compile; one GPU. ``--what_if_proved``: as gpu_aot.py's.
+bench/predict/deviceless.py's topology and compile; one GPU. ``--what_if_proved``: as gpu_aot.py's
+(``mosaic_gemm``: the experts' rows GEMMs, y and dx, on fp4jax's grouped Mosaic GEMM instead of cuDNN's);
+``--fprop_only``: y alone.
+
+  python bench/predict/moe_gpu_aot.py --recipes nvfp4 --plans native --shape 8,8192,1024,2688 --fprop_only \
+      --what_if_proved mosaic_gemm
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ def main() -> int:
   p.add_argument("--plans", default="xla,native")
   p.add_argument("--json", default=None)
   p.add_argument("--int_ops", action="store_true", help=peaks.INT_OPS_HELP)
+  p.add_argument("--fprop_only", action="store_true", help="compile y = grouped_dot(x, w) alone (no dx, dw)")
   p.add_argument("--what_if_proved", default="", help="comma-separated kernel ops (or 'all') counted as proved, "
                  "as bench/predict/gpu_aot.py's flag")
   args = p.parse_args()
@@ -58,9 +64,11 @@ def main() -> int:
     assume_proved(args.what_if_proved.split(","))
   from bench.predict import hlo_cost   # pylint: disable=import-outside-toplevel
   from fp4jax import _native_compat as nc   # pylint: disable=import-outside-toplevel
-  from fp4jax import grouped, native   # pylint: disable=import-outside-toplevel
+  from fp4jax import _mosaic_compat as mc   # pylint: disable=import-outside-toplevel
+  from fp4jax import grouped, native, target   # pylint: disable=import-outside-toplevel
   n_e, s, k, n = (int(v) for v in args.shape.split(","))
   device = deviceless.gpu_devices(args.target, 1)[0]
+  capability = target.Target.of(device).capability or (9, 0)
   single = jax.sharding.SingleDeviceSharding(device)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=single)
   out = []
@@ -71,18 +79,22 @@ def main() -> int:
       native.TILING = tiling
 
       def fn(x, w, dy, sizes, key, recipe=recipe):
+        if args.fprop_only:
+          return grouped.grouped_dot(x, w, sizes, recipe=recipe, key=key)
         y, vjp = jax.vjp(lambda x, w: grouped.grouped_dot(x, w, sizes, recipe=recipe, key=key), x, w)
         return (y, *vjp(dy.astype(y.dtype)))
       key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=single)
       prog = deviceless.Program(f"grouped_{recipe}_{plan}", fn,
                              (spec((s, k), jnp.bfloat16), spec((n_e, k, n), jnp.bfloat16),
                               spec((s, n), jnp.bfloat16), spec((n_e,), jnp.int32), key))
-      res = deviceless.compile_program(prog)
+      with mc.lowering_arch(capability):   # the target's, where the Mosaic GPU lowering reads it
+        res = deviceless.compile_program(prog)
       text = res.pop("text", "") or ""
       res.update(plan=plan, block_scaled_calls=text.count(nc.BLOCK_SCALED_TARGET),
                  ragged_dot_ops=text.count("ragged-dot") + text.count("ragged_dot"),
                  cublas_gemms=text.count("__cublas$gemm") + text.count("__cublas$lt$matmul"),
-                 triton_fusions=text.count("__triton"), dots=text.count(" dot("))
+                 triton_fusions=text.count("__triton"), dots=text.count(" dot("),
+                 mosaic_calls=text.count(f'custom_call_target="{mc.MOSAIC_CUSTOM_CALL}"'))
       if text:
         cost = hlo_cost.analyze(text, peaks.peaks(args.target, int_ops=args.int_ops))
         res.update(launches=sum(o["count"] for o in cost["ops"]),

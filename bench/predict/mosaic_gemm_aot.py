@@ -3,6 +3,7 @@
 
   python bench/predict/mosaic_gemm_aot.py --shape 65536,20480,5120 --dump /tmp/mosaic_dump --json out.json
   python bench/predict/mosaic_gemm_aot.py --shape 65536,20480,5120 --devices 8   # x's rows over 8 B200s
+  python bench/predict/mosaic_gemm_aot.py --shape 16384,2688,1024 --experts 16   # the experts' grouped rows GEMM
 
 With ``--devices N`` x's rows are sharded over N GPUs of one HGX node (w whole on each): each device runs the
 GEMM on its M/N rows, which the Mosaic kernel's name in the program shows (``mosaic_gemms``), with no collective.
@@ -89,18 +90,75 @@ def compile_routes(shape, dump: str | None, devices: int = 1) -> dict:
   return out
 
 
+def compile_grouped_routes(shape, experts: int, dump: str | None) -> dict:
+  """The experts' rows GEMM (``fp4jax.gemm.grouped_matmul``, impl="native", amax per group as ``fp4jax.grouped``
+  quantizes) of S sorted rows in ``experts`` equal traced groups, x (S, K) 1x16 · w[e] (N, K) 16x16 tiles, bf16
+  out, compiled for one B200 with each kernel: {"mosaic": {...}, "cudnn": {...}} (the Mosaic grouped GEMM with the
+  factor and the cast inside, or cuDNN's batched GEMM of gathered work items and the XLA epilogue)."""
+  from fp4jax import _platform   # pylint: disable=import-outside-toplevel
+  _platform.enable_deviceless()
+  if dump:
+    os.makedirs(dump, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from bench.predict import deviceless, ruler   # pylint: disable=import-outside-toplevel
+  from fp4jax import _mosaic_compat as mc   # pylint: disable=import-outside-toplevel
+  from fp4jax import dispatch, gemm   # pylint: disable=import-outside-toplevel
+  from fp4jax.qtensor import QTensor   # pylint: disable=import-outside-toplevel
+  s, n, k = shape
+  rows = 16
+  single = jax.sharding.SingleDeviceSharding(deviceless.gpu_devices("b200", 1)[0])
+  spec = lambda shp, dt: jax.ShapeDtypeStruct(shp, dt, sharding=single)
+  u = s // rows
+  a = QTensor(spec((u, rows, k // 2), jnp.uint8), spec((u, rows, k // 16), jnp.float8_e4m3fn), spec((u,), jnp.float32),
+              "nvfp4", -1, 16, None, jnp.bfloat16)
+  b = QTensor(spec((experts, n, k // 2), jnp.uint8), spec((experts, n // 16, k // 16), jnp.float8_e4m3fn),
+              spec((experts,), jnp.float32), "nvfp4", -1, None, (16, 16), jnp.bfloat16)
+  sizes = spec((experts,), jnp.int32)
+  out = {}
+  for kernel in ("mosaic", "cudnn"):
+    os.environ[dispatch.NATIVE_KERNEL_ENV] = kernel
+    fn = jax.jit(lambda a, b, sizes: gemm.grouped_matmul(a, b, gemm.groups(sizes, s, rows), out_dtype=jnp.bfloat16,
+                                                         impl="native", amax_per_group=True))
+    t0 = time.perf_counter()
+    with mc.lowering_arch((10, 0)):
+      lowered = fn.lower(a, b, sizes)
+    t1 = time.perf_counter()
+    text = lowered.compile().as_text()
+    t2 = time.perf_counter()
+    p = ruler.predict(text, "b200", "hgx_b200")
+    calls = re.findall(r'custom_call_target="([^"]+)"', text)
+    out[kernel] = dict(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), custom_calls=sorted(set(calls)),
+                       mosaic_calls=calls.count(mc.MOSAIC_CUSTOM_CALL),
+                       mosaic_grouped_gemms=sorted(set(re.findall(r"fp4jax_mosaic_grouped_gemm_nvfp4_(\d+x\d+x\d+x\d+)",
+                                                                  text))),
+                       fusions=len(re.findall(r"= \S+ fusion\(", text)),
+                       predicted_ms=round(p["step_s"] * 1e3, 3), gemm_ms=round(p["gemm_s"] * 1e3, 3),
+                       kernels=p["compute_kernels"])
+  os.environ.pop(dispatch.NATIVE_KERNEL_ENV, None)
+  if dump:
+    out["mosaic"]["artifacts"] = _artifacts(dump)
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shape", default="65536,20480,5120", help="M,N,K of the GEMM (x (M, K) · w (N, K)ᵀ)")
   parser.add_argument("--dump", default="", help="directory for the Mosaic kernel's PTX/SASS (empty: none)")
   parser.add_argument("--json", default="", help="write the result here")
   parser.add_argument("--devices", type=int, default=1, help="B200s of one node, x's rows sharded over them")
+  parser.add_argument("--experts", type=int, default=0, help="E > 0: the experts' grouped rows GEMM instead, M the "
+                      "S sorted rows in E equal groups (one B200; fp4jax.gemm.grouped_matmul, impl='native')")
   args = parser.parse_args(argv)
   shape = tuple(int(v) for v in args.shape.split(","))
   if len(shape) != 3:
     parser.error(f"--shape={args.shape!r}; give M,N,K")
-  result = dict(shape=list(shape), devices=args.devices,
-                routes=compile_routes(shape, args.dump or None, args.devices))
+  if args.experts:
+    routes = compile_grouped_routes(shape, args.experts, args.dump or None)
+  else:
+    routes = compile_routes(shape, args.dump or None, args.devices)
+  result = dict(shape=list(shape), devices=args.devices, experts=args.experts, routes=routes)
   text = json.dumps(result, indent=1)
   print(text)
   if args.json:

@@ -31,6 +31,9 @@ The pallas_call is named ``fp4jax_mosaic_gemm_nvfp4_<M>x<N>x<K>`` (padded sizes)
 (bench/predict/hlo_kernels.py) reads the shape from the name (the Mosaic GPU lowering drops
 ``pl.CostEstimate``) and charges it as an FP4 block-scaled GEMM of 2·M·N·K FLOPs.
 
+The grouped form for the MoE experts' rows GEMMs (``mosaic_grouped_gemm``, the last section): the same CTA on
+the work items of ``fp4jax.tiles``, each reading its item's row tile and expert from two int32 tables.
+
 Layouts: fprop (x (T, K) · w (N, K)ᵀ) is the one written. dgrad (dy (T, N) · w (N, K)) needs w's codes and
 scales along N, i.e. the fprop tiles transposed (``transpose_tiles``, as the native path does, or a kernel
 reading b N-major: tcgen05 takes only K-major 4-bit operands, so the transpose stays a pass), and wgrad
@@ -47,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fp4jax import _mosaic_compat as mc
+from fp4jax import _native_compat as nc
 from fp4jax import reference
 
 BLOCK = 16          # E2M1 elements per E4M3 scale
@@ -74,24 +78,37 @@ DEFAULT_TILES = GemmTiles()
 
 
 def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps, has_residual):
-  """One (tm, tn) output tile (module docstring, 1-3)."""
+  """One (tm, tn) output tile of the dense GEMM: a's rows [mi·tm, +tm), b's [ni·tn, +tn) (``_gemm_tile``)."""
   if has_residual:
     r_gmem, out_gmem = refs[:2]
   else:
     (out_gmem,), r_gmem = refs[:1], None
+  mi = lax.axis_index("m")
+  _gemm_tile(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, r_gmem, out_gmem, refs[-15:], tiles=tiles, k_steps=k_steps,
+             a_row=mi * tiles.tm, a_scale_tile=mi, out_row=mi * tiles.tm)
+
+
+def _gemm_tile(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, r_gmem, out_gmem, scratch, *, tiles, k_steps, a_row,
+               a_scale_tile, out_row):
+  """One (tm, tn) output tile (module docstring, 1-3): out[out_row + (0..tm), ni·tn + (0..tn)] from a's rows
+  [a_row, +tm) (their scales: tensor-core tile ``a_scale_tile``) and b's rows [ni·tn, +tn). b_gmem, bs_gmem,
+  f_gmem and out_gmem may be one expert's or one item's view (``Ref.at[i]``): the grouped kernel's."""
   (a_smem, b_smem, as_smem, bs_smem, f_smem, out_smem, r_smem, acc_tmem, as_tmem, bs_tmem, loaded, consumed,
-   mma_done, f_ready, r_ready) = refs[-15:]
+   mma_done, f_ready, r_ready) = scratch
+  has_residual = r_gmem is not None
   plgpu = mc.plgpu()
   tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
-  mi, ni = lax.axis_index("m"), lax.axis_index("n")
-  rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)
+  ni = lax.axis_index("n")
+  rows, cols = pl.ds(a_row, tm), pl.ds(ni * tn, tn)
+  out_rows = pl.ds(out_row, tm)
   sk = tk // (4 * BLOCK)   # tensor-core scale tiles per K step
 
   plgpu.copy_gmem_to_smem(f_gmem, f_smem, f_ready)
   pieces = tn // en
 
   def load_residual(j):
-    plgpu.copy_gmem_to_smem(r_gmem.at[rows, pl.ds(ni * tn + j * en, en)], r_smem.at[j % 2], r_ready.at[j % 2])
+    plgpu.copy_gmem_to_smem(r_gmem.at[out_rows, pl.ds(ni * tn + j * en, en)], r_smem.at[j % 2],
+                            r_ready.at[j % 2])
 
   if has_residual:
     load_residual(0)
@@ -109,7 +126,7 @@ def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps
         ks, kq = pl.ds(ki * tk, tk), pl.ds(ki * sk, sk)
         plgpu.copy_gmem_to_smem(a_gmem.at[rows, ks], a_smem.at[slot], loaded.at[slot])
         plgpu.copy_gmem_to_smem(b_gmem.at[cols, ks], b_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(as_gmem.at[pl.ds(mi, 1), kq], as_smem.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(as_gmem.at[pl.ds(a_scale_tile, 1), kq], as_smem.at[slot], loaded.at[slot])
         plgpu.copy_gmem_to_smem(bs_gmem.at[pl.ds(ni * (tn // SCALE_ROWS), tn // SCALE_ROWS), kq],
                                 bs_smem.at[slot], loaded.at[slot])
         return carry
@@ -144,7 +161,7 @@ def _gemm_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, *refs, tiles, k_steps
       y = y + plgpu.load(r_smem.at[j % 2], (), layout=plgpu.Layout.TCGEN05).astype(jnp.float32)
     out_smem.at[j % 2][...] = y.astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[j % 2], out_gmem.at[rows, pl.ds(ni * tn + j * en, en)])
+    plgpu.copy_smem_to_gmem(out_smem.at[j % 2], out_gmem.at[out_rows, pl.ds(ni * tn + j * en, en)])
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   plgpu.wait_smem_to_gmem(0)
 
@@ -166,21 +183,15 @@ def _swizzled(dtype, minor: int):
   return (plgpu.TilingTransform((rows, elems)), plgpu.SwizzleTransform(elems * _bits(dtype) // 8))
 
 
-def _gemm_call(a, b, a_tc, b_tc, factor, residual, *, out_dtype, tiles, out_shape: tuple[int, int]):
-  """out of out_shape: the grid covers whole tiles (the scales, in the tensor cores' layout, padded to them); the
-  codes and the residual are read as they are (TMA fills the parts of a tile past an array's end with zeros)
-  and the result's tiles are stored clipped to out_shape (TMA drops the writes past its end)."""
+def _scratch(tiles, out_dtype, r_dtype, r_rows: int):
+  """The shared and tensor memory of one CTA (``_gemm_tile``'s scratch, in its order) and its barriers."""
   plgpu = mc.plgpu()
-  mp, np_, kp = a_tc.shape[0] * SCALE_ROWS, b_tc.shape[0] * SCALE_ROWS, a_tc.shape[1] * 4 * BLOCK
   tm, tn, tk, stages, en = tiles.tm, tiles.tn, tiles.tk, tiles.stages, tiles.en
   e4m3 = jnp.float8_e4m3fn
   sk = tk // (4 * BLOCK)
-  # the residual's two buffers: without a residual a token pair of 8 rows (shared memory binds: a float32 result
-  # beside full-size float32 buffers would take 232,532 bytes of the 232,448 a CTA may have)
-  r_dtype, r_rows = (residual.dtype, tm) if residual is not None else (jnp.bfloat16, 8)
   scales_tmem = lambda rows: tuple(plgpu.TMEM((rows, tk // BLOCK), e4m3, layout=plgpu.TMEMLayout.SCALES_LAYOUT)
                                    for _ in range(stages))
-  scratch = (
+  return (
       plgpu.SMEM((stages, tm, tk), jnp.float4_e2m1fn, transforms=_swizzled(jnp.float4_e2m1fn, tk)),
       plgpu.SMEM((stages, tn, tk), jnp.float4_e2m1fn, transforms=_swizzled(jnp.float4_e2m1fn, tk)),
       plgpu.SMEM((stages, 1, sk, 32, 16), e4m3),
@@ -197,10 +208,23 @@ def _gemm_call(a, b, a_tc, b_tc, factor, residual, *, out_dtype, tiles, out_shap
       plgpu.Barrier(),
       plgpu.Barrier(num_barriers=2),
   )
+
+
+def _gemm_call(a, b, a_tc, b_tc, factor, residual, *, out_dtype, tiles, out_shape: tuple[int, int]):
+  """out of out_shape: the grid covers whole tiles (the scales, in the tensor cores' layout, padded to them); the
+  codes and the residual are read as they are (TMA fills the parts of a tile past an array's end with zeros)
+  and the result's tiles are stored clipped to out_shape (TMA drops the writes past its end)."""
+  plgpu = mc.plgpu()
+  mp, np_, kp = a_tc.shape[0] * SCALE_ROWS, b_tc.shape[0] * SCALE_ROWS, a_tc.shape[1] * 4 * BLOCK
+  tm, tn, tk = tiles.tm, tiles.tn, tiles.tk
+  # the residual's two buffers: without a residual a token pair of 8 rows (shared memory binds: a float32 result
+  # beside full-size float32 buffers would take 232,532 bytes of the 232,448 a CTA may have)
+  r_dtype, r_rows = (residual.dtype, tm) if residual is not None else (jnp.bfloat16, 8)
   kernel = functools.partial(_gemm_kernel, tiles=tiles, k_steps=kp // tk, has_residual=residual is not None)
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(mp // tm, np_ // tn),
-      grid_names=("m", "n"), scratch_types=scratch, kernel_name=f"fp4jax_mosaic_gemm_nvfp4_{mp}x{np_}x{kp}")
+      grid_names=("m", "n"), scratch_types=_scratch(tiles, out_dtype, r_dtype, r_rows),
+      kernel_name=f"fp4jax_mosaic_gemm_nvfp4_{mp}x{np_}x{kp}")
   args = (a, b, a_tc, b_tc, factor) + ((residual,) if residual is not None else ())
   return call(*args)
 
@@ -298,4 +322,144 @@ def mosaic_gemm_reference(a, a_scales, b, b_scales, factor, residual=None, *, ou
   y = reference.apply_factor_parts(acc, factor)
   if residual is not None:
     y = y + residual.astype(jnp.float32)
+  return y.astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The grouped GEMM of the MoE experts: work items of row tiles, each with its group's weight
+# ---------------------------------------------------------------------------------------------------
+# Axis legend: S rows of a (sorted by group), E groups (experts), T rows per row tile, W work items
+# (``fp4jax.tiles.items``: item w is row tile item_tile[w] with group item_group[w]'s operand), Tm the rows the
+# kernel computes per item (T rounded up to whole tm), N, K as above.
+#
+# The same CTA as the dense GEMM's (``_gemm_tile``), one per (tm, tn) tile of one item: grid (W, N/tn, Tm/tm), the
+# last axis the fastest (Mosaic GPU maps it to blockIdx.x), so an item's CTAs run together and the items of one
+# group (consecutive: the rows are sorted) share its weight in L2. Each CTA reads its item's
+# row tile and group from the two int32 tables (scalar loads from global memory), then TMA-loads a's rows
+# [tile·T + mi·tm, +tm) (rows of the next tile or past S, where T is not whole tiles, only feed result rows past
+# T, which the store drops; past S TMA reads zeros), b[group]'s rows, their scales, and factor[group], and stores
+# item w's (tm, tn) tile of the (W, T, N) result. a's scales go to the tensor cores' layout once (not per item),
+# b's once per expert: no operand is gathered per item, and no float32 result and no epilogue pass leave the
+# kernel. The items' rows are picked from the result by the caller (``fp4jax.tiles.pick_rows``).
+#
+# The pallas_call is named ``fp4jax_mosaic_grouped_gemm_nvfp4_<W>x<Tm>x<N>x<K>`` (N, K padded to the tiles): the
+# cost model charges it as W block-scaled FP4 GEMMs of Tm x N x K, 2·W·Tm·N·K FLOPs.
+
+def _grouped_kernel(a_gmem, b_gmem, as_gmem, bs_gmem, f_gmem, tile_gmem, group_gmem, out_gmem, *scratch, tiles,
+                    k_steps, tile_rows):
+  """One (tm, tn) tile of item w: a's rows [item_tile[w]·T + mi·tm, +tm) times b[item_group[w]]."""
+  w, mi = lax.axis_index("w"), lax.axis_index("m")
+  row_tile, group = tile_gmem[w], group_gmem[w]
+  a_row = row_tile * tile_rows + mi * tiles.tm
+  # T is a multiple of 128 or there is one row tile (row_tile 0): a's first row is a whole scale tile's
+  _gemm_tile(a_gmem, b_gmem.at[group], as_gmem, bs_gmem.at[group], f_gmem.at[group], None, out_gmem.at[w], scratch,
+             tiles=tiles, k_steps=k_steps, a_row=a_row, a_scale_tile=lax.div(a_row, SCALE_ROWS),
+             out_row=mi * tiles.tm)
+
+
+def _grouped_call(a, b_E, a_tc, b_tc_E, factor_E, item_tile, item_group, *, tile: int, out_dtype, tiles,
+                  out_shape: tuple[int, int, int]):
+  """(W, T', N') of out_shape; a (S', K') and b_E (E, N', K') whole swizzle tiles (``_tile``), the scales in the
+  tensor cores' layout padded to whole tiles: a_tc's rows cover every item's Tm rows, b_tc_E's N to whole tn."""
+  plgpu = mc.plgpu()
+  w = item_tile.shape[0]
+  tm, tn, tk = tiles.tm, tiles.tn, tiles.tk
+  np_, kp = b_tc_E.shape[1] * SCALE_ROWS, b_tc_E.shape[2] * 4 * BLOCK
+  m_tiles = -(-tile // tm)
+  kernel = functools.partial(_grouped_kernel, tiles=tiles, k_steps=kp // tk, tile_rows=tile)
+  call = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(w, np_ // tn, m_tiles),
+      grid_names=("w", "n", "m"), scratch_types=_scratch(tiles, out_dtype, jnp.bfloat16, 8),
+      kernel_name=f"fp4jax_mosaic_grouped_gemm_nvfp4_{w}x{m_tiles * tm}x{np_}x{kp}")
+  return call(a, b_E, a_tc, b_tc_E, factor_E, item_tile, item_group)
+
+
+def _grouped_kernel_path(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, *, tile, out_dtype, tiles):
+  """The kernel on the codes as they are where it can (``_kernel_path``'s rules): a's rows past S read zeros, so
+  a is not padded to whole row tiles; the scales padded (zeros) inside their layout pass, a's once, b's per
+  expert; the result (W, T, N) written at its shape unless T or N are not whole swizzle tiles (then sliced)."""
+  (s, k), n = a.shape, b_E.shape[1]
+  up = lambda d, t: -(-d // t) * t
+  n_t = -(-s // tile)
+  np_, kp = up(n, tiles.tn), up(k, tiles.tk)
+  rows_tc = up((n_t - 1) * tile + up(tile, tiles.tm), SCALE_ROWS)   # the last item's last row tile, whole
+  whole = lambda x, dtype, minor: _pad(x, *(up(d, t) for d, t in zip(x.shape, _tile(dtype, minor))))
+  a = whole(a, a.dtype, tiles.tk)
+  rows_b, cols_b = (up(d, t) for d, t in zip((n, k), _tile(b_E.dtype, tiles.tk)))
+  if (rows_b, cols_b) != (n, k):
+    b_E = jnp.pad(b_E, ((0, 0), (0, rows_b - n), (0, cols_b - k)))
+  a_tc = tensor_core_scales(_pad(a_scales, rows_tc, kp // BLOCK))
+  b_tc_E = jax.vmap(lambda s_NxKb: tensor_core_scales(_pad(s_NxKb, np_, kp // BLOCK)))(b_scales_E)
+  if factor_E.shape[1] != FACTOR_WORDS:
+    factor_E = jnp.pad(factor_E, ((0, 0), (0, FACTOR_WORDS - factor_E.shape[1])))
+  rows_out, cols_out = (up(d, t) for d, t in zip((tile, min(n, np_)), _tile(out_dtype, tiles.en)))
+  out = _grouped_call(a, b_E, a_tc, b_tc_E, factor_E, item_tile, item_group, tile=tile, out_dtype=out_dtype,
+                      tiles=tiles, out_shape=(item_tile.shape[0], rows_out, cols_out))
+  out = out if out.shape[1:] == (tile, n) else out[:, :tile, :n]
+  # inside shard_map (the experts' GEMMs on each device's rows) the kernel's result varies over no mesh axis and
+  # the twin's over its operands': lax.platform_dependent takes only branches of one type
+  return nc.vary_like(out, a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group)
+
+
+def _check_grouped(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, tile, out_dtype):
+  (s, k), n_g = a.shape, b_E.shape[0]
+  if a.dtype != jnp.float4_e2m1fn or b_E.dtype != jnp.float4_e2m1fn:
+    raise ValueError(f"mosaic_grouped_gemm takes float4_e2m1fn operands (fp4jax.native.operand); got {a.dtype}, "
+                     f"{b_E.dtype}")
+  if a_scales.dtype != jnp.float8_e4m3fn or b_scales_E.dtype != jnp.float8_e4m3fn:
+    raise ValueError(f"mosaic_grouped_gemm takes float8_e4m3fn scales per 16 (NVFP4); got {a_scales.dtype}, "
+                     f"{b_scales_E.dtype}")
+  if (b_E.ndim != 3 or b_E.shape[2] != k or k % BLOCK or a_scales.shape != (s, k // BLOCK)
+      or b_scales_E.shape != (*b_E.shape[:2], k // BLOCK)):
+    raise ValueError(f"mosaic_grouped_gemm: a (S, K)={a.shape}, b (E, N, K)={b_E.shape} with scales (S, K/16)="
+                     f"{a_scales.shape}, (E, N, K/16)={b_scales_E.shape}; K must agree and be a multiple of 16")
+  if jnp.shape(factor_E) not in ((n_g, 4), (n_g, FACTOR_WORDS)):
+    raise ValueError(f"mosaic_grouped_gemm: factor_E must be (E, 4) (reference.tensor_factor_parts per group) or "
+                     f"(E, {FACTOR_WORDS}); got shape {jnp.shape(factor_E)} for E={n_g}")
+  if item_tile.ndim != 1 or item_group.shape != item_tile.shape or item_tile.dtype != jnp.int32 \
+      or item_group.dtype != jnp.int32:
+    raise ValueError(f"mosaic_grouped_gemm: item_tile and item_group must be (W,) int32 (fp4jax.tiles.items); "
+                     f"got {item_tile.shape} {item_tile.dtype}, {item_group.shape} {item_group.dtype}")
+  if tile < 1 or (s > tile and tile % SCALE_ROWS):
+    raise ValueError(f"mosaic_grouped_gemm: tile={tile} rows must be a multiple of {SCALE_ROWS} (a whole tile of "
+                     f"the tensor cores' scales) unless one tile holds all S={s} rows")
+  if jnp.dtype(out_dtype) not in map(jnp.dtype, OUT_DTYPES):
+    raise ValueError(f"mosaic_grouped_gemm writes {OUT_DTYPES}; got out_dtype={out_dtype}")
+
+
+def mosaic_grouped_gemm(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, *, tile: int,
+                        out_dtype=jnp.bfloat16, tiles: GemmTiles = DEFAULT_TILES):
+  """out (W, T, N): out[w, i] = cast(apply_factor_parts(Σ_k (a·s_a)[item_tile[w]·T + i, k] (b·s_b)[g, n, k],
+  factor_E[g])) with g = item_group[w]; rows past S read zeros.
+
+  a (S, K), b_E (E, N, K) float4_e2m1fn (each expert's weight as it is, not gathered per item); a_scales (S, K/16),
+  b_scales_E (E, N, K/16) float8_e4m3fn; factor_E float32 (E, 4) or (E, FACTOR_WORDS), group e's
+  ``reference.tensor_factor_parts``; item_tile, item_group (W,) int32 (``fp4jax.tiles.items``: every item_tile
+  < ceil(S/T), every item_group < E); tile: T, a multiple of 128 unless T >= S (one row tile); out_dtype bf16 or
+  float32. The kernel on CUDA (compute capability 10.x), the twin elsewhere."""
+  factor_E = jnp.asarray(factor_E, jnp.float32)
+  _check_grouped(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, tile, out_dtype)
+  kernel = functools.partial(_grouped_kernel_path, tile=tile, out_dtype=out_dtype, tiles=tiles)
+  twin = functools.partial(mosaic_grouped_gemm_reference, tile=tile, out_dtype=out_dtype)
+  return lax.platform_dependent(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, cuda=kernel,
+                                default=twin)
+
+
+def mosaic_grouped_gemm_reference(a, a_scales, b_E, b_scales_E, factor_E, item_tile, item_group, *, tile: int,
+                                  out_dtype=jnp.bfloat16):
+  """The twin: the native path's batched GEMM of the work items (``fp4jax.native.grouped_rows``'s: the exact
+  products e2m1·s in bf16, a's rows zero-padded to whole row tiles and gathered per item, b's per item, one batched
+  GEMM with float32 accumulation) and the dense kernel's epilogue with each item's group's factor."""
+  decode = lambda v, s: (v.astype(jnp.float32) * jnp.repeat(s.astype(jnp.float32), BLOCK, axis=-1)
+                         ).astype(jnp.bfloat16)
+  s = a.shape[0]
+  n_t = -(-s // tile)
+  a_SxK = decode(a, a_scales)
+  a_SxK = jnp.pad(a_SxK, ((0, n_t * tile - s), (0, 0)))
+  tiles_WxTxK = a_SxK.reshape(n_t, tile, -1)[item_tile]
+  b_WxNxK = decode(b_E, b_scales_E)[item_group]
+  acc = lax.dot_general(tiles_WxTxK, b_WxNxK, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32,
+                        precision=lax.Precision.HIGHEST)
+  f_WxF = factor_E[item_group]
+  y = reference.apply_factor_parts(acc, [f_WxF[:, i, None, None] for i in range(4)])
   return y.astype(out_dtype)
