@@ -41,6 +41,7 @@ Q expert input width, S received rows, C capacity rows per (sender, receiver), B
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -138,12 +139,8 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
   return output.at[dst_PxC.reshape(-1)].set(received.reshape(-1, *rest), mode="drop")
 
 
-def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
-             capacity: int, impl: str = "auto"):
-  """``jax.lax.ragged_all_to_all`` (impl "ragged") or its dense twin (impl "dense"); "auto": the twin on a
-  CPU (XLA:CPU has no ragged all-to-all), else ragged (``fp4jax.target``: the program's devices)."""
-  if impl == "auto":
-    impl = "dense" if fp4jax.target.current().platform == "cpu" else "ragged"
+def _move(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, capacity: int,
+          impl: str):
   if impl == "ragged":
     return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                      axis_name=axis_name)
@@ -151,6 +148,48 @@ def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_si
     return dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                    axis_name=axis_name, capacity=capacity)
   raise ValueError(f"exchange impl={impl!r}; use 'auto', 'ragged' or 'dense'")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _move_and_back(axis_name, capacity, impl, rows, operand, output, offsets, back):
+  """``_move`` with ``offsets`` whose gradient is ``_move`` of the cotangent with ``back`` (``exchange``'s
+  ``reverse``); ``rows``: the operand's rows, for the zeros the reverse writes into."""
+  del rows, back
+  return _move(operand, output, *offsets, axis_name=axis_name, capacity=capacity, impl=impl)
+
+
+def _move_and_back_fwd(axis_name, capacity, impl, rows, operand, output, offsets, back):
+  del rows
+  return _move(operand, output, *offsets, axis_name=axis_name, capacity=capacity, impl=impl), back
+
+
+def _move_and_back_bwd(axis_name, capacity, impl, rows, back, ct):
+  # The reverse writes into zeros typed as the cotangent (varying over the axes the rows vary over).
+  zeros = jnp.zeros_like(ct, shape=(rows,) + ct.shape[1:])
+  return _move(ct, zeros, *back, axis_name=axis_name, capacity=capacity, impl=impl), None, None, None
+
+
+_move_and_back.defvjp(_move_and_back_fwd, _move_and_back_bwd)
+
+
+def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
+             capacity: int, impl: str = "auto", reverse=None):
+  """``jax.lax.ragged_all_to_all`` (impl "ragged") or its dense twin (impl "dense"); "auto": the twin on a
+  CPU (XLA:CPU has no ragged all-to-all), else ragged (``fp4jax.target``: the program's devices).
+
+  reverse: the (input_offsets, send_sizes, output_offsets, recv_sizes) of the exchange that sends every moved
+  row back to where it came from, when the caller knows them on every device (``_local``: from the all-gathered
+  counts). The gradient is then that exchange of the cotangent: the same rows moved, so the same values, without
+  the two all-to-alls of the offsets that jax's own transpose of ragged_all_to_all issues to learn them. In the
+  compiled step those small collectives were started early and finished late, each holding XLA's one slot for
+  collectives in flight across the experts' backward, so the gradients' reduce-scatters waited for the end of
+  the layer (docs/PERF.md, "The exchange's gradient without its offsets' all-to-alls")."""
+  if impl == "auto":
+    impl = "dense" if fp4jax.target.current().platform == "cpu" else "ragged"
+  offsets = (input_offsets, send_sizes, output_offsets, recv_sizes)
+  if reverse is None:
+    return _move(operand, output, *offsets, axis_name=axis_name, capacity=capacity, impl=impl)
+  return _move_and_back(axis_name, capacity, impl, operand.shape[0], operand, output, offsets, tuple(reverse))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,8 +260,12 @@ def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: i
   # The receive buffers are zeros_like the rows they receive: they vary over the mesh axes the rows vary
   # over, as lax.ragged_all_to_all's result takes its output buffer's type (a plain jnp.zeros varies over
   # none, and the grouped GEMM's custom_vjp then refuses its varying cotangent).
-  recv_SxQ = exchange(send_SxQ, jnp.zeros_like(send_SxQ, shape=(s,) + send_SxQ.shape[1:]), send_start_E, counts_E,
-                      place_PxE[me], mine(counts_PxE), axis_name=axis, capacity=capacity, impl=impl)
+  # The combine's offsets (step 5) send every row back: the dispatch's gradient, and the dispatch's the combine's.
+  start_PxE = jnp.cumsum(counts_PxE, axis=1) - counts_PxE
+  dispatch = (send_start_E, counts_E, place_PxE[me], mine(counts_PxE))
+  combine = (mine(place_PxE), mine(counts_PxE), mine(start_PxE), counts_E)
+  recv_SxQ = exchange(send_SxQ, jnp.zeros_like(send_SxQ, shape=(s,) + send_SxQ.shape[1:]), *dispatch,
+                      axis_name=axis, capacity=capacity, impl=impl, reverse=combine)
   # 4. This device's experts on their rows. The operands are made varying over the batch axes, as the rows
   #    are: the transpose of that cast sums their gradients over the data replicas (a custom_vjp's
   #    cotangent must have its primal's type, so the sum cannot be left to grouped_dot's backward).
@@ -231,9 +274,8 @@ def _local(h_TxQ, experts_TxR, operands, *, experts_fn, n_experts: int, align: i
     operands = jax.tree.map(lambda a: jax.lax.pcast(a, data_axes, to="varying"), operands)
   out_SxQ = experts_fn(recv_SxQ, jax.lax.dynamic_slice_in_dim(sizes_E, me * local, local), operands)
   # 5. Combine: the slices back to their sources, at their places in the sources' sorted order.
-  start_PxE = jnp.cumsum(counts_PxE, axis=1) - counts_PxE
-  back_SxQ = exchange(out_SxQ, jnp.zeros_like(out_SxQ, shape=(t * r,) + out_SxQ.shape[1:]), mine(place_PxE),
-                      mine(counts_PxE), mine(start_PxE), counts_E, axis_name=axis, capacity=capacity, impl=impl)
+  back_SxQ = exchange(out_SxQ, jnp.zeros_like(out_SxQ, shape=(t * r,) + out_SxQ.shape[1:]), *combine,
+                      axis_name=axis, capacity=capacity, impl=impl, reverse=dispatch)
   picked = jnp.zeros_like(back_SxQ).at[order].set(back_SxQ)   # a dropped pair's row: zero (never received)
   return picked.reshape(t, r, -1), dropped
 

@@ -10,6 +10,7 @@ compile (docs/PERF.md, "nemotron3_super on 64 GPUs"), which no CPU test had reac
 3. The H200's path with a receive factor: the drop (``expert_parallel.keep``), the ragged exchange and the
    tiled grouped GEMMs (``fp4jax.tiles``, a GPU target's choice) inside ``shard_map``, nvfp4 and bf16.
 4. fp4jax's grouped Mosaic GEMM (forced) on each device's rows inside ``shard_map``, lowered for CUDA.
+5. The exchanges' gradients without the offsets' all-to-alls.
 """
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,13 @@ def _mesh():
 
 def test_ragged_exchange_with_nvfp4_experts_traces_value_and_grad():
   _trace("nvfp4")
+
+
+def test_the_exchanges_gradient_sends_no_offsets():
+  """The dispatch's and the combine's gradients are each other's exchange (``expert_parallel.exchange``'s
+  ``reverse``): no all-to-all of the offsets, which jax's own transpose of ragged_all_to_all issues."""
+  prims = _trace("nvfp4")
+  assert "all_to_all" not in prims and "all_gather" in prims
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4", "bf16"])
