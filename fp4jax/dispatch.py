@@ -156,21 +156,26 @@ def native_grouped_default(fmt: str, *, capability: tuple[int, int] | None = Non
 
 # fp4jax's own block-scaled GEMM on Mosaic GPU (``kernels.mosaic_gemm``: tcgen05, the epilogue inside), the
 # alternative to cuDNN's behind impl="native" (the dense GEMMs, and the MoE experts' rows GEMMs in its grouped form,
-# ``mosaic_grouped_gemm``: one choice for both). Off until a device proves it: impl=None runs it where this
-# device's verdict for "mosaic_gemm/<fmt>" is "faster" (``tools.prove``), or VERIFIED_KERNELS records a
-# device run; FP4JAX_NATIVE_KERNEL=mosaic|cudnn forces the choice (the deviceless compiles use it).
+# ``mosaic_grouped_gemm``). Off until a device proves it: impl=None runs the dense kernel where this device's
+# verdict for "mosaic_gemm/<fmt>" is "faster" (``tools.prove``), or VERIFIED_KERNELS records a device run; the
+# grouped form has a proof of its own to pass (its table reads and its reads of one expert's weights are code
+# the dense kernel does not run) and ``tools.prove`` has no case for it yet, so only a VERIFIED_KERNELS entry
+# for "mosaic_grouped_gemm" (and --what_if_proved) turns it on. FP4JAX_NATIVE_KERNEL=mosaic|cudnn forces both
+# (the deviceless compiles use it).
 MOSAIC_GEMM = verdicts.MOSAIC_OP
+MOSAIC_GROUPED_GEMM = "mosaic_grouped_gemm"
 MOSAIC_FORMATS = ("nvfp4",)
 NATIVE_KERNEL_ENV = "FP4JAX_NATIVE_KERNEL"
 
 
-def native_kernel(fmt: str, *, target: target_lib.Target | None = None) -> str:
+def native_kernel(fmt: str, *, target: target_lib.Target | None = None, grouped: bool = False) -> str:
   """Which GEMM impl="native" runs for ``fmt`` (``fp4jax.native.matmul``'s kernel): "mosaic" (fp4jax's
   tcgen05 kernel) on the program's devices (``target``) when FP4JAX_NATIVE_KERNEL=mosaic, or where they
   have compute capability 10.x, this jax has the block-scaled Mosaic GPU MMA, and this device proved it
   exact and faster (without a device verdict: a VERIFIED_KERNELS entry), on one device or a mesh (an fp4jax
   op: each device runs it on its shards); else "cudnn". The native path takes
-  the Mosaic kernel only for the pairs it computes (``native.mosaic_takes``), cuDNN's for the rest."""
+  the Mosaic kernel only for the pairs it computes (``native.mosaic_takes``), cuDNN's for the rest.
+  grouped: the choice for the experts' grouped GEMM (``mosaic_grouped_gemm``), proved on its own (above)."""
   forced = os.environ.get(NATIVE_KERNEL_ENV, "").strip().lower()
   if forced not in ("", "mosaic", "cudnn"):
     raise ValueError(f"{NATIVE_KERNEL_ENV}={forced!r}; set it to 'mosaic', 'cudnn' or leave it unset")
@@ -178,6 +183,8 @@ def native_kernel(fmt: str, *, target: target_lib.Target | None = None) -> str:
     return forced if fmt in MOSAIC_FORMATS else "cudnn"
   if fmt not in MOSAIC_FORMATS or not native_device(target=target) or not mc.has_block_scaled_mma():
     return "cudnn"
+  if grouped:
+    return "mosaic" if (MOSAIC_GROUPED_GEMM, fmt) in VERIFIED_KERNELS else "cudnn"
   proved = _device_verdict(MOSAIC_GEMM, fmt, target)   # None: no verdict; False revokes a VERIFIED entry
   return "mosaic" if ((MOSAIC_GEMM, fmt) in VERIFIED_KERNELS if proved is None else proved) else "cudnn"
 

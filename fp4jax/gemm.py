@@ -27,8 +27,8 @@ b_E (E, N, K) one per group. It is ``lax.ragged_dot`` (the rows ragged) or ``lax
 ``fp4jax.tiles``: ``on_gpu_target``); with impl="native" the block-scaled GEMM
 of ``fp4jax.native``'s work items (pieces of 1024-row tiles inside one group, one batched
 ``jax.nn.scaled_matmul``: ``native.grouped_rows`` / ``grouped_tokens``; the rows form of plain nvfp4 on fp4jax's
-grouped Mosaic GEMM, the factor and the cast inside, where ``dispatch.native_kernel`` picks "mosaic": forced or
-proved, never by default); then the epilogue of each
+grouped Mosaic GEMM, the factor and the cast inside, where ``dispatch.native_kernel(grouped=True)`` picks "mosaic":
+forced or proved, never by default); then the epilogue of each
 output's pair, the same for both. DBQ's wgrad runs a ``lax.scan`` over the chunks of rows, adding each
 into its group's sum in order. Rows past the last group give zeros. impl=None: "native" where the dense
 GEMM's default is native (``dispatch.choose("grouped_matmul", fmt)``: compute capability 10.x), else "xla".
@@ -230,7 +230,8 @@ def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float
   """a (S, K) rows · b[e] (N, K)ᵀ per group -> (S, N); a in chunks (U, A, K), b per group (E, N, K).
   impl: "xla" (``lax.ragged_dot`` of the exact products) or "native" (``native.grouped_rows``: the
   batched block-scaled GEMM of the work items; for plain nvfp4 with ``amax_per_group`` fp4jax's Mosaic grouped
-  GEMM instead where ``dispatch.native_kernel`` picks "mosaic"); None: ``dispatch.choose("grouped_matmul", fmt)``.
+  GEMM instead where ``dispatch.native_kernel(grouped=True)`` picks "mosaic"); None:
+  ``dispatch.choose("grouped_matmul", fmt)``.
   amax_per_group: the caller's promise that a's tensor amax is one per group, every chunk of a group (and each
   chunk past the groups, of the last group) carrying its group's, as ``fp4jax.grouped`` quantizes: the Mosaic
   kernel applies the tensor factor per group, not per chunk."""
@@ -239,7 +240,7 @@ def grouped_matmul(a_U: QTensor, b_E: QTensor, g: Groups, *, out_dtype=jnp.float
   g_S = g.group_of_row
   if impl == "native":
     tile = native.grouped_tile(s, g.sizes.shape[0], g.rows)
-    if (amax_per_group and dispatch.native_kernel(a_U.fmt) == "mosaic"
+    if (amax_per_group and dispatch.native_kernel(a_U.fmt, grouped=True) == "mosaic"
         and native.mosaic_grouped_takes(a_U, b_E, out_dtype, s, tile)):
       return _grouped_rows_mosaic(a_U, b_E, g, s, tile, out_dtype)
     oa, ob = _rows_operand(a_U, s), jax.vmap(native.codes_operand)(b_E)

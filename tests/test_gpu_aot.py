@@ -534,7 +534,8 @@ def test_what_if_proved_records_the_kernels_it_names(monkeypatch):
   assert dispatch.default_impl("quantize_rht_t", "nvfp4", platform="cuda") == "pallas"
   assert dispatch.default_impl("quantize_1d", "nvfp4", platform="cuda") == "xla"
   gpu_aot.assume_proved(["all"])   # fp4jax's kernels and its Mosaic GEMM (for nvfp4)
-  assert {op for op, _ in dispatch.VERIFIED_KERNELS} == set(dispatch.KERNEL_OPS) | {dispatch.MOSAIC_GEMM}
+  assert {op for op, _ in dispatch.VERIFIED_KERNELS} == (set(dispatch.KERNEL_OPS)
+                                                         | {dispatch.MOSAIC_GEMM, dispatch.MOSAIC_GROUPED_GEMM})
   assert [fmt for op, fmt in dispatch.VERIFIED_KERNELS if op == dispatch.MOSAIC_GEMM] == ["nvfp4"]
 
 

@@ -200,9 +200,8 @@ def test_bad_input_says_what_and_how():
 
 
 def test_never_chosen_by_default(monkeypatch):
-  """The grouped kernel follows the dense kernel's choice (``dispatch.native_kernel``): cuDNN's route unless
-  FP4JAX_NATIVE_KERNEL=mosaic forces it or a device proved the Mosaic GEMM (a VERIFIED_KERNELS entry or this
-  device's verdict); here (no device, nothing proved, nothing forced) the lowering holds no Mosaic kernel."""
+  """The grouped kernel (``dispatch.native_kernel(grouped=True)``): cuDNN's route unless FP4JAX_NATIVE_KERNEL=mosaic
+  forces it or a device run proved the grouped form (a VERIFIED_KERNELS entry); here (no device, nothing proved, nothing forced) the lowering holds no Mosaic kernel."""
   monkeypatch.delenv(dispatch.NATIVE_KERNEL_ENV, raising=False)
   monkeypatch.setenv(verdicts.PROOF_ENV, "off")
   monkeypatch.setattr(native, "TILING", TILINGS["tiles of 128"])
@@ -214,6 +213,22 @@ def test_never_chosen_by_default(monkeypatch):
   assert "mosaic_gpu" not in text and "fp4jax_mosaic" not in text
   b200 = fp4jax.target.Target("gpu", "NVIDIA B200", (10, 0))
   assert dispatch.native_kernel("nvfp4", target=b200) == "cudnn"
+
+
+def test_the_dense_kernels_proof_does_not_choose_the_grouped_form(monkeypatch):
+  """The grouped form runs code the dense kernel does not (the tables, one expert's slice of the weights): a
+  device run of the dense Mosaic GEMM chooses that one alone; the grouped form needs its own entry."""
+  monkeypatch.delenv(dispatch.NATIVE_KERNEL_ENV, raising=False)
+  monkeypatch.setenv(verdicts.PROOF_ENV, "off")
+  run = dispatch.Evidence(date="2026-12-08", device="NVIDIA B200", jax_version="0.10.2", speedup=1.5)
+  b200 = fp4jax.target.Target("gpu", "NVIDIA B200", (10, 0))
+  monkeypatch.setattr(dispatch, "VERIFIED_KERNELS", {(dispatch.MOSAIC_GEMM, "nvfp4"): run})
+  assert dispatch.native_kernel("nvfp4", target=b200) == "mosaic"
+  assert dispatch.native_kernel("nvfp4", target=b200, grouped=True) == "cudnn"
+  monkeypatch.setattr(dispatch, "VERIFIED_KERNELS", {(dispatch.MOSAIC_GROUPED_GEMM, "nvfp4"): run})
+  assert dispatch.native_kernel("nvfp4", target=b200, grouped=True) == "mosaic"
+  monkeypatch.setenv(dispatch.NATIVE_KERNEL_ENV, "cudnn")
+  assert dispatch.native_kernel("nvfp4", target=b200, grouped=True) == "cudnn"
 
 
 def test_only_on_one_device_or_inside_a_manual_shard_map():

@@ -180,7 +180,8 @@ def assume_proved(ops: list[str]) -> None:
   that found them exact and faster would (the evidence says it is a what-if)."""
   from fp4jax import formats   # pylint: disable=import-outside-toplevel
   from fp4jax import dispatch   # pylint: disable=import-outside-toplevel
-  known = {**{op: formats.KERNEL_FORMATS for op in dispatch.KERNEL_OPS}, dispatch.MOSAIC_GEMM: dispatch.MOSAIC_FORMATS}
+  known = {**{op: formats.KERNEL_FORMATS for op in dispatch.KERNEL_OPS}, dispatch.MOSAIC_GEMM: dispatch.MOSAIC_FORMATS,
+           dispatch.MOSAIC_GROUPED_GEMM: dispatch.MOSAIC_FORMATS}
   ops = list(known) if ops == ["all"] else ops
   unknown = sorted(set(ops) - set(known))
   if unknown:

@@ -12,11 +12,11 @@ ragged-dot custom calls / cuBLAS GEMMs / Triton fusions in the optimized HLO), a
 prediction for the target: milliseconds (all, GEMMs), GEMM TFLOP, the bytes of the non-GEMM ops and the
 integer ops (charged at the int32 rate with ``--int_ops``, as in bench/predict/gpu_aot.py). Uses
 bench/predict/deviceless.py's topology and compile; one GPU. ``--what_if_proved``: as gpu_aot.py's
-(``mosaic_gemm``: the experts' rows GEMMs, y and dx, on fp4jax's grouped Mosaic GEMM instead of cuDNN's);
+(``mosaic_grouped_gemm``: the experts' rows GEMMs, y and dx, on fp4jax's grouped Mosaic GEMM instead of cuDNN's);
 ``--fprop_only``: y alone.
 
   python bench/predict/moe_gpu_aot.py --recipes nvfp4 --plans native --shape 8,8192,1024,2688 --fprop_only \
-      --what_if_proved mosaic_gemm
+      --what_if_proved mosaic_grouped_gemm
 """
 from __future__ import annotations
 
