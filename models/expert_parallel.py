@@ -180,10 +180,9 @@ def exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_si
   reverse: the (input_offsets, send_sizes, output_offsets, recv_sizes) of the exchange that sends every moved
   row back to where it came from, when the caller knows them on every device (``_local``: from the all-gathered
   counts). The gradient is then that exchange of the cotangent: the same rows moved, so the same values, without
-  the two all-to-alls of the offsets that jax's own transpose of ragged_all_to_all issues to learn them. In the
-  compiled step those small collectives were started early and finished late, each holding XLA's one slot for
-  collectives in flight across the experts' backward, so the gradients' reduce-scatters waited for the end of
-  the layer (docs/PERF.md, "The exchange's gradient without its offsets' all-to-alls")."""
+  the two all-to-alls of the offsets that jax's own transpose of ragged_all_to_all issues to learn them (in
+  Super's compiled step XLA held each of those open across the experts' backward; docs/PERF.md, "The exchange's
+  gradient without its offsets' all-to-alls")."""
   if impl == "auto":
     impl = "dense" if fp4jax.target.current().platform == "cpu" else "ragged"
   offsets = (input_offsets, send_sizes, output_offsets, recv_sizes)
