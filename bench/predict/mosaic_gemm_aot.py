@@ -45,6 +45,21 @@ def _artifacts(dump: str) -> dict:
               sm=target.group(1) if target else None)
 
 
+def _compiled(fn, *args):
+  """fn lowered for sm_100 and compiled: (lower s, compile s, the optimized HLO, the ruler's prediction on one
+  B200 of an HGX node, the custom-call targets in order)."""
+  from bench.predict import ruler   # pylint: disable=import-outside-toplevel
+  from fp4jax import _mosaic_compat as mc   # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  with mc.lowering_arch((10, 0)):
+    lowered = fn.lower(*args)
+  t1 = time.perf_counter()
+  text = lowered.compile().as_text()
+  t2 = time.perf_counter()
+  return (round(t1 - t0, 2), round(t2 - t1, 2), text, ruler.predict(text, "b200", "hgx_b200"),
+          re.findall(r'custom_call_target="([^"]+)"', text))
+
+
 def compile_routes(shape, dump: str | None, devices: int = 1) -> dict:
   """Both routes compiled for ``devices`` B200s (x's rows sharded over them): {"mosaic": {...}, "cudnn": {...}}."""
   from fp4jax import _platform   # pylint: disable=import-outside-toplevel
@@ -54,7 +69,7 @@ def compile_routes(shape, dump: str | None, devices: int = 1) -> dict:
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
-  from bench.predict import deviceless, ruler   # pylint: disable=import-outside-toplevel
+  from bench.predict import deviceless   # pylint: disable=import-outside-toplevel
   from fp4jax import _mosaic_compat as mc   # pylint: disable=import-outside-toplevel
   from fp4jax import native   # pylint: disable=import-outside-toplevel
   from fp4jax.qtensor import QTensor   # pylint: disable=import-outside-toplevel
@@ -69,15 +84,8 @@ def compile_routes(shape, dump: str | None, devices: int = 1) -> dict:
   out = {}
   for kernel in ("mosaic", "cudnn"):
     fn = jax.jit(lambda a, b, kernel=kernel: native.matmul(a, b, out_dtype=jnp.bfloat16, kernel=kernel))
-    t0 = time.perf_counter()
-    with mc.lowering_arch((10, 0)):
-      lowered = fn.lower(a, b)
-    t1 = time.perf_counter()
-    text = lowered.compile().as_text()
-    t2 = time.perf_counter()
-    p = ruler.predict(text, "b200", "hgx_b200")
-    calls = re.findall(r'custom_call_target="([^"]+)"', text)
-    out[kernel] = dict(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), custom_calls=sorted(set(calls)),
+    lower_s, compile_s, text, p, calls = _compiled(fn, a, b)
+    out[kernel] = dict(lower_s=lower_s, compile_s=compile_s, custom_calls=sorted(set(calls)),
                        mosaic_calls=calls.count(mc.MOSAIC_CUSTOM_CALL),
                        mosaic_gemms=sorted(set(re.findall(r"fp4jax_mosaic_gemm_nvfp4_(\d+x\d+x\d+)", text))),
                        collectives=len(re.findall(r"= \S+ (?:all-gather|all-reduce|reduce-scatter|all-to-all|"
@@ -102,7 +110,7 @@ def compile_grouped_routes(shape, experts: int, dump: str | None) -> dict:
     os.environ["MOSAIC_GPU_DUMP_TO"] = dump
   import jax   # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
-  from bench.predict import deviceless, ruler   # pylint: disable=import-outside-toplevel
+  from bench.predict import deviceless   # pylint: disable=import-outside-toplevel
   from fp4jax import _mosaic_compat as mc   # pylint: disable=import-outside-toplevel
   from fp4jax import dispatch, gemm   # pylint: disable=import-outside-toplevel
   from fp4jax.qtensor import QTensor   # pylint: disable=import-outside-toplevel
@@ -121,15 +129,8 @@ def compile_grouped_routes(shape, experts: int, dump: str | None) -> dict:
     os.environ[dispatch.NATIVE_KERNEL_ENV] = kernel
     fn = jax.jit(lambda a, b, sizes: gemm.grouped_matmul(a, b, gemm.groups(sizes, s, rows), out_dtype=jnp.bfloat16,
                                                          impl="native", amax_per_group=True))
-    t0 = time.perf_counter()
-    with mc.lowering_arch((10, 0)):
-      lowered = fn.lower(a, b, sizes)
-    t1 = time.perf_counter()
-    text = lowered.compile().as_text()
-    t2 = time.perf_counter()
-    p = ruler.predict(text, "b200", "hgx_b200")
-    calls = re.findall(r'custom_call_target="([^"]+)"', text)
-    out[kernel] = dict(lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2), custom_calls=sorted(set(calls)),
+    lower_s, compile_s, text, p, calls = _compiled(fn, a, b, sizes)
+    out[kernel] = dict(lower_s=lower_s, compile_s=compile_s, custom_calls=sorted(set(calls)),
                        mosaic_calls=calls.count(mc.MOSAIC_CUSTOM_CALL),
                        mosaic_grouped_gemms=sorted(set(re.findall(r"fp4jax_mosaic_grouped_gemm_nvfp4_(\d+x\d+x\d+x\d+)",
                                                                   text))),
