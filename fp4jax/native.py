@@ -36,7 +36,7 @@ order of the float32 sums (bit for bit on the CPU, where the twin is the XLA pat
 The grouped GEMM of the MoE experts (``fp4jax.gemm.grouped_matmul(_t)``, impl="native") uses steps 1
 and 2 on work items: ``grouped_rows`` / ``grouped_tokens`` at the bottom (the section's note says how); the rows
 form has a second kernel, fp4jax's grouped Mosaic GEMM (``grouped_rows_mosaic``: each expert's weight read in
-place, step 3 inside), where ``dispatch.native_kernel`` picks "mosaic".
+place, step 3 inside), where ``dispatch.native_kernel(grouped=True)`` picks "mosaic" (its own proof).
 
 Not native: MXFP4 (jax 0.10.2's XLA does not take E2M1 with E8M0 scales per 32 into cuDNN on sm_100:
 it compiles a float32 dequantize and a float32 cuBLASLt GEMM, slower than the bf16 XLA path) and
