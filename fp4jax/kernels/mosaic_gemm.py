@@ -312,12 +312,15 @@ def mosaic_gemm(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jn
   return lax.platform_dependent(a, a_scales, b, b_scales, factor, residual, cuda=kernel, default=twin)
 
 
+def _decoded(codes, scales):
+  """The twins' operand: the exact products e2m1·s (E4M3 per 16 along the last axis) in bf16."""
+  return (codes.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), BLOCK, axis=-1)).astype(jnp.bfloat16)
+
+
 def mosaic_gemm_reference(a, a_scales, b, b_scales, factor, residual=None, *, out_dtype=jnp.bfloat16):
   """The twin: the XLA path's GEMM (the exact products e2m1·s in bf16, float32 accumulation) and the same
   epilogue: ``reference.apply_factor_parts``, the residual added in float32, the cast."""
-  decode = lambda v, s: (v.astype(jnp.float32) * jnp.repeat(s.astype(jnp.float32), BLOCK, axis=-1)
-                         ).astype(jnp.bfloat16)
-  acc = lax.dot_general(decode(a, a_scales), decode(b, b_scales), (((1,), (1,)), ((), ())),
+  acc = lax.dot_general(_decoded(a, a_scales), _decoded(b, b_scales), (((1,), (1,)), ((), ())),
                         preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
   y = reference.apply_factor_parts(acc, factor)
   if residual is not None:
@@ -450,14 +453,12 @@ def mosaic_grouped_gemm_reference(a, a_scales, b_E, b_scales_E, factor_E, item_t
   """The twin: the native path's batched GEMM of the work items (``fp4jax.native.grouped_rows``'s: the exact
   products e2m1·s in bf16, a's rows zero-padded to whole row tiles and gathered per item, b's per item, one batched
   GEMM with float32 accumulation) and the dense kernel's epilogue with each item's group's factor."""
-  decode = lambda v, s: (v.astype(jnp.float32) * jnp.repeat(s.astype(jnp.float32), BLOCK, axis=-1)
-                         ).astype(jnp.bfloat16)
   s = a.shape[0]
   n_t = -(-s // tile)
-  a_SxK = decode(a, a_scales)
+  a_SxK = _decoded(a, a_scales)
   a_SxK = jnp.pad(a_SxK, ((0, n_t * tile - s), (0, 0)))
   tiles_WxTxK = a_SxK.reshape(n_t, tile, -1)[item_tile]
-  b_WxNxK = decode(b_E, b_scales_E)[item_group]
+  b_WxNxK = _decoded(b_E, b_scales_E)[item_group]
   acc = lax.dot_general(tiles_WxTxK, b_WxNxK, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32,
                         precision=lax.Precision.HIGHEST)
   f_WxF = factor_E[item_group]
